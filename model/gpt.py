@@ -1,0 +1,250 @@
+"""A GPT decoder in plain PyTorch: GPT-2/3 style or Llama style, chosen by ModelConfig.
+
+Activations flow as [s, b, h] (sequence first, as in Megatron) so that sequence parallelism can shard dim 0.
+The model knows nothing of parallelism: `parallel/` swaps its Linear/Embedding modules for sharded ones and
+sets the seams below (`Embedding.scatter_to_sequence_parallel`, `GPTModel.loss_fn`). A GPTModel can hold any
+contiguous block of layers with or without the embedding (`pre_process`) and the head (`post_process`), which
+is how pipeline stages and virtual chunks are cut. Layer modules are keyed by their global index, so parameter
+names (`layers.5.mlp.fc1.weight`) are the same in every layout.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss in fp32: logits [s, b, V], labels [s, b] -> [s, b]."""
+    s, b, vocab = logits.shape
+    loss = F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1), reduction="none")
+    return loss.view(s, b)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [s, b, 1, d] for positions [b, s] (rotate-half layout, as Megatron and HF Llama)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                            dtype=torch.float32) / head_dim))
+    angles = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [s, b, n, d] by the position angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v through scaled_dot_product_attention; the part selective recompute redoes."""
+
+    def __init__(self, attention_dropout: float):
+        super().__init__()
+        self.dropout_p = attention_dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # q [s, b, nq, d], k/v [s, b, nkv, d] -> context [s, b, nq * d]
+        s, b, nq, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=attention_mask is None, enable_gqa=k.shape[1] != nq)
+        return context.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection laid out per query group ([q x heads_per_group, k, v] for each group), so that a
+    contiguous split of its output dimension gives each tensor-parallel rank whole groups."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
+        qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.add_bias_linear)
+        self.core = CoreAttention(cfg.attention_dropout)
+        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                              bias=cfg.add_bias_linear)
+        self.recompute_core = False
+        self.checkpoint_fn: Optional[Callable] = None
+
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor]):
+        mixed = self.qkv(x)  # [s, b, groups_local * (hpg + 2) * d]
+        s, b = mixed.shape[:2]
+        d, hpg = self.head_dim, self.heads_per_group
+        mixed = mixed.view(s, b, -1, (hpg + 2) * d)  # [s, b, groups_local, (hpg + 2) * d]
+        q, k, v = torch.split(mixed, [hpg * d, d, d], dim=-1)
+        q = q.reshape(s, b, -1, d)  # [s, b, heads_local, d]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.recompute_core and self.training:
+            context = self.checkpoint_fn(self.core, q, k, v, attention_mask)
+        else:
+            context = self.core(q, k, v, attention_mask)
+        return self.proj(context)
+
+
+class MLP(nn.Module):
+    """h -> ffn -> h with GeLU, or SwiGLU with fc1 producing [gate, up] halves."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
+        self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_norm = build_norm(cfg)
+        self.attention = SelfAttention(cfg)
+        self.post_attention_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor]):
+        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rotary, attention_mask))
+        return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class Embedding(nn.Module):
+    """Word (+ learned position) embeddings: token ids [b, s] -> hidden [s, b, h]."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = (nn.Embedding(cfg.max_positions, cfg.hidden_size)
+                                    if cfg.position_embedding_type == "learned" else None)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # Seam for sequence parallelism: parallel/ replaces it with a split along s.
+        self.scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = self.scatter_to_sequence_parallel(x.transpose(0, 1).contiguous())  # [s(/tp), b, h]
+        return self.dropout(x)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class GPTModel(nn.Module):
+    """GPT decoder, or one pipeline chunk of it.
+
+    Args:
+        cfg: the model section.
+        padded_vocab_size: rows of the embedding / output layer (see ModelConfig.padded_vocab_size).
+        layer_ids: global indices of the layers this module holds (default: all).
+        pre_process: holds the embedding (the first chunk of the first stage).
+        post_process: holds final norm, output layer and loss (the last chunk of the last stage).
+    """
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, layer_ids: Optional[Sequence[int]] = None,
+                 pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.pre_process, self.post_process = pre_process, post_process
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.embedding = Embedding(cfg, padded_vocab_size) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in layer_ids})
+        self.final_norm = build_norm(cfg) if post_process else None
+        self.output_layer = None
+        if post_process:
+            self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
+            if cfg.tie_embeddings:
+                self._tie_output_to_embedding()
+        self._mark_split_tied_embedding()
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
+        self.recompute_layer_ids: set[int] = set()
+        self.checkpoint_fn: Optional[Callable] = None
+
+    def _tie_output_to_embedding(self) -> None:
+        if self.pre_process:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+        else:
+            # The last stage's own copy: initialised from the same seed as the embedding and kept equal
+            # by all-reducing its gradient over the embedding group. `embedding_copy` marks the copy so
+            # that the gradient norm counts the tied weight once.
+            self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
+            self.output_layer.weight.shared_embedding = True
+            self.output_layer.weight.embedding_copy = True
+
+    def _mark_split_tied_embedding(self) -> None:
+        if self.cfg.tie_embeddings and self.pre_process and not self.post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def tie_weights(self) -> None:
+        """Re-tie the output layer to the embedding after parameters were replaced (meta init, tp)."""
+        if self.post_process and self.pre_process and self.cfg.tie_embeddings:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable) -> None:
+        """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;
+        `block`: the first `num_layers` layers of this chunk), `selective` only the attention core."""
+        self.checkpoint_fn = checkpoint_fn
+        ids = [int(i) for i in self.layers]
+        if mode == "full":
+            self.recompute_layer_ids = set(ids if method == "uniform" else ids[:num_layers])
+        for layer in self.layers.values():
+            layer.attention.recompute_core = mode == "selective"
+            layer.attention.checkpoint_fn = checkpoint_fn
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Embedding (first chunk) or hidden_states [s, b, h] in; hidden [s, b, h] out, or on the last chunk
+        per-token loss [b, s] when labels [b, s] are given, else logits [b, s, V(/tp)]."""
+        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
+        rotary = None
+        if self.cfg.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base, x.dtype)
+        for layer_id, layer in self.layers.items():
+            if int(layer_id) in self.recompute_layer_ids and self.training:
+                x = self.checkpoint_fn(layer, x, rotary, attention_mask)
+            else:
+                x = layer(x, rotary, attention_mask)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(self.final_norm(x))  # [s, b, V(/tp)]
+        if labels is None:
+            return logits.transpose(0, 1)
+        return self.loss_fn(logits, labels.t()).t()  # [b, s]
+
+
+def output_projection_names() -> tuple[str, ...]:
+    """Suffixes of the weights Megatron initialises with std / sqrt(2 * num_layers)."""
+    return ("attention.proj.weight", "mlp.fc2.weight")
+
+
+def scaled_init_std(cfg: ModelConfig) -> float:
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)

@@ -1,0 +1,61 @@
+"""Layout-independent initialisation: every parameter is drawn in full from a generator seeded by
+(seed, its global name), then cut to the local shard.
+
+So any tensor-parallel size and any pipeline cut gets exactly the weights one process gets, whatever order
+ranks build in, and memory peaks at one full weight. A parameter may carry:
+  `init_name`  the name to seed from (the last stage's copy of a tied embedding uses the embedding's name),
+  `full_shape` its unsharded shape, and `shard_fn(full) -> local` to cut its shard (set by parallel/).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.gpt import output_projection_names, scaled_init_std
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from the run seed and a parameter's global name."""
+    return int(hashlib.md5(f"{seed}/{name}".encode()).hexdigest()[:15], 16)
+
+
+def draw_full_parameter(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The fp32 full-size initial value of parameter `name` (Megatron's init rules)."""
+    full = torch.empty(shape, dtype=torch.float32)
+    if "norm." in name:
+        return full.fill_(1.0 if name.endswith("weight") else 0.0)
+    if name.endswith(".bias"):
+        return full.zero_()
+    std = scaled_init_std(cfg) if name.endswith(output_projection_names()) else cfg.init_std
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
+    return full.normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def initialize_parameters(model: nn.Module, cfg: ModelConfig, seed: int,
+                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Replace every parameter (meta or not) of `model` by its deterministic initial value on `device`.
+
+    Shared parameters (a tied output layer) are replaced once and stay shared.
+    """
+    names = {id(param): name for name, param in model.named_parameters()}
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for local_name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                name = getattr(param, "init_name", None) or names[id(param)]
+                shape = tuple(getattr(param, "full_shape", param.shape))
+                full = draw_full_parameter(name, shape, cfg, seed)
+                shard_fn = getattr(param, "shard_fn", None)
+                local = shard_fn(full) if shard_fn is not None else full
+                new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(),
+                                   requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)  # keep attributes set by parallel/ (tp, shared, ...)
+                replaced[id(param)] = new
+            setattr(module, local_name, replaced[id(param)])
+

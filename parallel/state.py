@@ -1,0 +1,153 @@
+"""The parallel state: process groups and ranks of one PTD-P layout, built once and passed explicitly."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A (world size, tp, pp, vp) combination that cannot be laid out."""
+
+
+def derive_dp_size(world_size: int, tp_size: int, pp_size: int) -> int:
+    """dp = world / (tp * pp); raises LayoutError naming the numbers when it does not divide."""
+    if tp_size < 1 or pp_size < 1:
+        raise LayoutError(f"parallel.tp_size={tp_size} and parallel.pp_size={pp_size} must be >= 1")
+    if world_size % (tp_size * pp_size) != 0:
+        raise LayoutError(
+            f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size = "
+            f"{tp_size} * {pp_size} = {tp_size * pp_size}")
+    return world_size // (tp_size * pp_size)
+
+
+@dataclass
+class ParallelState:
+    """Ranks and process groups of a tp x dp x pp layout (plus vp model chunks per pipeline rank).
+
+    Rank order follows Megatron-LM: tp varies fastest, then dp, then pp:
+
+        rank = tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
+
+    so the ranks of one tp group are consecutive (one node's NVLink domain on a GPU cluster), a dp group
+    strides by tp_size, and a pp group strides by tp_size * dp_size. The embedding group holds the first and
+    last pipeline stage of one (tp_rank, dp_rank) column: with tied embeddings those two stages each keep a
+    copy of the word embedding and all-reduce its gradient over this group.
+
+    Build it with `ParallelState.create(...)` after `torch.distributed.init_process_group`; build a
+    single-process state (no torch.distributed) with `ParallelState.single()`.
+    """
+
+    world_size: int
+    rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    vp_size: int = 1
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
+    embedding_group: Any = None  # None unless this rank is on the first or last stage and pp > 1
+    pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+    tp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def single(cls, vp_size: int = 1) -> "ParallelState":
+        """The layout of one process: every group is None and every collective is skipped."""
+        return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=vp_size,
+                   pp_ranks=[0], tp_ranks=[0], dp_ranks=[0])
+
+    @classmethod
+    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1) -> "ParallelState":
+        """Build every group; all ranks must call this in the same order (new_group is collective)."""
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        dp_size = derive_dp_size(world_size, tp_size, pp_size)
+        state = cls(world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size,
+                    dp_size=dp_size, vp_size=vp_size)
+        for ranks in _tp_groups(tp_size, dp_size, pp_size):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.tp_group, state.tp_ranks = group, ranks
+        for ranks in _dp_groups(tp_size, dp_size, pp_size):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.dp_group, state.dp_ranks = group, ranks
+        for ranks in _pp_groups(tp_size, dp_size, pp_size):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.pp_group, state.pp_ranks = group, ranks
+            embedding_ranks = sorted({ranks[0], ranks[-1]})
+            emb_group = dist.new_group(embedding_ranks)
+            if rank in embedding_ranks and pp_size > 1:
+                state.embedding_group = emb_group
+        for ranks in _model_parallel_groups(tp_size, dp_size, pp_size):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                state.model_parallel_group = group
+        return state
+
+    # ---- coordinates --------------------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping: the last stage's next is the first)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wrapping: the first stage's previous is the last)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size}"
+                f" (vp {self.vp_size}); rank {self.rank} is tp_rank {self.tp_rank}, dp_rank "
+                f"{self.dp_rank}, pp_rank {self.pp_rank}")
+
+
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
+    """Global rank of a (tp, dp, pp) coordinate in Megatron order."""
+    return tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
+
+
+def _tp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    return [[rank_of(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+
+
+def _dp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    return [[rank_of(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+def _pp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    return [[rank_of(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+
+
+def _model_parallel_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    return [sorted(rank_of(t, d, p, tp, dp) for t in range(tp) for p in range(pp)) for d in range(dp)]

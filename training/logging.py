@@ -1,0 +1,102 @@
+"""Run logging: one rank-aware console logger, the per-interval console line, TensorBoard and metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+LOGGER_NAME = "ptdp"
+
+
+def get_logger(rank: int = 0) -> logging.Logger:
+    """The project's logger: INFO to stdout on the logging rank (rank 0), warnings and errors on every rank."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return logger
+
+
+class MetricsWriter:
+    """Writes scalars to run_dir/metrics.jsonl (one JSON object per logged iteration) and TensorBoard.
+
+    Only the logging rank constructs one with enabled=True; other ranks get a writer that does nothing.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tensorboard_dir = os.path.join(run_dir, "tensorboard")
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is in requirements.txt; keep training if it is missing
+                get_logger().warning("tensorboard is not installed: TensorBoard events are not written")
+            else:
+                self._tb = SummaryWriter(log_dir=self.tensorboard_dir)
+
+    def truncate_after(self, iteration: int) -> None:
+        """On resume: drop lines of iterations after the checkpoint so the file reads as one run."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as handle:
+            kept = [line for line in handle if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
+        with open(self.path + ".tmp", "w", encoding="utf-8") as handle:
+            handle.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record["iteration"]
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_train_line(record: dict[str, Any], train_iters: int) -> str:
+    """The console line of one logging interval."""
+    parts = [f"iter {record['iteration']:>6}/{train_iters}",
+             f"samples {record['consumed_samples']}",
+             f"loss {record['lm_loss']:.4f}",
+             f"lr {record['lr']:.3e}",
+             f"grad norm {record['grad_norm']:.3f}",
+             f"{record['ms_per_iter']:.1f} ms/it",
+             f"{record['tokens_per_sec']:.0f} tok/s",
+             f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
+             f"mem {record['memory_gib']:.2f} GiB"]
+    if record.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss scale {record['loss_scale']:.0f}")
+    if record.get("skipped_iters"):
+        parts.append(f"skipped {record['skipped_iters']}")
+    return " | ".join(parts)
+
+
+def peak_memory_gib(device_type: str) -> float:
+    """Peak memory of this process: allocator peak on GPU, resident-set high-water mark on CPU."""
+    if device_type == "cuda":
+        import torch
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except ImportError:
+        return 0.0
+
