@@ -1,0 +1,169 @@
+"""Run one rank's pipeline action list: compute forwards / backwards, exchange tensors with the neighbours.
+
+The same code path serves every layout: with pp = 1 (and vp = 1) there are no messages at all.
+
+Memory: a stage output is freed as soon as it is sent. Only its autograd graph is needed for backward, so,
+like Megatron, the executor replaces `out.data` with a 1-element tensor after the send and later runs
+backward through the autograd engine directly (`Variable._execution_engine.run_backward`), which does not
+check that the gradient's shape matches the (now tiny) output. Where that engine entry is missing the
+output keeps its data and backward goes through `torch.autograd.backward` (correct, more memory).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parallel.pipeline.p2p import StageComm, needed_message, produced_message
+from parallel.pipeline.schedules import Action, RankSchedule, build_forward_only
+
+
+@dataclass
+class ScheduleResult:
+    """What one iteration of the pipeline returns on this rank."""
+
+    losses: list[torch.Tensor]  # detached per-micro-batch losses (last virtual stage only), micro-batch order
+    max_in_flight: int  # max number of (micro-batch, chunk) forwards whose backward had not yet run
+
+
+def engine_backward_available() -> bool:
+    """Whether the autograd engine entry used by the output-deallocation trick exists in this torch."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return engine is not None and hasattr(engine, "run_backward")
+
+
+def deallocate_output(out: torch.Tensor) -> bool:
+    """Replace `out.data` by a 1-element tensor (keeping its graph); False when that is not safe."""
+    if not engine_backward_available() or out._base is not None or not out.requires_grad:
+        return False  # views share storage with their base: freeing one would not free memory
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+    return True
+
+
+def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from `out` with gradient `grad`, also when `out.data` was deallocated."""
+    if out.shape == grad.shape:
+        torch.autograd.backward(out, grad_tensors=grad)
+        return
+    # The shape check of torch.autograd.backward would trip on the deallocated output.
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+
+@dataclass
+class _Run:
+    """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
+
+    schedule: RankSchedule
+    chunks: list[torch.nn.Module]
+    microbatches: list[dict]
+    forward_fn: object
+    state: object
+    comm: StageComm
+    loss_scale: float
+    forward_only: bool
+    held: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (input, output) awaiting backward
+    losses: dict = field(default_factory=dict)  # micro-batch -> detached loss
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def message_in(self, index: int, action: Action) -> torch.Tensor | None:
+        need = needed_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
+        return None if need is None else self.comm.receive(index, need)
+
+    def message_out(self, action: Action, tensor: torch.Tensor) -> bool:
+        out = produced_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
+        if out is None:
+            return False
+        self.comm.send(out[0], out[1], tensor)
+        return True
+
+    def forward(self, index: int, action: Action) -> None:
+        input_tensor = self.message_in(index, action)
+        if input_tensor is not None and not self.forward_only:
+            input_tensor.requires_grad_()
+        chunk = self.chunks[action.chunk]
+        output = self.forward_fn(action.chunk, chunk, input_tensor, self.microbatches[action.microbatch])
+        if not self.message_out(action, output):
+            self.losses[action.microbatch] = output.detach()  # the loss of the last virtual stage
+        elif not self.forward_only:
+            deallocate_output(output)  # sent: only its graph is needed from here on
+        if self.forward_only:
+            return
+        self.held[(action.microbatch, action.chunk)] = (input_tensor, output)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def backward(self, index: int, action: Action) -> None:
+        input_tensor, output = self.held.pop((action.microbatch, action.chunk))
+        grad = self.message_in(index, action)
+        if grad is None:  # last virtual stage: start from the (scaled) loss
+            grad = torch.full_like(output, self.loss_scale)
+        run_backward(output, grad)
+        if input_tensor is not None:
+            input_grad = input_tensor.grad
+            if input_grad is None:  # the chunk ignored its input
+                input_grad = torch.zeros_like(input_tensor)
+            self.message_out(action, input_grad)
+        self.in_flight -= 1
+
+
+def _full_schedule(actions: list[Action], state, num_microbatches: int, vp_size: int) -> RankSchedule:
+    """The actions as a RankSchedule whose peers' lists can be rebuilt (gathered once if unknown)."""
+    if isinstance(actions, RankSchedule):
+        return actions
+    if state.pp_size > 1:
+        gathered = [None] * state.pp_size
+        dist.all_gather_object(gathered, list(actions), group=state.pp_group)
+    else:
+        gathered = [list(actions)]
+
+    class _Gathered(RankSchedule):
+        def for_rank(self, pp_rank):
+            return gathered[pp_rank]
+
+    return _Gathered(actions, "custom", state.pp_size, num_microbatches, vp_size)
+
+
+def _last_backward_indices(schedule: list[Action]) -> set[int]:
+    """Index of the last backward of each chunk in the list (gradient reduction may start there)."""
+    last = {}
+    for index, action in enumerate(schedule):
+        if action.op == "B":
+            last[action.chunk] = index
+    return set(last.values())
+
+
+def execute_schedule(actions: list[Action], chunks: list[torch.nn.Module], microbatches: list[dict],
+                     forward_fn, state, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
+                     scatter_gather: bool = False, loss_scale: float = 1.0, on_last_backward=None,
+                     forward_only: bool = False) -> ScheduleResult:
+    """Run this rank's actions for one iteration; see the module docstring and ScheduleResult.
+
+    `forward_fn(chunk_index, chunk, input_tensor | None, microbatch) -> Tensor` returns the chunk output,
+    or on the last virtual stage the scalar loss (already divided by the number of micro-batches).
+    With `forward_only` the given actions are ignored and an evaluation order is run under no_grad.
+    """
+    vp_size, m = len(chunks), len(microbatches)
+    if forward_only:
+        actions = build_forward_only(state.pp_size, state.pp_rank, m, vp_size)
+    schedule = _full_schedule(actions, state, m, vp_size)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    comm = StageComm(state, schedule, activation_shape, activation_dtype, device, scatter_gather)
+    run = _Run(schedule, chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
+    last_backwards = _last_backward_indices(schedule)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for index, action in enumerate(schedule):
+            if action.op == "F":
+                run.forward(index, action)
+                continue
+            if on_last_backward is not None and index in last_backwards:
+                on_last_backward(action.chunk)
+            run.backward(index, action)
+    comm.finish()
+    losses = [run.losses[i] for i in sorted(run.losses)]
+    return ScheduleResult(losses=losses, max_in_flight=run.max_in_flight)
