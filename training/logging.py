@@ -100,3 +100,40 @@ def peak_memory_gib(device_type: str) -> float:
     except ImportError:
         return 0.0
 
+
+
+class IntervalStats:
+    """Accumulates the iterations between two console lines and turns them into one metrics record."""
+
+    def __init__(self, flops_per_iter: float, tokens_per_iter: int, world_size: int, device_type: str):
+        self.flops_per_iter, self.tokens_per_iter = flops_per_iter, tokens_per_iter
+        self.world_size, self.device_type = world_size, device_type
+        self._reset()
+
+    def _reset(self) -> None:
+        self.iters = self.counted = self.skipped = 0
+        self.loss_sum = self.seconds = 0.0
+        self.last: dict[str, float] = {}
+
+    def add(self, result: Any, lr: float, seconds: float) -> None:
+        """One finished iteration (a training.train_step.StepResult); skipped steps do not count in the loss."""
+        self.iters += 1
+        self.seconds += seconds
+        if result.skipped:
+            self.skipped += 1
+        else:
+            self.counted += 1
+            self.loss_sum += result.loss
+        self.last = {"lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale}
+
+    def flush(self, progress: Any) -> dict[str, Any]:
+        seconds_per_iter = self.seconds / max(self.iters, 1)
+        record = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
+                  "lm_loss": self.loss_sum / max(self.counted, 1), **self.last,
+                  "ms_per_iter": 1000.0 * seconds_per_iter,
+                  "tokens_per_sec": self.tokens_per_iter / seconds_per_iter,
+                  "tflops_per_device": self.flops_per_iter / seconds_per_iter / self.world_size / 1e12,
+                  "memory_gib": peak_memory_gib(self.device_type),
+                  "skipped_iters": self.skipped}
+        self._reset()
+        return record

@@ -1,0 +1,48 @@
+"""Build this rank's model chunks for any (tp, pp, vp) layout, with the same weights as one process."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.init import initialize_parameters
+from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
+from parallel.state import ParallelState
+from parallel.tensor_parallel import apply_tensor_parallel
+
+
+def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device: torch.device,
+                       dtype: torch.dtype, sequence_parallel: bool = False, rng_tracker: Any = None,
+                       comm_counter: Any = None, checkpoint_fn: Any = None, recompute: str = "none",
+                       recompute_method: str = "uniform", recompute_num_layers: int = 1) -> list[GPTModel]:
+    """The vp_size chunks of this pipeline rank: built on the meta device, sharded over tp, then each
+    parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py)."""
+    chunks = []
+    for chunk in range(state.vp_size):
+        layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk)
+        pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk)
+        with torch.device("meta"):
+            model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process)
+        model = apply_tensor_parallel(model, state, sequence_parallel, comm_counter=comm_counter,
+                                      rng_tracker=rng_tracker)
+        initialize_parameters(model, cfg, seed, device=device, dtype=dtype)
+        model.tie_weights()
+        if recompute != "none":
+            model.set_recompute(recompute, recompute_method, recompute_num_layers, checkpoint_fn)
+        chunks.append(model)
+    return chunks
+
+
+def count_parameters(chunks: list[GPTModel], state: Optional[ParallelState] = None) -> int:
+    """Parameters on this rank, each tensor-parallel-replicated one and the tied copy counted once."""
+    total = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if getattr(param, "embedding_copy", False):
+                continue
+            if state is not None and not getattr(param, "tensor_parallel", False) and state.tp_rank != 0:
+                continue
+            total += param.numel()
+    return total

@@ -1,0 +1,272 @@
+"""Pretrain a GPT with tensor, pipeline and data parallelism (PTD-P).
+
+    python pretrain_gpt.py [--config configs/gpt_tiny.yaml] [section.key=value ...]
+    torchrun --nproc-per-node 8 pretrain_gpt.py parallel.tp_size=2 parallel.pp_size=2 ...
+
+Reads the config, joins torch.distributed, builds the parallel state, data, model chunks, optimizer and
+checkpointer, then runs the training loop. Everything the run writes goes under run.dir.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from training.config import Config, ConfigError, load_config, validate_layout
+from training.logging import format_train_line
+from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, data_iterator, init_distributed,
+                            param_dtype, resolve_sample_data)
+
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/gpt_tiny.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.train_iters=50")
+    return parser.parse_args(argv)
+
+
+def check_before_work(config: Config, world_size: int) -> int:
+    """Every layout check that can fail, before any process group, data or model is built. Returns dp."""
+    from parallel.pipeline.schedules import validate_schedule
+    from parallel.tensor_parallel import check_tensor_parallel_sizes
+
+    dp = validate_layout(config, world_size)
+    check_tensor_parallel_sizes(config.model, config.parallel.tp_size)
+    num_micro = config.train.global_batch_size // (config.train.micro_batch_size * dp)
+    validate_schedule(config.parallel.schedule, config.parallel.pp_size, num_micro, config.parallel.vp_size)
+    return dp
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by `build_run`."""
+
+    config: Config
+    env: DistEnv
+    state: Any
+    ctx: Any  # training.train_step.StepContext
+    lr_schedule: Any
+    rng_tracker: Any
+    comm_counter: Any
+    datasets: tuple
+    eod_id: int
+    progress: Any  # training.checkpointing.TrainingProgress
+    metrics: Any
+    logger: Any
+    checkpoint_root: str
+    flops_per_iter: float
+
+
+def build_run(config: Config, env: DistEnv) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+    from data.tokenizers import build_tokenizer
+    from parallel.data_parallel import DataParallel
+    from parallel.model_builder import build_model_chunks, count_parameters
+    from parallel.random import RNGTracker, make_checkpoint_fn
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import CommCounter
+    from training.checkpointing import TrainingProgress
+    from training.flops import flops_per_iteration
+    from training.logging import MetricsWriter, get_logger
+    from training.lr_schedule import LRSchedule
+    from training.optimizer import build_optimizer
+    from training.train_step import StepContext
+
+    par, train, model_cfg = config.parallel, config.train, config.model
+    logger = get_logger(env.rank)
+    state = (ParallelState.create(par.tp_size, par.pp_size, par.vp_size) if env.world_size > 1
+             else ParallelState.single(par.vp_size))
+    logger.info(f"layout: {state.describe()}; device {env.device}")
+    resolve_sample_data(config, env, logger)
+    data = config.data
+    tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                                tokenizer_model=data.tokenizer_model)
+    if model_cfg.vocab_size is None:
+        model_cfg.vocab_size = tokenizer.vocab_size
+    run_dir = config.run.dir
+    if env.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as handle:
+            yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
+        logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    datasets = build_datasets(config, env, train.global_batch_size)
+
+    dtype = param_dtype(train.precision)
+    rng_tracker = RNGTracker(train.seed, state.tp_rank, state.pp_rank, env.device)
+    comm_counter = CommCounter()
+    chunks = build_model_chunks(
+        model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,
+        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train.recompute,
+        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers)
+    ddp = DataParallel(chunks, state, bucket_size_mb=par.grad_bucket_size_mb,
+                       distributed_optimizer=par.distributed_optimizer, grad_dtype=torch.float32)
+    optim = config.optim
+    optimizer = build_optimizer(
+        chunks, ddp, state, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, clip_grad=train.clip_grad,
+        precision=train.precision,
+        loss_scale_cfg=dict(initial=optim.initial_loss_scale, min=optim.min_loss_scale,
+                            window=optim.loss_scale_window, hysteresis=optim.hysteresis))
+    lr_schedule = LRSchedule(optim.lr, optim.min_lr, optim.lr_warmup_iters,
+                             optim.lr_decay_iters or train.train_iters, optim.lr_decay_style)
+    dp = state.dp_size
+    num_micro = train.global_batch_size // (train.micro_batch_size * dp)
+    seq_local = model_cfg.seq_length // (state.tp_size if par.sequence_parallel else 1)
+    ctx = StepContext(chunks, state, ddp, optimizer, par.schedule if par.pp_size > 1 else "1f1b", num_micro,
+                      (seq_local, train.micro_batch_size, model_cfg.hidden_size), dtype, env.device,
+                      par.scatter_gather and not par.sequence_parallel)
+    params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
+    logger.info(f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
+                f", {num_micro} micro-batches of {train.micro_batch_size} per dp rank, {dtype}; "
+                f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}")
+    flops = flops_per_iteration(train.global_batch_size, model_cfg.seq_length, model_cfg.num_layers,
+                                model_cfg.hidden_size, model_cfg.padded_vocab_size(state.tp_size),
+                                full_recompute=train.recompute == "full")
+    return Run(config, env, state, ctx, lr_schedule, rng_tracker, comm_counter, datasets, tokenizer.eod,
+               TrainingProgress(), MetricsWriter(run_dir, env.rank == 0, config.logging.tensorboard), logger,
+               os.path.join(run_dir, "checkpoints"), flops)
+
+
+def _all_reduce_int(value: int, group: Any, state: Any) -> int:
+    if not state.is_distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, group=group)
+    return int(tensor.item())
+
+
+def resume_if_asked(run: Run) -> None:
+    """checkpoint.load=true: continue exactly from the latest checkpoint under run.dir/checkpoints."""
+    from training.checkpointing import load_checkpoint
+
+    if not run.config.checkpoint.load:
+        return
+    ctx = run.ctx
+    loaded = load_checkpoint(run.checkpoint_root, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
+                             run.config.parallel.distributed_optimizer)
+    if loaded is None:
+        run.logger.info(f"checkpoint.load=true but no checkpoint under {run.checkpoint_root}: starting fresh")
+        return
+    run.progress, rng_state = loaded
+    run.rng_tracker.load_state_dict(rng_state)
+    run.metrics.truncate_after(run.progress.iteration)
+    run.logger.info(f"resumed from iteration {run.progress.iteration} "
+                    f"({run.progress.consumed_samples} samples consumed)")
+
+
+def save(run: Run) -> None:
+    from training.checkpointing import save_checkpoint
+
+    if not run.config.checkpoint.save:
+        return
+    ctx = run.ctx
+    path = save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer,
+                           run.lr_schedule, run.rng_tracker.state_dict(), run.config.to_dict(),
+                           run.config.parallel.distributed_optimizer)
+    run.logger.info(f"saved checkpoint {path}")
+
+
+def run_evaluation(run: Run) -> None:
+    """Validation loss and perplexity on the first eval_iters global batches of the valid split."""
+    from training.train_step import evaluate
+
+    train_cfg, state = run.config.train, run.state
+    if run.datasets[1] is None or train_cfg.eval_iters == 0:
+        return
+    # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
+    valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id,
+                               num_workers=0)
+    val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters)
+    val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
+    run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
+    run.metrics.write({"iteration": run.progress.iteration, "val_loss": val_loss, "val_ppl": val_ppl})
+
+
+def should_exit(run: Run, start_time: float) -> bool:
+    """train.exit_interval / train.exit_duration_mins, agreed on by every rank."""
+    train_cfg = run.config.train
+    stop = bool(train_cfg.exit_interval and run.progress.iteration % train_cfg.exit_interval == 0)
+    if train_cfg.exit_duration_mins:
+        over = (time.time() - start_time) / 60.0 >= train_cfg.exit_duration_mins
+        flag = torch.tensor([int(over)])
+        if run.state.is_distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must stop at the same iteration
+        stop = stop or bool(flag.item())
+    return stop
+
+
+def train(run: Run) -> None:
+    """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
+    from training.logging import IntervalStats
+    from training.train_step import train_step
+
+    cfg, train_cfg, state = run.config, run.config.train, run.state
+    start_time = time.time()
+    resume_if_asked(run)
+    train_iter = data_iterator(cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank,
+                               state.dp_size, run.eod_id)
+    if run.progress.iteration == 0:
+        run_evaluation(run)
+    stats = IntervalStats(run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length,
+                          run.env.world_size, run.env.device.type)
+    while run.progress.iteration < train_cfg.train_iters:
+        lr = run.lr_schedule.lr(run.progress.iteration)
+        started = time.perf_counter()
+        result = train_step(run.ctx, train_iter, lr)
+        if run.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        progress = run.progress
+        progress.iteration += 1
+        progress.consumed_samples += train_cfg.global_batch_size
+        progress.skipped_iters += int(result.skipped)
+        stats.add(result, lr, time.perf_counter() - started)
+        if progress.iteration == 1:
+            run.logger.info(f"tensor-parallel collectives in iteration 1: {run.comm_counter.summary()}")
+        if progress.iteration % cfg.logging.log_interval == 0:
+            record = stats.flush(progress)
+            run.logger.info(format_train_line(record, train_cfg.train_iters))
+            run.metrics.write(record)
+        if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
+            run_evaluation(run)
+        stop = should_exit(run, start_time)
+        interval = cfg.checkpoint.save_interval
+        if stop or progress.iteration == train_cfg.train_iters or (interval and progress.iteration % interval == 0):
+            save(run)
+        if stop:
+            run.logger.info(f"exit condition reached after iteration {progress.iteration}")
+            break
+    run.metrics.close()
+    barrier(run.env)
+    run.logger.info(f"done. metrics: {os.path.join(cfg.run.dir, 'metrics.jsonl')} | TensorBoard: "
+                    f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = load_config(args.config, args.overrides)
+        check_before_work(config, world_size)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    env = init_distributed()
+    try:
+        train(build_run(config, env))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""One training iteration and one evaluation pass over the model chunks of this rank.
+
+The same path serves every layout: the pipeline executor walks this rank's schedule (with pp = 1 that is just
+forward/backward per micro-batch), data parallelism reduces gradients while the last backward runs, then the
+tied-embedding and sequence-parallel gradients are reduced and the optimizer steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallel.grad_utils import finalize_model_grads
+from parallel.pipeline.executor import execute_schedule
+from parallel.pipeline.schedules import build_schedule
+from parallel.state import ParallelState
+
+
+@dataclass
+class StepContext:
+    """What a step needs besides the batch; built once by pretrain_gpt.py."""
+
+    chunks: list
+    state: ParallelState
+    ddp: Any
+    optimizer: Any
+    schedule: str
+    num_microbatches: int
+    activation_shape: tuple[int, ...]
+    activation_dtype: torch.dtype
+    device: torch.device
+    scatter_gather: bool
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss of the global batch (same on every rank)
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    max_in_flight: int
+
+
+def _to_device(microbatch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in microbatch.items()}
+
+
+def make_forward_fn(num_microbatches: int):
+    """forward_fn for the executor: a chunk's output, or on the last chunk the micro-batch loss / m."""
+
+    def forward_fn(chunk_index: int, chunk: torch.nn.Module, input_tensor, mb: dict) -> torch.Tensor:
+        output = chunk(input_ids=mb["tokens"] if chunk.pre_process else None,
+                       position_ids=mb["position_ids"], hidden_states=input_tensor,
+                       attention_mask=mb.get("attention_mask"),
+                       labels=mb["labels"] if chunk.post_process else None)
+        if not chunk.post_process:
+            return output
+        mask = mb["loss_mask"]
+        # Megatron's loss: mean over the micro-batch's unmasked tokens, averaged over micro-batches.
+        return (output * mask).sum() / mask.sum().clamp(min=1.0) / num_microbatches
+
+    return forward_fn
+
+
+def next_microbatches(data_iter: Iterator[dict], count: int, device: torch.device) -> list[dict]:
+    return [_to_device(next(data_iter), device) for _ in range(count)]
+
+
+def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
+    """Sum of micro-batch losses on the last stage, shared with every stage and averaged over dp."""
+    total = torch.stack(losses).sum().float().cpu() if losses else torch.zeros(())
+    if state.is_distributed:
+        total = total.reshape(1)
+        if state.pp_size > 1:
+            dist.all_reduce(total, group=state.pp_group)
+        if state.dp_size > 1:
+            dist.all_reduce(total, group=state.dp_group)
+            total /= state.dp_size
+    return float(total.reshape(()))
+
+
+def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepResult:
+    """Forward/backward over the global batch, gradient reduction, clipping and the optimizer step."""
+    for chunk in ctx.chunks:
+        chunk.train()
+    microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
+    actions = build_schedule(ctx.schedule, ctx.state.pp_size, ctx.state.pp_rank, ctx.num_microbatches,
+                             ctx.state.vp_size)
+    ctx.ddp.zero_grad()
+    result = execute_schedule(actions, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
+                              ctx.state, ctx.activation_shape, ctx.activation_dtype,
+                              scatter_gather=ctx.scatter_gather, loss_scale=ctx.optimizer.loss_scale,
+                              on_last_backward=ctx.ddp.enable_grad_sync)
+    ctx.ddp.finish_grad_sync()
+    finalize_model_grads(ctx.chunks, ctx.state)
+    stats = ctx.optimizer.step(lr)
+    return StepResult(loss=_global_mean_loss(result.losses, ctx.state), grad_norm=stats.grad_norm,
+                      skipped=stats.skipped, loss_scale=stats.loss_scale, max_in_flight=result.max_in_flight)
+
+
+@torch.no_grad()
+def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int) -> float:
+    """Mean validation loss over eval_iters global batches (forward only)."""
+    for chunk in ctx.chunks:
+        chunk.eval()
+    forward_fn = make_forward_fn(ctx.num_microbatches)
+    total = 0.0
+    for _ in range(eval_iters):
+        microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
+        actions = build_schedule(ctx.schedule, ctx.state.pp_size, ctx.state.pp_rank, ctx.num_microbatches,
+                                 ctx.state.vp_size)
+        result = execute_schedule(actions, ctx.chunks, microbatches, forward_fn, ctx.state,
+                                  ctx.activation_shape, ctx.activation_dtype,
+                                  scatter_gather=ctx.scatter_gather, forward_only=True)
+        total += _global_mean_loss(result.losses, ctx.state)
+    for chunk in ctx.chunks:
+        chunk.train()
+    return total / max(eval_iters, 1)
