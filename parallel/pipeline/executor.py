@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.p2p import StageComm, needed_message, produced_message
+from parallel.pipeline.p2p import StageComm, needed_message, plan_steps, produced_message
 from parallel.pipeline.schedules import Action, RankSchedule, build_forward_only
 
 
@@ -57,7 +57,7 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 class _Run:
     """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
 
-    schedule: RankSchedule
+    schedule: list[Action]
     chunks: list[torch.nn.Module]
     microbatches: list[dict]
     forward_fn: object
@@ -70,19 +70,19 @@ class _Run:
     in_flight: int = 0
     max_in_flight: int = 0
 
-    def message_in(self, index: int, action: Action) -> torch.Tensor | None:
+    def message_in(self, action: Action) -> torch.Tensor | None:
         need = needed_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
-        return None if need is None else self.comm.receive(index, need)
+        return None if need is None else self.comm.take(need[1])
 
     def message_out(self, action: Action, tensor: torch.Tensor) -> bool:
         out = produced_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
         if out is None:
             return False
-        self.comm.send(out[0], out[1], tensor)
+        self.comm.put(out[0], out[1], tensor)
         return True
 
-    def forward(self, index: int, action: Action) -> None:
-        input_tensor = self.message_in(index, action)
+    def forward(self, action: Action) -> None:
+        input_tensor = self.message_in(action)
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
         chunk = self.chunks[action.chunk]
@@ -97,9 +97,9 @@ class _Run:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def backward(self, index: int, action: Action) -> None:
+    def backward(self, action: Action) -> None:
         input_tensor, output = self.held.pop((action.microbatch, action.chunk))
-        grad = self.message_in(index, action)
+        grad = self.message_in(action)
         if grad is None:  # last virtual stage: start from the (scaled) loss
             grad = torch.full_like(output, self.loss_scale)
         run_backward(output, grad)
@@ -111,21 +111,15 @@ class _Run:
         self.in_flight -= 1
 
 
-def _full_schedule(actions: list[Action], state, num_microbatches: int, vp_size: int) -> RankSchedule:
-    """The actions as a RankSchedule whose peers' lists can be rebuilt (gathered once if unknown)."""
+def _all_lists(actions: list[Action], state) -> list[list[Action]]:
+    """Every pipeline rank's action list: rebuilt when known how, else gathered once over pp."""
     if isinstance(actions, RankSchedule):
-        return actions
-    if state.pp_size > 1:
-        gathered = [None] * state.pp_size
-        dist.all_gather_object(gathered, list(actions), group=state.pp_group)
-    else:
-        gathered = [list(actions)]
-
-    class _Gathered(RankSchedule):
-        def for_rank(self, pp_rank):
-            return gathered[pp_rank]
-
-    return _Gathered(actions, "custom", state.pp_size, num_microbatches, vp_size)
+        return [actions if r == state.pp_rank else actions.for_rank(r) for r in range(state.pp_size)]
+    if state.pp_size == 1:
+        return [list(actions)]
+    gathered = [None] * state.pp_size
+    dist.all_gather_object(gathered, list(actions), group=state.pp_group)
+    return gathered
 
 
 def _last_backward_indices(schedule: list[Action]) -> set[int]:
@@ -150,20 +144,26 @@ def execute_schedule(actions: list[Action], chunks: list[torch.nn.Module], micro
     vp_size, m = len(chunks), len(microbatches)
     if forward_only:
         actions = build_forward_only(state.pp_size, state.pp_rank, m, vp_size)
-    schedule = _full_schedule(actions, state, m, vp_size)
+    lists = _all_lists(actions, state)
+    schedule = lists[state.pp_rank]
+    steps = plan_steps(lists, vp_size)[state.pp_rank]
     params = [p for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    comm = StageComm(state, schedule, activation_shape, activation_dtype, device, scatter_gather)
+    comm = StageComm(state, steps, activation_shape, activation_dtype, device, scatter_gather)
     run = _Run(schedule, chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
     last_backwards = _last_backward_indices(schedule)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        for index, action in enumerate(schedule):
-            if action.op == "F":
-                run.forward(index, action)
+        for step in steps:
+            comm.exchange(step)
+            if step.compute is None:
                 continue
-            if on_last_backward is not None and index in last_backwards:
+            action = schedule[step.compute]
+            if action.op == "F":
+                run.forward(action)
+                continue
+            if on_last_backward is not None and step.compute in last_backwards:
                 on_last_backward(action.chunk)
-            run.backward(index, action)
+            run.backward(action)
     comm.finish()
     losses = [run.losses[i] for i in sorted(run.losses)]
     return ScheduleResult(losses=losses, max_in_flight=run.max_in_flight)

@@ -2,13 +2,11 @@
 
 Which messages exist follows from the action lists alone: the forward of virtual stage k sends an activation
 to stage k+1, the backward of stage k sends an input-gradient to stage k-1. NCCL ignores tags and matches
-the messages between two ranks by order, so for every ordered pair (sender, receiver) the receiver must post
-its receives in the order the sender posts its sends. Schedules are pure functions, so each rank rebuilds
-its peers' lists (`incoming_order`) and, when an action needs a message, first posts the receives of every
-earlier message from that peer (`plan_receives`). Sends are non-blocking and waited on only at the end of
-the iteration, so a rank blocks only on a receive it needs now; the simulator proves each schedule's
-dependencies acyclic, hence the executor cannot deadlock (at pp = 2 too, where both directions of a
-pair carry traffic).
+the messages between two ranks by order, and may serialise a pair's sends and receives on one stream where
+a send waits for its receive. Schedules are pure functions, so every rank rebuilds all ranks' lists and
+derives the same joint plan of batches (`plan_steps`): each batch is matched in full by the peers' batches,
+and per ordered pair the receives are posted in the sender's order. See `plan_steps` for why this cannot
+deadlock.
 
 Scatter/gather (paper section 4.1): with tp > 1 and no sequence parallelism every tp rank of a stage holds
 the same activation, so each sends only its 1/tp slice of the flattened tensor and the receiving stage
@@ -16,12 +14,13 @@ all-gathers the slices over its tp group.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.schedules import Action, RankSchedule, virtual_stage
+from parallel.pipeline.schedules import Action, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -78,73 +77,114 @@ def incoming_order(peer_lists: list[list[Action]], pp_rank: int, vp_size: int) -
     return incoming
 
 
-def plan_receives(peer_lists: list[list[Action]], pp_rank: int, vp_size: int) -> list[list[tuple[int, Message]]]:
-    """For each of this rank's actions, the receives to post just before it, in posting order.
+@dataclass(frozen=True)
+class Step:
+    """One step of a rank's plan: post `ops` as one batch and wait for it, then run action `compute`."""
 
-    An action that needs message X from rank q posts every not-yet-posted message from q up to and
-    including X: the receiver's posting order per source is then exactly the source's sending order.
-    Messages from this rank to itself (pp = 1 with vp > 1) are handed over locally and never posted.
+    ops: tuple[tuple[str, int, Message], ...]  # ("send" | "recv", peer pp rank, message), posting order
+    compute: int | None  # index into the rank's action list, or None
+
+
+def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
+    """Every rank's communication steps, derived jointly from all ranks' action lists.
+
+    Rounds of a joint replay: in each round every pending send is posted together with the matching
+    receive on its destination, as one batch per rank, and then every rank whose next action has its
+    input runs that one action (whose output becomes a pending send). Hence
+      * per ordered pair, the receiver posts receives in exactly the sender's sending order;
+      * every batch is matched in full by the peers' batches of the same round, so a rank never waits on a
+        send or receive that its peer posts only after waiting on something of this rank's: no deadlock
+        even where NCCL serialises a pair's sends and receives on one stream and a send waits for its
+        receive (pp = 2 included, where both directions of a pair carry traffic).
+    Messages a rank sends to itself (pp = 1 with vp > 1) are handed over locally, never posted.
     """
-    pp_size = len(peer_lists)
-    incoming = incoming_order(peer_lists, pp_rank, vp_size)
-    posted = {src: 0 for src in incoming}
-    position = {(src, msg): i for src, queue in incoming.items() for i, msg in enumerate(queue)}
-    plan = []
-    for action in peer_lists[pp_rank]:
-        need = needed_message(action, pp_rank, pp_size, vp_size)
-        step = []
-        if need is not None and need[0] != pp_rank:
-            src, message = need
-            queue = incoming[src]
-            while posted[src] <= position[(src, message)]:
-                step.append((src, queue[posted[src]]))
-                posted[src] += 1
-        plan.append(step)
-    return plan
+    pp_size = len(lists)
+    position, pending = [0] * pp_size, [[] for _ in range(pp_size)]
+    arrived = [set() for _ in range(pp_size)]
+    plans: list[list[Step]] = [[] for _ in range(pp_size)]
+    # The last round posts the sends of the last actions (no compute left).
+    while any(pending) or any(position[r] < len(lists[r]) for r in range(pp_size)):
+        ops = [[] for _ in range(pp_size)]
+        for src in range(pp_size):  # post every pending send with its receive
+            for dst, message in pending[src]:
+                ops[src].append(("send", dst, message))
+                ops[dst].append(("recv", src, message))
+                arrived[dst].add(message)
+            pending[src] = []
+        progressed = any(ops)
+        for r in range(pp_size):  # each rank runs its next action if its input is there
+            compute = None
+            if position[r] < len(lists[r]):
+                action = lists[r][position[r]]
+                need = needed_message(action, r, pp_size, vp_size)
+                if need is None or need[1] in arrived[r]:
+                    compute, position[r], progressed = position[r], position[r] + 1, True
+                    out = produced_message(action, r, pp_size, vp_size)
+                    if out is not None and out[0] == r:
+                        arrived[r].add(out[1])
+                    elif out is not None:
+                        pending[r].append(out)
+            if ops[r] or compute is not None:
+                plans[r].append(Step(tuple(ops[r]), compute))
+        if not progressed:
+            stuck = {r: lists[r][position[r]] for r in range(pp_size) if position[r] < len(lists[r])}
+            raise RuntimeError(f"pipeline action lists deadlock: ranks wait forever at {stuck}")
+    return plans
 
 
 class StageComm:
-    """Runs one rank's receive plan and its sends with isend/irecv (gloo or NCCL).
+    """Runs one rank's plan of batches with batch_isend_irecv (gloo or NCCL).
 
-    Receive buffers are allocated on `device` (the chunks' device). Local messages (a rank sending to
-    itself) go through a mailbox. Sends are waited on at `finish()`; the sent tensor stays alive inside
-    the work until then, so the caller may drop its own reference (and `.data`) right after `send`.
+    Receive buffers are allocated on `device` (the chunks' device). Each batch is waited on before the
+    step's action runs, so a sent tensor is released right after the step that sent it.
     """
 
-    def __init__(self, state, schedule: RankSchedule, shape: tuple[int, ...], dtype: torch.dtype,
+    def __init__(self, state, steps: list[Step], shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, scatter_gather: bool):
-        self.state = state
+        self.state, self.steps = state, steps
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        self.numel = numel
+        self.numel = math.prod(self.shape)
         # Scatter/gather only when the flattened tensor splits evenly over tp.
-        self.scatter = scatter_gather and state.tp_size > 1 and numel % state.tp_size == 0
-        lists = [schedule.for_rank(r) if r != state.pp_rank else schedule for r in range(state.pp_size)]
-        self.plan = plan_receives(lists, state.pp_rank, schedule.vp_size)
-        self.pending_recv: dict[Message, tuple[torch.Tensor, object]] = {}
-        self.mailbox: dict[Message, torch.Tensor] = {}
-        self.pending_send: list[tuple[object, torch.Tensor]] = []
+        self.scatter = scatter_gather and state.tp_size > 1 and self.numel % state.tp_size == 0
+        self.outbox: dict[Message, torch.Tensor] = {}  # computed, to be sent at the next step
+        self.inbox: dict[Message, torch.Tensor] = {}  # received (or handed over locally), not yet used
 
-    def _peer(self, pp_rank: int) -> int:
-        return self.state.pp_ranks[pp_rank]
+    def put(self, dst: int, message: Message, tensor: torch.Tensor) -> None:
+        """Queue `tensor` (detached) for `dst`; messages to this rank itself go straight to the inbox."""
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"pipeline message {message} has shape {tuple(tensor.shape)}, "
+                             f"expected activation_shape {self.shape}")
+        data = tensor.detach().to(self.dtype).contiguous()
+        if dst == self.state.pp_rank:
+            self.inbox[message] = data.clone()
+        else:
+            self.outbox[message] = data
 
-    def receive(self, index: int, need: tuple[int, Message]) -> torch.Tensor:
-        """Post the receives planned before action `index`, then wait for and return `need`'s tensor."""
-        src, message = need
-        if src == self.state.pp_rank:
-            return self.mailbox.pop(message)
-        for peer, planned in self.plan[index]:
-            size = self.numel // self.state.tp_size if self.scatter else self.numel
-            buffer = torch.empty(size, dtype=self.dtype, device=self.device)
-            work = dist.irecv(buffer, src=self._peer(peer), group=self.state.pp_group)
-            self.pending_recv[planned] = (buffer, work)
-        buffer, work = self.pending_recv.pop(message)
-        work.wait()
-        if self.scatter:
-            buffer = self._gather(buffer)
-        return buffer.view(self.shape)
+    def take(self, message: Message) -> torch.Tensor:
+        """The received tensor of `message`, shaped like the activation."""
+        return self.inbox.pop(message).view(self.shape)
+
+    def exchange(self, step: Step) -> None:
+        """Post the step's batch, wait for all of it, all-gather scattered receives."""
+        if not step.ops:
+            return
+        local = self.numel // self.state.tp_size if self.scatter else self.numel
+        ops, received = [], []
+        for kind, peer, message in step.ops:
+            peer_rank = self.state.pp_ranks[peer]
+            if kind == "send":
+                flat = self.outbox.pop(message).view(-1)
+                if self.scatter:  # this tp rank's 1/tp slice
+                    flat = flat.narrow(0, self.state.tp_rank * local, local)
+                ops.append(dist.P2POp(dist.isend, flat, peer_rank, group=self.state.pp_group))
+            else:
+                buffer = torch.empty(local, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, peer_rank, group=self.state.pp_group))
+                received.append((message, buffer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for message, buffer in received:
+            self.inbox[message] = self._gather(buffer) if self.scatter else buffer
 
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """All-gather the 1/tp slices of a flattened tensor over this stage's tp group."""
@@ -152,28 +192,7 @@ class StageComm:
         dist.all_gather(list(full.chunk(self.state.tp_size)), piece, group=self.state.tp_group)
         return full
 
-    def send(self, dst: int, message: Message, tensor: torch.Tensor) -> None:
-        """Post a non-blocking send of `tensor` (detached; the work keeps its storage alive)."""
-        if tuple(tensor.shape) != self.shape:
-            raise ValueError(f"pipeline message {message} has shape {tuple(tensor.shape)}, "
-                             f"expected activation_shape {self.shape}")
-        data = tensor.detach().to(self.dtype).contiguous()
-        if dst == self.state.pp_rank:
-            self.mailbox[message] = data.clone()
-            return
-        flat = data.view(-1)
-        if self.scatter:
-            size = self.numel // self.state.tp_size
-            flat = flat.narrow(0, self.state.tp_rank * size, size)
-        work = dist.isend(flat, dst=self._peer(dst), group=self.state.pp_group)
-        self.pending_send.append((work, flat))
-        # Drop completed sends so their buffers are freed as early as possible.
-        self.pending_send = [(w, t) for w, t in self.pending_send if not w.is_completed()]
-
     def finish(self) -> None:
-        """Wait for every send; every planned receive has been consumed by then."""
-        for work, _ in self.pending_send:
-            work.wait()
-        self.pending_send.clear()
-        if self.pending_recv or self.mailbox:
-            raise RuntimeError(f"pipeline messages left unconsumed: {list(self.pending_recv) + list(self.mailbox)}")
+        """Every message must have been sent and used."""
+        if self.outbox or self.inbox:
+            raise RuntimeError(f"pipeline messages left over: {list(self.outbox) + list(self.inbox)}")

@@ -1,0 +1,145 @@
+"""Schedules tested as data: action lists, their communication plans and their simulated bubbles."""
+import itertools
+
+import pytest
+
+from parallel.pipeline.p2p import outgoing_order, plan_steps
+from parallel.pipeline.schedules import (SCHEDULES, Action, build_forward_only, build_schedule,
+                                         validate_schedule, virtual_stage)
+from parallel.pipeline.simulator import simulate, simulate_lists
+
+
+def layouts(ms=(1, 2, 3, 4, 6, 8, 12), ps=(1, 2, 3, 4), vs=(1, 2, 3)):
+    """Every valid (schedule, p, m, v) of the grid."""
+    for schedule, p, m, v in itertools.product(SCHEDULES, ps, ms, vs):
+        try:
+            validate_schedule(schedule, p, m, v)
+        except ValueError:
+            continue
+        yield schedule, p, m, v
+
+
+def all_lists(schedule, p, m, v):
+    if schedule == "forward_only":
+        return [build_forward_only(p, r, m, v) for r in range(p)]
+    return [build_schedule(schedule, p, r, m, v) for r in range(p)]
+
+
+def leading_forwards(actions):
+    return next((i for i, a in enumerate(actions) if a.op == "B"), len(actions))
+
+
+# ---- the lists ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule,p,m,v", list(layouts()))
+def test_each_forward_and_backward_once_backward_after_forward(schedule, p, m, v):
+    for r in range(p):
+        actions = build_schedule(schedule, p, r, m, v)
+        expected = {(i, c) for i in range(m) for c in range(v)}
+        forwards = [(a.microbatch, a.chunk) for a in actions if a.op == "F"]
+        backwards = [(a.microbatch, a.chunk) for a in actions if a.op == "B"]
+        assert sorted(forwards) == sorted(expected) == sorted(backwards)
+        for key in expected:
+            assert actions.index(Action("F", *key)) < actions.index(Action("B", *key))
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (3, 5), (2, 1), (5, 5)])
+def test_1f1b_warmup_and_memory(p, m):
+    for r in range(p):
+        actions = build_schedule("1f1b", p, r, m)
+        warmup = min(p - r - 1, m)
+        assert leading_forwards(actions) == min(warmup + 1, m)
+        assert actions[:warmup] == [Action("F", i, 0) for i in range(warmup)]
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 4, 2), (2, 4, 3), (3, 6, 2), (4, 16, 4)])
+def test_interleaved_warmup(p, m, v):
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+        assert leading_forwards(build_schedule("interleaved", p, r, m, v)) == min(warmup + 1, m * v)
+
+
+def test_interleaved_order_is_megatrons():
+    F, B = (lambda i, c: Action("F", i, c)), (lambda i, c: Action("B", i, c))
+    assert build_schedule("interleaved", 2, 0, 4, 2) == [
+        F(0, 0), F(1, 0), F(0, 1), F(1, 1),                          # warm-up: 2*(p-r-1) + (v-1)*p = 4
+        F(2, 0), B(0, 1), F(3, 0), B(1, 1), F(2, 1), B(0, 0), F(3, 1), B(1, 0),  # steady 1F1B
+        B(2, 1), B(3, 1), B(2, 0), B(3, 0)]                          # cool-down
+
+
+def test_virtual_stage_and_single_stage():
+    assert [virtual_stage(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
+    for schedule in SCHEDULES:
+        assert build_schedule(schedule, 1, 0, 2) == [Action("F", 0, 0), Action("B", 0, 0),
+                                                      Action("F", 1, 0), Action("B", 1, 0)]
+
+
+@pytest.mark.parametrize("args,words", [
+    (("interleaved", 4, 6, 2), ["(6)", "(4)", "4, 8, 12"]),
+    (("1f1b", 4, 8, 2), ["vp_size=2", "interleaved"]),
+    (("zigzag", 4, 8, 1), ["zigzag", "gpipe"]),
+    (("gpipe", 2, 0, 1), ["micro-batches (0)"]),
+])
+def test_invalid_layouts_name_the_values(args, words):
+    with pytest.raises(ValueError) as error:
+        build_schedule(args[0], args[1], 0, args[2], args[3])
+    assert "\n" not in str(error.value) and all(w in str(error.value) for w in words)
+
+
+# ---- the communication plan ---------------------------------------------------------------------
+def strict_rendezvous_completes(plans) -> bool:
+    """Run the plans under NCCL's worst case: one stream per rank, a batch starts when the previous one is
+    done, and every send/receive completes only when its counterpart is in the peer's current batch."""
+    current = [0] * len(plans)
+
+    def matched(r: int) -> bool:  # every op of r's current batch has its counterpart in the peer's
+        return all(current[peer] < len(plans[peer]) and
+                   ("recv" if kind == "send" else "send", r, message) in plans[peer][current[peer]].ops
+                   for kind, peer, message in plans[r][current[r]].ops)
+
+    while any(current[r] < len(plans[r]) for r in range(len(plans))):
+        done = [r for r in range(len(plans)) if current[r] < len(plans[r]) and matched(r)]
+        if not done:
+            return False
+        for r in done:  # batches complete together with their counterparts
+            current[r] += 1
+    return True
+
+
+@pytest.mark.parametrize("schedule,p,m,v", list(layouts(ms=(1, 2, 3, 4, 8))) +
+                         [("forward_only", p, m, v) for p in (1, 2, 3, 4) for m in (1, 3, 4) for v in (1, 2, 3)])
+def test_receivers_post_in_senders_order_and_never_deadlock(schedule, p, m, v):
+    lists = all_lists(schedule, p, m, v)
+    plans = plan_steps(lists, v)
+    for r in range(p):  # every action runs once, in list order
+        assert [s.compute for s in plans[r] if s.compute is not None] == list(range(len(lists[r])))
+    for src, dst in itertools.product(range(p), repeat=2):
+        if src == dst:
+            continue
+        sent = [msg for s in plans[src] for kind, peer, msg in s.ops if kind == "send" and peer == dst]
+        received = [msg for s in plans[dst] for kind, peer, msg in s.ops if kind == "recv" and peer == src]
+        assert sent == received == outgoing_order(lists[src], src, p, v).get(dst, [])
+    assert strict_rendezvous_completes(plans)
+
+
+# ---- the simulator --------------------------------------------------------------------------------
+@pytest.mark.parametrize("costs", [(1, 2), (1, 1), (2, 1), (0.3, 1.7)])
+def test_bubble_formulas(costs):
+    for schedule, p, m, v in layouts(ms=(1, 2, 3, 4, 8, 12, 16), ps=(1, 2, 3, 4, 8), vs=(1, 2, 3, 4)):
+        timeline = simulate(schedule, p, m, v, *costs)
+        expected = (p - 1) / (m * v) if schedule == "interleaved" else (p - 1) / m
+        assert abs(timeline.bubble_fraction - expected) < 1e-9, (schedule, p, m, v, costs)
+
+
+def test_simulator_reports_deadlock():
+    bad = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_lists(bad, 1, 1)
+
+
+def test_strict_rendezvous_check_catches_crossed_sends():
+    # Both ranks send first and receive later: under NCCL's worst case neither send can complete.
+    from parallel.pipeline.p2p import Message, Step
+    x, y = Message("F", 0, 1), Message("B", 0, 0)
+    crossed = [[Step((("send", 1, x),), 0), Step((("recv", 1, y),), None)],
+               [Step((("send", 0, y),), 0), Step((("recv", 0, x),), None)]]
+    assert not strict_rendezvous_completes(crossed)
