@@ -40,7 +40,7 @@ def check_before_work(config: Config, world_size: int) -> int:
     from parallel.tensor_parallel import check_tensor_parallel_sizes
 
     dp = validate_layout(config, world_size)
-    check_tensor_parallel_sizes(config.model, config.parallel.tp_size)
+    check_tensor_parallel_sizes(config.model, config.parallel.tp_size, config.parallel.sequence_parallel)
     num_micro = config.train.global_batch_size // (config.train.micro_batch_size * dp)
     validate_schedule(config.parallel.schedule, config.parallel.pp_size, num_micro, config.parallel.vp_size)
     return dp
@@ -101,7 +101,7 @@ def build_run(config: Config, env: DistEnv) -> Run:
     datasets = build_datasets(config, env, train.global_batch_size)
 
     dtype = param_dtype(train.precision)
-    rng_tracker = RNGTracker(train.seed, state.tp_rank, state.pp_rank, env.device)
+    rng_tracker = RNGTracker.seeded(train.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
     chunks = build_model_chunks(
         model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,

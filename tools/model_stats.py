@@ -1,0 +1,123 @@
+"""Parameter counts, FLOPs per iteration and a memory estimate per device, on the meta device (no weights).
+
+    python tools/model_stats.py --config configs/paper/gpt_1t.yaml [section.key=value ...] [--dp N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from model.gpt import GPTModel  # noqa: E402
+from parallel.pipeline.stages import chunk_layer_ids, chunk_roles  # noqa: E402
+from parallel.state import ParallelState, rank_of  # noqa: E402
+from parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from training.config import Config, ConfigError, load_config  # noqa: E402
+from training.flops import flops_per_iteration  # noqa: E402
+
+GIB = 2.0 ** 30
+
+
+def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
+    """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
+    par, model_cfg = config.parallel, config.model
+    state = ParallelState(world_size=par.tp_size * par.pp_size * dp_size,
+                          rank=rank_of(tp_rank, 0, pp_rank, par.tp_size, dp_size),
+                          tp_size=par.tp_size, pp_size=par.pp_size, dp_size=dp_size, vp_size=par.vp_size)
+    chunks = []
+    for chunk in range(par.vp_size):
+        layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk)
+        pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk)
+        with torch.device("meta"):
+            model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post)
+            chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))
+    return chunks
+
+
+def count(chunks: list[GPTModel]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def total_parameters(config: Config) -> int:
+    """Parameters of the whole model, counted once (one process, tied embedding once)."""
+    with torch.device("meta"):
+        model = GPTModel(config.model, config.model.padded_vocab_size(config.parallel.tp_size))
+    return sum(p.numel() for p in model.parameters())
+
+
+def activation_bytes_per_layer(config: Config) -> float:
+    """Activation memory of one layer for one micro-batch (Korthikanti et al. 2022, 16-bit activations)."""
+    m, par = config.model, config.parallel
+    s, b, h, a, t = m.seq_length, config.train.micro_batch_size, m.hidden_size, m.num_attention_heads, par.tp_size
+    if config.train.recompute == "full":
+        return 2.0 * s * b * h / (t if par.sequence_parallel else 1)  # only the layer input is kept
+    attention_scores = 0.0 if config.train.recompute == "selective" else 5.0 * a * s / (h * t)
+    if par.sequence_parallel:
+        return s * b * h * (34.0 / t + attention_scores)
+    return s * b * h * (10.0 + 24.0 / t + attention_scores)
+
+
+def memory_estimate(config: Config, params_on_rank: int, layers_on_rank: int, dp_size: int) -> dict:
+    """Bytes on the busiest rank (pipeline stage 0 holds p micro-batches in flight under 1f1b)."""
+    precision, par = config.train.precision, config.parallel
+    weight_bytes = 4 if precision == "fp32" else 2
+    if precision == "fp32":
+        state_bytes = (4 + 8 / dp_size) if par.distributed_optimizer else 12  # grads + Adam moments
+    else:
+        state_bytes = (4 + 12 / dp_size) if par.distributed_optimizer else 16  # fp32 grads, master, moments
+    in_flight = par.pp_size if par.pp_size > 1 else 1
+    activations = activation_bytes_per_layer(config) * layers_on_rank * in_flight
+    return {"weights_and_optimizer": params_on_rank * (weight_bytes + state_bytes), "activations": activations}
+
+
+def report(config: Config, dp_size: int) -> list[str]:
+    par, m, train = config.parallel, config.model, config.train
+    total = total_parameters(config)
+    lines = [f"total parameters: {total:,} ({total / 1e9:.1f} B)",
+             f"layout: tp {par.tp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
+             f"padded vocabulary {m.padded_vocab_size(par.tp_size)}"]
+    busiest = (0, 0)
+    for pp_rank in range(par.pp_size):
+        chunks = meta_chunks(config, 0, pp_rank, dp_size)
+        layers = sum(len(chunk.layers) for chunk in chunks)
+        local = count(chunks)
+        busiest = max(busiest, (local, layers))
+        lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank "
+                     f"({local / 1e9:.3f} B)")
+    flops = flops_per_iteration(train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
+                                m.padded_vocab_size(par.tp_size), full_recompute=train.recompute == "full")
+    lines.append(f"training FLOPs per iteration (batch {train.global_batch_size}): {flops:.4e} "
+                 f"({flops / (par.tp_size * par.pp_size * dp_size) / 1e12:.1f} TFLOP per device)")
+    memory = memory_estimate(config, busiest[0], busiest[1], dp_size)
+    lines.append(f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
+                 f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "
+                 f"{memory['weights_and_optimizer'] / GIB:.1f} GiB, activations {memory['activations'] / GIB:.1f}"
+                 f" GiB, total {sum(memory.values()) / GIB:.1f} GiB")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (for the optimizer share)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        if config.model.vocab_size is None:
+            raise ConfigError("model.vocab_size must be set for model_stats (no tokenizer is loaded)")
+        if args.dp < 1:
+            raise ConfigError(f"--dp {args.dp} must be >= 1")
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(report(config, args.dp)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
