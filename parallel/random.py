@@ -1,0 +1,153 @@
+"""The model-parallel RNG tracker (Megatron's `CudaRNGStatesTracker`), as one object per process.
+
+Dropout must draw the same mask on every tp rank where activations are replicated (hidden dropout without
+sequence parallelism: otherwise the replicas diverge) and different masks where each rank holds a different
+part (attention heads; anything along a sequence shard: otherwise the masks are correlated). So:
+
+    default generator of the device   seed + 100 * pp_rank            same on all tp (and dp) ranks
+    tracker's "model-parallel" state  seed + 100 * pp_rank + 2718 + tp_rank
+
+`RNGTracker.fork()` swaps the tracker's state into the device's default generator for the duration of a
+block. `ForkRNG` wraps a module so its forward runs inside `fork()`. `make_checkpoint_fn` builds the
+activation-checkpoint function that replays the same tracker-forked masks on recomputation.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+MODEL_PARALLEL = "model-parallel"
+TP_SEED_OFFSET = 2718
+
+
+class RNGTracker:
+    """Named generator states that `fork()` swaps into the default generator of `device`'s type.
+
+    Args:
+        device: "cpu" or "cuda" (default: cuda when available). Dropout on CUDA tensors draws from the
+            CUDA generator, on CPU tensors from the CPU one: the tracker swaps the one the model uses.
+    """
+
+    def __init__(self, device: Optional[str | torch.device] = None):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device_type = torch.device(device).type
+        self.states: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def seeded(cls, seed: int, tp_rank: int = 0, pp_rank: int = 0,
+               device: Optional[str | torch.device] = None) -> "RNGTracker":
+        """Seed the process as Megatron does and return its tracker (call once per process)."""
+        tracker = cls(device)
+        offset = seed + 100 * pp_rank
+        random.seed(offset)
+        torch.manual_seed(offset)  # CPU and every CUDA device
+        tracker.add(MODEL_PARALLEL, offset + TP_SEED_OFFSET + tp_rank)
+        return tracker
+
+    # ---- the device's default generator ---------------------------------------------------------
+    def _get_device_state(self) -> torch.Tensor:
+        if self.device_type == "cuda":
+            return torch.cuda.get_rng_state()
+        return torch.get_rng_state()
+
+    def _set_device_state(self, state: torch.Tensor) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.set_rng_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    # ---- tracked states --------------------------------------------------------------------------
+    def add(self, name: str, seed: int) -> None:
+        """Register a generator state seeded with `seed`, leaving the default generator untouched."""
+        if name in self.states:
+            raise ValueError(f"RNG tracker state {name!r} already exists")
+        original = self._get_device_state()
+        if self.device_type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.random.default_generator.manual_seed(seed)
+        self.states[name] = self._get_device_state()
+        self._set_device_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL) -> Iterator[None]:
+        """Run the block on the tracked state `name`; the default generator is restored afterwards and the
+        tracked state keeps its advance, so consecutive forks draw fresh numbers."""
+        original = self._get_device_state()
+        self._set_device_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get_device_state()
+            self._set_device_state(original)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the random streams: python, CPU, CUDA (if any), tracker states."""
+        return {"python": random.getstate(), "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": self.get_states(), "device_type": self.device_type}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["cpu"])
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        self.set_states(state["tracker"])
+
+
+class ForkRNG(nn.Module):
+    """Runs `module` inside `tracker.fork()`: for dropout that lives in a tp or sequence-parallel region.
+    Holds no parameters, so parameter names of the model are unchanged."""
+
+    def __init__(self, module: nn.Module, tracker: RNGTracker):
+        super().__init__()
+        self.module = module
+        self.tracker = tracker
+
+    def forward(self, *args, **kwargs):
+        with self.tracker.fork():
+            return self.module(*args, **kwargs)
+
+
+def make_checkpoint_fn(rng_tracker: RNGTracker) -> Callable:
+    """`checkpoint_fn(fn, *args)`: non-reentrant activation checkpointing whose recomputation sees the same
+    random numbers as the original forward, for the default generator (preserve_rng_state) and for the
+    tracker's states (snapshot at forward, swapped in during recomputation, then restored)."""
+
+    def context_fn():
+        snapshot: dict[str, torch.Tensor] = {}
+
+        @contextlib.contextmanager
+        def forward_context():
+            snapshot.update(rng_tracker.get_states())
+            yield
+
+        @contextlib.contextmanager
+        def recompute_context():
+            current = rng_tracker.get_states()
+            rng_tracker.set_states(snapshot)
+            try:
+                yield
+            finally:
+                rng_tracker.set_states(current)
+
+        return forward_context(), recompute_context()
+
+    def checkpoint_fn(fn: Callable, *args):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                                                 context_fn=context_fn)
+
+    return checkpoint_fn

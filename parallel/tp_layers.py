@@ -1,0 +1,231 @@
+"""Tensor-parallel layers (Megatron's `layers.py` and `cross_entropy.py`), built on parallel/tp_mappings.py.
+
+    ColumnParallelLinear    Y_local = X A_local      A split by output rows     [s, b, h] -> [s, b, out/tp]
+    RowParallelLinear       Y = sum_r X_r A_r + b    A split by input columns   [s, b, in/tp] -> [s, b, out]
+    VocabParallelEmbedding  rows of the table split by vocabulary, lookups outside the shard give 0
+    vocab_parallel_cross_entropy  per-token loss from logits [s, b, V/tp] without gathering them
+
+Every parameter carries the conventions model/init.py and the trainer read:
+    full_shape       the unsharded shape (init draws this, then cuts)
+    shard_fn(full)   full tensor -> this rank's shard
+    tensor_parallel  True: sharded over tp; False: replicated on every tp rank
+    partition_dim    the dim that is split (-1 when replicated)
+    sequence_parallel True on replicated parameters whose gradient is partial under sequence parallelism
+                     (each rank saw s/tp tokens): all-reduce it over tp after backward
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.tp_mappings import (TPComm, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
+                                  gather_from_tp_region, reduce_from_tp_region,
+                                  reduce_scatter_to_sequence_parallel_region)
+
+
+# ---- shard functions (module level so parameters stay deep-copyable) ------------------------------
+def shard_dim0(full: torch.Tensor, rank: int, size: int, num_stacked: int = 1) -> torch.Tensor:
+    """Rank's slice of dim 0; with num_stacked > 1 dim 0 is [num_stacked blocks] and each block is split
+    (SwiGLU's fc1 [gate; up]: rank r keeps gate_r and up_r, so the local output still chunks in two)."""
+    rest = full.shape[1:]
+    blocks = full.reshape(num_stacked, full.shape[0] // num_stacked, *rest)
+    block_local = blocks.shape[1] // size
+    return blocks.narrow(1, rank * block_local, block_local).reshape(-1, *rest)
+
+
+def shard_dim1(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank's slice of dim 1 (the input dim of a row-parallel weight)."""
+    local = full.shape[1] // size
+    return full.narrow(1, rank * local, local)
+
+
+def _new_param(shape: tuple[int, ...], device, dtype, template: Optional[nn.Parameter],
+               shard_fn: Optional[Callable], **attrs) -> nn.Parameter:
+    """A parameter of the local `shape`: the shard of `template`'s value when it has one (not meta),
+    else uninitialised (meta build: model/init.py fills it later). Keeps the template's attributes
+    (init_name, shared_embedding, ...) and adds `attrs`."""
+    if template is not None and not template.is_meta:
+        value = shard_fn(template.detach()) if shard_fn is not None else template.detach()
+        value = value.clone().contiguous()
+    else:
+        value = torch.empty(shape, device=device, dtype=dtype)
+    param = nn.Parameter(value, requires_grad=True if template is None else template.requires_grad)
+    if template is not None:
+        param.__dict__.update(template.__dict__)
+    param.__dict__.update(attrs, shard_fn=shard_fn)
+    return param
+
+
+def _check_divisible(what: str, value: int, size: int) -> None:
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by parallel.tp_size={size}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear with the weight [out, in] split along `out`: [s(/tp), b, in] -> [s, b, out/tp].
+
+    Input: with sequence parallelism the [s/tp, b, in] shards are all-gathered (backward: reduce-scatter),
+    else the replicated input enters the tp region through copy (backward: all-reduce of partial grads).
+    `gather_output` all-gathers the result to [s, b, out] (unused by the GPT: the next op is row-parallel
+    or the vocab-parallel loss). `num_stacked` blocks along `out` are split separately (SwiGLU's fc1).
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+                 sequence_parallel: bool = False, gather_output: bool = False, num_stacked: int = 1,
+                 device=None, dtype=None, template: Optional[nn.Linear] = None):
+        super().__init__()
+        _check_divisible(f"output size {out_features} / {num_stacked} blocks", out_features // num_stacked,
+                         comm.size)
+        if gather_output and num_stacked > 1:
+            raise ValueError("gather_output with stacked blocks would interleave them: not supported")
+        self.comm, self.sequence_parallel, self.gather_output = comm, sequence_parallel, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        out_local = out_features // comm.size
+        shard = partial(shard_dim0, rank=comm.rank, size=comm.size, num_stacked=num_stacked)
+        self.weight = _new_param((out_local, in_features), device, dtype, getattr(template, "weight", None),
+                                 shard, full_shape=(out_features, in_features), tensor_parallel=True,
+                                 partition_dim=0)
+        self.bias = None
+        if bias:
+            self.bias = _new_param((out_local,), device, dtype, getattr(template, "bias", None), shard,
+                                   full_shape=(out_features,), tensor_parallel=True, partition_dim=0)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> "ColumnParallelLinear":
+        """The parallel version of `linear` (meta or real: a real weight keeps its own values, sharded)."""
+        return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                   device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.comm)  # [s/tp, b, in] -> [s, b, in]
+        else:
+            x = copy_to_tp_region(x, self.comm)  # [s, b, in]
+        y_local = F.linear(x, self.weight, self.bias)  # [s, b, out/tp]
+        return gather_from_tp_region(y_local, self.comm) if self.gather_output else y_local
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, out_local={self.weight.shape[0]}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear with the weight [out, in] split along `in`: [s, b, in/tp] -> [s(/tp), b, out].
+
+    The partial products are summed over tp by an all-reduce, or with sequence parallelism by a
+    reduce-scatter along s. The bias is replicated and added after the reduction (once, not tp times);
+    under sequence parallelism its gradient is partial, so it is marked `sequence_parallel`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
+                 sequence_parallel: bool = False, device=None, dtype=None,
+                 template: Optional[nn.Linear] = None):
+        super().__init__()
+        _check_divisible(f"input size", in_features, comm.size)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        shard = partial(shard_dim1, rank=comm.rank, size=comm.size)
+        self.weight = _new_param((out_features, in_features // comm.size), device, dtype,
+                                 getattr(template, "weight", None), shard,
+                                 full_shape=(out_features, in_features), tensor_parallel=True,
+                                 partition_dim=1)
+        self.bias = None
+        if bias:
+            self.bias = _new_param((out_features,), device, dtype, getattr(template, "bias", None), None,
+                                   full_shape=(out_features,), tensor_parallel=False, partition_dim=-1,
+                                   sequence_parallel=sequence_parallel)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> "RowParallelLinear":
+        return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                   device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        partial_sum = F.linear(x_local, self.weight)  # [s, b, out], this rank's share of the sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.comm)  # [s/tp, b, out]
+        else:
+            y = reduce_from_tp_region(partial_sum, self.comm)  # [s, b, out]
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, in_local={self.weight.shape[1]}, out={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table [V, h] split by vocabulary rows; each rank looks up the ids in its range, zeros the
+    others, and the all-reduce sums the one non-zero contribution: ids [b, s] -> [b, s, h] replicated."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: TPComm, *, device=None, dtype=None,
+                 template: Optional[nn.Embedding] = None):
+        super().__init__()
+        _check_divisible("padded vocabulary size", num_embeddings, comm.size)
+        self.comm = comm
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        rows_local = num_embeddings // comm.size
+        self.vocab_start, self.vocab_end = comm.rank * rows_local, (comm.rank + 1) * rows_local
+        shard = partial(shard_dim0, rank=comm.rank, size=comm.size)
+        self.weight = _new_param((rows_local, embedding_dim), device, dtype, getattr(template, "weight", None),
+                                 shard, full_shape=(num_embeddings, embedding_dim), tensor_parallel=True,
+                                 partition_dim=0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, comm: TPComm) -> "VocabParallelEmbedding":
+        return cls(embedding.num_embeddings, embedding.embedding_dim, comm, device=embedding.weight.device,
+                   dtype=embedding.weight.dtype, template=embedding)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h]
+        return reduce_from_tp_region(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Stable softmax cross entropy over a vocabulary split across tp: three all-reduces of [s, b]
+    tensors (max, target logit, sum of exp) instead of gathering [s, b, V]."""
+
+    @staticmethod
+    def forward(ctx, logits_local: torch.Tensor, target: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        # logits_local [s, b, V/tp] (any float dtype), target [s, b] -> loss [s, b] fp32
+        logits = logits_local.float()
+        logits_max = all_reduce(logits.max(dim=-1).values, comm, "forward", op=dist.ReduceOp.MAX)
+        logits = logits - logits_max.unsqueeze(-1)  # a fresh fp32 tensor that we may overwrite
+        vocab_local = logits.shape[-1]
+        start = comm.rank * vocab_local
+        outside = (target < start) | (target >= start + vocab_local)
+        target_local = (target - start).masked_fill(outside, 0)
+        predicted = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = all_reduce(predicted, comm, "forward")  # [s, b] the target's logit
+        softmax = logits.exp_()
+        sum_exp = all_reduce(softmax.sum(dim=-1), comm, "forward")  # [s, b]
+        softmax.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, target_local)
+        ctx.input_dtype = logits_local.dtype
+        return sum_exp.log() - predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        # d loss / d logit_v = softmax_v - [v == target]; only the owner of the target subtracts the 1.
+        softmax, outside, target_local = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, target_local.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor,
+                                 comm: TPComm) -> torch.Tensor:
+    """Per-token loss [s, b] in fp32 from vocabulary-sharded logits [s, b, V/tp] and labels [s, b]."""
+    return _VocabParallelCrossEntropy.apply(logits_local, labels, comm)

@@ -1,0 +1,250 @@
+"""Communication in and out of tensor-parallel regions, as autograd functions (Megatron's `mappings.py`).
+
+Each function is a pair of conjugate collectives: what forward does, backward undoes on the gradient.
+
+    copy_to_tp_region                      fwd identity            bwd all-reduce
+    reduce_from_tp_region                  fwd all-reduce          bwd identity
+    scatter_to_tp_region                   fwd split last dim      bwd all-gather last dim
+    gather_from_tp_region                  fwd all-gather last dim bwd split last dim
+    scatter_to_sequence_parallel_region    fwd split dim 0 (s)     bwd all-gather dim 0
+    gather_from_sequence_parallel_region   fwd all-gather dim 0    bwd reduce-scatter dim 0
+    reduce_scatter_to_sequence_parallel_region
+                                           fwd reduce-scatter dim 0 bwd all-gather dim 0
+
+A `TPComm` carries what a collective needs (group, rank, size) plus an optional `CommCounter` and a scope
+label ("layer", "embedding", "output", "loss") so the per-transformer-layer count can be checked apart.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import all_gather_into, reduce_scatter_into
+
+
+class CommCounter:
+    """Counts tensor-parallel collectives by (scope, kind, phase); phase is "forward" or "backward".
+
+    A plain object owned by whoever wants the numbers (the trainer logs `summary()` after the first
+    iteration). Recomputation (activation checkpointing) repeats forward collectives during backward; they
+    are counted as "forward", which is what they are.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+
+    def record(self, scope: str, kind: str, phase: str, tensor: torch.Tensor) -> None:
+        key = (scope, kind, phase)
+        self.counts[key] += 1
+        self.bytes[key] += tensor.numel() * tensor.element_size()
+
+    def count(self, kind: str, phase: str, scope: Optional[str] = "layer") -> int:
+        """Calls of `kind` in `phase` within `scope` (None: all scopes)."""
+        return sum(n for (s, k, p), n in self.counts.items()
+                   if k == kind and p == phase and (scope is None or s == scope))
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.bytes.clear()
+
+    def summary(self, num_layers: Optional[int] = None, num_microbatches: int = 1) -> str:
+        """One line per (scope, kind, phase); with `num_layers`, layer counts also per layer per micro-batch."""
+        lines = []
+        for (scope, kind, phase), n in sorted(self.counts.items()):
+            mib = self.bytes[(scope, kind, phase)] / 2**20
+            line = f"tp comm {scope:9s} {kind:14s} {phase:8s} {n:6d} calls {mib:10.3f} MiB"
+            if scope == "layer" and num_layers:
+                line += f"  ({n / (num_layers * num_microbatches):g} per layer per micro-batch)"
+            lines.append(line)
+        return "\n".join(lines) if lines else "tp comm: none recorded"
+
+
+@dataclass(frozen=True)
+class TPComm:
+    """The tensor-parallel group as seen by one rank, plus where to count its collectives."""
+
+    group: Any
+    rank: int
+    size: int
+    counter: Optional[CommCounter] = None
+    scope: str = "layer"
+
+    def with_scope(self, scope: str) -> "TPComm":
+        return replace(self, scope=scope)
+
+    def record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
+        if self.counter is not None:
+            self.counter.record(self.scope, kind, phase, tensor)
+
+
+# ---- the raw collectives (no autograd) ------------------------------------------------------------
+def all_reduce(x: torch.Tensor, comm: TPComm, phase: str,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over the tp group, in place when x is contiguous (returns the reduced tensor)."""
+    if comm.size == 1:
+        return x
+    comm.record("all_reduce", phase, x)
+    x = x.contiguous()
+    dist.all_reduce(x, op=op, group=comm.group)
+    return x
+
+
+def _split_last(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    comm.record("all_gather", phase, x)
+    # Gather along dim 0 (contiguous), then move the rank axis next to the last dim.
+    out = torch.empty((comm.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x.contiguous(), group=comm.group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+def _split_first(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    if x.shape[0] % comm.size:
+        raise ValueError(f"sequence parallelism: sequence length {x.shape[0]} is not divisible by "
+                         f"parallel.tp_size={comm.size}")
+    return x.chunk(comm.size, dim=0)[comm.rank].contiguous()
+
+
+def _gather_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    comm.record("all_gather", phase, x)
+    out = torch.empty((x.shape[0] * comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x.contiguous(), group=comm.group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    if x.shape[0] % comm.size:
+        raise ValueError(f"sequence parallelism: sequence length {x.shape[0]} is not divisible by "
+                         f"parallel.tp_size={comm.size}")
+    comm.record("reduce_scatter", phase, x)
+    out = torch.empty((x.shape[0] // comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, x.contiguous(), group=comm.group)
+    return out
+
+
+# ---- autograd functions ---------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.comm, "backward"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        # In place, as Megatron: x is a fresh matmul output that nothing saved for backward.
+        return all_reduce(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _split_last(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.comm, "backward"), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_last(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.comm), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _split_first(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.comm, "backward"), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, tensor_parallel_output_grad):
+        ctx.comm, ctx.tp_output_grad = comm, tensor_parallel_output_grad
+        return _gather_first(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        # If the consumer is a tp-parallel op, each rank holds a partial gradient: sum and keep our rows.
+        if ctx.tp_output_grad:
+            return _reduce_scatter_first(grad, ctx.comm, "backward"), None, None
+        return _split_first(grad, ctx.comm), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_first(x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.comm, "backward"), None
+
+
+def copy_to_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, comm)
+
+
+def scatter_to_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _ScatterToTP.apply(x, comm)
+
+
+def gather_from_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _GatherFromTP.apply(x, comm)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _ScatterToSP.apply(x, comm)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, comm: TPComm,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    return _GatherFromSP.apply(x, comm, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return _ReduceScatterToSP.apply(x, comm)

@@ -1,0 +1,262 @@
+"""Tensor-parallel layers against their serial versions on gloo ranks; size checks; the RNG tracker."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
+from parallel.state import ParallelState
+from parallel.tensor_parallel import (ColumnParallelLinear, CommCounter, RowParallelLinear, VocabParallelEmbedding,
+                                      allreduce_sequence_parallel_grads, apply_tensor_parallel,
+                                      check_tensor_parallel_sizes, tp_comm, vocab_parallel_cross_entropy)
+from tests.conftest import run_ranks
+
+S, B, H, OUT = 8, 2, 12, 16  # sequence, batch, in features, out features (all divisible by 2 and 4)
+
+
+def _same_random(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def _world_tp_state(rank, world_size):
+    """tp over the whole world: group None is the default group, so no new_group calls are needed."""
+    return ParallelState(world_size=world_size, rank=rank, tp_size=world_size, pp_size=1, dp_size=1)
+
+
+def _serial_linear(in_features, out_features, bias):
+    torch.manual_seed(1)  # same weights on every rank
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _run_serial(linear, x, grad_out):
+    x = x.clone().requires_grad_()
+    y = linear(x)
+    y.backward(grad_out)
+    return y.detach(), x.grad, linear.weight.grad, None if linear.bias is None else linear.bias.grad
+
+
+def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
+    state = _world_tp_state(rank, world_size)
+    comm = tp_comm(state)
+    serial = _serial_linear(H, OUT, bias)
+    x, grad_out = _same_random(S, B, H, seed=2), _same_random(S, B, OUT, seed=3)
+    y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
+    layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel,
+                                             num_stacked=num_stacked)
+    shard_out = layer.weight.shard_fn  # [.., OUT] -> [.., OUT/tp] along dim 0
+    x_local = x.chunk(world_size, 0)[rank] if sequence_parallel else x
+    x_local = x_local.clone().requires_grad_()
+    y_local = layer(x_local)
+    y_local.backward(shard_out(grad_out.movedim(-1, 0)).movedim(0, -1))
+    _close(y_local, shard_out(y.movedim(-1, 0)).movedim(0, -1), "column output")
+    _close(x_local.grad, x_grad.chunk(world_size, 0)[rank] if sequence_parallel else x_grad, "column dx")
+    _close(layer.weight.grad, shard_out(w_grad), "column dW")
+    if bias:
+        _close(layer.bias.grad, layer.bias.shard_fn(b_grad), "column db")
+    assert layer.weight.tensor_parallel and layer.weight.partition_dim == 0
+    assert tuple(layer.weight.full_shape) == (OUT, H)
+
+
+def _row_case(rank, world_size, sequence_parallel, bias):
+    state = _world_tp_state(rank, world_size)
+    comm = tp_comm(state)
+    serial = _serial_linear(OUT, H, bias)
+    x, grad_out = _same_random(S, B, OUT, seed=4), _same_random(S, B, H, seed=5)
+    y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
+    layer = RowParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel)
+    x_local = x.chunk(world_size, -1)[rank].clone().requires_grad_()
+    y_local = layer(x_local)
+    seq_shard = (lambda t: t.chunk(world_size, 0)[rank]) if sequence_parallel else (lambda t: t)
+    y_local.backward(seq_shard(grad_out))
+    allreduce_sequence_parallel_grads(layer.parameters(), state)
+    _close(y_local, seq_shard(y), "row output")
+    _close(x_local.grad, x_grad.chunk(world_size, -1)[rank], "row dx")
+    _close(layer.weight.grad, layer.weight.shard_fn(w_grad), "row dW")
+    if bias:
+        _close(layer.bias.grad, b_grad, "row db")
+        assert not layer.bias.tensor_parallel and layer.bias.sequence_parallel == sequence_parallel
+
+
+def _all_layer_cases(rank, world_size):
+    """One launch per tp size for every layer case (forking ranks is the slow part on a busy machine)."""
+    for sequence_parallel in (False, True):
+        _column_case(rank, world_size, sequence_parallel, 1, True)
+        _row_case(rank, world_size, sequence_parallel, True)
+    _column_case(rank, world_size, False, 2, False)  # SwiGLU fc1: (gate_local, up_local) halves, no bias
+    _embedding_case(rank, world_size)
+    cfg = ModelConfig(vocab_size=10, make_vocab_size_divisible_by=1)  # 10 not divisible by 4: padded
+    _cross_entropy_case(rank, world_size, 10, cfg.padded_vocab_size(world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_layers_match_serial(world_size):
+    """Column (+SP, +SwiGLU halves), Row (+SP), VocabParallelEmbedding and the vocab-parallel cross
+    entropy: outputs and input/weight/bias gradients equal the serial layer's."""
+    run_ranks(world_size, _all_layer_cases)
+
+
+def test_swiglu_shard_keeps_gate_up_pairs():
+    from parallel.tp_layers import shard_dim0
+    full = torch.arange(8.0).view(8, 1)  # gate rows 0..3, up rows 4..7
+    local = shard_dim0(full, rank=1, size=2, num_stacked=2)
+    assert local.flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+
+
+def _embedding_case(rank, world_size):
+    state = _world_tp_state(rank, world_size)
+    torch.manual_seed(1)
+    serial = nn.Embedding(20, H)
+    ids = torch.randint(0, 20, (B, S), generator=torch.Generator().manual_seed(6))
+    grad_out = _same_random(B, S, H, seed=7)
+    serial(ids).backward(grad_out)
+    layer = VocabParallelEmbedding.from_embedding(serial, tp_comm(state))
+    y = layer(ids)
+    y.backward(grad_out)
+    _close(y, serial(ids).detach(), "embedding output")
+    _close(layer.weight.grad, layer.weight.shard_fn(serial.weight.grad), "embedding dW")
+
+
+def _cross_entropy_case(rank, world_size, vocab, padded):
+    state = _world_tp_state(rank, world_size)
+    logits = _same_random(S, B, padded, seed=8) * 3
+    labels = torch.randint(0, vocab, (S, B), generator=torch.Generator().manual_seed(9))
+    grad_out = _same_random(S, B, seed=10)
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full.view(-1, padded), labels.view(-1), reduction="none").view(S, B)
+    expected.backward(grad_out)
+    local = logits.chunk(world_size, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, labels, tp_comm(state))
+    loss.backward(grad_out)
+    assert loss.dtype == torch.float32 and loss.shape == (S, B)
+    _close(loss, expected.detach(), "loss")
+    _close(local.grad, full.grad.chunk(world_size, -1)[rank], "dlogits")
+
+
+def test_vocab_parallel_cross_entropy_bf16_single_rank():
+    """Without a group (tp = 1) the same function works, and the bf16 gradient comes back in bf16."""
+    comm = tp_comm(ParallelState.single())
+    logits = _same_random(S, B, 12, seed=11).bfloat16().requires_grad_()
+    labels = torch.randint(0, 12, (S, B))
+    loss = vocab_parallel_cross_entropy(logits, labels, comm)
+    expected = F.cross_entropy(logits.float().view(-1, 12), labels.view(-1), reduction="none").view(S, B)
+    _close(loss, expected.detach(), "bf16 loss")
+    loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+# ---- size checks ------------------------------------------------------------------------------------
+def _fake_state(tp_size):
+    return ParallelState(world_size=tp_size, rank=0, tp_size=tp_size, pp_size=1, dp_size=1)
+
+
+@pytest.mark.parametrize("key, kwargs", [
+    ("num_attention_heads", dict(num_attention_heads=6, hidden_size=48)),
+    ("num_query_groups", dict(num_attention_heads=8, num_query_groups=2, hidden_size=64)),
+    ("ffn_hidden_size", dict(ffn_hidden_size=102)),
+])
+def test_tp_not_dividing_model_fails_clearly(key, kwargs):
+    cfg = ModelConfig(vocab_size=64, **kwargs)
+    with pytest.raises(ValueError, match=rf"parallel.tp_size=4 does not divide model.{key}="):
+        check_tensor_parallel_sizes(cfg, 4)
+    with torch.device("meta"):
+        model = GPTModel(cfg, 64)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=rf"model.{key}"):
+        apply_tensor_parallel(model, _fake_state(4))
+    assert [type(m) for m in model.modules()] == before  # raised before any work
+
+
+def test_tp_one_returns_model_unchanged():
+    cfg = ModelConfig(vocab_size=64, num_layers=1, hidden_size=32)
+    with torch.device("meta"):
+        model = GPTModel(cfg, 64)
+    assert apply_tensor_parallel(model, ParallelState.single()) is model
+    assert isinstance(model.layers["0"].mlp.fc1, nn.Linear)
+
+
+# ---- RNG tracker ------------------------------------------------------------------------------------
+def test_rng_tracker_seeds_and_round_trip():
+    tracker = RNGTracker.seeded(1234, tp_rank=1, pp_rank=2, device="cpu")
+    default_draw = torch.rand(4)
+    assert torch.equal(default_draw, torch.rand(4, generator=torch.Generator().manual_seed(1234 + 200)))
+    with tracker.fork():
+        forked = torch.rand(4)
+    assert torch.equal(forked, torch.rand(4, generator=torch.Generator().manual_seed(1234 + 200 + 2718 + 1)))
+    saved = tracker.state_dict()
+    with tracker.fork():
+        expect_forked = torch.rand(3)
+    expect_default = torch.rand(3)
+    other = RNGTracker("cpu")
+    other.load_state_dict(saved)
+    with other.fork():
+        assert torch.equal(torch.rand(3), expect_forked)
+    assert torch.equal(torch.rand(3), expect_default)
+
+
+def test_rng_tracker_tp_ranks_differ_default_shared():
+    draws = []
+    for tp_rank in (0, 1):
+        tracker = RNGTracker.seeded(7, tp_rank=tp_rank, device="cpu")
+        with tracker.fork():
+            forked = torch.rand(5)
+        draws.append((forked, torch.rand(5)))
+    assert not torch.equal(draws[0][0], draws[1][0])
+    assert torch.equal(draws[0][1], draws[1][1])
+
+
+def _dropout_block(tracker):
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(16, 16), ForkRNG(nn.Dropout(0.5), tracker), nn.Linear(16, 16),
+                         nn.Dropout(0.5), ForkRNG(nn.Dropout(0.3), tracker))
+
+
+def test_recompute_replays_tracker_and_default_masks():
+    grads = []
+    for recompute in (False, True):
+        tracker = RNGTracker.seeded(5, device="cpu")
+        block = _dropout_block(tracker)
+        x = torch.randn(4, 16, requires_grad=True)
+        fn = make_checkpoint_fn(tracker)
+        # advance the tracker between forward and backward: recompute must still use the forward's state
+        y = fn(block, x) if recompute else block(x)
+        with tracker.fork():
+            torch.rand(100)
+        torch.rand(100)
+        y.square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in block.parameters()])
+    for no_recompute, with_recompute in zip(*grads):
+        assert torch.equal(no_recompute, with_recompute)
+
+
+def test_gpt_recompute_with_dropout_bitwise_equal():
+    """Whole GPT, tp = 1 with tracker-wrapped attention dropout: full and selective recompute give the
+    same gradients bit for bit as no recompute."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                      hidden_dropout=0.2, attention_dropout=0.3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(8).expand(2, 8)
+    results = []
+    for mode in ("none", "full", "selective"):
+        tracker = RNGTracker.seeded(11, device="cpu")
+        model = apply_tensor_parallel(GPTModel(cfg, 64), ParallelState.single(), rng_tracker=tracker)
+        if mode != "none":
+            model.set_recompute(mode, "uniform", 0, make_checkpoint_fn(tracker))
+        model(ids, pos, labels=ids).sum().backward()
+        results.append([p.grad for p in model.parameters()])
+    for grads in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], grads))
+
+
+def test_comm_counter_summary_and_reset():
+    counter = CommCounter()
+    counter.record("layer", "all_reduce", "forward", torch.zeros(4))
+    assert counter.count("all_reduce", "forward") == 1
+    assert "all_reduce" in counter.summary(num_layers=1)
+    counter.reset()
+    assert counter.count("all_reduce", "forward") == 0
