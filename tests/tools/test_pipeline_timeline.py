@@ -1,0 +1,46 @@
+"""tools/pipeline_timeline.py as users run it: a subprocess printing the bubble line and writing a PNG."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "pipeline_timeline.py")
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("schedule,p,m,v,costs,expected", [
+    ("interleaved", 4, 8, 2, ("1", "2"), 3 / 16),
+    ("1f1b", 4, 8, 1, ("1.5", "2.5"), 3 / 8),
+    ("gpipe", 3, 5, 1, ("2", "1"), 2 / 5),
+])
+def test_prints_bubble_and_writes_png(tmp_path, schedule, p, m, v, costs, expected):
+    output = tmp_path / "timeline.png"
+    result = run_tool("--pp", str(p), "--microbatches", str(m), "--vp", str(v), "--schedule", schedule,
+                      "--forward-cost", costs[0], "--backward-cost", costs[1], "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("bubble fraction: "))
+    assert abs(float(line.split(": ")[1]) - expected) < 1e-9
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 1000
+
+
+def test_exact_bubble_line():
+    result = run_tool("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved",
+                      "--output", os.devnull)
+    assert "bubble fraction: 0.1875\n" in result.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--pp", "4", "--microbatches", "6", "--vp", "2", "--schedule", "interleaved"), "multiple of"),
+    (("--pp", "4", "--microbatches", "8", "--schedule", "zigzag"), "unknown"),
+    (("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "1f1b"), "interleaved"),
+])
+def test_invalid_input_exits_2_with_one_line(tmp_path, args, words):
+    result = run_tool(*args, "--output", str(tmp_path / "x.png"))
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr
+    assert not (tmp_path / "x.png").exists()

@@ -1,0 +1,103 @@
+"""Simulate a pipeline schedule, print its bubble fraction and draw its timeline as a PNG.
+
+    python tools/pipeline_timeline.py --pp 4 --microbatches 8 --vp 2 --schedule interleaved \\
+        [--forward-cost 1 --backward-cost 2] --output timeline.png
+
+The timeline comes from the same action lists the executor runs (parallel/pipeline/schedules.py). Costs are
+per whole stage per micro-batch (a chunk costs 1/vp of it); communication costs nothing. The bubble fraction
+is a rank's idle time divided by its ideal compute time: (p-1)/m for gpipe and 1f1b, (p-1)/(vp*m) for
+interleaved. Invalid input prints one line and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from parallel.pipeline.schedules import SCHEDULES, validate_schedule  # noqa: E402
+from parallel.pipeline.simulator import Timeline, simulate  # noqa: E402
+
+HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per iteration m")
+    parser.add_argument("--vp", type=int, default=1, help="model chunks per rank (interleaved only)")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
+    parser.add_argument("--forward-cost", type=float, default=1.0, help="forward time of a stage")
+    parser.add_argument("--backward-cost", type=float, default=2.0, help="backward time of a stage")
+    parser.add_argument("--output", default="timeline.png", help="PNG to write")
+    return parser.parse_args(argv)
+
+
+def box_colour(microbatch: int, chunk: int, op: str, num_microbatches: int):
+    """Colour by micro-batch; backward darker than forward; later chunks paler."""
+    palette = plt.get_cmap("tab10" if num_microbatches <= 10 else "tab20")
+    red, green, blue = to_rgb(palette(microbatch % palette.N))
+    shade = 0.75 if op == "B" else 1.0  # darken backward boxes
+    pale = 0.3 * chunk / max(1, chunk + 1)  # blend later chunks towards white
+    return tuple(min(1.0, c * shade * (1 - pale) + pale) for c in (red, green, blue))
+
+
+def draw(timeline: Timeline, schedule: str, path: str) -> None:
+    """One row per rank, a box per forward/backward, labelled with its micro-batch."""
+    p, v, m = timeline.pp_size, timeline.vp_size, timeline.num_microbatches
+    fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.45), 1.0 + 0.6 * p))
+    for event in timeline.events:
+        action = event.action
+        ax.barh(event.rank, event.end - event.start, left=event.start, height=0.8,
+                color=box_colour(action.microbatch, action.chunk, action.op, m),
+                hatch=HATCHES[action.chunk % len(HATCHES)], edgecolor="black", linewidth=0.6)
+        weight = "bold" if action.op == "B" else "normal"
+        ax.text((event.start + event.end) / 2, event.rank, f"{action.op}{action.microbatch + 1}",
+                ha="center", va="center", fontsize=7, fontweight=weight,
+                bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none", alpha=0.6))
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()  # rank 0 on top, as in the paper's figures
+    ax.set_xlim(0, timeline.makespan)
+    ax.set_xlabel("time (units of --forward-cost / --backward-cost)")
+    ax.set_title(f"{schedule}: p={p}, m={m}, vp={v}; bubble fraction {timeline.bubble_fraction:.4f}"
+                 f"  (F = forward, B = backward, number = micro-batch)")
+    legend = [Patch(facecolor="lightgrey", edgecolor="black", label="F: forward"),
+              Patch(facecolor="grey", edgecolor="black", label="B: backward (darker)")]
+    if v > 1:
+        legend += [Patch(facecolor="white", edgecolor="black", hatch=HATCHES[c % len(HATCHES)],
+                         label=f"chunk {c}") for c in range(v)]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # leave the bottom strip to the legend
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        validate_schedule(args.schedule, args.pp, args.microbatches, args.vp)
+        if args.forward_cost <= 0 or args.backward_cost <= 0:
+            raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost "
+                             f"({args.backward_cost}) must be > 0")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    timeline = simulate(args.schedule, args.pp, args.microbatches, args.vp,
+                        args.forward_cost, args.backward_cost)
+    # Rounded so that exact fractions print plainly (0.1875, not 0.18750000000000003).
+    print(f"bubble fraction: {round(timeline.bubble_fraction, 10)}")
+    draw(timeline, args.schedule, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
