@@ -1,0 +1,251 @@
+"""Data parallelism: flat fp32 gradient buffers, buckets, and the dp reduction overlapped with backward.
+
+Every parameter of a model chunk gets `param.main_grad`, a view into one contiguous fp32 buffer per chunk.
+A post-accumulate-grad hook adds `param.grad` into `main_grad` and drops `param.grad`, so 16-bit params
+accumulate over micro-batches in fp32 and fp32 params take the same path.
+
+The buffer is cut into buckets of about `bucket_size_mb`, in reverse registration order (roughly the order
+backward produces gradients). Reduction over the dp group is launched bucket by bucket while the LAST
+micro-batch's backward is running: the executor calls `enable_grad_sync(chunk)` just before it, and a bucket
+is launched as soon as all of its params have fired their hook. Earlier micro-batches only accumulate.
+Buckets are launched strictly in bucket order so that every dp rank issues the same collectives in the same
+order (a requirement of NCCL and gloo), whatever order autograd happens to finish them in.
+
+Plain: async all_reduce of each bucket pre-divided by dp. Distributed optimizer (ZeRO-1): every bucket is
+padded to a multiple of dp and split into dp equal shards; dp rank d owns shard d of every bucket and gets
+it by an async reduce_scatter. The tied embedding (`shared_embedding=True`) always has a bucket of its own
+so the first and last pipeline stages shard it identically (see parallel/grad_utils.finalize_model_grads).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def reduce_scatter_flat(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False):
+    """reduce_scatter(SUM) of a flat tensor; torch 2.13 renamed reduce_scatter_tensor (2.11 may lack it)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input_, group=group, async_op=async_op)
+
+
+def all_gather_flat(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False):
+    """all_gather of a flat tensor into one tensor; compat twin of `reduce_scatter_flat`."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input_, group=group, async_op=async_op)
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of one chunk's grad buffer (end - start divisible by dp when the
+    distributed optimizer is on) and the params laid out in it."""
+
+    chunk_index: int
+    index: int  # position in the chunk's launch order
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    pending: set[int] = field(default_factory=set)  # ids of params whose hook has not fired since sync on
+    work: Optional[Any] = None
+    launched: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        """Buffer range [start, end) of dp rank `dp_rank`'s shard of this bucket."""
+        size = self.numel // dp_size
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+@dataclass
+class ParamRange:
+    """Where one param lives: chunk `chunk_index`'s buffer, elements [start, end), inside `bucket`."""
+
+    chunk_index: int
+    start: int
+    end: int
+    bucket: Bucket
+
+
+def _plan_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Group params (already in launch order) into lists of about `bucket_numel` elements; the shared
+    embedding weight always gets a list of its own."""
+    groups: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for param in params:
+        if getattr(param, "shared_embedding", False):
+            if current:
+                groups.append(current)
+            groups.append([param])
+            current, size = [], 0
+            continue
+        current.append(param)
+        size += param.numel()
+        if size >= bucket_numel:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+class DataParallel:
+    """Gradient buffers and bucketed dp reduction for this rank's model chunks.
+
+    Args:
+        chunks: this rank's model chunks (one without virtual pipeline stages).
+        state: the ParallelState (uses dp_group, dp_size, dp_rank).
+        bucket_size_mb: target bucket size in MiB of gradient.
+        distributed_optimizer: reduce_scatter into dp shards instead of all_reduce.
+        grad_dtype: dtype of the main gradient buffers (fp32).
+    """
+
+    def __init__(self, chunks: list[nn.Module], state, bucket_size_mb: float = 25.0,
+                 distributed_optimizer: bool = False, grad_dtype: torch.dtype = torch.float32):
+        self.chunks, self.state = chunks, state
+        self.distributed_optimizer = distributed_optimizer
+        self.grad_dtype = grad_dtype
+        element_size = torch.empty((), dtype=grad_dtype).element_size()
+        self.bucket_numel = max(1, int(bucket_size_mb * 2 ** 20) // element_size)
+        self.buffers: list[torch.Tensor] = []  # one flat [numel] grad buffer per chunk
+        self.buckets: list[list[Bucket]] = []  # per chunk, in launch order
+        self.param_ranges: dict[nn.Parameter, ParamRange] = {}
+        self._sync_enabled = [False] * len(chunks)
+        self._next_launch = [0] * len(chunks)
+        self._hook_handles = []
+        for chunk_index, chunk in enumerate(chunks):
+            self._build_chunk(chunk_index, chunk)
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build_chunk(self, chunk_index: int, chunk: nn.Module) -> None:
+        params = [p for p in chunk.parameters() if p.requires_grad]  # parameters() skips tied duplicates
+        groups = _plan_buckets(list(reversed(params)), self.bucket_numel)
+        pad_to = self.state.dp_size if self.distributed_optimizer else 1
+        layout, offset = [], 0
+        for index, group in enumerate(groups):
+            numel = sum(p.numel() for p in group)
+            padded = -(-numel // pad_to) * pad_to
+            layout.append((index, offset, offset + padded, group))
+            offset += padded
+        device = params[0].device if params else torch.device("cpu")
+        buffer = torch.zeros(offset, dtype=self.grad_dtype, device=device)
+        buckets = []
+        for index, start, end, group in layout:
+            bucket = Bucket(chunk_index, index, start, end, group)
+            position = start
+            for param in group:
+                self.param_ranges[param] = ParamRange(chunk_index, position, position + param.numel(), bucket)
+                param.main_grad = buffer[position:position + param.numel()].view(param.shape)
+                position += param.numel()
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket)))
+            buckets.append(bucket)
+        self.buffers.append(buffer)
+        for param in params:
+            # Read by finalize_model_grads, which gets only the chunks: the valid part of main_grad.
+            param.owned_grad_slice = self.owned_param_slice(param)
+        self.buckets.append(buckets)
+
+    def _make_hook(self, bucket: Bucket):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                param.main_grad.add_(param.grad)  # fp32 accumulation also for 16-bit params
+                param.grad = None
+            if self._sync_enabled[bucket.chunk_index]:
+                # A set, not a counter: robust to a hook firing twice and to params that get no grad.
+                bucket.pending.discard(id(param))
+                if not bucket.pending:
+                    self._launch_ready(bucket.chunk_index)
+        return hook
+
+    # ---- per iteration ----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the main grad buffers (and any stray .grad) and turn grad sync off for the next iteration."""
+        for buffer in self.buffers:
+            buffer.zero_()
+        for param in self.param_ranges:
+            param.grad = None
+        self._sync_enabled = [False] * len(self.chunks)
+        self._next_launch = [0] * len(self.chunks)
+        for bucket in self._all_buckets():
+            bucket.pending, bucket.work, bucket.launched = set(), None, False
+
+    def enable_grad_sync(self, chunk_index: int = 0) -> None:
+        """Called just before the last micro-batch's backward of chunk `chunk_index`: from now on a bucket
+        whose params all fired their hook is reduced right away."""
+        self._sync_enabled[chunk_index] = True
+        for bucket in self.buckets[chunk_index]:
+            if not bucket.launched:
+                bucket.pending = {id(p) for p in bucket.params}
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not yet launched (sync never enabled, params without grad) and wait for all.
+        Afterwards main_grad holds the dp average (distributed optimizer: in this rank's shards only)."""
+        for chunk_index, buckets in enumerate(self.buckets):
+            for bucket in buckets[self._next_launch[chunk_index]:]:
+                self._launch(bucket)
+            self._next_launch[chunk_index] = len(buckets)
+        for bucket in self._all_buckets():
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work = None
+        self._sync_enabled = [False] * len(self.chunks)
+
+    def _launch_ready(self, chunk_index: int) -> None:
+        """Launch, in bucket order, every bucket from the next unlaunched one that is complete."""
+        buckets = self.buckets[chunk_index]
+        while self._next_launch[chunk_index] < len(buckets):
+            bucket = buckets[self._next_launch[chunk_index]]
+            if bucket.pending:
+                return
+            self._launch(bucket)
+            self._next_launch[chunk_index] += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched, bucket.pending = True, set()
+        if self.state.dp_size == 1:
+            return
+        flat = self.buffers[bucket.chunk_index][bucket.start:bucket.end]
+        flat.div_(self.state.dp_size)  # average: sum of grads / dp (gloo has no AVG op)
+        if self.distributed_optimizer:
+            start, end = bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+            shard = self.buffers[bucket.chunk_index][start:end]
+            bucket.work = reduce_scatter_flat(shard, flat, self.state.dp_group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(flat, group=self.state.dp_group, async_op=True)
+
+    # ---- layout queries ---------------------------------------------------------------------
+    def _all_buckets(self):
+        return (bucket for buckets in self.buckets for bucket in buckets)
+
+    def owned_ranges(self) -> list[tuple[int, int, int]]:
+        """(chunk_index, start, end) buffer ranges whose reduced grads this rank owns and updates:
+        each whole buffer, or this rank's shard of every bucket with the distributed optimizer."""
+        if not self.distributed_optimizer:
+            return [(c, 0, buffer.numel()) for c, buffer in enumerate(self.buffers) if buffer.numel()]
+        dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
+        return [(b.chunk_index, *b.shard_range(dp_rank, dp_size)) for b in self._all_buckets() if b.numel]
+
+    def owned_param_slice(self, param: nn.Parameter) -> tuple[int, int]:
+        """[start, end) in param.view(-1) elements of the part of `param` this rank owns (maybe empty)."""
+        where = self.param_ranges[param]
+        if not self.distributed_optimizer:
+            return 0, param.numel()
+        start, end = where.bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+        lo, hi = max(start, where.start), min(end, where.end)
+        return (lo - where.start, hi - where.start) if lo < hi else (0, 0)
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of the main grad buffers on this rank."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def remove_hooks(self) -> None:
+        """Detach the grad hooks (tests, or before building a new DataParallel on the same chunks)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []

@@ -1,0 +1,108 @@
+"""Gradient helpers on `param.main_grad`: the all-reduces that finish a step's gradients across the model
+parallel dimensions, and the pieces of the global gradient norm and clipping.
+
+`finalize_model_grads` runs after `DataParallel.finish_grad_sync()`:
+  * the tied word embedding lives on the first and the last pipeline stage; its two gradients are summed
+    over `state.embedding_group` so both copies take the same step;
+  * sequence-parallel norm (and bias) params are replicated over tp but each tp rank saw only its part of
+    the sequence; their gradients are summed over `state.tp_group`.
+With the distributed optimizer only the dp shard this rank owns holds reduced gradients, so only that part
+(`param.owned_grad_slice`, set by DataParallel) is all-reduced. The buffer layouts agree across the ranks of
+both groups (the embedding has a bucket of its own; tp ranks hold same-shaped shards in the same order), so
+every rank of a group reduces the same elements.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def owned_main_grad(param: nn.Parameter) -> torch.Tensor:
+    """The flat view of `param.main_grad` this rank owns after the dp reduction (all of it when plain)."""
+    lo, hi = getattr(param, "owned_grad_slice", (0, param.numel()))
+    return param.main_grad.view(-1)[lo:hi]
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum `tensors` over `group` in one collective (flatten, all_reduce, copy back)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for tensor in tensors:
+        tensor.view(-1).copy_(flat[offset:offset + tensor.numel()])
+        offset += tensor.numel()
+
+
+def _unique_params(chunks: Iterable[nn.Module], attribute: str) -> list[nn.Parameter]:
+    seen, found = set(), []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if getattr(param, attribute, False) and id(param) not in seen:
+                seen.add(id(param))
+                found.append(param)
+    return found
+
+
+def finalize_model_grads(chunks: list[nn.Module], state) -> None:
+    """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc).
+    A no-op where neither applies (pp == 1 or untied embeddings; no sequence-parallel params)."""
+    if state.pp_size > 1 and state.embedding_group is not None:
+        shared = _unique_params(chunks, "shared_embedding")
+        all_reduce_coalesced([owned_main_grad(p) for p in shared], state.embedding_group)
+    if state.tp_size > 1:
+        replicated = _unique_params(chunks, "sequence_parallel")
+        all_reduce_coalesced([owned_main_grad(p) for p in replicated], state.tp_group)
+
+
+# ---- global gradient norm --------------------------------------------------------------------------
+def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether `param`'s gradient enters the global norm on this rank, so each element counts once:
+    tp-sharded params on every tp rank, replicated ones on tp rank 0, and the tied embedding's last-stage
+    copy never (the first stage counts it)."""
+    sharded_or_first = getattr(param, "tensor_parallel", False) or tp_rank == 0
+    return sharded_or_first and not getattr(param, "embedding_copy", False)
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 scalar sum of squares of `tensors` (0 on `device` for an empty list)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    return torch.stack(norms).pow(2).sum()
+
+
+def reduce_norm(local_sum_sq: torch.Tensor, groups: list[Any]) -> float:
+    """sqrt of the sum over `groups` (one after another; None entries skipped) of a local sum of squares."""
+    total = local_sum_sq.clone()
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return math.sqrt(total.item())  # inf and nan pass through, to be reported
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float:
+    """Megatron's clipping factor: grads are multiplied by it when it is below 1 (max_norm <= 0: off)."""
+    if max_norm <= 0:
+        return 1.0
+    return max_norm / (grad_norm + 1.0e-6)
+
+
+def any_non_finite(tensors: list[torch.Tensor], groups: list[Any],
+                   device: torch.device | str = "cpu") -> bool:
+    """True if any element of `tensors` on any rank of `groups` is inf or nan (one host sync)."""
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for tensor in tensors:
+        if tensor.numel():
+            flag = torch.maximum(flag, (~torch.isfinite(tensor)).any().float())
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)

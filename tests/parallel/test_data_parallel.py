@@ -1,0 +1,239 @@
+"""Data parallelism: dp = 2 / 4 and the distributed optimizer match dp = 1 step for step; the dp reduction
+is launched bucket by bucket during the last micro-batch's backward only; pp = 2 with a tied embedding
+(finalize_model_grads over the embedding group) matches one process.
+
+The helpers here (tiny model, batches, an in-test micro-batch loop) are also used by
+tests/training/test_optimizer.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.init import initialize_parameters
+from parallel.data_parallel import DataParallel
+from parallel.grad_utils import finalize_model_grads
+from parallel.state import ParallelState
+from tests.conftest import run_ranks
+from training.optimizer import build_optimizer
+
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+def tiny_cfg(num_layers: int = 2) -> ModelConfig:
+    return ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
+                       vocab_size=100, make_vocab_size_divisible_by=64, hidden_dropout=0.0,
+                       attention_dropout=0.0)
+
+
+def tiny_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, layer_ids=None, pre: bool = True,
+               post: bool = True) -> GPTModel:
+    """A GPT chunk with the layout-independent init (same weights whatever the cut)."""
+    with torch.device("meta"):
+        model = GPTModel(cfg, cfg.padded_vocab_size(), layer_ids=layer_ids, pre_process=pre, post_process=post)
+    initialize_parameters(model, cfg, seed=1234, dtype=dtype)
+    model.tie_weights()
+    return model
+
+
+def global_batch(step: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same [GLOBAL_BATCH, SEQ] batch on every rank for a given step; the loss mask drops ~1/4."""
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=gen) > 0.25).float()
+    mask[:, 0] = 1.0
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+            "position_ids": torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)}
+
+
+def micro_batches(batch: dict, dp_rank: int, dp_size: int) -> list[dict]:
+    """This dp rank's rows of the global batch, one row per micro-batch."""
+    per_rank = GLOBAL_BATCH // dp_size
+    rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    return [{k: v[r:r + 1] for k, v in batch.items()} for r in rows]
+
+
+def train_step(model, ddp, optimizer, state, micros: list[dict], on_phase=None):
+    """One iteration of the in-test micro-batch loop; returns (global mean loss, StepStats)."""
+    ddp.zero_grad()
+    total = torch.zeros(())
+    for index, mb in enumerate(micros):
+        last = index == len(micros) - 1
+        if last:
+            ddp.enable_grad_sync(0)
+        per_token = model(mb["input_ids"], mb["position_ids"], labels=mb["labels"])  # [b, s]
+        loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / len(micros)
+        if on_phase:
+            on_phase("last_backward" if last else f"backward{index}")
+        (loss * optimizer.loss_scale).backward()
+        if on_phase:
+            on_phase("after_backward")
+        total += loss.detach().float()
+    ddp.finish_grad_sync()
+    finalize_model_grads([model], state)
+    stats = optimizer.step()
+    if state.dp_size > 1:
+        dist.all_reduce(total, group=state.dp_group)
+    return total.item() / state.dp_size, stats
+
+
+# The key bias of attention has an exactly-zero gradient in theory (softmax ignores a constant shift), so
+# in practice it gets rounding noise (~1e-10) that Adam with eps=1e-8 would blow up to lr-sized steps whose
+# sign depends on summation order. eps=1e-6 damps that noise; every real gradient here is >> 1e-6.
+EPS = 1e-6
+
+
+def build(cfg, state, dtype=torch.float32, distributed=False, precision="fp32", bucket_mb=0.01,
+          loss_scale_cfg=None, lr=1e-2):
+    model = tiny_model(cfg, dtype)
+    ddp = DataParallel([model], state, bucket_size_mb=bucket_mb, distributed_optimizer=distributed)
+    optimizer = build_optimizer([model], ddp, state, lr=lr, weight_decay=0.1, clip_grad=1.0, eps=EPS,
+                                precision=precision, loss_scale_cfg=loss_scale_cfg)
+    return model, ddp, optimizer
+
+
+def _train_ranks(rank, world_size, out_dir, distributed, precision, steps):
+    state = ParallelState.create(tp_size=1, pp_size=1)
+    cfg = tiny_cfg()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model, ddp, optimizer = build(cfg, state, dtype, distributed, precision)
+    losses, norms = [], []
+    for step in range(steps):
+        loss, stats = train_step(model, ddp, optimizer, state,
+                                 micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size))
+        losses.append(loss)
+        norms.append(stats.grad_norm)
+    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    torch.save({"params": params, "losses": losses, "norms": norms, "state_bytes": optimizer.state_bytes(),
+                "grad_bytes": ddp.grad_buffer_bytes()}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def train_result(tmp_path, dp: int, distributed: bool = False, precision: str = "fp32", steps: int = 3,
+                 rank: int = 0) -> dict:
+    out = tmp_path / f"dp{dp}_{distributed}_{precision}"
+    out.mkdir(exist_ok=True)
+    run_ranks(dp, _train_ranks, str(out), distributed, precision, steps)
+    return torch.load(out / f"rank{rank}.pt", weights_only=True)
+
+
+def assert_close_params(result: dict, reference: dict, rtol: float) -> None:
+    for name, ref in reference["params"].items():
+        got = result["params"][name]
+        rel = (got - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert rel <= rtol, f"{name}: relative difference {rel:.2e} > {rtol}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The dp = 1 fp32 run every parity test compares with (computed once per module)."""
+    return train_result(tmp_path_factory.mktemp("reference"), 1)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_dp_matches_single_process(tmp_path, dp, reference):
+    result = train_result(tmp_path, dp)
+    for got, ref in zip(result["losses"], reference["losses"]):
+        assert abs(got - ref) <= 1e-5 * abs(ref)
+    for got, ref in zip(result["norms"], reference["norms"]):
+        assert abs(got - ref) <= 1e-5 * abs(ref)
+    assert_close_params(result, reference, 1e-5)
+
+
+def test_distributed_optimizer_matches_plain(tmp_path):
+    plain = train_result(tmp_path, 4, distributed=False)
+    sharded = train_result(tmp_path, 4, distributed=True)
+    assert_close_params(sharded, plain, 1e-5)
+    for got, ref in zip(sharded["norms"], plain["norms"]):
+        assert abs(got - ref) <= 1e-5 * abs(ref)
+    # fp32 plain aliases params as masters (8 B/param of moments); distributed keeps 12 B/param / dp.
+    numel = sum(p.numel() for p in plain["params"].values())  # named_parameters lists the tied weight once
+    assert plain["state_bytes"] == 8 * numel
+    assert abs(sharded["state_bytes"] - 12 * numel / 4) <= 12 * 4 * 16  # padding: < dp elements per bucket
+
+
+def _overlap_ranks(rank, world_size, out_dir):
+    state = ParallelState.create(tp_size=1, pp_size=1)
+    cfg = tiny_cfg()
+    model, ddp, optimizer = build(cfg, state, bucket_mb=0.01)
+    events, phase = [], ["idle"]
+    original_launch = ddp._launch
+
+    def recording_launch(bucket):
+        events.append((phase[0], bucket.index))
+        original_launch(bucket)
+
+    ddp._launch = recording_launch
+    micros = micro_batches(global_batch(0, cfg), state.dp_rank, state.dp_size)
+    train_step(model, ddp, optimizer, state, micros, on_phase=lambda p: phase.__setitem__(0, p))
+    torch.save({"events": events, "num_buckets": len(ddp.buckets[0])}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_reduction_overlaps_last_backward_only(tmp_path):
+    run_ranks(2, _overlap_ranks, str(tmp_path))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        events, num_buckets = result["events"], result["num_buckets"]
+        assert num_buckets >= 4
+        assert [index for _, index in events] == list(range(num_buckets))  # each once, in bucket order
+        assert {phase for phase, _ in events} == {"last_backward"}, events  # none earlier, none in finish
+
+
+def _pipeline_ranks(rank, world_size, out_dir, distributed):
+    """pp = 2 x dp = 2 with a tied embedding split over the stages, micro-batches run one after another."""
+    state = ParallelState.create(tp_size=1, pp_size=2)
+    cfg = tiny_cfg()
+    first = state.is_first_stage
+    model = tiny_model(cfg, layer_ids=[0] if first else [1], pre=first, post=not first)
+    ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=distributed)
+    optimizer = build_optimizer([model], ddp, state, lr=1e-2, weight_decay=0.1, clip_grad=1.0, eps=EPS)
+    peer = state.next_stage_rank
+    norms = []
+    for step in range(3):
+        micros = micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size)
+        ddp.zero_grad()
+        for index, mb in enumerate(micros):
+            if index == len(micros) - 1:
+                ddp.enable_grad_sync(0)
+            _pipeline_micro_batch(model, mb, first, peer, len(micros))
+        ddp.finish_grad_sync()
+        finalize_model_grads([model], state)
+        norms.append(optimizer.step().grad_norm)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch.save({"params": params, "norms": norms}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _pipeline_micro_batch(model, mb, first: bool, peer: int, num_micro: int) -> None:
+    hidden_shape = (SEQ, 1, model.cfg.hidden_size)
+    if first:
+        out = model(mb["input_ids"], mb["position_ids"])  # [s, b, h]
+        dist.send(out.detach().contiguous(), peer)
+        grad = torch.empty(hidden_shape)
+        dist.recv(grad, peer)
+        out.backward(grad)
+        return
+    hidden = torch.empty(hidden_shape)
+    dist.recv(hidden, peer)
+    hidden.requires_grad_(True)
+    per_token = model(hidden_states=hidden, position_ids=mb["position_ids"], labels=mb["labels"])
+    loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / num_micro
+    loss.backward()
+    dist.send(hidden.grad.contiguous(), peer)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_pipeline_tied_embedding_matches_single_process(tmp_path, distributed, reference):
+    run_ranks(4, _pipeline_ranks, str(tmp_path), distributed)
+    first = torch.load(tmp_path / "rank0.pt", weights_only=True)  # pp_rank 0, dp_rank 0
+    last = torch.load(tmp_path / "rank2.pt", weights_only=True)  # pp_rank 1, dp_rank 0
+    for got, ref in zip(first["norms"], reference["norms"]):
+        assert abs(got - ref) <= 1e-5 * ref
+    merged = {**last["params"], **first["params"]}
+    assert_close_params({"params": merged}, reference, 1e-5)
+    # Both stages' copies of the tied weight took the same steps.
+    torch.testing.assert_close(last["params"]["output_layer.weight"],
+                               first["params"]["embedding.word_embeddings.weight"], rtol=0, atol=0)

@@ -1,0 +1,320 @@
+"""AdamW on flat fp32 tensors: the plain optimizer, the distributed (ZeRO-1) one, and the fp16 loss scaler.
+
+The optimizer works on the flat fp32 grad buffers of `parallel.data_parallel.DataParallel`, one segment per
+bucket: the whole bucket (plain) or this dp rank's shard of it (distributed). For each segment it keeps fp32
+master params, exp_avg and exp_avg_sq. Weight decay and "counts in the grad norm" are per element but stored
+as runs of (start, end) over contiguous params, not as per-element masks: that costs nothing per element.
+
+Param groups as Megatron: no weight decay on 1-D params (biases, norm weights), decay on everything else.
+One step: unscale (fp16) -> inf/nan check over the world (fp16: skip the step) -> global grad norm -> clip ->
+AdamW -> write the masters back into the model params (distributed: all-gather the shards over dp).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.data_parallel import Bucket, DataParallel, all_gather_flat
+from parallel.grad_utils import (any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm,
+                                 sum_of_squares)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports. `grad_norm` is nan for a skipped step; `loss_scale` is the scale
+    the step's gradients were computed with (1.0 unless fp16)."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+class ConstantLossScaler:
+    """bf16 / fp32: no loss scaling, never skips."""
+
+    dynamic = False
+    scale = 1.0
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": 1.0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling (Megatron's DynamicGradScaler): after `hysteresis` overflowing steps
+    (counted since the last growth) halve the scale, not below `min`; after `window` clean steps in a
+    row double it."""
+
+    dynamic = True
+
+    def __init__(self, initial: float = 2.0 ** 32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
+        self.scale, self.min_scale = float(initial), float(min)
+        self.window, self.hysteresis = int(window), int(hysteresis)
+        self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        """Account for one step that did (or did not) overflow."""
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.window:
+            self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.hysteresis_tracker = int(state["hysteresis_tracker"])
+
+
+def decays(param: nn.Parameter) -> bool:
+    """The weight-decay param group: matrices decay; biases and norm weights (1-D) do not."""
+    return param.ndim > 1
+
+
+@dataclass
+class Segment:
+    """One owned range [start, end) of chunk `bucket.chunk_index`'s grad buffer and its optimizer state.
+    `pieces` are (param, segment offset, param-flat offset, length) of the params overlapping it."""
+
+    bucket: Bucket
+    start: int
+    end: int
+    grad: torch.Tensor  # [end - start] view into the grad buffer
+    master: torch.Tensor  # fp32 [end - start]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    pieces: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
+    decay_runs: list[tuple[int, int]] = field(default_factory=list)
+    norm_runs: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _runs(pieces: list[tuple[nn.Parameter, int, int, int]], keep) -> list[tuple[int, int]]:
+    """Merge the pieces whose param satisfies `keep` into maximal contiguous (start, end) runs."""
+    runs: list[tuple[int, int]] = []
+    for param, offset, _, length in pieces:
+        if not keep(param):
+            continue
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + length)
+        else:
+            runs.append((offset, offset + length))
+    return runs
+
+
+def _pieces(ddp: DataParallel, bucket: Bucket, start: int, end: int):
+    pieces = []
+    for param in bucket.params:
+        where = ddp.param_ranges[param]
+        lo, hi = max(start, where.start), min(end, where.end)
+        if lo < hi:
+            pieces.append((param, lo - start, lo - where.start, hi - lo))
+    return pieces
+
+
+class Optimizer:
+    """AdamW over the whole grad buffers of `ddp` (plain, dp-replicated state). See the module docstring.
+
+    `step(lr)` is collective over the world (the inf/nan check) and the model-parallel group (the norm).
+    """
+
+    distributed = False
+
+    def __init__(self, ddp: DataParallel, state, lr: float, weight_decay: float = 0.01,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, clip_grad: float = 1.0,
+                 loss_scaler: Optional[Any] = None, alias_fp32_params: bool = False):
+        self.ddp, self.state = ddp, state
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.clip_grad = clip_grad
+        self.scaler = loss_scaler or ConstantLossScaler()
+        self.step_count = 0
+        self.segments = [self._build_segment(b, *self._owned(b)) for b in ddp._all_buckets() if b.numel]
+        self.aliased = alias_fp32_params and self._alias_params()
+
+    # ---- construction -----------------------------------------------------------------------
+    def _owned(self, bucket: Bucket) -> tuple[int, int]:
+        return bucket.start, bucket.end
+
+    def _build_segment(self, bucket: Bucket, start: int, end: int) -> Segment:
+        grad = self.ddp.buffers[bucket.chunk_index][start:end]
+        master = torch.zeros(end - start, dtype=torch.float32, device=grad.device)
+        pieces = _pieces(self.ddp, bucket, start, end)
+        for param, offset, param_offset, length in pieces:
+            master[offset:offset + length].copy_(param.detach().reshape(-1)[param_offset:param_offset + length])
+        tp_rank = self.state.tp_rank
+        return Segment(bucket, start, end, grad, master, torch.zeros_like(master), torch.zeros_like(master),
+                       pieces, decay_runs=_runs(pieces, decays),
+                       norm_runs=_runs(pieces, lambda p: counts_in_grad_norm(p, tp_rank)))
+
+    def _alias_params(self) -> bool:
+        """fp32 plain: make each param a view of its master, so no copy-back and no second fp32 copy."""
+        params = [piece[0] for seg in self.segments for piece in seg.pieces]
+        if self.distributed or any(p.dtype != torch.float32 for p in params):
+            return False
+        for seg in self.segments:
+            for param, offset, _, length in seg.pieces:
+                param.data = seg.master[offset:offset + length].view(param.shape)
+        return True
+
+    # ---- the step ---------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 unless fp16)."""
+        return self.scaler.scale
+
+    def _norm_groups(self) -> list[Any]:
+        return [self.state.model_parallel_group] if self.state.is_distributed else []
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (unscaled) main grads, each element counted once over tp, pp and dp."""
+        views = [seg.grad[lo:hi] for seg in self.segments for lo, hi in seg.norm_runs]
+        device = self.segments[0].grad.device if self.segments else "cpu"
+        return reduce_norm(sum_of_squares(views, device), self._norm_groups())
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> StepStats:
+        """Unscale, check, clip and apply one AdamW step at `lr` (default: the constructor's lr)."""
+        lr = self.lr if lr is None else lr
+        scale = self.scaler.scale
+        grads = [seg.grad for seg in self.segments]
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if self.scaler.dynamic:
+            world = [dist.group.WORLD] if self.state.is_distributed else []
+            device = grads[0].device if grads else "cpu"
+            found_inf = any_non_finite(grads, world, device)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return StepStats(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+        norm = self.grad_norm()
+        coefficient = clip_coefficient(norm, self.clip_grad)
+        if coefficient < 1.0 and grads:
+            torch._foreach_mul_(grads, coefficient)
+        self.step_count += 1
+        for seg in self.segments:
+            self._adamw(seg, lr)
+        self._copy_to_params()
+        return StepStats(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _adamw(self, seg: Segment, lr: float) -> None:
+        """torch.optim.AdamW's update (decoupled weight decay, bias correction) on one segment."""
+        beta1, beta2 = self.betas
+        if self.weight_decay:
+            for lo, hi in seg.decay_runs:
+                seg.master[lo:hi].mul_(1.0 - lr * self.weight_decay)
+        seg.exp_avg.lerp_(seg.grad, 1.0 - beta1)
+        seg.exp_avg_sq.mul_(beta2).addcmul_(seg.grad, seg.grad, value=1.0 - beta2)
+        bias_correction1 = 1.0 - beta1 ** self.step_count
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** self.step_count)
+        denom = (seg.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        seg.master.addcdiv_(seg.exp_avg, denom, value=-lr / bias_correction1)
+
+    def _copy_to_params(self) -> None:
+        if self.aliased:
+            return
+        for seg in self.segments:
+            for param, offset, _, length in seg.pieces:
+                param.data.copy_(seg.master[offset:offset + length].view(param.shape))
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 masters (unless they are the params) + moments.
+        The grad buffers are `ddp.grad_buffer_bytes()`."""
+        per_segment = 2 if self.aliased else 3
+        return sum(per_segment * seg.master.numel() * seg.master.element_size() for seg in self.segments)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (its shards when distributed); tensors, numbers, strings, lists and dicts only."""
+        return {"step": self.step_count, "loss_scaler": self.scaler.state_dict(),
+                "distributed": self.distributed, "dp_size": self.state.dp_size, "dp_rank": self.state.dp_rank,
+                "segments": [{"chunk": seg.bucket.chunk_index, "start": seg.start, "end": seg.end,
+                              "master": seg.master, "exp_avg": seg.exp_avg, "exp_avg_sq": seg.exp_avg_sq}
+                             for seg in self.segments]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output of the same layout and write the masters into the model params
+        (collective over dp when distributed). Resharding to another dp size is not supported."""
+        mine = self.state_dict()
+        for key in ("distributed", "dp_size", "dp_rank"):
+            if state[key] != mine[key]:
+                raise ValueError(f"optimizer checkpoint has {key}={state[key]}, this run has {mine[key]}")
+        ranges = [(s["chunk"], s["start"], s["end"]) for s in state["segments"]]
+        if ranges != [(s["chunk"], s["start"], s["end"]) for s in mine["segments"]]:
+            raise ValueError("optimizer checkpoint's buffer layout differs from this model's "
+                             "(model shape, bucket size or parameter order changed)")
+        for seg, saved in zip(self.segments, state["segments"]):
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(seg, key).copy_(saved[key])
+        self.step_count = int(state["step"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self._copy_to_params()
+
+
+class DistributedOptimizer(Optimizer):
+    """ZeRO-1: this dp rank keeps masters and moments of its shard of every bucket only; the norm also sums
+    over dp; updated shards are all-gathered over dp into the model params, bucket by bucket."""
+
+    distributed = True
+
+    def _owned(self, bucket: Bucket) -> tuple[int, int]:
+        return bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+
+    def _norm_groups(self) -> list[Any]:
+        return [self.state.model_parallel_group, self.state.dp_group] if self.state.is_distributed else []
+
+    def _copy_to_params(self) -> None:
+        dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
+        for seg in self.segments:
+            bucket = seg.bucket
+            dtypes = {p.dtype for p in bucket.params}
+            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+            full = torch.empty(bucket.numel, dtype=dtype, device=seg.master.device)  # [bucket] in param dtype
+            shard = bucket.numel // dp_size
+            local = full[dp_rank * shard:(dp_rank + 1) * shard]
+            local.copy_(seg.master)
+            if dp_size > 1:
+                all_gather_flat(full, local, self.state.dp_group)
+            for param in bucket.params:
+                where = self.ddp.param_ranges[param]
+                param.data.copy_(full[where.start - bucket.start:where.end - bucket.start].view(param.shape))
+
+
+def build_optimizer(chunks: list[nn.Module], ddp: DataParallel, state, lr: float, min_lr: float = 0.0,
+                    weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    clip_grad: float = 1.0, precision: str = "fp32",
+                    loss_scale_cfg: Optional[dict[str, Any]] = None) -> Optimizer:
+    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`.
+
+    `chunks` must be the chunks `ddp` was built on; `min_lr` belongs to the LR schedule and is accepted
+    only so the trainer can pass its optim section whole. `loss_scale_cfg` (fp16 only) holds the
+    DynamicLossScaler arguments: initial, min, window, hysteresis.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
+        raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
+    scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
+    cls = DistributedOptimizer if ddp.distributed_optimizer else Optimizer
+    return cls(ddp, state, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, clip_grad=clip_grad,
+               loss_scaler=scaler, alias_fp32_params=precision == "fp32")
