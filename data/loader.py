@@ -1,0 +1,93 @@
+"""Micro-batches for one data-parallel rank: Megatron's pretraining sampler + masks + a DataLoader.
+
+The sampler walks global sample indices from consumed_samples in chunks of micro_batch_size * dp_size;
+rank r takes slice [r * mbs, (r + 1) * mbs) of each chunk. A resumed run that restores consumed_samples
+therefore continues the same stream.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator
+
+import numpy as np
+import torch
+
+
+class PretrainingSampler:
+    """Yields this rank's lists of sample indices (Megatron's MegatronPretrainingSampler, drop_last=True)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.global_chunk = micro_batch_size * dp_size
+
+    def __len__(self) -> int:
+        return max(0, (self.total_samples - self.consumed_samples) // self.global_chunk)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        for chunk in range(len(self)):
+            first = start + chunk * self.global_chunk
+            yield list(range(first, first + self.micro_batch_size))
+
+
+def get_batch_masks(tokens: torch.Tensor, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
+                    reset_attention_mask: bool):
+    """(loss_mask float32 [b, s], position_ids int64 [b, s], attention_mask bool [b, 1, s, s] or None).
+
+    As Megatron's get_ltor_masks_and_position_ids: with eod_mask_loss, EOD positions get loss weight 0;
+    with reset_position_ids, positions restart after each EOD; with reset_attention_mask, tokens after an
+    EOD may not attend to tokens before it. attention_mask True = may attend (causal, block-diagonal).
+    """
+    b, s = tokens.shape
+    loss_mask = torch.ones((b, s), dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_id] = 0.0
+    position_ids = torch.arange(s, dtype=torch.int64).unsqueeze(0).expand(b, s).clone()
+    attention_mask = None
+    if reset_position_ids or reset_attention_mask:
+        # Document number of each position: EODs seen strictly before it (an EOD ends its own document).
+        is_eod = (tokens == eod_id).to(torch.int64)
+        doc = torch.cumsum(is_eod, dim=1) - is_eod
+        if reset_position_ids:
+            starts = torch.zeros((b, s), dtype=torch.int64)
+            starts[:, 1:] = torch.where(is_eod[:, :-1].bool(), torch.arange(1, s).expand(b, s - 1), 0)
+            position_ids = position_ids - torch.cummax(starts, dim=1).values
+        if reset_attention_mask:
+            causal = torch.ones((s, s), dtype=torch.bool).tril()
+            same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)  # [b, s, s]
+            attention_mask = (causal & same_doc).unsqueeze(1)
+    return loss_mask, position_ids, attention_mask
+
+
+def collate_samples(samples: list[dict], eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
+                    reset_attention_mask: bool) -> dict:
+    """Stack samples of seq_length + 1 tokens into tokens/labels [b, s] and their masks."""
+    text = torch.from_numpy(np.stack([np.asarray(x["text"], dtype=np.int64) for x in samples]))
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    loss_mask, position_ids, attention_mask = get_batch_masks(
+        tokens, eod_id, eod_mask_loss, reset_position_ids, reset_attention_mask)
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "attention_mask": attention_mask}
+
+
+def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                        num_workers: int, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
+                        reset_attention_mask: bool) -> Iterator[dict]:
+    """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    collate = partial(collate_samples, eod_id=eod_id, eod_mask_loss=eod_mask_loss,
+                      reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate, pin_memory=False,
+        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
+    return iter(loader)

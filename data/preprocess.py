@@ -1,0 +1,178 @@
+"""JSONL -> {prefix}_{key}_document.bin/.idx, as Megatron's tools/preprocess_data.py (no sentence splitting).
+
+Lines go to worker processes in batches; results come back in input order and are appended to builders
+writing temporary files, renamed only when every line is done, so a failed or interrupted run never
+leaves an output that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from data.indexed_dataset import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
+from data.tokenizers import build_tokenizer
+
+_BATCH_LINES = 128  # lines per task: large enough to amortise inter-process pickling
+
+
+class PreprocessError(ValueError):
+    """A bad input line (message names file and line) or a bad setting."""
+
+
+@dataclass
+class PreprocessStats:
+    """Totals of one preprocessing run."""
+    documents: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    bad_lines: int = 0
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+
+
+class _Encoder:
+    """Encodes batches of raw lines; the tokenizer lives on the class so each worker builds it once."""
+    tokenizer = None
+    settings: dict = {}
+
+    @classmethod
+    def initialize(cls, settings: dict) -> None:
+        cls.settings = settings
+        cls.tokenizer = build_tokenizer(settings["tokenizer_type"], settings["vocab_file"],
+                                        settings["merge_file"], settings["tokenizer_model"])
+
+    @classmethod
+    def encode_batch(cls, batch: tuple[int, list[bytes]]):
+        """[(line_no, {key: tokens} or error message, n_bytes)] for one batch of lines."""
+        first_line, lines = batch
+        return [cls._encode_line(first_line + k, raw) for k, raw in enumerate(lines)]
+
+    @classmethod
+    def _encode_line(cls, line_no: int, raw: bytes):
+        settings, tokenizer = cls.settings, cls.tokenizer
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return line_no, f"not valid UTF-8 ({exc.reason} at byte {exc.start})", len(raw)
+        except ValueError as exc:
+            return line_no, f"not valid JSON ({exc})", len(raw)
+        out = {}
+        for key in settings["json_keys"]:
+            if not isinstance(record, dict) or key not in record:
+                return line_no, f"no key {key!r}", len(raw)
+            if not isinstance(record[key], str):
+                return line_no, f"value of {key!r} is not a string", len(raw)
+            ids = tokenizer.encode(record[key])
+            if ids and settings["append_eod"]:
+                ids.append(tokenizer.eod)
+            out[key] = np.asarray(ids, dtype=settings["dtype"])
+        return line_no, out, len(raw)
+
+
+def _read_batches(path: str) -> Iterator[tuple[int, list[bytes]]]:
+    with open(path, "rb") as f:
+        batch, first = [], 1
+        for line_no, raw in enumerate(f, 1):
+            if not batch:
+                first = line_no
+            batch.append(raw.rstrip(b"\r\n"))
+            if len(batch) == _BATCH_LINES:
+                yield first, batch
+                batch = []
+        if batch:
+            yield first, batch
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's output naming: {output_prefix}_{key}_document."""
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, vocab_file=None,
+                     merge_file=None, tokenizer_model=None, json_keys=("text",), append_eod=False,
+                     workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
+                     log: Callable[[str], None] | None = None) -> PreprocessStats:
+    """Tokenize a JSONL file into indexed datasets, one per key; returns run totals."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not os.path.isfile(input_path):
+        raise PreprocessError(f"{input_path}: input file not found")
+    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    settings = dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
+                    tokenizer_model=tokenizer_model, json_keys=list(json_keys), append_eod=append_eod,
+                    dtype=best_dtype(tokenizer.vocab_size))
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
+    builders = {}
+    stats = PreprocessStats()
+    pool = None
+    try:
+        for key in json_keys:
+            os.makedirs(os.path.dirname(os.path.abspath(prefixes[key])), exist_ok=True)
+            builders[key] = IndexedDatasetBuilder(tmp[key][0], settings["dtype"])
+        if workers > 1:
+            pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
+            results = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=4)
+        else:
+            _Encoder.initialize(settings)
+            results = map(_Encoder.encode_batch, _read_batches(input_path))
+        _consume(results, builders, stats, input_path, skip_bad_lines, log_interval, log)
+        for key, builder in builders.items():
+            builder.finalize(tmp[key][1])
+        for key, prefix in prefixes.items():
+            os.replace(tmp[key][0], bin_path(prefix))
+            os.replace(tmp[key][1], idx_path(prefix))
+            stats.outputs.append(prefix)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for builder in builders.values():
+            builder.close()
+        for paths in tmp.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+    _report(stats, workers, log)
+    return stats
+
+
+def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_bad_lines: bool,
+             log_interval: int, log) -> None:
+    start = time.perf_counter()
+    for batch in results:
+        for line_no, out, n_bytes in batch:
+            stats.bytes += n_bytes
+            if isinstance(out, str):
+                if not skip_bad_lines:
+                    raise PreprocessError(f"{input_path}:{line_no}: {out} "
+                                          "(use --skip-bad-lines to skip such lines)")
+                stats.bad_lines += 1
+                continue
+            for key, tokens in out.items():
+                if tokens.size:  # Megatron: an empty document has no sequence, only a document boundary
+                    builders[key].add_item(tokens)
+                builders[key].end_document()
+                stats.tokens += int(tokens.size)
+            stats.documents += 1
+            if log_interval and stats.documents % log_interval == 0:
+                elapsed = time.perf_counter() - start
+                log(f"processed {stats.documents} documents "
+                    f"({stats.documents / elapsed:.1f} docs/s, {stats.bytes / elapsed / 1e6:.2f} MB/s)")
+    stats.seconds = time.perf_counter() - start
+
+
+def _report(stats: PreprocessStats, workers: int, log) -> None:
+    rate = stats.bytes / max(stats.seconds, 1e-9) / 1e6
+    log(f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in "
+        f"{stats.seconds:.2f} s: {stats.documents / max(stats.seconds, 1e-9):.1f} docs/s, {rate:.2f} MB/s "
+        f"({rate / max(workers, 1):.2f} MB/s per worker, {workers} workers)")
+    if stats.bad_lines:
+        log(f"skipped {stats.bad_lines} bad lines")
+    for prefix in stats.outputs:
+        log(f"wrote {prefix}.bin / .idx")

@@ -1,0 +1,108 @@
+"""The embedded sample corpus: the running interpreter's standard library sources, tokenized.
+
+One document per .py file, in sorted relative-path order, from sysconfig's stdlib folder (site-packages
+and dist-packages excluded), so every machine with the same Python builds the same corpus. A byte-level
+BPE of 8192 entries is trained on it and the corpus preprocessed with --append-eod semantics.
+Everything is built in a temporary sibling folder and renamed into place, so a half-built corpus is
+never picked up; a second call finds the marker file and returns at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+
+from data.preprocess import preprocess_jsonl
+from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe
+
+VOCAB_SIZE = 8192
+MARKER = "corpus.json"
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_source_files(stdlib_dir: str | None = None) -> list[str]:
+    """Paths of the standard library's .py files, sorted by path relative to the stdlib folder."""
+    root = stdlib_dir or sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        found += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
+    return [os.path.join(root, rel) for rel in sorted(found)]
+
+
+def write_stdlib_jsonl(path: str, stdlib_dir: str | None = None) -> tuple[int, int]:
+    """Write one {"text": source} line per stdlib file; returns (documents, bytes of source)."""
+    docs = total = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for src in stdlib_source_files(stdlib_dir):
+            with open(src, "rb") as f:
+                raw = f.read()
+            # A few test files are deliberately not UTF-8; replacement keeps the corpus deterministic.
+            out.write(json.dumps({"text": raw.decode("utf-8", errors="replace")}, ensure_ascii=False) + "\n")
+            docs += 1
+            total += len(raw)
+    return docs, total
+
+
+def _result(root_dir: str) -> dict:
+    return {"data_prefix": os.path.join(root_dir, "stdlib_text_document"),
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": os.path.join(root_dir, "vocab.json"),
+            "merge_file": os.path.join(root_dir, "merges.txt")}
+
+
+def _build(build_dir: str, log) -> dict:
+    start = time.perf_counter()
+    jsonl = os.path.join(build_dir, "stdlib.jsonl")
+    docs, size = write_stdlib_jsonl(jsonl)
+    log(f"[sample corpus] {docs} stdlib files, {size / 1e6:.1f} MB -> {jsonl} "
+        f"({time.perf_counter() - start:.1f} s)")
+    train_gpt2_bpe(iter_jsonl_texts(jsonl), VOCAB_SIZE, build_dir)
+    log(f"[sample corpus] trained byte-level BPE, vocabulary {VOCAB_SIZE} ({time.perf_counter() - start:.1f} s)")
+    workers = max(1, min(2, os.cpu_count() or 1))
+    stats = preprocess_jsonl(jsonl, os.path.join(build_dir, "stdlib"), "GPT2BPETokenizer",
+                             os.path.join(build_dir, "vocab.json"), os.path.join(build_dir, "merges.txt"),
+                             append_eod=True, workers=workers, log_interval=500,
+                             log=lambda msg: log(f"[sample corpus] {msg}"))
+    info = dict(documents=docs, source_bytes=size, tokens=stats.tokens, vocab_size=VOCAB_SIZE,
+                python=sys.version.split()[0], build_seconds=round(time.perf_counter() - start, 1))
+    with open(os.path.join(build_dir, MARKER), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+def ensure_sample_corpus(root_dir: str, progress: bool = True) -> dict:
+    """Build the sample corpus under root_dir unless already there; return its data_prefix and tokenizer.
+
+    Returns {"data_prefix", "tokenizer_type", "vocab_file", "merge_file"}.
+    """
+    root_dir = os.path.abspath(root_dir)
+    if os.path.exists(os.path.join(root_dir, MARKER)):
+        return _result(root_dir)
+    if os.path.isdir(root_dir) and os.listdir(root_dir):
+        raise RuntimeError(f"{root_dir}: exists, is not empty and holds no {MARKER}; "
+                           "remove it to rebuild the sample corpus")
+    log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
+    log(f"[sample corpus] building {root_dir} (first run only)")
+    parent = os.path.dirname(root_dir)
+    os.makedirs(parent, exist_ok=True)
+    build_dir = tempfile.mkdtemp(prefix=os.path.basename(root_dir) + ".building-", dir=parent)
+    try:
+        info = _build(build_dir, log)
+        if os.path.isdir(root_dir) and not os.listdir(root_dir):
+            os.rmdir(root_dir)
+        try:
+            os.rename(build_dir, root_dir)
+        except OSError:
+            if not os.path.exists(os.path.join(root_dir, MARKER)):
+                raise  # not a concurrent builder finishing first: a real failure
+        log(f"[sample corpus] ready: {info['documents']} documents, {info['tokens']} tokens "
+            f"in {info['build_seconds']} s")
+    finally:
+        if os.path.exists(build_dir):
+            shutil.rmtree(build_dir, ignore_errors=True)
+    return _result(root_dir)

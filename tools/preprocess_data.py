@@ -1,0 +1,53 @@
+"""Tokenize a JSONL corpus into Megatron indexed datasets: {output_prefix}_{key}_document.bin/.idx.
+
+Example:
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --workers 2
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.indexed_dataset import IndexedDatasetError  # noqa: E402
+from data.preprocess import PreprocessError, preprocess_jsonl  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Megatron's command line (the options that apply to GPT pretraining data)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--tokenizer-type", required=True,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--append-eod", action="store_true", help="append end-of-document to each document")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--log-interval", type=int, default=1000)
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="count and skip lines that are not UTF-8 / JSON / lack a key, instead of stopping")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Run preprocessing; errors exit non-zero with one line."""
+    args = parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit(f"error: --workers must be >= 1, got {args.workers}")
+    try:
+        preprocess_jsonl(args.input, args.output_prefix, args.tokenizer_type, args.vocab_file,
+                         args.merge_file, args.tokenizer_model, args.json_keys, args.append_eod,
+                         args.workers, args.log_interval, args.skip_bad_lines)
+    except (PreprocessError, IndexedDatasetError, ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: no output written") from None
+
+
+if __name__ == "__main__":
+    main()
