@@ -36,8 +36,8 @@ def engine_backward_available() -> bool:
 
 def deallocate_output(out: torch.Tensor) -> bool:
     """Replace `out.data` by a 1-element tensor (keeping its graph); False when that is not safe."""
-    if not engine_backward_available() or out._base is not None or not out.requires_grad:
-        return False  # views share storage with their base: freeing one would not free memory
+    if not engine_backward_available() or out._base is not None or out.grad_fn is None:
+        return False  # a view shares its base's storage; a leaf (e.g. the input passed through) has no graph
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
     return True
 
@@ -57,7 +57,6 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 class _Run:
     """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
 
-    schedule: list[Action]
     chunks: list[torch.nn.Module]
     microbatches: list[dict]
     forward_fn: object
@@ -71,11 +70,11 @@ class _Run:
     max_in_flight: int = 0
 
     def message_in(self, action: Action) -> torch.Tensor | None:
-        need = needed_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
+        need = needed_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks))
         return None if need is None else self.comm.take(need[1])
 
     def message_out(self, action: Action, tensor: torch.Tensor) -> bool:
-        out = produced_message(action, self.state.pp_rank, self.state.pp_size, self.schedule.vp_size)
+        out = produced_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks))
         if out is None:
             return False
         self.comm.put(out[0], out[1], tensor)
@@ -150,7 +149,7 @@ def execute_schedule(actions: list[Action], chunks: list[torch.nn.Module], micro
     params = [p for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else torch.device("cpu")
     comm = StageComm(state, steps, activation_shape, activation_dtype, device, scatter_gather)
-    run = _Run(schedule, chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
+    run = _Run(chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
     last_backwards = _last_backward_indices(schedule)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in steps:

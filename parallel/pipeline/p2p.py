@@ -66,17 +66,6 @@ def outgoing_order(actions: list[Action], pp_rank: int, pp_size: int, vp_size: i
     return order
 
 
-def incoming_order(peer_lists: list[list[Action]], pp_rank: int, vp_size: int) -> dict[int, list[Message]]:
-    """Per source pp rank, the messages it sends to `pp_rank`, in the order it posts them."""
-    pp_size = len(peer_lists)
-    incoming = {}
-    for src, actions in enumerate(peer_lists):
-        sent = outgoing_order(actions, src, pp_size, vp_size).get(pp_rank, [])
-        if sent:
-            incoming[src] = sent
-    return incoming
-
-
 @dataclass(frozen=True)
 class Step:
     """One step of a rank's plan: post `ops` as one batch and wait for it, then run action `compute`."""

@@ -60,13 +60,15 @@ def serial_reference(m: int):
     return losses, blocks
 
 
-def run_pipeline(state, schedule: str, m: int, vp: int, **kwargs):
+def run_pipeline(state, schedule: str, m: int, vp: int, plain_list: bool = False, **kwargs):
     blocks = full_blocks()
     chunks = rank_chunks(blocks, state.pp_size, state.pp_rank, vp)
     if state.is_last_stage:
         chunks[-1].is_last = True
     outputs = []
     actions = build_schedule(schedule, state.pp_size, state.pp_rank, m, vp)
+    if plain_list:
+        actions = list(actions)
     result = execute_schedule(actions, chunks, make_microbatches(m), make_forward_fn(m, outputs),
                               state, SHAPE, torch.float32, **kwargs)
     return result, chunks, outputs
@@ -125,6 +127,9 @@ def _extras_body(rank, world_size, m):
     scaled, chunks, _ = run_pipeline(state, "1f1b", m, 1, loss_scale=4.0, on_last_backward=calls.append)
     check_parity(state, "1f1b", m, 1, scaled, chunks, grad_scale=4.0)
     assert calls == [0]
+    # A plain list (not built by build_schedule) works too: the peers' lists are gathered once.
+    result, chunks, _ = run_pipeline(state, "1f1b", m, 1, plain_list=True)
+    check_parity(state, "1f1b", m, 1, result, chunks)
 
 
 def test_forward_only_loss_scale_and_hook_pp2():
