@@ -128,6 +128,13 @@ def assert_close_params(result: dict, reference: dict, rtol: float) -> None:
         assert rel <= rtol, f"{name}: relative difference {rel:.2e} > {rtol}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm_meta_init() -> None:
+    """The first nn.init call on the meta device imports torch's _refs (~5 s); do it once in the parent so
+    every forked rank inherits it instead of paying it again."""
+    tiny_model(tiny_cfg(num_layers=1))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The dp = 1 fp32 run every parity test compares with (computed once per module)."""
