@@ -1,0 +1,77 @@
+"""GPT-2 BPE ids equal transformers' GPT2Tokenizer on files made by tools/train_tokenizer.py; SentencePiece."""
+import os
+
+import pytest
+
+from data.bpe import bytes_to_unicode
+from data.tokenizers import GPT2BPETokenizer, SentencePieceTokenizer, build_tokenizer
+from tests.data.helpers import VARIED_TEXTS, load_tool, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def bpe_files(tmp_path_factory):
+    """vocab.json + merges.txt trained by the tool on the varied texts (repeated, so pairs recur)."""
+    tmp = tmp_path_factory.mktemp("bpe")
+    corpus = write_jsonl(tmp / "corpus.jsonl", VARIED_TEXTS * 3)
+    load_tool("train_tokenizer").main(["--input", corpus, "--type", "gpt2bpe", "--vocab-size", "700",
+                                       "--min-frequency", "1", "--output-dir", str(tmp / "tok")])
+    return str(tmp / "tok" / "vocab.json"), str(tmp / "tok" / "merges.txt")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(bpe_files):
+    from transformers import GPT2Tokenizer
+
+    tok = GPT2Tokenizer(vocab=bpe_files[0], merges=bpe_files[1])
+    assert len(tok) > 300  # guards against transformers 5's silently empty tokenizer
+    return tok
+
+
+def _cases():
+    extra = [a + b for a, b in zip(VARIED_TEXTS, VARIED_TEXTS[1:])]
+    return VARIED_TEXTS + extra + ["".join(VARIED_TEXTS), "x" * 300, " " * 17 + "y", "\n" * 9]
+
+
+@pytest.mark.parametrize("use_tiktoken", [True, False])
+def test_gpt2_ids_equal_transformers(bpe_files, hf_tokenizer, use_tiktoken):
+    ours = GPT2BPETokenizer(*bpe_files, use_tiktoken=use_tiktoken)
+    assert (ours.fast is not None) == use_tiktoken
+    for text in _cases():
+        expected = hf_tokenizer.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == expected, repr(text)
+        assert ours.encode(text) == expected, repr(text)  # second call: served from the cache
+
+
+def test_gpt2_decode_round_trip_and_eod(bpe_files):
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    for text in _cases():
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eod == tok.vocab["<|endoftext|>"]
+    assert tok.vocab_size == len(tok.vocab)
+
+
+def test_bytes_to_unicode_matches_the_spec():
+    table = bytes_to_unicode()
+    assert len(set(table.values())) == 256
+    for b in list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256)):
+        assert table[b] == chr(b)
+    others = [b for b in range(256) if table[b] != chr(b)]
+    assert [table[b] for b in others] == [chr(256 + n) for n in range(68)]
+
+
+def test_unknown_tokenizer_type_is_named():
+    with pytest.raises(ValueError, match="NoSuchTokenizer"):
+        build_tokenizer("NoSuchTokenizer")
+
+
+def test_sentencepiece_tool_and_gpt_semantics(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", VARIED_TEXTS * 20)
+    load_tool("train_tokenizer").main(["--input", corpus, "--type", "sentencepiece", "--vocab-size", "600",
+                                       "--output-dir", str(tmp_path / "sp")])
+    model = os.path.join(tmp_path, "sp", "tokenizer.model")
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert tok.eod == tok.sp.eos_id() == 2
+    assert tok.vocab_size == tok.sp.get_piece_size()
+    text = "Hello world! Café 日本語"
+    assert tok.decode(tok.encode(text)) == text
