@@ -55,10 +55,10 @@ def _result(root_dir: str) -> dict:
             "merge_file": os.path.join(root_dir, "merges.txt")}
 
 
-def _build(build_dir: str, log) -> dict:
+def _build(build_dir: str, log, stdlib_dir: str | None) -> dict:
     start = time.perf_counter()
     jsonl = os.path.join(build_dir, "stdlib.jsonl")
-    docs, size = write_stdlib_jsonl(jsonl)
+    docs, size = write_stdlib_jsonl(jsonl, stdlib_dir)
     log(f"[sample corpus] {docs} stdlib files, {size / 1e6:.1f} MB -> {jsonl} "
         f"({time.perf_counter() - start:.1f} s)")
     train_gpt2_bpe(iter_jsonl_texts(jsonl), VOCAB_SIZE, build_dir)
@@ -75,10 +75,11 @@ def _build(build_dir: str, log) -> dict:
     return info
 
 
-def ensure_sample_corpus(root_dir: str, progress: bool = True) -> dict:
+def ensure_sample_corpus(root_dir: str, progress: bool = True, stdlib_dir: str | None = None) -> dict:
     """Build the sample corpus under root_dir unless already there; return its data_prefix and tokenizer.
 
-    Returns {"data_prefix", "tokenizer_type", "vocab_file", "merge_file"}.
+    Returns {"data_prefix", "tokenizer_type", "vocab_file", "merge_file"}. `stdlib_dir` (tests only)
+    replaces the interpreter's standard library folder.
     """
     root_dir = os.path.abspath(root_dir)
     if os.path.exists(os.path.join(root_dir, MARKER)):
@@ -92,7 +93,7 @@ def ensure_sample_corpus(root_dir: str, progress: bool = True) -> dict:
     os.makedirs(parent, exist_ok=True)
     build_dir = tempfile.mkdtemp(prefix=os.path.basename(root_dir) + ".building-", dir=parent)
     try:
-        info = _build(build_dir, log)
+        info = _build(build_dir, log, stdlib_dir)
         if os.path.isdir(root_dir) and not os.listdir(root_dir):
             os.rmdir(root_dir)
         try:
