@@ -57,7 +57,7 @@ def _new_param(shape: tuple[int, ...], device, dtype, template: Optional[nn.Para
     param = nn.Parameter(value, requires_grad=True if template is None else template.requires_grad)
     if template is not None:
         param.__dict__.update(template.__dict__)
-    param.__dict__.update(attrs, shard_fn=shard_fn)
+    param.__dict__.update(dict(sequence_parallel=False, shard_fn=shard_fn), **attrs)
     return param
 
 
@@ -79,7 +79,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, gather_output: bool = False, num_stacked: int = 1,
                  device=None, dtype=None, template: Optional[nn.Linear] = None):
         super().__init__()
-        _check_divisible(f"output size {out_features} / {num_stacked} blocks", out_features // num_stacked,
+        _check_divisible(f"output size per block ({num_stacked} blocks)", out_features // num_stacked,
                          comm.size)
         if gather_output and num_stacked > 1:
             raise ValueError("gather_output with stacked blocks would interleave them: not supported")
@@ -126,7 +126,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, device=None, dtype=None,
                  template: Optional[nn.Linear] = None):
         super().__init__()
-        _check_divisible(f"input size", in_features, comm.size)
+        _check_divisible("input size", in_features, comm.size)
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         shard = partial(shard_dim1, rank=comm.rank, size=comm.size)

@@ -6,6 +6,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
+from model.init import initialize_parameters
 from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, CommCounter, RowParallelLinear, VocabParallelEmbedding,
@@ -151,8 +152,9 @@ def test_vocab_parallel_cross_entropy_bf16_single_rank():
 
 
 # ---- size checks ------------------------------------------------------------------------------------
-def _fake_state(tp_size):
-    return ParallelState(world_size=tp_size, rank=0, tp_size=tp_size, pp_size=1, dp_size=1)
+def _fake_state(tp_size, rank=0):
+    """A state for building only (no collective runs while sharding a model)."""
+    return ParallelState(world_size=tp_size, rank=rank, tp_size=tp_size, pp_size=1, dp_size=1)
 
 
 @pytest.mark.parametrize("key, kwargs", [
@@ -178,6 +180,39 @@ def test_tp_one_returns_model_unchanged():
         model = GPTModel(cfg, 64)
     assert apply_tensor_parallel(model, ParallelState.single()) is model
     assert isinstance(model.layers["0"].mlp.fc1, nn.Linear)
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_sharded_init_equals_slice_of_full_init(style):
+    extra = {} if style == "gpt" else dict(num_query_groups=2, activation="swiglu", normalization="rmsnorm",
+                                           position_embedding_type="rope", tie_embeddings=False)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **extra)
+    full_model = GPTModel(cfg, 64)
+    initialize_parameters(full_model, cfg, seed=3)
+    full = dict(full_model.named_parameters())
+    for rank in range(2):
+        with torch.device("meta"):
+            model = GPTModel(cfg, 64)
+        apply_tensor_parallel(model, _fake_state(2, rank), sequence_parallel=True)
+        initialize_parameters(model, cfg, seed=3)
+        model.tie_weights()
+        for name, param in model.named_parameters():
+            expected = param.shard_fn(full[name]) if param.tensor_parallel else full[name]
+            assert torch.equal(param, expected), name
+            partial_grad = "norm." in name or name.endswith(("proj.bias", "fc2.bias"))
+            assert param.sequence_parallel == partial_grad, name
+        if cfg.tie_embeddings:
+            assert model.output_layer.weight is model.embedding.word_embeddings.weight
+
+
+def test_last_stage_tied_copy_keeps_its_attributes():
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    with torch.device("meta"):
+        model = GPTModel(cfg, 64, layer_ids=[1], pre_process=False, post_process=True)
+    apply_tensor_parallel(model, _fake_state(2, 1))
+    weight = model.output_layer.weight
+    assert weight.init_name == "embedding.word_embeddings.weight" and weight.shared_embedding
+    assert weight.tensor_parallel and weight.partition_dim == 0 and tuple(weight.shape) == (32, 32)
 
 
 # ---- RNG tracker ------------------------------------------------------------------------------------
