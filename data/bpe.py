@@ -162,13 +162,13 @@ class TiktokenBPE:
         to_id = self._rank_to_id
         return [to_id[r] for r in out]
 
-    def encode_ascii_text(self, text: str) -> list[int] | None:
-        """Ids of a whole ASCII text, split by tiktoken's own regex, or None if a result is tainted.
+    def encode_text(self, text: str) -> list[int] | None:
+        """Ids of a whole text, split by tiktoken's own (Rust) regex, or None if a result is tainted.
 
-        Only for ASCII: there the Rust regex, Python's `regex` and HF's Oniguruma agree on every character
-        class of the pattern; beyond ASCII their Unicode tables may differ in version.
+        The caller decides whether the Rust regex's Unicode tables can be trusted for this text.
         """
-        out = np.asarray(self._encoding.encode_ordinary(text), dtype=np.int64)
+        # encode_to_numpy skips building a Python list; with no special tokens it equals encode_ordinary.
+        out = self._encoding.encode_to_numpy(text, disallowed_special=()).astype(np.int64)
         if len(self._tainted_array) and np.isin(out, self._tainted_array).any():
             return None
         return self._rank_to_id_array[out].tolist()

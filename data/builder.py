@@ -54,7 +54,9 @@ def parse_data_path(data_path: list) -> tuple[list[float], list[str]]:
 
 def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir):
     indexed = IndexedDataset(prefix)
-    ranges = split_document_ranges(split, indexed.document_count)
+    # Megatron's GPTDataset splits by sequence count (one sequence per document, empty documents hold none):
+    # numel_low_level_dataset = len(sequence_lengths). document_count would overrun when a document is empty.
+    ranges = split_document_ranges(split, len(indexed))
     datasets = []
     for name, doc_range, n in zip(SPLIT_NAMES, ranges, num_samples):
         if doc_range is None or not n:

@@ -19,7 +19,10 @@ import numpy as np
 from data.indexed_dataset import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
 from data.tokenizers import build_tokenizer
 
-_BATCH_LINES = 128  # lines per task: large enough to amortise inter-process pickling
+# A task is up to this many lines or bytes: enough to amortise inter-process pickling, small enough that
+# a corpus of a few thousand large documents still spreads evenly over the workers.
+_BATCH_LINES = 256
+_BATCH_BYTES = 1 << 18
 
 
 class PreprocessError(ValueError):
@@ -69,7 +72,10 @@ class _Encoder:
                 return line_no, f"no key {key!r}", len(raw)
             if not isinstance(record[key], str):
                 return line_no, f"value of {key!r} is not a string", len(raw)
-            ids = tokenizer.encode(record[key])
+            try:
+                ids = tokenizer.encode(record[key])
+            except UnicodeEncodeError as exc:
+                return line_no, f"value of {key!r} is not encodable as UTF-8 ({exc.reason})", len(raw)
             if ids and settings["append_eod"]:
                 ids.append(tokenizer.eod)
             out[key] = np.asarray(ids, dtype=settings["dtype"])
@@ -78,12 +84,13 @@ class _Encoder:
 
 def _read_batches(path: str) -> Iterator[tuple[int, list[bytes]]]:
     with open(path, "rb") as f:
-        batch, first = [], 1
+        batch, first, size = [], 1, 0
         for line_no, raw in enumerate(f, 1):
             if not batch:
-                first = line_no
+                first, size = line_no, 0
             batch.append(raw.rstrip(b"\r\n"))
-            if len(batch) == _BATCH_LINES:
+            size += len(raw)
+            if len(batch) == _BATCH_LINES or size >= _BATCH_BYTES:
                 yield first, batch
                 batch = []
         if batch:
@@ -118,7 +125,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
             builders[key] = IndexedDatasetBuilder(tmp[key][0], settings["dtype"])
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
-            results = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=4)
+            results = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=1)
         else:
             _Encoder.initialize(settings)
             results = map(_Encoder.encode_batch, _read_batches(input_path))

@@ -4,6 +4,7 @@ Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unp
 """
 from __future__ import annotations
 
+import unicodedata
 from itertools import chain
 
 import regex
@@ -19,8 +20,10 @@ _CACHE_LIMIT = 1_000_000
 class GPT2BPETokenizer:
     """GPT-2 byte-level BPE from vocab.json + merges.txt; ids equal transformers' GPT2Tokenizer's.
 
-    Hot path: ASCII text goes whole to tiktoken (built in memory from these files; see data/bpe.py for why
-    its ids are provably the same). Other text: `regex` pre-tokenisation, then a per-piece cache of ids;
+    Hot path: text goes whole to tiktoken (built in memory from these files; see data/bpe.py for why its
+    merges give the same ids) unless it holds characters unknown to this Python's Unicode database. Such
+    text, and any tiktoken result flagged by the check in data/bpe.py: `regex` pre-tokenisation, then a
+    per-piece cache of ids;
     cache misses go to tiktoken per piece where it provably agrees, else to the reference merge loop.
     """
 
@@ -35,6 +38,7 @@ class GPT2BPETokenizer:
         self.reference = ReferenceBPE(merges)
         self.fast = TiktokenBPE.build(self.vocab, merges) if use_tiktoken else None
         self.cache: dict[str, list[int]] = {}
+        self.known_chars: set[str] = set()
 
     @property
     def vocab_size(self) -> int:
@@ -56,10 +60,22 @@ class GPT2BPETokenizer:
         # An id missing from vocab.json cannot happen for a consistent vocab/merges pair; fail loudly.
         return [self.vocab[tok] for tok in self.reference(word)]
 
+    def _tiktoken_can_split(self, text: str) -> bool:
+        """Whether tiktoken's regex may split `text`: every character was assigned in this Python's
+        Unicode database (letters, digits and spaces then mean the same in every engine's tables;
+        characters newer than that may be classified differently by tiktoken, `regex` and HF)."""
+        if text.isascii():
+            return True
+        new = set(text) - self.known_chars
+        if any(unicodedata.category(c) in ("Cn", "Cs") for c in new):
+            return False
+        self.known_chars |= new
+        return True
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special-token parsing, as Megatron's GPT-2 tokenizer)."""
-        if self.fast is not None and text.isascii():
-            ids = self.fast.encode_ascii_text(text)
+        if self.fast is not None and self._tiktoken_can_split(text):
+            ids = self.fast.encode_text(text)
             if ids is not None:
                 return ids
         pieces = self.pattern.findall(text)
@@ -104,6 +120,18 @@ class SentencePieceTokenizer:
     def eod(self) -> int:
         """The model's eos id."""
         return self.sp.eos_id()
+
+    def _tiktoken_can_split(self, text: str) -> bool:
+        """Whether tiktoken's regex may split `text`: every character was assigned in this Python's
+        Unicode database (letters, digits and spaces then mean the same in every engine's tables;
+        characters newer than that may be classified differently by tiktoken, `regex` and HF)."""
+        if text.isascii():
+            return True
+        new = set(text) - self.known_chars
+        if any(unicodedata.category(c) in ("Cn", "Cs") for c in new):
+            return False
+        self.known_chars |= new
+        return True
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""

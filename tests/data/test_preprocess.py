@@ -56,6 +56,7 @@ BAD_LINES = [
     (b'{"text": "ok"}\n{"other": "x"}\n', 2, "no key 'text'"),
     (b'{"text": "ok"}\n{"text": "ok"}\n{"text": "\xff\xfe"}\n', 3, "not valid UTF-8"),
     (b'{"text": 5}\n', 1, "not a string"),
+    (b'{"text": "ok"}\n{"text": "lone \\ud800 surrogate"}\n', 2, "not encodable as UTF-8"),
 ]
 
 
@@ -74,8 +75,8 @@ def test_skip_bad_lines_counts_them(tmp_path, tok_files, capsys):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(b"".join(c for c, _, _ in BAD_LINES))
     out = _run(tok_files, str(inp), str(tmp_path / "out"), "--skip-bad-lines")
-    assert "skipped 4 bad lines" in capsys.readouterr().err
-    assert len(IndexedDataset(out)) == 4  # the four good "ok" lines
+    assert "skipped 5 bad lines" in capsys.readouterr().err
+    assert len(IndexedDataset(out)) == 5  # the five good "ok" lines
 
 
 def test_cli_reports_throughput_and_exits_nonzero_on_error(tmp_path, tok_files):
