@@ -185,6 +185,7 @@ class GPTModel(nn.Module):
                 self._tie_output_to_embedding()
         self._mark_split_tied_embedding()
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
+        self.vocab_start_index = 0  # first vocabulary id of this rank's logits (set by tensor parallelism)
         self.recompute_layer_ids: set[int] = set()
         self.checkpoint_fn: Optional[Callable] = None
 
@@ -207,6 +208,15 @@ class GPTModel(nn.Module):
         """Re-tie the output layer to the embedding after parameters were replaced (meta init, tp)."""
         if self.post_process and self.pre_process and self.cfg.tie_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary rows never score: the padding (which grows with tp) then changes nothing, so every
+        tp size trains the same model and the padding rows get no gradient."""
+        num_valid = self.cfg.vocab_size - self.vocab_start_index
+        if num_valid >= logits.shape[-1]:
+            return logits
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= num_valid
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
 
     def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable) -> None:
         """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;
@@ -235,7 +245,7 @@ class GPTModel(nn.Module):
                 x = layer(x, rotary, attention_mask)
         if not self.post_process:
             return x
-        logits = self.output_layer(self.final_norm(x))  # [s, b, V(/tp)]
+        logits = self._mask_vocab_padding(self.output_layer(self.final_norm(x)))  # [s, b, V(/tp)]
         if labels is None:
             return logits.transpose(0, 1)
         return self.loss_fn(logits, labels.t()).t()  # [b, s]

@@ -119,6 +119,7 @@ def _shard_head(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> None:
                                                           sequence_parallel=sequence_parallel)
     if model.cfg.tie_embeddings and model.pre_process:
         model.output_layer.weight = model.embedding.word_embeddings.weight
+    model.vocab_start_index = comm.rank * model.output_layer.weight.shape[0]  # for the padding mask
     model.loss_fn = partial(vocab_parallel_cross_entropy, comm=comm.with_scope("loss"))
 
 

@@ -181,6 +181,12 @@ class Config:
                 f"model.num_layers={self.model.num_layers} is not divisible by parallel.pp_size * "
                 f"parallel.vp_size = {self.parallel.pp_size} * {self.parallel.vp_size}")
 
+        decay_iters = self.optim.lr_decay_iters or self.train.train_iters
+        if self.optim.lr_warmup_iters > decay_iters:
+            source = "optim.lr_decay_iters" if self.optim.lr_decay_iters else "train.train_iters"
+            raise ConfigError(f"optim.lr_warmup_iters={self.optim.lr_warmup_iters} is longer than the LR decay "
+                              f"({source}={decay_iters}): lower optim.lr_warmup_iters")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -201,6 +207,17 @@ def _type_matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+def _coerce_float(value: Any, annotation: Any) -> Any:
+    """PyYAML reads `1e-4` (no dot) as a string; accept it where a float is expected."""
+    accepts_float = annotation is float or float in typing.get_args(annotation)
+    if accepts_float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _build_section(cls: type, values: dict, section: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
@@ -209,6 +226,7 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
             raise ConfigError(f"unknown config key {section}.{key}{hint}")
+        value = values[key] = _coerce_float(value, hints[key])
         if not _type_matches(value, hints[key]):
             expected = getattr(hints[key], "__name__", str(hints[key]))
             raise ConfigError(f"{section}.{key}={value!r} has the wrong type: expected {expected}")
