@@ -244,3 +244,31 @@ def test_pipeline_tied_embedding_matches_single_process(tmp_path, distributed, r
     # Both stages' copies of the tied weight took the same steps.
     torch.testing.assert_close(last["params"]["output_layer.weight"],
                                first["params"]["embedding.word_embeddings.weight"], rtol=0, atol=0)
+
+
+def test_distributed_layout_pads_and_tiles_buckets():
+    """dp = 3 (no collectives needed to build): every bucket is padded to a multiple of dp, the dp shards
+    tile it, each param's owned slices over the dp ranks tile the param, the tied embedding is alone."""
+    cfg = tiny_cfg()
+    model = tiny_model(cfg)
+    owned: dict[str, list[tuple[int, int]]] = {}
+    for dp_rank in range(3):
+        state = ParallelState(world_size=3, rank=dp_rank, tp_size=1, pp_size=1, dp_size=3)
+        ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=True)
+        for bucket in ddp.buckets[0]:
+            assert bucket.numel % 3 == 0
+            assert bucket.numel - sum(p.numel() for p in bucket.params) < 3
+            if any(getattr(p, "shared_embedding", False) for p in bucket.params):
+                assert len(bucket.params) == 1
+        assert sum(b.numel for b in ddp.buckets[0]) == ddp.buffers[0].numel()
+        for name, param in model.named_parameters():
+            owned.setdefault(name, []).append(ddp.owned_param_slice(param))
+        ddp.remove_hooks()
+    for name, param in model.named_parameters():
+        covered = sum(hi - lo for lo, hi in owned[name])
+        assert covered == param.numel(), name
+    first_stage = tiny_model(cfg, layer_ids=[0], pre=True, post=False)  # pp > 1: the tied weight is marked
+    ddp = DataParallel([first_stage], ParallelState.single(), bucket_size_mb=1.0)
+    embedding = first_stage.embedding.word_embeddings.weight
+    assert embedding.shared_embedding and ddp.param_ranges[embedding].bucket.params == [embedding]
+    assert len(ddp.buckets[0]) >= 2  # 1 MiB would hold the whole chunk: the embedding was split off

@@ -1,0 +1,88 @@
+"""Optimizer memory per rank on a tiny GPT: dp = 1, 2, 4 x distributed optimizer off / on x fp32 / bf16.
+
+Runs each layout on forked gloo ranks (CPU) and prints, for dp rank 0, the bytes of model params, fp32
+main-grad buffers and optimizer state (fp32 masters + exp_avg + exp_avg_sq), and bytes per parameter next
+to the mixed-precision formula (Megatron / ZeRO-1): 16-bit params 2 + fp32 grads 4 + 12 (plain) or 12 / dp
+(distributed) = 18 or 6 + 12/dp bytes per parameter. fp32 plain aliases params as masters: 4 + 4 + 8 = 16.
+
+    python scripts/benchmarks/bench_optimizer_memory.py [--layers 4 --hidden 128]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from model.config import ModelConfig  # noqa: E402
+from model.gpt import GPTModel  # noqa: E402
+from model.init import initialize_parameters  # noqa: E402
+from parallel.data_parallel import DataParallel  # noqa: E402
+from parallel.state import ParallelState  # noqa: E402
+from training.optimizer import build_optimizer  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _rank(rank: int, world_size: int, port: int, layers: int, hidden: int, distributed: bool,
+          precision: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    state = ParallelState.create(tp_size=1, pp_size=1)
+    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, seq_length=64,
+                      vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
+    with torch.device("meta"):
+        model = GPTModel(cfg, cfg.padded_vocab_size())
+    initialize_parameters(model, cfg, seed=0, dtype=DTYPES[precision])
+    model.tie_weights()
+    ddp = DataParallel([model], state, bucket_size_mb=0.25, distributed_optimizer=distributed)
+    optimizer = build_optimizer([model], ddp, state, lr=1e-4, precision=precision)
+    if rank == 0:
+        params = list(model.parameters())
+        results.put((sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+                     ddp.grad_buffer_bytes(), optimizer.state_bytes()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(dp: int, layers: int, hidden: int, distributed: bool, precision: str) -> tuple[int, ...]:
+    """(numel, param bytes, grad buffer bytes, optimizer state bytes) of dp rank 0."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(dp, port, layers, hidden, distributed, precision, results), nprocs=dp,
+                       start_method="fork")
+    return results.get()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    args = parser.parse_args()
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)  # pay torch's one-time meta-init imports before forking, not once per rank
+    print("| precision | dp | distributed | params | param B | grad B | optimizer B | B/param | formula |")
+    print("|-----------|----|-------------|--------|---------|--------|-------------|---------|---------|")
+    for precision in ("fp32", "bf16"):
+        for distributed in (False, True):
+            for dp in (1, 2, 4):
+                numel, param_b, grad_b, opt_b = measure(dp, args.layers, args.hidden, distributed, precision)
+                per_param = (param_b + grad_b + opt_b) / numel
+                size = 4 if precision == "fp32" else 2
+                formula = size + 4 + (12 / dp if distributed else (8 if precision == "fp32" else 12))
+                print(f"| {precision} | {dp} | {'on' if distributed else 'off'} | {numel} | {param_b} | "
+                      f"{grad_b} | {opt_b} | {per_param:.3f} | {formula:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
