@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class PreprocessStats:
     tokens: int = 0
     bad_lines: int = 0
     seconds: float = 0.0
+    encode_cpu_seconds: float = 0.0  # CPU time of the encoding processes (the pool, or this process)
     outputs: list[str] = field(default_factory=list)
 
 
@@ -129,7 +131,12 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
         else:
             _Encoder.initialize(settings)
             results = map(_Encoder.encode_batch, _read_batches(input_path))
+        cpu_before = _cpu_seconds(pool is not None)
         _consume(results, builders, stats, input_path, skip_bad_lines, log_interval, log)
+        if pool is not None:
+            pool.close()
+            pool.join()  # reaped workers' CPU time shows up in RUSAGE_CHILDREN
+        stats.encode_cpu_seconds = _cpu_seconds(pool is not None) - cpu_before
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
         for key, prefix in prefixes.items():
@@ -174,11 +181,23 @@ def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_ba
     stats.seconds = time.perf_counter() - start
 
 
+def _cpu_seconds(children: bool) -> float:
+    if children:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+    return time.process_time()
+
+
 def _report(stats: PreprocessStats, workers: int, log) -> None:
     rate = stats.bytes / max(stats.seconds, 1e-9) / 1e6
     log(f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in "
         f"{stats.seconds:.2f} s: {stats.documents / max(stats.seconds, 1e-9):.1f} docs/s, {rate:.2f} MB/s "
         f"({rate / max(workers, 1):.2f} MB/s per worker, {workers} workers)")
+    if stats.encode_cpu_seconds > 0:
+        # Wall-clock rates fall when other jobs share the cores; MB per CPU-second of the encoding
+        # processes is the per-worker speed on an otherwise idle core.
+        log(f"encoding CPU time {stats.encode_cpu_seconds:.2f} s: "
+            f"{stats.bytes / stats.encode_cpu_seconds / 1e6:.2f} MB per worker CPU-second")
     if stats.bad_lines:
         log(f"skipped {stats.bad_lines} bad lines")
     for prefix in stats.outputs:
