@@ -5,9 +5,14 @@ dataset's next sample, so every prefix of the blend follows the weights as close
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 
 import numpy as np
+
+from data.gpt_dataset import save_atomic
 
 
 def normalize_weights(weights) -> list[float]:
@@ -50,13 +55,29 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
 
 
 class BlendedDataset:
-    """A weighted blend of datasets; item i is item dataset_sample_index[i] of dataset dataset_index[i]."""
+    """A weighted blend of datasets; item i is item dataset_sample_index[i] of dataset dataset_index[i].
 
-    def __init__(self, datasets: list, weights, size: int):
+    With cache_dir, the two index arrays are cached as .npy keyed by an MD5 of the description (weights,
+    size, the components' own cache keys) and memory-mapped when present, as the GPT indices are.
+    """
+
+    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None):
         self.datasets = datasets
         self.weights = normalize_weights(weights)
         self.size = size
-        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+        description = dict(class_name="BlendedDataset", weights=self.weights, size=size,
+                           components=[getattr(d, "cache_key", repr(d)) for d in datasets])
+        self.cache_key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        paths = [os.path.join(cache_dir, f"{self.cache_key}-BlendedDataset-{name}.npy")
+                 for name in ("dataset_index", "dataset_sample_index")] if cache_dir else []
+        if paths and all(os.path.exists(p) for p in paths):
+            self.dataset_index, self.dataset_sample_index = (np.load(p, mmap_mode="r") for p in paths)
+        else:
+            self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+            if paths:
+                os.makedirs(cache_dir, exist_ok=True)
+                for path, array in zip(paths, (self.dataset_index, self.dataset_sample_index)):
+                    save_atomic(path, array)
         for d, dataset in enumerate(datasets):
             needed = int((self.dataset_index == d).sum())
             if len(dataset) < needed:

@@ -89,5 +89,8 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
                       reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate, pin_memory=False,
-        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
+        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
+        # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG, which
+        # would shift the dropout stream whenever an iterator is created (every evaluation, every resume).
+        generator=torch.Generator().manual_seed(0))
     return iter(loader)

@@ -146,3 +146,4 @@ def test_blended_builder_is_deterministic_and_proportional(tmp_path):
         assert np.array_equal(blend[i]["text"], blend.datasets[d][j]["text"])
         assert np.array_equal(blend[i]["text"], second[0][i]["text"])
     assert len(blend.datasets[0]) >= int(np.ceil(np.ceil(200 * 0.7) * 1.005))
+    assert isinstance(second[0].dataset_index, np.memmap)  # the second build reused the cache
