@@ -26,16 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 
-def reduce_scatter_flat(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False):
-    """reduce_scatter(SUM) of a flat tensor; torch 2.13 renamed reduce_scatter_tensor (2.11 may lack it)."""
+def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
+    """Async reduce_scatter(SUM) of a flat tensor, returning the work handle. parallel/comm.py holds the
+    blocking compat wrappers; this is their async twin (torch 2.13 renamed reduce_scatter_tensor)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input_, group=group, async_op=async_op)
-
-
-def all_gather_flat(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool = False):
-    """all_gather of a flat tensor into one tensor; compat twin of `reduce_scatter_flat`."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input_, group=group, async_op=async_op)
+    return fn(output, input_, group=group, async_op=True)
 
 
 @dataclass
@@ -153,6 +148,10 @@ class DataParallel:
 
     def _make_hook(self, bucket: Bucket):
         def hook(param: torch.Tensor) -> None:
+            if bucket.launched and self._sync_enabled[bucket.chunk_index]:
+                # Adding now would race with (or miss) the reduction already in flight.
+                raise RuntimeError(f"a gradient of chunk {bucket.chunk_index} bucket {bucket.index} arrived "
+                                   f"after the bucket's dp reduction was launched")
             if param.grad is not None:
                 param.main_grad.add_(param.grad)  # fp32 accumulation also for 16-bit params
                 param.grad = None
@@ -170,6 +169,9 @@ class DataParallel:
             buffer.zero_()
         for param in self.param_ranges:
             param.grad = None
+        self._reset_sync_state()
+
+    def _reset_sync_state(self) -> None:
         self._sync_enabled = [False] * len(self.chunks)
         self._next_launch = [0] * len(self.chunks)
         for bucket in self._all_buckets():
@@ -193,8 +195,7 @@ class DataParallel:
         for bucket in self._all_buckets():
             if bucket.work is not None:
                 bucket.work.wait()
-            bucket.work = None
-        self._sync_enabled = [False] * len(self.chunks)
+        self._reset_sync_state()  # the next iteration starts accumulating again, even without zero_grad
 
     def _launch_ready(self, chunk_index: int) -> None:
         """Launch, in bucket order, every bucket from the next unlaunched one that is complete."""
@@ -215,7 +216,7 @@ class DataParallel:
         if self.distributed_optimizer:
             start, end = bucket.shard_range(self.state.dp_rank, self.state.dp_size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = reduce_scatter_flat(shard, flat, self.state.dp_group, async_op=True)
+            bucket.work = reduce_scatter_async(shard, flat, self.state.dp_group)
         else:
             bucket.work = dist.all_reduce(flat, group=self.state.dp_group, async_op=True)
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.data_parallel import Bucket, DataParallel, all_gather_flat
+from parallel.comm import all_gather_into
+from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import (any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm,
                                  sum_of_squares)
 
@@ -294,7 +295,7 @@ class DistributedOptimizer(Optimizer):
             local = full[dp_rank * shard:(dp_rank + 1) * shard]
             local.copy_(seg.master)
             if dp_size > 1:
-                all_gather_flat(full, local, self.state.dp_group)
+                all_gather_into(full, local, self.state.dp_group)
             for param in bucket.params:
                 where = self.ddp.param_ranges[param]
                 param.data.copy_(full[where.start - bucket.start:where.end - bucket.start].view(param.shape))

@@ -163,10 +163,14 @@ def test_distributed_optimizer_matches_plain(tmp_path):
     assert abs(sharded["state_bytes"] - 12 * numel / 4) <= 12 * 4 * 16  # padding: < dp elements per bucket
 
 
-def _overlap_ranks(rank, world_size, out_dir):
+def _overlap_ranks(rank, world_size, out_dir, unused_param=False):
     state = ParallelState.create(tp_size=1, pp_size=1)
     cfg = tiny_cfg()
-    model, ddp, optimizer = build(cfg, state, bucket_mb=0.01)
+    model = tiny_model(cfg)
+    if unused_param:  # the root's own params come first in parameters(): it lands in the last bucket
+        model.unused = torch.nn.Parameter(torch.ones(5))
+    ddp = DataParallel([model], state, bucket_size_mb=0.01)
+    optimizer = build_optimizer([model], ddp, state, lr=1e-2, eps=EPS)
     events, phase = [], ["idle"]
     original_launch = ddp._launch
 
@@ -178,6 +182,9 @@ def _overlap_ranks(rank, world_size, out_dir):
     micros = micro_batches(global_batch(0, cfg), state.dp_rank, state.dp_size)
     train_step(model, ddp, optimizer, state, micros, on_phase=lambda p: phase.__setitem__(0, p))
     torch.save({"events": events, "num_buckets": len(ddp.buckets[0])}, os.path.join(out_dir, f"rank{rank}.pt"))
+    if unused_param:
+        assert torch.equal(model.unused.main_grad, torch.zeros(5))
+        assert torch.equal(model.unused.detach(), torch.ones(5))  # zero grad, no decay on 1-D: unchanged
 
 
 def test_reduction_overlaps_last_backward_only(tmp_path):
@@ -188,6 +195,16 @@ def test_reduction_overlaps_last_backward_only(tmp_path):
         assert num_buckets >= 4
         assert [index for _, index in events] == list(range(num_buckets))  # each once, in bucket order
         assert {phase for phase, _ in events} == {"last_backward"}, events  # none earlier, none in finish
+
+
+def test_param_without_grad_is_reduced_in_finish(tmp_path):
+    """A param that never gets a gradient holds back its bucket (and, since buckets launch in order, every
+    later one) until finish_grad_sync, which launches it; nothing hangs and the step still runs."""
+    run_ranks(2, _overlap_ranks, str(tmp_path), True)
+    events = torch.load(tmp_path / "rank0.pt", weights_only=True)["events"]
+    assert [index for _, index in events] == list(range(len(events)))
+    assert [phase for phase, _ in events[:-1]] == ["last_backward"] * (len(events) - 1)
+    assert events[-1][0] == "after_backward"  # launched by finish_grad_sync
 
 
 def _pipeline_ranks(rank, world_size, out_dir, distributed):
