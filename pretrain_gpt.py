@@ -216,6 +216,8 @@ def train(run: Run) -> None:
                                state.dp_size, run.eod_id)
     if run.progress.iteration == 0:
         run_evaluation(run)
+    run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
+    iteration_one = run.progress.iteration + 1
     stats = IntervalStats(run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length,
                           run.env.world_size, run.env.device.type)
     while run.progress.iteration < train_cfg.train_iters:
@@ -229,8 +231,10 @@ def train(run: Run) -> None:
         progress.consumed_samples += train_cfg.global_batch_size
         progress.skipped_iters += int(result.skipped)
         stats.add(result, lr, time.perf_counter() - started)
-        if progress.iteration == 1:
-            run.logger.info(f"tensor-parallel collectives in iteration 1: {run.comm_counter.summary()}")
+        if progress.iteration == iteration_one and state.tp_size > 1:
+            layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
+            run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
+                            + run.comm_counter.summary(layers, run.ctx.num_microbatches))
         if progress.iteration % cfg.logging.log_interval == 0:
             record = stats.flush(progress)
             run.logger.info(format_train_line(record, train_cfg.train_iters))

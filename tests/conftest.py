@@ -33,7 +33,8 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, error_queue) ->
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
-        dist.barrier()
+        if dist.is_initialized():  # fn may have torn the group down itself (pretrain_gpt.main does)
+            dist.barrier()
     except BaseException:  # report every failure, assertion or not, to the parent
         error_queue.put((rank, traceback.format_exc()))
         raise
@@ -70,3 +71,48 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
 def ranks():
     """Fixture form of `run_ranks` for tests that prefer injection."""
     return run_ranks
+
+
+def build_tiny_corpus(root: str, num_files: int = 60) -> dict:
+    """A small real corpus (the first stdlib modules, sorted), a 512-token BPE and its .bin/.idx."""
+    import json
+    import sysconfig
+
+    from data.preprocess import preprocess_jsonl
+    from data.tokenizer_training import train_gpt2_bpe
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(stdlib) if n.endswith(".py"))[:num_files]
+    texts = [open(os.path.join(stdlib, n), encoding="utf-8").read() for n in names]
+    os.makedirs(root, exist_ok=True)
+    jsonl = os.path.join(root, "corpus.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    vocab, merges = train_gpt2_bpe(texts, 512, root)
+    preprocess_jsonl(jsonl, os.path.join(root, "tiny"), "GPT2BPETokenizer", vocab_file=vocab, merge_file=merges,
+                     append_eod=True, log=lambda msg: None)
+    return {"data_prefix": os.path.join(root, "tiny_text_document"), "vocab_file": vocab, "merge_file": merges}
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> dict:
+    """Session-wide tiny corpus for trainer tests."""
+    return build_tiny_corpus(str(tmp_path_factory.mktemp("tiny_corpus")))
+
+
+def tiny_train_args(corpus: dict, run_dir: str, *extra: str) -> list[str]:
+    """pretrain_gpt.py arguments for a seconds-long fp32 run on the tiny corpus (dropout 0: parity-ready)."""
+    return [f"data.data_path=[{corpus['data_prefix']}]", f"data.vocab_file={corpus['vocab_file']}",
+            f"data.merge_file={corpus['merge_file']}", "data.num_workers=0", "model.num_layers=4",
+            "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=32",
+            "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "model.make_vocab_size_divisible_by=8",
+            "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=10",
+            "train.eval_interval=5", "train.eval_iters=2", "optim.lr_warmup_iters=2", "logging.log_interval=1",
+            "logging.tensorboard=false", "checkpoint.save_interval=0", f"run.dir={run_dir}", *extra]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The training lines (those with lm_loss) of a run's metrics.jsonl."""
+    import json
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        return [r for r in map(json.loads, handle) if "lm_loss" in r]

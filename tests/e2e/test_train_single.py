@@ -1,0 +1,82 @@
+"""The trainer on one process: it learns, writes its metrics, resumes exactly, survives a crash mid-save."""
+import json
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from tests.conftest import read_metrics, tiny_train_args
+from training import checkpointing
+
+
+def train(corpus, run_dir, *extra):
+    assert pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]) == 0
+
+
+def test_metrics_file_and_run_dir(tiny_corpus, tmp_path):
+    run_dir = str(tmp_path / "run")
+    train(tiny_corpus, run_dir, "train.train_iters=6", "logging.log_interval=3", "logging.tensorboard=true")
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train_lines = [r for r in lines if "lm_loss" in r]
+    assert [r["iteration"] for r in train_lines] == [3, 6]
+    for record in train_lines:
+        assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "consumed_samples"} <= set(record)
+    evals = [r for r in lines if "val_loss" in r]
+    assert [r["iteration"] for r in evals] == [0, 5, 6] and all("val_ppl" in r for r in evals)
+    assert os.path.exists(os.path.join(run_dir, "config.yaml"))
+    assert os.listdir(os.path.join(run_dir, "tensorboard"))
+    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 6
+
+
+def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
+    """20 iterations in one go == 10, exit, resume for 10 more (fp32, CPU), dropout on."""
+    drop = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.train_iters=20"]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    train(tiny_corpus, whole, *drop)
+    train(tiny_corpus, split, *drop, "train.exit_interval=10")
+    assert checkpointing.read_tracker(os.path.join(split, "checkpoints")) == 10
+    train(tiny_corpus, split, *drop, "checkpoint.load=true")
+    expected = [r["lm_loss"] for r in read_metrics(whole)]
+    resumed = [r["lm_loss"] for r in read_metrics(split)]
+    assert len(expected) == 20 and resumed == expected  # bitwise, iterations 11-20 included
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeypatch):
+    run_dir = str(tmp_path / "run")
+    train(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.save_interval=2")
+    root = os.path.join(run_dir, "checkpoints")
+    assert checkpointing.read_tracker(root) == 4
+
+    real_save = checkpointing.save_checkpoint
+
+    def crashing_save(*args, **kwargs):
+        def crash():
+            raise KeyboardInterrupt("killed between the files and the tracker")
+        return real_save(*args, **kwargs, before_tracker=crash)
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", crashing_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_corpus, run_dir, "train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.load=true")
+    assert checkpointing.read_tracker(root) == 4  # the half-written iteration 6 is not the one that loads
+    monkeypatch.undo()
+    train(tiny_corpus, run_dir, "train.train_iters=6", "checkpoint.load=true")
+    assert checkpointing.read_tracker(root) == 6
+
+
+def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path):
+    run_dir = str(tmp_path / "run")
+    train(tiny_corpus, run_dir, "train.train_iters=2")
+    path = os.path.join(run_dir, "checkpoints", "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+    with open(path, "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(checkpointing.CheckpointError, match="model_optim_rng.pt"):
+        train(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true")
+
+
+def test_fp16_and_bf16_train(tiny_corpus, tmp_path):
+    for precision in ("bf16", "fp16"):
+        run_dir = str(tmp_path / precision)
+        train(tiny_corpus, run_dir, f"train.precision={precision}", "train.train_iters=4")
+        losses = [r["lm_loss"] for r in read_metrics(run_dir)]
+        assert all(torch.isfinite(torch.tensor(losses)))
