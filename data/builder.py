@@ -89,6 +89,7 @@ def build_train_valid_test_datasets(data_path: list, split: str, seq_length: int
             continue
         if any(p is None for p in parts):
             missing = [prefixes[d] for d, p in enumerate(parts) if p is None]
-            raise ValueError(f"{SPLIT_NAMES[k]} split is empty in {missing} but not in the other blend inputs")
+            raise ValueError(f"{SPLIT_NAMES[k]} split is empty in {missing} "
+                             "but not in the other blend inputs")
         blended.append(BlendedDataset(parts, weights, int(n), cache_dir))
     return tuple(blended)

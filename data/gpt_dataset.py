@@ -121,7 +121,8 @@ class GPTDataset:
         documents = np.arange(*document_range, dtype=np.int32)
         sizes = indexed.sequence_lengths
         self.description = dict(
-            cache_format=_CACHE_FORMAT, class_name="GPTDataset", path_prefix=os.path.abspath(indexed.path_prefix),
+            cache_format=_CACHE_FORMAT, class_name="GPTDataset",
+            path_prefix=os.path.abspath(indexed.path_prefix),
             split=split_name, document_range=list(document_range), seq_length=seq_length, seed=seed,
             num_samples=num_samples, tokens_in_split=int(sizes[documents].astype(np.int64).sum()))
         self.cache_key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()

@@ -65,7 +65,8 @@ def _build(build_dir: str, log, stdlib_dir: str | None) -> dict:
     # Every 4th file (~8 MB) trains the 8192-entry vocabulary about as well as all of them, 5x faster.
     sample = (text for k, text in enumerate(iter_jsonl_texts(jsonl)) if k % _TRAIN_EVERY == 0)
     train_gpt2_bpe(sample, VOCAB_SIZE, build_dir)
-    log(f"[sample corpus] trained byte-level BPE, vocabulary {VOCAB_SIZE} ({time.perf_counter() - start:.1f} s)")
+    log(f"[sample corpus] trained byte-level BPE, vocabulary {VOCAB_SIZE} "
+        f"({time.perf_counter() - start:.1f} s)")
     workers = max(1, min(2, os.cpu_count() or 1))
     stats = preprocess_jsonl(jsonl, os.path.join(build_dir, "stdlib"), "GPT2BPETokenizer",
                              os.path.join(build_dir, "vocab.json"), os.path.join(build_dir, "merges.txt"),

@@ -109,7 +109,8 @@ class SentencePieceTokenizer:
         except (OSError, RuntimeError) as exc:
             raise ValueError(f"{model_file}: cannot load SentencePiece model: {exc}") from None
         if self.sp.eos_id() < 0:
-            raise ValueError(f"{model_file}: SentencePiece model has no eos piece (needed as end of document)")
+            raise ValueError(f"{model_file}: SentencePiece model has no eos piece "
+                             "(needed as end of document)")
 
     @property
     def vocab_size(self) -> int:

@@ -90,3 +90,23 @@ def test_cli_reports_throughput_and_exits_nonzero_on_error(tmp_path, tok_files):
     missing = subprocess.run(cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], cwd=REPO_ROOT,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "nope.jsonl" in missing.stderr
+
+
+def test_interrupted_run_leaves_no_output(tmp_path, tok_files, monkeypatch):
+    from data import preprocess
+
+    inp = write_jsonl(tmp_path / "in.jsonl", VARIED_TEXTS * 50)
+    monkeypatch.setattr(preprocess, "_BATCH_LINES", 8)
+    real = preprocess._Encoder.encode_batch.__func__
+    calls = []
+
+    def interrupt_on_third(cls, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(cls, batch)
+
+    monkeypatch.setattr(preprocess._Encoder, "encode_batch", classmethod(interrupt_on_third))
+    with pytest.raises(SystemExit, match="interrupted"):
+        _run(tok_files, inp, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

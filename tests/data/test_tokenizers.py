@@ -1,4 +1,7 @@
-"""GPT-2 BPE ids equal transformers' GPT2Tokenizer on files made by tools/train_tokenizer.py; SentencePiece."""
+"""GPT-2 BPE ids equal transformers' GPT2Tokenizer on files made by tools/train_tokenizer.py.
+
+Also: SentencePiece with Megatron's GPT semantics, build_tokenizer's errors.
+"""
 import os
 
 import pytest
