@@ -160,6 +160,13 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(mm, dtype="<i8", count=doc_count,
                                               offset=HEADER_SIZE + 12 * count)
 
+    def __getstate__(self):
+        # Pickle the path, not the mapped arrays (which would copy the whole corpus into the pickle).
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix: str) -> None:
+        self.__init__(path_prefix)
+
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 

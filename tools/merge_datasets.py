@@ -13,17 +13,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.indexed_dataset import IndexedDatasetError, merge_datasets  # noqa: E402
 
 
+def _prefixes_in(directory: str) -> list[str]:
+    """Sorted prefixes of the .idx/.bin pairs in `directory`; a lone half of a pair is an error."""
+    names = {os.path.splitext(f)[0] for f in os.listdir(directory) if f.endswith((".idx", ".bin"))}
+    for name in sorted(names):
+        for ext in (".idx", ".bin"):
+            if not os.path.isfile(os.path.join(directory, name + ext)):
+                raise SystemExit(f"error: {os.path.join(directory, name + ext)} is missing")
+    return [os.path.join(directory, n) for n in sorted(names)]
+
+
 def main(argv=None) -> None:
     """Merge the given prefixes (in order), or every prefix in --input-dir (sorted)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", default=[], help="dataset prefixes, merged in this order")
-    p.add_argument("--input-dir", help="merge every PREFIX.idx/.bin pair found here, in sorted order")
+    p.add_argument("--input", nargs="+", default=[],
+                   help="dataset prefixes, merged in this order; a directory (Megatron's usage) stands for "
+                        "every PREFIX.idx/.bin pair in it, in sorted order")
+    p.add_argument("--input-dir", help="same as giving this directory to --input")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
-    prefixes = list(args.input)
-    if args.input_dir:
-        names = sorted(f[:-4] for f in os.listdir(args.input_dir) if f.endswith(".idx"))
-        prefixes += [os.path.join(args.input_dir, n) for n in names]
+    prefixes = []
+    for item in args.input + ([args.input_dir] if args.input_dir else []):
+        prefixes += _prefixes_in(item) if os.path.isdir(item) else [item]
     if not prefixes:
         raise SystemExit("error: give --input prefixes or an --input-dir holding .idx/.bin pairs")
     try:

@@ -81,6 +81,16 @@ def test_independently_written_files_read_back(tmp_path, code):
     assert ds.get(2, offset=3, length=4).tolist() == [7] * 4
 
 
+def test_pickles_by_path(tmp_path):
+    import pickle
+
+    prefix = str(tmp_path / "p")
+    independent_write(prefix, SEQS, 8)
+    ds = IndexedDataset(prefix)
+    assert len(pickle.dumps(ds)) < 200
+    assert pickle.loads(pickle.dumps(ds))[2].tolist() == SEQS[2]
+
+
 def test_merge_appends_offset_document_indices(tmp_path):
     a, b, out = (str(tmp_path / n) for n in ("a", "b", "out"))
     independent_write(a, SEQS[:2], 8, doc_idx=[0, 2])

@@ -47,8 +47,16 @@ def test_merge_equals_preprocessing_the_concatenation(tmp_path, tok_files):
     whole = _run(tok_files, write_jsonl(tmp_path / "all.jsonl", VARIED_TEXTS), str(tmp_path / "all"),
                  "--append-eod")
     load_tool("merge_datasets").main(["--input", *prefixes, "--output-prefix", str(tmp_path / "merged")])
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k, prefix in enumerate(prefixes):
+        for ext in (".bin", ".idx"):
+            os.rename(prefix + ext, str(shards / f"part{k}{ext}"))
+    load_tool("merge_datasets").main(["--input", str(shards), "--output-prefix", str(tmp_path / "fromdir")])
     for ext in (".bin", ".idx"):
-        assert open(str(tmp_path / "merged") + ext, "rb").read() == open(whole + ext, "rb").read()
+        expected = open(whole + ext, "rb").read()
+        assert open(str(tmp_path / "merged") + ext, "rb").read() == expected
+        assert open(str(tmp_path / "fromdir") + ext, "rb").read() == expected
 
 
 BAD_LINES = [
