@@ -8,6 +8,7 @@ never picked up; a second call finds the marker file and returns at once.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -88,13 +89,30 @@ def ensure_sample_corpus(root_dir: str, progress: bool = True, stdlib_dir: str |
     root_dir = os.path.abspath(root_dir)
     if os.path.exists(os.path.join(root_dir, MARKER)):
         return _result(root_dir)
+    parent = os.path.dirname(root_dir)
+    os.makedirs(parent, exist_ok=True)
+    # Ranks starting together on one machine: one builds, the others wait here and then find the marker.
+    # (Across machines the rename below still keeps the result whole; at worst both build.)
+    lock_path = os.path.join(parent, f".{os.path.basename(root_dir)}.lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(os.path.join(root_dir, MARKER)):
+                _build_in_place(root_dir, progress, stdlib_dir)
+        finally:
+            # Safe to unlink while others wait on it: each re-checks the marker once it holds the lock.
+            if os.path.exists(lock_path):
+                os.remove(lock_path)
+    return _result(root_dir)
+
+
+def _build_in_place(root_dir: str, progress: bool, stdlib_dir: str | None) -> None:
     if os.path.isdir(root_dir) and os.listdir(root_dir):
         raise RuntimeError(f"{root_dir}: exists, is not empty and holds no {MARKER}; "
                            "remove it to rebuild the sample corpus")
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     log(f"[sample corpus] building {root_dir} (first run only)")
     parent = os.path.dirname(root_dir)
-    os.makedirs(parent, exist_ok=True)
     build_dir = tempfile.mkdtemp(prefix=os.path.basename(root_dir) + ".building-", dir=parent)
     try:
         info = _build(build_dir, log, stdlib_dir)
@@ -110,4 +128,3 @@ def ensure_sample_corpus(root_dir: str, progress: bool = True, stdlib_dir: str |
     finally:
         if os.path.exists(build_dir):
             shutil.rmtree(build_dir, ignore_errors=True)
-    return _result(root_dir)

@@ -34,7 +34,7 @@ def test_build_once_then_return_at_once(tmp_path, capsys):
     tok = build_tokenizer(info["tokenizer_type"], info["vocab_file"], info["merge_file"])
     ds = IndexedDataset(info["data_prefix"])
     assert len(ds) == 3 and ds[0].tolist() == tok.encode("x = 1\n" * 50) + [tok.eod]
-    assert not [n for n in os.listdir(tmp_path) if "building" in n]
+    assert sorted(os.listdir(tmp_path)) == ["lib", "sample_data"]  # no build folder or lock left
     assert ensure_sample_corpus(str(tmp_path / "sample_data"), stdlib_dir=stdlib) == info
     assert capsys.readouterr().out == ""
     assert len(GPTDataset(ds, "train", (0, 3), 8, 1, 5, None)[0]["text"]) == 9
@@ -45,3 +45,26 @@ def test_refuses_a_foreign_non_empty_folder(tmp_path):
     (tmp_path / "sample_data" / "mine.txt").write_text("user data")
     with pytest.raises(RuntimeError, match="sample_data"):
         ensure_sample_corpus(str(tmp_path / "sample_data"), progress=False)
+
+
+def _build_in_child(root, stdlib, queue):
+    queue.put(ensure_sample_corpus(root, progress=False, stdlib_dir=stdlib))
+
+
+def test_concurrent_callers_build_once(tmp_path):
+    import multiprocessing
+
+    stdlib = _fake_stdlib(tmp_path / "lib")
+    root = str(tmp_path / "sample_data")
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(root, stdlib, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert all(r == results[0] for r in results)
+    assert sorted(os.listdir(tmp_path)) == ["lib", "sample_data"]
+    assert len(IndexedDataset(results[0]["data_prefix"])) == 3
