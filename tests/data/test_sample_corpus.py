@@ -68,3 +68,14 @@ def test_concurrent_callers_build_once(tmp_path):
     assert all(r == results[0] for r in results)
     assert sorted(os.listdir(tmp_path)) == ["lib", "sample_data"]
     assert len(IndexedDataset(results[0]["data_prefix"])) == 3
+
+
+def test_real_stdlib_listing_is_sorted_and_excludes_site_packages():
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = stdlib_source_files()
+    rel = [os.path.relpath(p, root) for p in files]
+    assert len(files) > 500 and rel == sorted(rel)
+    assert not [r for r in rel if "site-packages" in r.split(os.sep) or not r.endswith(".py")]
+    assert os.path.join("json", "__init__.py") in rel
