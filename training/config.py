@@ -29,7 +29,7 @@ class ParallelConfig:
     vp_size: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 with 1f1b means interleaved)
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     grad_bucket_size_mb: float = 25.0
 
@@ -39,6 +39,9 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         if self.schedule not in ("gpipe", "1f1b", "interleaved"):
             raise ConfigError(f"parallel.schedule={self.schedule!r} is not one of gpipe, 1f1b, interleaved")
+        if self.vp_size > 1 and self.schedule == "1f1b":
+            # Megatron's rule: virtual stages mean the interleaved 1F1B schedule (1F1B over model chunks).
+            self.schedule = "interleaved"
         if self.vp_size > 1 and self.schedule != "interleaved":
             raise ConfigError(f"parallel.vp_size={self.vp_size} needs parallel.schedule=interleaved "
                               f"(got {self.schedule})")

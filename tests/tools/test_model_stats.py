@@ -1,0 +1,51 @@
+"""tools/model_stats.py: the paper's Table 1 totals, per-stage counts, FLOPs and errors, on the meta device."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tools.model_stats import count, meta_chunks, report, total_parameters
+from training.config import load_config
+from training.flops import flops_per_iteration
+
+TABLE_1 = {"1.7b": 1.7, "3.6b": 3.6, "7.5b": 7.5, "18.4b": 18.4, "39.1b": 39.1, "76.1b": 76.1,
+           "145.6b": 145.6, "310.1b": 310.1, "529.6b": 529.6, "1t": 1008.0}
+
+
+@pytest.mark.parametrize("name", sorted(TABLE_1))
+def test_paper_totals_match_table_1(name):
+    config = load_config(os.path.join(REPO_ROOT, "configs", "paper", f"gpt_{name}.yaml"))
+    assert round(total_parameters(config) / 1e9, 1) == TABLE_1[name]
+    assert config.model.seq_length == 2048 and config.model.padded_vocab_size(config.parallel.tp_size) == 51200
+
+
+def test_stages_and_tp_shards_add_up():
+    config = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_39.1b.yaml"))  # tp 8, pp 2
+    h, vocab_local = config.model.hidden_size, 51200 // 8
+    # Per tp rank: column/row weights and column biases split 8 ways; row biases and norms replicated.
+    per_layer = (12 * h * h + 7 * h) // 8 + 2 * h + 4 * h
+    first = count(meta_chunks(config, tp_rank=3, pp_rank=0, dp_size=32))
+    last = count(meta_chunks(config, tp_rank=3, pp_rank=1, dp_size=32))
+    assert first == 24 * per_layer + vocab_local * h + 2048 * h
+    assert last == 24 * per_layer + 2 * h + vocab_local * h  # final norm + its copy of the tied embedding
+    assert any("stage 1: 24 layers" in line for line in report(config, dp_size=32))
+
+
+def test_flops_formula_matches_the_paper():
+    # 96 B s l h^2 (1 + s/6h + V/16lh) with full recomputation (the paper's equation 3)
+    b, s, l, h, v = 1536, 2048, 48, 8192, 51200
+    expected = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    assert flops_per_iteration(b, s, l, h, v, full_recompute=True) == pytest.approx(expected)
+    no_recompute = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert flops_per_iteration(b, s, l, h, v) == pytest.approx(no_recompute)
+
+
+def test_cli_prints_and_rejects_bad_input():
+    ok = subprocess.run([sys.executable, "tools/model_stats.py", "--config", "configs/paper/gpt_1t.yaml"],
+                        cwd=REPO_ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and "(1008.0 B)" in ok.stdout and "stage 63" in ok.stdout
+    bad = subprocess.run([sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml"],
+                         cwd=REPO_ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "model.vocab_size" in bad.stderr
