@@ -1,0 +1,116 @@
+"""Compare two runs' metrics iteration by iteration: the parity check between a parallel layout and one process.
+
+    python tools/compare_runs.py RUN_DIR_A RUN_DIR_B [--rtol 1e-5] [--key lm_loss] [--key grad_norm]
+
+Reads RUN_DIR/metrics.jsonl of both runs, pairs the training lines (those with lm_loss) by iteration, and the
+validation lines (val_loss) too when both runs have them, prints a table (iteration, a, b, relative difference)
+and a verdict. Exit status: 0 within --rtol everywhere, 1 past it (the first differing iteration and its values
+are named), 2 for bad input (missing run dir or metrics file, a malformed line, no common iterations).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class BadInput(Exception):
+    """A run that cannot be compared: the message says which file and why."""
+
+
+def read_metrics_file(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(training lines, validation lines) of run_dir/metrics.jsonl, each keyed by iteration (last line wins)."""
+    if not os.path.isdir(run_dir):
+        raise BadInput(f"run directory {run_dir} does not exist")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise BadInput(f"no metrics file {path}")
+    train: dict[int, dict] = {}
+    valid: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise BadInput(f"{path}:{number}: malformed JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+                raise BadInput(f"{path}:{number}: not a metrics record with an integer 'iteration'")
+            if "lm_loss" in record:
+                train[record["iteration"]] = record
+            if "val_loss" in record:
+                valid[record["iteration"]] = record
+    return train, valid
+
+
+def relative_difference(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def compare(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str, rtol: float,
+            out) -> tuple[int, list[str]]:
+    """Print one table for `key`; return (number of compared iterations, failure messages)."""
+    common = sorted(i for i in set(rows_a) & set(rows_b) if key in rows_a[i] and key in rows_b[i])
+    failures: list[str] = []
+    if not common:
+        return 0, failures
+    print(f"{key}:", file=out)
+    print(f"  {'iteration':>9}  {'a':>14}  {'b':>14}  {'rel diff':>9}", file=out)
+    for iteration in common:
+        a, b = float(rows_a[iteration][key]), float(rows_b[iteration][key])
+        diff = relative_difference(a, b)
+        flag = "" if diff <= rtol else "  <-- over rtol"
+        print(f"  {iteration:>9}  {a:>14.8g}  {b:>14.8g}  {diff:>9.2e}{flag}", file=out)
+        if diff > rtol:
+            failures.append(f"{key} differs first at iteration {iteration}: {a!r} vs {b!r} "
+                            f"(relative difference {diff:.2e} > rtol {rtol:g})")
+    return len(common), failures[:1]
+
+
+def main(argv: list[str] | None = None, out=sys.stdout) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_a")
+    parser.add_argument("run_b")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference allowed")
+    parser.add_argument("--key", action="append", dest="keys",
+                        help="training metric to compare (repeatable; default lm_loss)")
+    args = parser.parse_args(argv)
+    keys = args.keys or ["lm_loss"]
+    try:
+        train_a, valid_a = read_metrics_file(args.run_a)
+        train_b, valid_b = read_metrics_file(args.run_b)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    compared, failures = 0, []
+    for key in keys:
+        count, failed = compare(train_a, train_b, key, args.rtol, out)
+        if count == 0:
+            print(f"error: no common training iterations with {key!r} in {args.run_a} and {args.run_b}",
+                  file=sys.stderr)
+            return 2
+        compared += count
+        failures += failed
+    if valid_a and valid_b:
+        count, failed = compare(valid_a, valid_b, "val_loss", args.rtol, out)
+        compared += count
+        failures += failed
+    if failures:
+        print(f"FAIL: {failures[0]}", file=out)
+        return 1
+    print(f"OK: {compared} values ({', '.join(keys)}{', val_loss' if valid_a and valid_b else ''}) within "
+          f"rtol {args.rtol:g}", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
