@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 
@@ -75,13 +76,19 @@ class BlendedDataset:
         else:
             self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
             if paths:
-                os.makedirs(cache_dir, exist_ok=True)
-                for path, array in zip(paths, (self.dataset_index, self.dataset_sample_index)):
-                    save_atomic(path, array)
+                self._save(cache_dir, paths)
         for d, dataset in enumerate(datasets):
             needed = int((self.dataset_index == d).sum())
             if len(dataset) < needed:
                 raise ValueError(f"blend component {d} has {len(dataset)} samples, needs {needed}")
+
+    def _save(self, cache_dir: str, paths: list[str]) -> None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for path, array in zip(paths, (self.dataset_index, self.dataset_sample_index)):
+                save_atomic(path, array)
+        except OSError as exc:  # e.g. read-only data folder: blend on, rebuild next time
+            logging.getLogger(__name__).warning("blend cache not written to %s (%s)", cache_dir, exc)
 
     def __len__(self) -> int:
         return self.size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 
@@ -130,7 +131,11 @@ class GPTDataset:
         if arrays is None:
             arrays = build_indices(sizes, documents, seq_length, num_samples, seed)
             if cache_dir is not None:
-                self._save_cache(cache_dir, arrays)
+                try:
+                    self._save_cache(cache_dir, arrays)
+                except OSError as exc:  # e.g. read-only data folder: train on, rebuild next time
+                    logging.getLogger(__name__).warning(
+                        "index cache not written to %s (%s); indices kept in memory", cache_dir, exc)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def _cache_paths(self, cache_dir: str) -> list[str]:

@@ -121,6 +121,14 @@ def test_builder_splits_caches_and_none(tmp_path):
     assert again[2] is None
 
 
+def test_unwritable_cache_dir_still_builds(tmp_path):
+    prefix = make_dataset(tmp_path / "corpus", [30] * 20)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache folder would go")
+    train, _, _ = build_train_valid_test_datasets([prefix], "1", 8, 5, (10, 0, 0), str(blocker / "cache"))
+    assert len(train) >= 10
+
+
 def test_blending_indices_follow_weights_and_rule():
     weights = [0.5, 0.3, 0.2]
     index, sample = build_blending_indices(weights, 1000)
