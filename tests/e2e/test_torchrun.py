@@ -15,8 +15,8 @@ import pytest
 import pretrain_gpt
 from tests.conftest import REPO_ROOT, free_port, tiny_train_args
 
-# Evaluation on (eval_interval 5, 2 batches) so compare_runs also sees val_loss lines; no checkpoint.
-COMMON = ("checkpoint.save=false",)
+# Evaluation on (iterations 0, 5, 10; one batch) so compare_runs also sees val_loss lines; no checkpoint.
+COMMON = ("train.eval_iters=1", "checkpoint.save=false")
 INTERLEAVED = ("parallel.vp_size=2", "parallel.schedule=interleaved")
 
 
