@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import pretrain_gpt
-from tests.conftest import REPO_ROOT, free_port, tiny_train_args
+from tests.conftest import REPO_ROOT, free_port, run_ranks, tiny_train_args
 
 # Evaluation on (iterations 0, 5, 10; one batch) so compare_runs also sees val_loss lines; no checkpoint.
 COMMON = ("train.eval_iters=1", "checkpoint.save=false")
@@ -27,6 +27,11 @@ def torchrun_command(nproc: int) -> list[str]:
             "--master-port", str(free_port())]
 
 
+def _one_process_main(rank: int, world_size: int, argv: list[str]) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = str(os.cpu_count() or 1)  # one thread: faster on 2 shared cores
+    assert pretrain_gpt.main(argv) == 0
+
+
 def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "compare_runs.py"), run_a, run_b,
                            "--key", "lm_loss", "--key", "grad_norm"], capture_output=True, text=True,
@@ -35,14 +40,15 @@ def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_corpus, tmp_path_factory):
-    """one_process(*model_overrides) -> run dir of the single-process run (in this process), made once."""
+    """one_process(*model_overrides) -> run dir of the single-process run (a forked process), made once."""
     cache: dict[tuple, str] = {}
 
     def get(*model_overrides: str) -> str:
         if model_overrides not in cache:
             run_dir = str(tmp_path_factory.mktemp("one_process"))
-            argv = tiny_train_args(tiny_corpus, run_dir, *COMMON, *model_overrides)
-            assert pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *argv]) == 0
+            argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
+                    *tiny_train_args(tiny_corpus, run_dir, *COMMON, *model_overrides)]
+            run_ranks(1, _one_process_main, argv, timeout=240.0)
             cache[model_overrides] = run_dir
         return cache[model_overrides]
 
