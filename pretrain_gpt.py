@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from training.checkpointing import CheckpointError
 from training.config import Config, ConfigError, load_config, validate_layout
 from training.logging import format_train_line
 from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, data_iterator, init_distributed,
@@ -92,13 +93,13 @@ def build_run(config: Config, env: DistEnv) -> Run:
                                 tokenizer_model=data.tokenizer_model)
     if model_cfg.vocab_size is None:
         model_cfg.vocab_size = tokenizer.vocab_size
+    datasets = build_datasets(config, env, train.global_batch_size)
     run_dir = config.run.dir
-    if env.rank == 0:
+    if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
         logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    datasets = build_datasets(config, env, train.global_batch_size)
 
     dtype = param_dtype(train.precision)
     rng_tracker = RNGTracker.seeded(train.seed, state.tp_rank, state.pp_rank, env.device)
@@ -211,7 +212,6 @@ def train(run: Run) -> None:
 
     cfg, train_cfg, state = run.config, run.config.train, run.state
     start_time = time.time()
-    resume_if_asked(run)
     train_iter = data_iterator(cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank,
                                state.dp_size, run.eod_id)
     if run.progress.iteration == 0:
@@ -265,7 +265,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     env = init_distributed()
     try:
-        train(build_run(config, env))
+        try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
+            run = build_run(config, env)
+            resume_if_asked(run)
+        except (ValueError, OSError, CheckpointError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        train(run)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

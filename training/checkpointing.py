@@ -109,7 +109,8 @@ def _load_file(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; name the file either way
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {err}") from None
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {reason}") from None
 
 
 def load_checkpoint(root: str, state: ParallelState, chunks: list, optimizer: Any, lr_schedule: Any,

@@ -184,6 +184,11 @@ class Config:
                 f"model.num_layers={self.model.num_layers} is not divisible by parallel.pp_size * "
                 f"parallel.vp_size = {self.parallel.pp_size} * {self.parallel.vp_size}")
 
+        data = self.data
+        if data.data_path and data.tokenizer_type == "GPT2BPETokenizer" and not (data.vocab_file and data.merge_file):
+            raise ConfigError("data.data_path is set, so GPT2BPETokenizer needs data.vocab_file and data.merge_file")
+        if data.data_path and data.tokenizer_type == "SentencePieceTokenizer" and not data.tokenizer_model:
+            raise ConfigError("data.data_path is set, so SentencePieceTokenizer needs data.tokenizer_model")
         decay_iters = self.optim.lr_decay_iters or self.train.train_iters
         if self.optim.lr_warmup_iters > decay_iters:
             source = "optim.lr_decay_iters" if self.optim.lr_decay_iters else "train.train_iters"

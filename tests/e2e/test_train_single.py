@@ -64,14 +64,26 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
     assert checkpointing.read_tracker(root) == 6
 
 
-def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path):
+def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     train(tiny_corpus, run_dir, "train.train_iters=2")
     path = os.path.join(run_dir, "checkpoints", "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
     with open(path, "r+b") as handle:
         handle.truncate(100)
-    with pytest.raises(checkpointing.CheckpointError, match="model_optim_rng.pt"):
-        train(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true")
+    code = pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG,
+                              *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true")])
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "model_optim_rng.pt" in error[0] and "cannot be read" in error[0]
+
+
+def test_missing_data_is_one_line_and_leaves_no_run_folder(tiny_corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = tiny_train_args(tiny_corpus, str(run_dir)) + ["data.data_path=[/nonexistent/corpus_text_document]"]
+    assert pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *args]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "/nonexistent/corpus_text_document" in error[0]
+    assert not run_dir.exists()
 
 
 def test_fp16_and_bf16_train(tiny_corpus, tmp_path):
