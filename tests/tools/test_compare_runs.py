@@ -88,3 +88,22 @@ def test_command_line(tmp_path):
     bad = subprocess.run([sys.executable, script, a, b], cwd=tmp_path, capture_output=True, text=True)
     assert ok.returncode == 0 and "OK" in ok.stdout
     assert bad.returncode == 1 and "iteration 2" in bad.stdout
+
+
+def test_drift_tolerance_after_the_strict_iterations(tmp_path):
+    """Rounding differences grow during training: late iterations get --drift-rtol, early ones --rtol."""
+    losses = [5.0 - 0.01 * i for i in range(40)]
+    drifted = list(losses)
+    drifted[29] *= 1 + 3e-3  # iteration 30: beyond the strict window, inside 1e-2
+    a, b = write_run(tmp_path / "a", losses), write_run(tmp_path / "b", drifted)
+    code, out = run(a, b)
+    assert code == 0 and "up to iteration 20" in out
+    assert run(a, b, "--strict-iters", "-1")[0] == 1
+    assert run(a, b, "--strict-iters", "30")[0] == 1
+    early = list(losses)
+    early[9] *= 1 + 3e-3  # iteration 10: inside the strict window
+    assert run(a, write_run(tmp_path / "c", early))[0] == 1
+    late = list(losses)
+    late[34] *= 1 + 5e-2  # past even the drift tolerance
+    code, out = run(a, write_run(tmp_path / "d", late))
+    assert code == 1 and "iteration 35" in out.strip().splitlines()[-1]
