@@ -67,50 +67,34 @@ class Run:
     flops_per_iter: float
 
 
-def build_run(config: Config, env: DistEnv) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]:
+    """Tokenizer (which fills in model.vocab_size) and datasets; then the resolved config is saved."""
     from data.tokenizers import build_tokenizer
-    from parallel.data_parallel import DataParallel
-    from parallel.model_builder import build_model_chunks, count_parameters
-    from parallel.random import RNGTracker, make_checkpoint_fn
-    from parallel.state import ParallelState
-    from parallel.tensor_parallel import CommCounter
-    from training.checkpointing import TrainingProgress
-    from training.flops import flops_per_iteration
-    from training.logging import MetricsWriter, get_logger
-    from training.lr_schedule import LRSchedule
-    from training.optimizer import build_optimizer
-    from training.train_step import StepContext
 
-    par, train, model_cfg = config.parallel, config.train, config.model
-    logger = get_logger(env.rank)
-    state = (ParallelState.create(par.tp_size, par.pp_size, par.vp_size) if env.world_size > 1
-             else ParallelState.single(par.vp_size))
-    logger.info(f"layout: {state.describe()}; device {env.device}")
     resolve_sample_data(config, env, logger)
     data = config.data
     tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
                                 tokenizer_model=data.tokenizer_model)
-    if model_cfg.vocab_size is None:
-        model_cfg.vocab_size = tokenizer.vocab_size
-    datasets = build_datasets(config, env, train.global_batch_size)
-    run_dir = config.run.dir
+    if config.model.vocab_size is None:
+        config.model.vocab_size = tokenizer.vocab_size
+    datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as handle:
+        os.makedirs(config.run.dir, exist_ok=True)
+        with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
         logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    return tokenizer, datasets
 
-    dtype = param_dtype(train.precision)
-    rng_tracker = RNGTracker.seeded(train.seed, state.tp_rank, state.pp_rank, env.device)
-    comm_counter = CommCounter()
-    chunks = build_model_chunks(
-        model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,
-        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train.recompute,
-        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers)
+
+def build_optimizer_and_schedule(config: Config, chunks: list, state: Any) -> tuple[Any, Any, Any]:
+    """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
+    from parallel.data_parallel import DataParallel
+    from training.lr_schedule import LRSchedule
+    from training.optimizer import build_optimizer
+
+    par, train, optim = config.parallel, config.train, config.optim
     ddp = DataParallel(chunks, state, bucket_size_mb=par.grad_bucket_size_mb,
                        distributed_optimizer=par.distributed_optimizer, grad_dtype=torch.float32)
-    optim = config.optim
     optimizer = build_optimizer(
         chunks, ddp, state, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, clip_grad=train.clip_grad,
@@ -119,6 +103,36 @@ def build_run(config: Config, env: DistEnv) -> Run:
                             window=optim.loss_scale_window, hysteresis=optim.hysteresis))
     lr_schedule = LRSchedule(optim.lr, optim.min_lr, optim.lr_warmup_iters,
                              optim.lr_decay_iters or train.train_iters, optim.lr_decay_style)
+    return ddp, optimizer, lr_schedule
+
+
+def build_run(config: Config, env: DistEnv) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+    from parallel.model_builder import build_model_chunks, count_parameters
+    from parallel.random import RNGTracker, make_checkpoint_fn
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import CommCounter
+    from training.checkpointing import TrainingProgress
+    from training.flops import flops_per_iteration
+    from training.logging import MetricsWriter, get_logger
+    from training.train_step import StepContext
+
+    par, train, model_cfg = config.parallel, config.train, config.model
+    logger = get_logger(env.rank)
+    state = (ParallelState.create(par.tp_size, par.pp_size, par.vp_size) if env.world_size > 1
+             else ParallelState.single(par.vp_size))
+    logger.info(f"layout: {state.describe()}; device {env.device}")
+    tokenizer, datasets = prepare_data(config, env, logger)
+    run_dir = config.run.dir
+
+    dtype = param_dtype(train.precision)
+    rng_tracker = RNGTracker.seeded(train.seed, state.tp_rank, state.pp_rank, env.device)
+    comm_counter = CommCounter()
+    chunks = build_model_chunks(
+        model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,
+        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train.recompute,
+        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers)
+    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, chunks, state)
     dp = state.dp_size
     num_micro = train.global_batch_size // (train.micro_batch_size * dp)
     seq_local = model_cfg.seq_length // (state.tp_size if par.sequence_parallel else 1)
