@@ -17,7 +17,7 @@ def write(tmp_path, text):
 def test_defaults_and_overrides(tmp_path):
     config = load_config(write(tmp_path, "model:\n  num_layers: 4\n"),
                          ["train.train_iters=7", "optim.lr_warmup_iters=2", "optim.lr=1e-4", "optim.min_lr=1e-5", "parallel.sequence_parallel=true",
-                          "data.data_path=[0.3, a, 0.7, b]"])
+                          "data.data_path=[0.3, a, 0.7, b]", "data.vocab_file=v.json", "data.merge_file=m.txt"])
     assert config.train.train_iters == 7 and config.optim.lr == 1e-4
     assert config.parallel.sequence_parallel is True
     assert config.data.data_path == [0.3, "a", 0.7, "b"]
@@ -56,6 +56,13 @@ def test_impossible_values(tmp_path):
         load_config(None, ["model.num_layers=4", "parallel.pp_size=3"])
     with pytest.raises(ConfigError, match=r"model\.hidden_size=100 is not divisible by model\.num_attention_heads=3"):
         load_config(None, ["model.hidden_size=100", "model.num_attention_heads=3"])
+
+
+def test_data_path_needs_its_tokenizer_files():
+    with pytest.raises(ConfigError, match=r"GPT2BPETokenizer needs data\.vocab_file and data\.merge_file"):
+        load_config(None, ["data.data_path=[corpus_text_document]"])
+    with pytest.raises(ConfigError, match=r"SentencePieceTokenizer needs data\.tokenizer_model"):
+        load_config(None, ["data.data_path=[c]", "data.tokenizer_type=SentencePieceTokenizer"])
 
 
 def test_virtual_stages_select_the_interleaved_schedule():
