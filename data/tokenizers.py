@@ -122,18 +122,6 @@ class SentencePieceTokenizer:
         """The model's eos id."""
         return self.sp.eos_id()
 
-    def _tiktoken_can_split(self, text: str) -> bool:
-        """Whether tiktoken's regex may split `text`: every character was assigned in this Python's
-        Unicode database (letters, digits and spaces then mean the same in every engine's tables;
-        characters newer than that may be classified differently by tiktoken, `regex` and HF)."""
-        if text.isascii():
-            return True
-        new = set(text) - self.known_chars
-        if any(unicodedata.category(c) in ("Cn", "Cs") for c in new):
-            return False
-        self.known_chars |= new
-        return True
-
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
         return self.sp.encode(text)
