@@ -33,6 +33,12 @@ class StepContext:
     device: torch.device
     scatter_gather: bool
 
+    def __post_init__(self) -> None:
+        # This rank's action list is the same every iteration: build it once. (Evaluation passes it too;
+        # with forward_only the executor runs its own forward-only order.)
+        self.actions = build_schedule(self.schedule, self.state.pp_size, self.state.pp_rank,
+                                      self.num_microbatches, self.state.vp_size)
+
 
 @dataclass
 class StepResult:
@@ -87,10 +93,8 @@ def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepRe
     for chunk in ctx.chunks:
         chunk.train()
     microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
-    actions = build_schedule(ctx.schedule, ctx.state.pp_size, ctx.state.pp_rank, ctx.num_microbatches,
-                             ctx.state.vp_size)
     ctx.ddp.zero_grad()
-    result = execute_schedule(actions, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
+    result = execute_schedule(ctx.actions, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
                               ctx.state, ctx.activation_shape, ctx.activation_dtype,
                               scatter_gather=ctx.scatter_gather, loss_scale=ctx.optimizer.loss_scale,
                               on_last_backward=ctx.ddp.enable_grad_sync)
@@ -110,9 +114,7 @@ def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int) -> fl
     total = 0.0
     for _ in range(eval_iters):
         microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
-        actions = build_schedule(ctx.schedule, ctx.state.pp_size, ctx.state.pp_rank, ctx.num_microbatches,
-                                 ctx.state.vp_size)
-        result = execute_schedule(actions, ctx.chunks, microbatches, forward_fn, ctx.state,
+        result = execute_schedule(ctx.actions, ctx.chunks, microbatches, forward_fn, ctx.state,
                                   ctx.activation_shape, ctx.activation_dtype,
                                   scatter_gather=ctx.scatter_gather, forward_only=True)
         total += _global_mean_loss(result.losses, ctx.state)
