@@ -1,0 +1,162 @@
+"""The PTD-P layout of a run: one frozen value, built and validated in one place.
+
+`build_layout(model, parallel, train, world_size)` turns the config sections and the world size into a
+`Layout` (tp, pp, vp, dp, number of micro-batches, the schedule that will run, sequence parallelism) or
+raises `LayoutError` with one line naming the offending keys and values. Every layout rule of the project
+lives in this file: the trainer, tools/model_stats.py, the planner, the schedule builder and the
+tensor-parallel layers all call these functions, so the same input gets the same answer everywhere.
+Nothing here needs torch.distributed or a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run: the message names the keys and values."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run is laid out over its ranks. Ranks are ordered as Megatron's: tp fastest, then dp, then pp.
+
+    `schedule` is the schedule that runs: with pp = 1 that is always "1f1b" (forward, backward per
+    micro-batch), and "1f1b" with vp > 1 is Megatron's interleaved 1F1B ("interleaved").
+    """
+
+    tp_size: int
+    pp_size: int
+    vp_size: int
+    dp_size: int
+    num_microbatches: int
+    schedule: str
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size} "
+                f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
+                f"{self.schedule}{sp}")
+
+    @classmethod
+    def single(cls, num_microbatches: int = 1) -> "Layout":
+        """The layout of one process."""
+        return cls(1, 1, 1, 1, num_microbatches, "1f1b")
+
+
+def require_divisible(value_name: str, value: int, size_name: str, size: int) -> None:
+    """LayoutError `"<value_name>=<value> is not divisible by <size_name>=<size>"` unless size divides value."""
+    if size < 1 or value % size:
+        raise LayoutError(f"{value_name}={value} is not divisible by {size_name}={size}")
+
+
+def derive_dp_size(world_size: int, tp_size: int, pp_size: int) -> int:
+    """dp = world / (tp * pp)."""
+    check_positive(tp_size=tp_size, pp_size=pp_size)
+    if world_size % (tp_size * pp_size):
+        raise LayoutError(f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size "
+                          f"= {tp_size} * {pp_size} = {tp_size * pp_size}")
+    return world_size // (tp_size * pp_size)
+
+
+def check_positive(**sizes: int) -> None:
+    for key, value in sizes.items():
+        if value < 1:
+            raise LayoutError(f"parallel.{key}={value} must be >= 1")
+
+
+def effective_schedule(schedule: str, pp_size: int, vp_size: int) -> str:
+    """The schedule that runs for `parallel.schedule`, or LayoutError.
+
+    Megatron's rule: virtual stages (vp > 1) mean the interleaved 1F1B schedule, so "1f1b" with vp > 1 is
+    "interleaved". With one stage every schedule is forward then backward per micro-batch ("1f1b").
+    """
+    if schedule not in SCHEDULES:
+        raise LayoutError(f"parallel.schedule={schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+    check_positive(pp_size=pp_size, vp_size=vp_size)
+    if vp_size > 1 and pp_size == 1:
+        raise LayoutError(f"parallel.vp_size={vp_size} needs parallel.pp_size > 1")
+    if vp_size > 1 and schedule == "gpipe":
+        raise LayoutError(f"parallel.vp_size={vp_size} needs parallel.schedule=interleaved (or 1f1b, which "
+                          f"means interleaved with vp > 1); got parallel.schedule=gpipe")
+    if vp_size > 1:
+        return "interleaved"
+    if pp_size == 1 or schedule == "interleaved":
+        return "1f1b"  # interleaving one chunk per rank is plain 1F1B
+    return schedule
+
+
+def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: int,
+                   per_step_samples: int = 0) -> str:
+    """effective_schedule plus the micro-batch rule of the interleaved schedule; returns the schedule.
+
+    `per_step_samples` (micro-batch size * dp), when known, lets the message suggest global batch sizes.
+    """
+    resolved = effective_schedule(schedule, pp_size, vp_size)
+    if num_microbatches < 1:
+        raise LayoutError(f"the number of micro-batches ({num_microbatches}) must be >= 1")
+    if resolved == "interleaved" and pp_size > 1 and num_microbatches % pp_size:
+        if per_step_samples:
+            good = ", ".join(str(per_step_samples * pp_size * k) for k in (1, 2, 3))
+            hint = f": e.g. train.global_batch_size = {good}"
+        else:
+            hint = f": use {', '.join(str(pp_size * k) for k in (1, 2, 3))}, ..."
+        raise LayoutError(f"the interleaved schedule (parallel.vp_size={vp_size}) needs the number of "
+                          f"micro-batches ({num_microbatches}) to be a multiple of parallel.pp_size={pp_size}"
+                          f"{hint}")
+    return resolved
+
+
+def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> None:
+    """Every size tensor parallelism splits must be divisible by tp."""
+    check_positive(tp_size=tp_size)
+    require_divisible("model.num_attention_heads", model.num_attention_heads, "parallel.tp_size", tp_size)
+    require_divisible("model.num_query_groups", model.query_groups, "parallel.tp_size", tp_size)
+    require_divisible("the ffn size (model.ffn_hidden_size)", model.ffn_size, "parallel.tp_size", tp_size)
+    if sequence_parallel:
+        require_divisible("model.seq_length", model.seq_length,
+                          "parallel.tp_size (needed by parallel.sequence_parallel)", tp_size)
+
+
+def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
+    """Each of the pp * vp virtual stages holds the same number of layers."""
+    check_positive(pp_size=pp_size, vp_size=vp_size)
+    require_divisible("model.num_layers", num_layers, "parallel.pp_size * parallel.vp_size",
+                      pp_size * vp_size)
+
+
+def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layout:
+    """Validate every layout rule for these config sections (model, parallel, train) and world size.
+
+    Duck-typed on the sections so the planner can pass its own objects; no process group is needed.
+    """
+    tp, pp, vp = parallel.tp_size, parallel.pp_size, parallel.vp_size
+    check_positive(tp_size=tp, pp_size=pp, vp_size=vp)
+    effective_schedule(parallel.schedule, pp, vp)
+    dp = derive_dp_size(world_size, tp, pp)
+    check_tensor_parallel(model, tp, parallel.sequence_parallel)
+    check_pipeline_split(model.num_layers, pp, vp)
+    per_step = train.micro_batch_size * dp
+    if train.global_batch_size % per_step:
+        raise LayoutError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size * dp = {train.micro_batch_size} * {dp}")
+    num_microbatches = train.global_batch_size // per_step
+    schedule = check_schedule(parallel.schedule, pp, vp, num_microbatches, per_step)
+    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel))
+
+
+def layout_from_config(config: Any, world_size: int) -> Layout:
+    """build_layout on a training.config.Config."""
+    return build_layout(config.model, config.parallel, config.train, world_size)
