@@ -122,7 +122,8 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     ctx = StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
                       activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
                       activation_dtype=dtype, device=env.device,
-                      scatter_gather=par.scatter_gather and not layout.sequence_parallel)
+                      scatter_gather=par.scatter_gather and not layout.sequence_parallel,
+                      overlap_p2p_comm=par.overlap_p2p_comm)
     params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
     logger.info(f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
                 f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "

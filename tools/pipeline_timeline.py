@@ -1,12 +1,15 @@
 """Simulate a pipeline schedule, print its bubble fraction and draw its timeline as a PNG.
 
     python tools/pipeline_timeline.py --pp 4 --microbatches 8 --vp 2 --schedule interleaved \\
-        [--forward-cost 1 --backward-cost 2] --output timeline.png
+        [--forward-cost 1 --backward-cost 2] [--comm-cost 0.1 [--overlap]] --output timeline.png
 
 The timeline comes from the same action lists the executor runs (parallel/pipeline/schedules.py). Costs are
-per whole stage per micro-batch (a chunk costs 1/vp of it); communication costs nothing. The bubble fraction
-is a rank's idle time divided by its ideal compute time: (p-1)/m for gpipe and 1f1b, (p-1)/(vp*m) for
-interleaved. Invalid input prints one line and exits with code 2.
+per whole stage per micro-batch (a chunk costs 1/vp of it). By default communication costs nothing and the
+schedule alone sets the timeline: the bubble fraction (a rank's idle time divided by its ideal compute time)
+is (p-1)/m for gpipe and 1f1b, (p-1)/(vp*m) for interleaved. With --comm-cost (per message) or --overlap the
+executor's communication plan is simulated (simulator.simulate_plans): batches of sends and receives that
+complete together, and with --overlap computation while a batch is in flight (parallel.overlap_p2p_comm).
+Invalid input prints one line and exits with code 2.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from parallel.layout import SCHEDULES, check_schedule  # noqa: E402
-from parallel.pipeline.simulator import Timeline, simulate  # noqa: E402
+from parallel.pipeline.schedules import build_schedule  # noqa: E402
+from parallel.pipeline.simulator import Timeline, simulate, simulate_plans  # noqa: E402
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
 
@@ -37,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--forward-cost", type=float, default=1.0, help="forward time of a stage")
     parser.add_argument("--backward-cost", type=float, default=2.0, help="backward time of a stage")
+    parser.add_argument("--comm-cost", type=float, default=0.0, help="time of one pipeline message")
+    parser.add_argument("--overlap", action="store_true", help="compute while messages are in flight")
     parser.add_argument("--output", default="timeline.png", help="PNG to write")
     return parser.parse_args(argv)
 
@@ -50,7 +56,7 @@ def box_colour(microbatch: int, chunk: int, op: str, num_microbatches: int):
     return tuple(min(1.0, c * shade * (1 - pale) + pale) for c in (red, green, blue))
 
 
-def draw(timeline: Timeline, schedule: str, path: str) -> None:
+def draw(timeline: Timeline, schedule: str, path: str, note: str = "") -> None:
     """One row per rank, a box per forward/backward, labelled with its micro-batch."""
     p, v, m = timeline.pp_size, timeline.vp_size, timeline.num_microbatches
     fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.45), 1.0 + 0.6 * p))
@@ -67,7 +73,7 @@ def draw(timeline: Timeline, schedule: str, path: str) -> None:
     ax.invert_yaxis()  # rank 0 on top, as in the paper's figures
     ax.set_xlim(0, timeline.makespan)
     ax.set_xlabel("time (units of --forward-cost / --backward-cost)")
-    ax.set_title(f"{schedule}: p={p}, m={m}, vp={v}; bubble fraction {timeline.bubble_fraction:.4f}"
+    ax.set_title(f"{schedule}: p={p}, m={m}, vp={v}{note}; bubble fraction {timeline.bubble_fraction:.4f}"
                  f"  (F = forward, B = backward, number = micro-batch)")
     legend = [Patch(facecolor="lightgrey", edgecolor="black", label="F: forward"),
               Patch(facecolor="grey", edgecolor="black", label="B: backward (darker)")]
@@ -87,14 +93,25 @@ def main(argv=None) -> int:
         if args.forward_cost <= 0 or args.backward_cost <= 0:
             raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost "
                              f"({args.backward_cost}) must be > 0")
+        if args.comm_cost < 0:
+            raise ValueError(f"--comm-cost ({args.comm_cost}) must be >= 0")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    timeline = simulate(args.schedule, args.pp, args.microbatches, args.vp,
-                        args.forward_cost, args.backward_cost)
+    if args.comm_cost or args.overlap:
+        lists = [build_schedule(args.schedule, args.pp, r, args.microbatches, args.vp) for r in range(args.pp)]
+        timeline = simulate_plans(lists, args.vp, args.microbatches, args.forward_cost, args.backward_cost,
+                                  args.comm_cost, args.overlap)
+    else:
+        timeline = simulate(args.schedule, args.pp, args.microbatches, args.vp,
+                            args.forward_cost, args.backward_cost)
     # Rounded so that exact fractions print plainly (0.1875, not 0.18750000000000003).
     print(f"bubble fraction: {round(timeline.bubble_fraction, 10)}")
-    draw(timeline, args.schedule, args.output)
+    print(f"makespan: {round(timeline.makespan, 10)}")
+    note = ""
+    if args.comm_cost or args.overlap:
+        note = f", message cost {args.comm_cost:g}" + (", overlapped" if args.overlap else "")
+    draw(timeline, args.schedule, args.output, note)
     print(f"wrote {args.output}")
     return 0
 

@@ -32,6 +32,7 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 means interleaved; parallel/layout.py)
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
+    overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
     grad_bucket_size_mb: float = 25.0
 
     def validate(self) -> None:

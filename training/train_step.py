@@ -39,6 +39,7 @@ class StepContext:
     activation_dtype: torch.dtype
     device: torch.device
     scatter_gather: bool
+    overlap_p2p_comm: bool = False  # compute while pipeline messages are in flight (executor docstring)
     train_plan: PipelinePlan = field(init=False)
     eval_plan: PipelinePlan = field(init=False)
 
@@ -111,7 +112,7 @@ def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepRe
     result = execute_schedule(ctx.train_plan, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
                               ctx.state, ctx.activation_shape, ctx.activation_dtype,
                               scatter_gather=ctx.scatter_gather, loss_scale=ctx.optimizer.loss_scale,
-                              on_last_backward=ctx.ddp.enable_grad_sync)
+                              on_last_backward=ctx.ddp.enable_grad_sync, overlap_p2p_comm=ctx.overlap_p2p_comm)
     ctx.ddp.finish_grad_sync()
     finalize_model_grads(ctx.chunks, ctx.state, ctx.ddp)
     stats = ctx.optimizer.step(lr)
@@ -129,7 +130,8 @@ def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int) -> fl
     for _ in range(eval_iters):
         microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
         result = execute_schedule(ctx.eval_plan, ctx.chunks, microbatches, forward_fn, ctx.state,
-                                  ctx.activation_shape, ctx.activation_dtype, scatter_gather=ctx.scatter_gather)
+                                  ctx.activation_shape, ctx.activation_dtype, scatter_gather=ctx.scatter_gather,
+                                  overlap_p2p_comm=ctx.overlap_p2p_comm)
         total += _global_mean_loss(result.losses, ctx.state)
     for chunk in ctx.chunks:
         chunk.train()

@@ -113,25 +113,33 @@ class _Run:
 
 def execute_schedule(plan: PipelinePlan, chunks: list[torch.nn.Module], microbatches: list[dict],
                      forward_fn, state, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
-                     scatter_gather: bool = False, loss_scale: float = 1.0,
-                     on_last_backward=None) -> ScheduleResult:
+                     scatter_gather: bool = False, loss_scale: float = 1.0, on_last_backward=None,
+                     overlap_p2p_comm: bool = False) -> ScheduleResult:
     """Run this rank's plan for one iteration; see the module docstring and ScheduleResult.
 
     `forward_fn(chunk_index, chunk, input_tensor | None, microbatch) -> Tensor` returns the chunk output,
     or on the last virtual stage the scalar loss (already divided by the number of micro-batches).
     A forward-only plan (evaluation) runs under no_grad and holds nothing for backward.
     `on_last_backward(chunk_index)` is called just before the last backward of each chunk.
+    With `overlap_p2p_comm` a step's batch stays in flight while the step's action computes, unless the
+    action needs a tensor that batch receives (Megatron's overlap_p2p_comm); each batch still completes
+    before the next is posted, so the NCCL-safe order of the plan is kept and the numbers are the same.
     """
     forward_only = plan.forward_only
     params = [p for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else torch.device("cpu")
     comm = StageComm(state, activation_shape, activation_dtype, device, scatter_gather)
     run = _Run(chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
+    in_flight = None
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        for step in plan.steps:
-            comm.exchange(step)
+        for index, step in enumerate(plan.steps):
+            comm.complete(in_flight)  # the previous batch, if it was left in flight
+            in_flight = comm.post(step)
             if step.compute is None:
                 continue
+            if not overlap_p2p_comm or index in plan.needs_own_batch:
+                comm.complete(in_flight)
+                in_flight = None
             action = plan.actions[step.compute]
             if action.op == "F":
                 run.forward(action)
@@ -139,6 +147,7 @@ def execute_schedule(plan: PipelinePlan, chunks: list[torch.nn.Module], microbat
             if on_last_backward is not None and step.compute in plan.last_backward_indices:
                 on_last_backward(action.chunk)
             run.backward(action)
+        comm.complete(in_flight)
     comm.finish()
     losses = [run.losses[i] for i in sorted(run.losses)]
     return ScheduleResult(losses=losses, max_in_flight=run.max_in_flight)

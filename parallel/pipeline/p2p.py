@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -109,11 +110,21 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
     return plans
 
 
+@dataclass
+class InFlight:
+    """A posted batch: its works, the receive buffers to hand over, the sent tensors kept alive until done."""
+
+    works: list
+    received: list[tuple[Message, torch.Tensor]]
+    sent: list[torch.Tensor]
+
+
 class StageComm:
     """Runs one rank's plan of batches with batch_isend_irecv (gloo or NCCL).
 
-    Receive buffers are allocated on `device` (the chunks' device). Each batch is waited on before the
-    step's action runs, so a sent tensor is released right after the step that sent it.
+    Receive buffers are allocated on `device` (the chunks' device). `exchange` posts a step's batch and
+    waits for it; `post` and `complete` split the two so that the executor can compute while a batch is in
+    flight (overlap): a sent tensor is released when its batch completes.
     """
 
     def __init__(self, state, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -137,12 +148,12 @@ class StageComm:
         """The received tensor of `message`, shaped like the activation."""
         return self.inbox.pop(message).view(self.shape)
 
-    def exchange(self, step: Step) -> None:
-        """Post the step's batch, wait for all of it, all-gather scattered receives."""
+    def post(self, step: Step) -> Optional[InFlight]:
+        """Post the step's batch without waiting (None when the step has no messages)."""
         if not step.ops:
-            return
+            return None
         local = self.numel // self.state.tp_size if self.scatter else self.numel
-        ops, received = [], []
+        ops, received, sent = [], [], []
         for kind, peer, message in step.ops:
             peer_rank = self.state.pp_ranks[peer]
             if kind == "send":
@@ -150,14 +161,26 @@ class StageComm:
                 if self.scatter:  # this tp rank's 1/tp slice
                     flat = flat.narrow(0, self.state.tp_rank * local, local)
                 ops.append(dist.P2POp(dist.isend, flat, peer_rank, group=self.state.pp_group))
+                sent.append(flat)
             else:
                 buffer = torch.empty(local, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, peer_rank, group=self.state.pp_group))
                 received.append((message, buffer))
-        for work in dist.batch_isend_irecv(ops):
+        return InFlight(dist.batch_isend_irecv(ops), received, sent)
+
+    def complete(self, in_flight: Optional[InFlight]) -> None:
+        """Wait for a posted batch and hand its received tensors to the inbox (all-gathered over tp when
+        scattered). A rank completes its batches in plan order, each before it posts the next."""
+        if in_flight is None:
+            return
+        for work in in_flight.works:
             work.wait()
-        for message, buffer in received:
+        for message, buffer in in_flight.received:
             self.inbox[message] = self._gather(buffer) if self.scatter else buffer
+
+    def exchange(self, step: Step) -> None:
+        """Post the step's batch and wait for all of it."""
+        self.complete(self.post(step))
 
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """All-gather the 1/tp slices of a flattened tensor over this stage's tp group."""

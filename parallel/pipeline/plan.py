@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.pipeline.p2p import Step, plan_steps
+from parallel.pipeline.p2p import Step, needed_message, plan_steps
 from parallel.pipeline.schedules import Action, build_forward_only, build_schedule
 
 
@@ -21,6 +21,7 @@ class PipelinePlan:
     steps: tuple[Step, ...]  # batches of sends/receives, each followed by at most one action
     forward_only: bool  # evaluation: forwards under no_grad, nothing held for backward
     last_backward_indices: frozenset[int]  # index of each chunk's last backward (dp reduction starts there)
+    needs_own_batch: frozenset[int]  # steps whose action needs a tensor received by the step's own batch
 
 
 def _last_backward_indices(actions: list[Action]) -> frozenset[int]:
@@ -29,6 +30,20 @@ def _last_backward_indices(actions: list[Action]) -> frozenset[int]:
         if action.op == "B":
             last[action.chunk] = index
     return frozenset(last.values())
+
+
+def steps_needing_own_batch(steps: list[Step], actions: list[Action], pp_rank: int, pp_size: int,
+                            vp_size: int) -> frozenset[int]:
+    """Indices of the steps whose action needs a message that the same step receives: only those must wait
+    for their batch before computing; any other step's batch can stay in flight meanwhile (overlap)."""
+    found = set()
+    for index, step in enumerate(steps):
+        if step.compute is None:
+            continue
+        need = needed_message(actions[step.compute], pp_rank, pp_size, vp_size)
+        if need is not None and any(kind == "recv" and message == need[1] for kind, _, message in step.ops):
+            found.add(index)
+    return frozenset(found)
 
 
 def build_plan(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1,
@@ -40,4 +55,5 @@ def build_plan(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int,
         lists = [build_schedule(schedule, pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
     actions = lists[pp_rank]
     steps = plan_steps(lists, vp_size)[pp_rank]
-    return PipelinePlan(tuple(actions), tuple(steps), forward_only, _last_backward_indices(actions))
+    return PipelinePlan(tuple(actions), tuple(steps), forward_only, _last_backward_indices(actions),
+                        steps_needing_own_batch(steps, actions, pp_rank, pp_size, vp_size))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.pipeline.p2p import Message, needed_message, produced_message
+from parallel.pipeline.p2p import Message, Step, needed_message, plan_steps, produced_message
+from parallel.pipeline.plan import steps_needing_own_batch
 from parallel.pipeline.schedules import Action, build_schedule
 from parallel.pipeline.stages import virtual_stage
 
@@ -83,3 +84,59 @@ def simulate(schedule: str, pp_size: int, num_microbatches: int, vp_size: int = 
     """Build every rank's list for `schedule` and simulate it."""
     lists = [build_schedule(schedule, pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
     return simulate_lists(lists, vp_size, num_microbatches, forward_cost, backward_cost)
+
+
+def _counterpart_steps(plans: list[list[Step]]) -> dict[tuple[str, int, int, Message], int]:
+    """(op kind, rank, peer, message) -> index of the step of `rank` that posts that op."""
+    where = {}
+    for rank, steps in enumerate(plans):
+        for index, step in enumerate(steps):
+            for kind, peer, message in step.ops:
+                where[(kind, rank, peer, message)] = index
+    return where
+
+
+def simulate_plans(lists: list[list[Action]], vp_size: int, num_microbatches: int, forward_cost: float = 1.0,
+                   backward_cost: float = 2.0, comm_cost: float = 0.0, overlap: bool = False) -> Timeline:
+    """Simulate the executor running the joint communication plan of `lists` (p2p.plan_steps).
+
+    A rank posts its step's batch when it has finished the previous step (action and batch); the batch
+    completes `comm_cost` after every op in it and its counterpart on the peer are posted (a rendezvous,
+    as NCCL may do). Without overlap the action starts when its step's batch completes; with overlap it
+    starts at once unless it needs a tensor that batch receives (plan.steps_needing_own_batch), as the
+    executor does with overlap_p2p_comm.
+    """
+    p = len(lists)
+    plans = plan_steps(lists, vp_size)
+    own = [steps_needing_own_batch(plans[r], lists[r], r, p, vp_size) for r in range(p)]
+    where = _counterpart_steps(plans)
+    cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
+    posted: list[dict[int, float]] = [{} for _ in range(p)]
+    position, ready = [0] * p, [0.0] * p  # next step of each rank; when it can post that step's batch
+    events: list[Event] = []
+    while any(position[r] < len(plans[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(plans[r]):
+                index, step = position[r], plans[r][position[r]]
+                progressed |= index not in posted[r]
+                posted[r][index] = ready[r]
+                peers = [(peer, where[("recv" if kind == "send" else "send", peer, r, message)])
+                         for kind, peer, message in step.ops]
+                if any(j not in posted[q] for q, j in peers):
+                    break  # a counterpart is not posted yet
+                done = max([ready[r]] + [posted[q][j] for q, j in peers]) + (comm_cost if step.ops else 0.0)
+                end = done
+                if step.compute is not None:
+                    action = lists[r][step.compute]
+                    start = done if not overlap or index in own[r] else ready[r]
+                    end = start + cost[action.op]
+                    events.append(Event(r, action, virtual_stage(r, action.chunk, p), start, end))
+                ready[r] = max(end, done)
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline plan deadlocks")
+    makespan = max(e.end for e in events) if events else 0.0
+    return Timeline(events, p, vp_size, num_microbatches, makespan,
+                    num_microbatches * (forward_cost + backward_cost))

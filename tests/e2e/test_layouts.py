@@ -134,6 +134,15 @@ def test_tied_embeddings_identical_after_training_pp2(tiny_corpus, tmp_path, ref
     assert torch.equal(embedding, last["output_layer.weight"])
 
 
+def test_overlapped_pipeline_communication_is_bitwise(tiny_corpus, tmp_path):
+    """parallel.overlap_p2p_comm only moves the waits on pipeline messages: the same numbers, bit for bit."""
+    layout = (*FAST, "parallel.tp_size=2", "parallel.pp_size=2", *INTERLEAVED)
+    runs = [train(tiny_corpus, str(tmp_path / f"overlap_{flag}"), 4, *layout, f"parallel.overlap_p2p_comm={flag}")
+            for flag in ("false", "true")]
+    for key in ("lm_loss", "grad_norm"):
+        assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]]
+
+
 def test_bf16_tracks_fp32_tp2_dp2(tiny_corpus, tmp_path, reference):
     records = train(tiny_corpus, str(tmp_path / "run"), 4, *FAST, "train.precision=bf16", "parallel.tp_size=2")
     assert_matches(records, reference(), keys=("lm_loss",), rtol=2e-2)

@@ -106,6 +106,16 @@ def _schedules_body(rank, world_size, m):
         # Sent outputs were deallocated (only their graph was kept for backward).
         assert outputs or (vp == 1 and state.is_last_stage)
         assert all(o.numel() == 1 for o in outputs)
+        # Overlapped communication changes when batches are waited on, never the numbers.
+        overlapped, overlapped_chunks, _ = run_pipeline(state, schedule, m, vp, overlap_p2p_comm=True)
+        assert_bitwise_equal(result, chunks, overlapped, overlapped_chunks)
+
+
+def assert_bitwise_equal(result, chunks, other, other_chunks):
+    assert len(result.losses) == len(other.losses)
+    assert all(torch.equal(a, b) for a, b in zip(result.losses, other.losses))
+    for chunk, other_chunk in zip(chunks, other_chunks):
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(chunk.parameters(), other_chunk.parameters()))
 
 
 def test_schedules_pp2_match_serial():
@@ -145,6 +155,10 @@ def _scatter_gather_body(rank, world_size, m):
         for schedule, vp in [("1f1b", 1), ("interleaved", 2)]:
             result, chunks, _ = run_pipeline(state, schedule, m, vp, scatter_gather=scatter)
             check_parity(state, schedule, m, vp, result, chunks)
+            # Overlap with scatter/gather: the tp all-gather of a received slice waits for its batch.
+            overlapped, overlapped_chunks, _ = run_pipeline(state, schedule, m, vp, scatter_gather=scatter,
+                                                            overlap_p2p_comm=True)
+            assert_bitwise_equal(result, chunks, overlapped, overlapped_chunks)
             results[(scatter, schedule)] = ([p.grad for c in chunks for p in c.parameters()], result.losses)
     for schedule in ("1f1b", "interleaved"):
         (grads_off, losses_off), (grads_on, losses_on) = results[(False, schedule)], results[(True, schedule)]

@@ -6,7 +6,7 @@ import pytest
 from parallel.layout import SCHEDULES, LayoutError, check_schedule
 from parallel.pipeline.p2p import Message, plan_steps, produced_message
 from parallel.pipeline.schedules import Action, build_forward_only, build_schedule
-from parallel.pipeline.simulator import simulate, simulate_lists
+from parallel.pipeline.simulator import simulate, simulate_lists, simulate_plans
 from parallel.pipeline.stages import virtual_stage
 
 
@@ -164,3 +164,29 @@ def test_strict_rendezvous_check_catches_crossed_sends():
     crossed = [[Step((("send", 1, x),), 0), Step((("recv", 1, y),), None)],
                [Step((("send", 0, y),), 0), Step((("recv", 0, x),), None)]]
     assert not strict_rendezvous_completes(crossed)
+
+
+# ---- the executor's plan, with communication cost and overlap ------------------------------------------
+def test_overlap_shortens_the_interleaved_timeline():
+    """Interleaved p4 m8 v2, a message costs 0.2 x a chunk's forward: computing while batches are in flight
+    (overlap_p2p_comm) finishes earlier; without communication cost it reaches the schedule's ideal."""
+    lists = all_lists("interleaved", 4, 8, 2)
+    comm = 0.2 * 1.0 / 2
+    blocking = simulate_plans(lists, 2, 8, 1.0, 2.0, comm_cost=comm)
+    overlapped = simulate_plans(lists, 2, 8, 1.0, 2.0, comm_cost=comm, overlap=True)
+    assert overlapped.makespan < 0.9 * blocking.makespan
+    ideal = simulate_lists(lists, 2, 8, 1.0, 2.0)
+    assert simulate_plans(lists, 2, 8, 1.0, 2.0, overlap=True).makespan == pytest.approx(ideal.makespan)
+    assert simulate_plans(lists, 2, 8, 1.0, 2.0).makespan > ideal.makespan  # rendezvous stalls without overlap
+
+
+@pytest.mark.parametrize("schedule,p,m,v", list(layouts(ms=(1, 2, 4, 8), ps=(2, 3, 4), vs=(1, 2))))
+def test_overlap_never_slower_and_every_action_runs_once(schedule, p, m, v):
+    lists = all_lists(schedule, p, m, v)
+    for comm in (0.0, 0.1, 0.5):
+        blocking = simulate_plans(lists, v, m, comm_cost=comm)
+        overlapped = simulate_plans(lists, v, m, comm_cost=comm, overlap=True)
+        assert overlapped.makespan <= blocking.makespan + 1e-9
+        for timeline in (blocking, overlapped):
+            for r in range(p):  # each rank runs its list, in order
+                assert [e.action for e in timeline.events if e.rank == r] == lists[r]

@@ -45,3 +45,13 @@ def test_invalid_input_exits_2_with_one_line(tmp_path, args, words):
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_overlap_shortens_the_printed_makespan(tmp_path):
+    common = ("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved", "--comm-cost", "0.1")
+    spans = []
+    for extra in ((), ("--overlap",)):
+        result = run_tool(*common, *extra, "--output", str(tmp_path / "t.png"))
+        assert result.returncode == 0, result.stderr
+        spans.append(float(next(x for x in result.stdout.splitlines() if x.startswith("makespan: ")).split()[1]))
+    assert spans[1] < spans[0]
