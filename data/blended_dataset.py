@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from data.blend_index import build_blending_indices
 from data.gpt_dataset import save_atomic
 
 
@@ -27,32 +28,6 @@ def normalize_weights(weights) -> list[float]:
 def component_num_samples(num_samples: int, weight: float) -> int:
     """Samples each component is built for: ceil(ceil(n * w) * 1.005), Megatron's 0.5% margin."""
     return int(math.ceil(math.ceil(num_samples * weight) * 1.005))
-
-
-def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) of length `size`, Megatron's greedy rule exactly.
-
-    Each step depends on the running counts, so this is a loop (over plain lists, ~1 s per million
-    samples); the arithmetic matches Megatron's C++ doubles: w_d * max(i, 1.0) - count_d.
-    """
-    counts = [0] * len(weights)
-    dataset_index = np.empty(size, dtype=np.int16)
-    dataset_sample_index = np.empty(size, dtype=np.int64)
-    ds_idx, ds_sample = [0] * size, [0] * size
-    pairs = list(enumerate(weights))
-    for i in range(size):
-        x = float(max(i, 1))
-        best, best_err = 0, weights[0] * x - counts[0]
-        for d, w in pairs[1:]:
-            err = w * x - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        ds_idx[i] = best
-        ds_sample[i] = counts[best]
-        counts[best] += 1
-    dataset_index[:] = ds_idx
-    dataset_sample_index[:] = ds_sample
-    return dataset_index, dataset_sample_index
 
 
 class BlendedDataset:
