@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 
 import numpy as np
@@ -25,11 +24,6 @@ def normalize_weights(weights) -> list[float]:
     return (values / values.sum()).tolist()
 
 
-def component_num_samples(num_samples: int, weight: float) -> int:
-    """Samples each component is built for: ceil(ceil(n * w) * 1.005), Megatron's 0.5% margin."""
-    return int(math.ceil(math.ceil(num_samples * weight) * 1.005))
-
-
 class BlendedDataset:
     """A weighted blend of datasets; item i is item dataset_sample_index[i] of dataset dataset_index[i].
 
@@ -37,7 +31,8 @@ class BlendedDataset:
     size, the components' own cache keys) and memory-mapped when present, as the GPT indices are.
     """
 
-    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None):
+    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None,
+                 surplus: float = 0.005):
         self.datasets = datasets
         self.weights = normalize_weights(weights)
         self.size = size
@@ -55,7 +50,9 @@ class BlendedDataset:
         for d, dataset in enumerate(datasets):
             needed = int((self.dataset_index == d).sum())
             if len(dataset) < needed:
-                raise ValueError(f"blend component {d} has {len(dataset)} samples, needs {needed}")
+                name = getattr(getattr(dataset, "indexed", None), "path_prefix", f"component {d}")
+                raise ValueError(f"blend oversamples {name}: needs {needed} samples, it has {len(dataset)}; "
+                                 f"raise data.mid_level_dataset_surplus (now {surplus})")
 
     def _save(self, cache_dir: str, paths: list[str]) -> None:
         try:
