@@ -22,8 +22,8 @@ import yaml
 from training.checkpointing import CheckpointError
 from training.config import Config, ConfigError, load_config, validate_layout
 from training.logging import format_train_line
-from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, data_iterator, init_distributed,
-                            param_dtype, resolve_sample_data)
+from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, check_vocab_size, data_iterator,
+                            init_distributed, param_dtype, resolve_sample_data)
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
 
@@ -77,6 +77,7 @@ def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]
                                 tokenizer_model=data.tokenizer_model)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
+    check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
     datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
