@@ -82,6 +82,8 @@ def _run_blocks(w: np.ndarray, first: np.ndarray, counts: np.ndarray, index_out:
     # at the end: writing one column per step would touch a page per block every step.
     record_index = np.empty((steps, num_blocks), dtype=np.int16)
     record_sample = np.empty((steps, num_blocks))  # counts are exact integers in float64
+    best = np.empty(num_blocks, dtype=np.int16)
+    candidate = np.empty(num_blocks, dtype=np.int16)
     snaps = {}
     for t in range(steps):
         if t == warmup:
@@ -91,16 +93,18 @@ def _run_blocks(w: np.ndarray, first: np.ndarray, counts: np.ndarray, index_out:
         x_t = np.maximum(x, 1.0) if t == 0 else x  # only the first step of block 0 sits at i = 0
         np.multiply(column_weights, x_t, out=errors)
         np.subtract(errors, counts, out=errors)  # w_d * x - count_d, the helper's two roundings
-        best = record_index[t]
         best.fill(0)
         best_error[:] = errors[0]
         chosen_count = record_sample[t]
         chosen_count[:] = counts[0]
         for d in range(1, num_datasets):
             np.greater(errors[d], best_error, out=better)  # strict: ties stay with the lower d
-            np.putmask(best, better, d)
+            # d beats every earlier dataset, so the last d that wins is the argmax: a max, no masking.
+            np.multiply(better, d, out=candidate)
+            np.maximum(best, candidate, out=best)
             np.putmask(chosen_count, better, counts[d])
             np.maximum(best_error, errors[d], out=best_error)
+        record_index[t] = best
         np.equal(best[None, :], dataset_ids, out=one_hot)
         counts += one_hot
         x += 1.0
