@@ -142,3 +142,18 @@ def test_files_read_both_ways(prefixes, tmp_path):
     builder.finalize(str(tmp_path / "m.idx"))
     read = IndexedDataset(str(tmp_path / "m"))
     assert all(np.array_equal(read[i], seq) for i, seq in enumerate(seqs))
+
+
+def test_split_of_one_token_as_megatron(prefixes, tmp_path):
+    """A train split holding a single one-token document builds (many epochs) and equals Megatron's."""
+    from tests.data.test_gpt_dataset import make_dataset
+    prefix = make_dataset(tmp_path / "one", [1, 30])
+    config = mcore.GPTDatasetConfig(
+        random_seed=1, sequence_length=4, blend=([prefix], None), split="1,1",
+        path_to_cache=str(tmp_path / "megatron"), tokenizer=_Tokenizer(), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False)
+    theirs = BlendedMegatronDatasetBuilder(mcore.GPTDataset, [6, 0, 0], lambda: True, config).build()[0]
+    ours = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), str(tmp_path / "ours"))[0]
+    assert len(ours) == len(theirs) == 6
+    for i in range(6):
+        _assert_same_sample(ours[i]["text"], theirs[i], True, i)
