@@ -33,8 +33,8 @@ from training.flops import flops_per_iteration
 from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
-from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, data_iterator,
-                            init_distributed, param_dtype, resolve_sample_data)
+from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, check_vocab_size,
+                            data_iterator, init_distributed, param_dtype, resolve_sample_data)
 from training.train_step import StepContext, evaluate, train_step
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
@@ -77,6 +77,7 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
                                 tokenizer_model=data.tokenizer_model)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
+    check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
     datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)

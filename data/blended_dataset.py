@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 
 import numpy as np
 
+from data.blend_index import build_blending_indices
 from data.gpt_dataset import save_atomic
 
 
@@ -24,37 +24,6 @@ def normalize_weights(weights) -> list[float]:
     return (values / values.sum()).tolist()
 
 
-def component_num_samples(num_samples: int, weight: float) -> int:
-    """Samples each component is built for: ceil(ceil(n * w) * 1.005), Megatron's 0.5% margin."""
-    return int(math.ceil(math.ceil(num_samples * weight) * 1.005))
-
-
-def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) of length `size`, Megatron's greedy rule exactly.
-
-    Each step depends on the running counts, so this is a loop (over plain lists, ~1 s per million
-    samples); the arithmetic matches Megatron's C++ doubles: w_d * max(i, 1.0) - count_d.
-    """
-    counts = [0] * len(weights)
-    dataset_index = np.empty(size, dtype=np.int16)
-    dataset_sample_index = np.empty(size, dtype=np.int64)
-    ds_idx, ds_sample = [0] * size, [0] * size
-    pairs = list(enumerate(weights))
-    for i in range(size):
-        x = float(max(i, 1))
-        best, best_err = 0, weights[0] * x - counts[0]
-        for d, w in pairs[1:]:
-            err = w * x - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        ds_idx[i] = best
-        ds_sample[i] = counts[best]
-        counts[best] += 1
-    dataset_index[:] = ds_idx
-    dataset_sample_index[:] = ds_sample
-    return dataset_index, dataset_sample_index
-
-
 class BlendedDataset:
     """A weighted blend of datasets; item i is item dataset_sample_index[i] of dataset dataset_index[i].
 
@@ -62,7 +31,8 @@ class BlendedDataset:
     size, the components' own cache keys) and memory-mapped when present, as the GPT indices are.
     """
 
-    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None):
+    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None,
+                 surplus: float = 0.005):
         self.datasets = datasets
         self.weights = normalize_weights(weights)
         self.size = size
@@ -80,7 +50,9 @@ class BlendedDataset:
         for d, dataset in enumerate(datasets):
             needed = int((self.dataset_index == d).sum())
             if len(dataset) < needed:
-                raise ValueError(f"blend component {d} has {len(dataset)} samples, needs {needed}")
+                name = getattr(getattr(dataset, "indexed", None), "path_prefix", f"component {d}")
+                raise ValueError(f"blend oversamples {name}: needs {needed} samples, it has {len(dataset)}; "
+                                 f"raise data.mid_level_dataset_surplus (now {surplus})")
 
     def _save(self, cache_dir: str, paths: list[str]) -> None:
         try:

@@ -1,13 +1,15 @@
 """build_train_valid_test_datasets: prefixes (optionally weighted) + a split string -> three datasets."""
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
-from data.blended_dataset import BlendedDataset, component_num_samples, normalize_weights
-from data.gpt_dataset import GPTDataset
+from data.blended_dataset import BlendedDataset, normalize_weights
+from data.gpt_dataset import GPTDataset, SampleOptions
 from data.indexed_dataset import IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -26,70 +28,122 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
     return [(b, e) if e > b else None for b, e in zip(bookends[:-1], bookends[1:])]
 
 
+def document_range(bounds: tuple[float, float], num_documents: int) -> tuple[int, int]:
+    """Document [begin, end) of a split's fraction bounds: round(fraction * N) at both ends (Python's
+    round, as Megatron)."""
+    begin, end = (int(round(b * float(num_documents))) for b in bounds)
+    return begin, end
+
+
 def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int] | None]:
-    """Document [begin, end) of each split: round(fraction * N) at both ends (Python's round, as Megatron)."""
-    ranges = []
-    for bounds in parse_split(split):
-        if bounds is None:
-            ranges.append(None)
-            continue
-        begin, end = (int(round(b * float(num_documents))) for b in bounds)
-        ranges.append((begin, end) if end > begin else None)
-    return ranges
+    """Document [begin, end) of each split, None when it has no share or rounds to no documents."""
+    ranges = [None if bounds is None else document_range(bounds, num_documents) for bounds in parse_split(split)]
+    return [r if r is not None and r[1] > r[0] else None for r in ranges]
 
 
-def parse_data_path(data_path: list) -> tuple[list[float], list[str]]:
-    """[prefix] -> ([1.0], [prefix]); [w1, p1, w2, p2, ...] -> (normalised weights, prefixes)."""
-    data_path = [str(x) for x in data_path]
-    if len(data_path) == 1:
-        return [1.0], data_path
+def parse_data_path(data_path: list) -> tuple[list[float] | None, list[str]]:
+    """Megatron's blend list: [p1, p2, ...] -> (None, prefixes), blended by dataset size;
+    [w1, p1, w2, p2, ...] -> (normalised weights, prefixes)."""
+    data_path = [str(x).strip() for x in data_path]
+    if not data_path:
+        raise ValueError("data_path is empty")
     if len(data_path) % 2:
-        raise ValueError(f"data_path must be [prefix] or [w1, prefix1, w2, prefix2, ...], got {data_path}")
+        return None, data_path
+    parsed = [_as_number(w) for w in data_path[0::2]]
+    if all(w is None for w in parsed):
+        return None, data_path
+    if any(w is None for w in parsed):
+        bad = next(w for w, v in zip(data_path[0::2], parsed) if v is None)
+        raise ValueError(f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected "
+                         f"in {data_path}")
+    return normalize_weights(parsed), data_path[1::2]
+
+
+def _as_number(text: str) -> float | None:
     try:
-        weights = [float(w) for w in data_path[0::2]]
+        return float(text)
     except ValueError:
-        raise ValueError(f"data_path weights must be numbers, got {data_path[0::2]}") from None
-    return normalize_weights(weights), data_path[1::2]
+        return None
 
 
-def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir):
+@dataclass(frozen=True)
+class BuildOptions:
+    """Megatron's GPTDatasetConfig options: see SampleOptions; mid_level_surplus is the margin each blend
+    component is built with (mid_level_dataset_surplus)."""
+    extra_token: bool = True
+    drop_last_partial_validation: bool = True
+    mid_level_surplus: float = 0.005
+
+    def samples(self, split_name: str) -> SampleOptions:
+        """The sample options of one split (only valid may keep its partial last sample)."""
+        keep_partial = split_name == "valid" and not self.drop_last_partial_validation
+        return SampleOptions(extra_token=self.extra_token, drop_last_partial=not keep_partial)
+
+
+def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir,
+                  options: BuildOptions):
+    """One GPTDataset per split of `prefix` (None where the split or its sample count is 0).
+
+    num_samples[k] None builds one epoch. A split with a share of the data but no documents or no tokens
+    is an error naming it (Megatron would loop forever looking for enough epochs).
+    """
     indexed = IndexedDataset(prefix)
     # Megatron's GPTDataset splits by sequence count (one sequence per document, empty documents hold none):
     # numel_low_level_dataset = len(sequence_lengths). document_count would overrun when a document is empty.
-    ranges = split_document_ranges(split, len(indexed))
+    if len(indexed) == 0:
+        raise ValueError(f"{prefix}: the dataset holds no documents")
     datasets = []
-    for name, doc_range, n in zip(SPLIT_NAMES, ranges, num_samples):
-        if doc_range is None or not n:
+    for name, bounds, n in zip(SPLIT_NAMES, parse_split(split), num_samples):
+        if bounds is None or n == 0:
             datasets.append(None)
             continue
-        datasets.append(GPTDataset(indexed, name, doc_range, seq_length, seed, int(n), cache_dir))
+        begin, end = document_range(bounds, len(indexed))
+        if end <= begin:
+            raise ValueError(f"{prefix}: the {name} split is empty: split {split!r} gives it documents "
+                             f"[{begin}, {end}) of {len(indexed)}")
+        datasets.append(GPTDataset(indexed, name, (begin, end), seq_length, seed, n, cache_dir,
+                                   options.samples(name)))
     return datasets
 
 
 def build_train_valid_test_datasets(data_path: list, split: str, seq_length: int, seed: int,
-                                    num_samples: tuple[int, int, int], cache_dir: str | None):
-    """(train, valid, test) GPT datasets, blended when data_path holds weights; None for empty splits.
+                                    num_samples: tuple[int, int, int], cache_dir: str | None,
+                                    options: BuildOptions = BuildOptions()):
+    """(train, valid, test) GPT datasets as Megatron's BlendedMegatronDatasetBuilder builds them; None
+    where a split has no share or 0 samples are asked.
 
+    One prefix: plain GPTDatasets. Weighted prefixes: each component built for
+    ceil(ceil(n * w) * (1 + surplus)) samples, blended to sum(ceil(n * w)). Unweighted prefixes: one epoch
+    of each, blended by their sizes to min(n, total) samples (fewer than asked when the epoch is short).
     cache_dir=None puts the index caches in `index-cache` next to the first prefix's files.
     """
     weights, prefixes = parse_data_path(data_path)
     if cache_dir is None:
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index-cache")
-    if len(prefixes) == 1:
-        return tuple(_build_single(prefixes[0], split, seq_length, seed, num_samples, cache_dir))
-    per_component = [
-        _build_single(prefix, split, seq_length, seed,
-                      [component_num_samples(n, w) if n else 0 for n in num_samples], cache_dir)
-        for w, prefix in zip(weights, prefixes)]
+    if weights is None and len(prefixes) == 1:
+        return tuple(_build_single(prefixes[0], split, seq_length, seed, num_samples, cache_dir, options))
+    if weights is None:
+        asked = [[None if n else 0 for n in num_samples] for _ in prefixes]
+    else:
+        asked = [[_component_samples(n, w, options.mid_level_surplus) for n in num_samples] for w in weights]
+    per_component = [_build_single(prefix, split, seq_length, seed, sizes, cache_dir, options)
+                     for prefix, sizes in zip(prefixes, asked)]
     blended = []
     for k, n in enumerate(num_samples):
         parts = [component[k] for component in per_component]
         if not n or all(p is None for p in parts):
             blended.append(None)
             continue
-        if any(p is None for p in parts):
-            missing = [prefixes[d] for d, p in enumerate(parts) if p is None]
-            raise ValueError(f"{SPLIT_NAMES[k]} split is empty in {missing} "
-                             "but not in the other blend inputs")
-        blended.append(BlendedDataset(parts, weights, int(n), cache_dir))
+        if weights is None:
+            part_weights = [len(p) for p in parts]
+            size = min(n, sum(part_weights))
+        else:
+            part_weights = weights
+            size = sum(_component_samples(n, w, 0.0) for w in weights)
+        blended.append(BlendedDataset(parts, part_weights, size, cache_dir, options.mid_level_surplus))
     return tuple(blended)
+
+
+def _component_samples(num_samples: int, weight: float, surplus: float) -> int:
+    """Samples a blend component is built for: ceil(ceil(n * w) * (1 + surplus)), Megatron's margin."""
+    return int(math.ceil(math.ceil(num_samples * weight) * (1 + surplus))) if num_samples else 0

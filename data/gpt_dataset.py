@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,19 +20,47 @@ from data.indexed_dataset import IndexedDataset
 _CACHE_FORMAT = 1  # bump when the index layout changes, so stale caches are not reused
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Smallest E with E * tokens_per_epoch >= num_samples * seq_length + 1."""
-    needed = num_samples * seq_length + 1
+@dataclass(frozen=True)
+class SampleOptions:
+    """Megatron's GPTDatasetConfig switches that change which samples are built.
+
+    extra_token: samples of seq_length + 1 tokens (tokens = x[:-1], labels = x[1:]); False: exactly
+    seq_length tokens, the last label being padding (add_extra_token_to_sequence).
+    drop_last_partial: drop the last, shorter sample (always on for train/test; Megatron's
+    drop_last_partial_validation_sequence decides it for the valid split). A kept partial sample is
+    padded with PAD_ID, which the loader masks out of the loss.
+    """
+    extra_token: bool = True
+    drop_last_partial: bool = True
+
+
+PAD_ID = -1  # Megatron's _PAD_TOKEN_ID when the tokenizer has no pad token
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int = 1) -> int:
+    """Smallest E with E * tokens_per_epoch >= num_samples * seq_length + extra (1 when num_samples is None)."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + extra
     return max(1, -(-needed // tokens_per_epoch))
 
 
-def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int, num_epochs: int) -> bool:
+def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int,
+                         extra: int = 1) -> bool:
     """Megatron's rule: shuffle the last epoch apart when it contributes under 80% of an epoch."""
     if num_epochs == 1:
         return False
-    before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-    per_epoch = (tokens_per_epoch - 1) // seq_length
+    before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    per_epoch = (tokens_per_epoch - extra) // seq_length
     return num_samples - before_final < int(0.80 * per_epoch)
+
+
+def total_samples(tokens: int, seq_length: int, options: SampleOptions) -> int:
+    """Samples in `tokens` tokens of stream; a kept partial sample is rounded up in float32, as the helper."""
+    extra = int(options.extra_token)
+    if options.drop_last_partial:
+        return (tokens - extra) // seq_length
+    return int(np.ceil(np.float32(np.float32(tokens - extra) / np.float32(seq_length))))
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
@@ -47,22 +76,27 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       num_samples: int) -> np.ndarray:
+                       num_samples: int, extra_token: bool = True) -> np.ndarray:
     """Rows (position in document_index, offset) where each sample starts; row k+1 is where sample k ends.
 
-    Sample k spans stream tokens [k*s, (k+1)*s] inclusive (s = seq_length; one token shared with the next).
-    An end at a document's last token stays in that document, as in Megatron's loop, which is what
-    searchsorted(side="right") - 1 gives, empty documents included.
+    Sample k spans stream tokens [k*s, (k+1)*s + extra) (s = seq_length; with the extra token one token is
+    shared with the next sample). Megatron's loop stores the end as the position of the last token read,
+    plus one without the extra token; an end at a document's last token stays in that document, which is
+    what searchsorted(side="right") - 1 gives, empty documents included. A partial last sample (kept
+    only on request) ends where Megatron's loop stops: the last document, its length - extra.
     """
+    extra = int(extra_token)
     doc_lengths = sizes[document_index].astype(np.int64)
     starts = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
     np.cumsum(doc_lengths, out=starts[1:])
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    rows = np.searchsorted(starts, positions, side="right") - 1
+    last = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length + extra - 1
+    rows = np.searchsorted(starts, last, side="right") - 1
     sample_index = np.empty((num_samples + 1, 2), dtype=np.int64)
-    sample_index[:, 0] = rows
-    sample_index[:, 1] = positions - starts[rows]
     sample_index[0] = (0, 0)  # Megatron's first row, even if the first document is empty
+    sample_index[1:, 0] = rows
+    sample_index[1:, 1] = last - starts[np.minimum(rows, len(doc_lengths) - 1)] + 1 - extra
+    if num_samples and last[-1] >= starts[-1]:  # the partial last sample
+        sample_index[-1] = (len(document_index) - 1, int(doc_lengths[-1]) - extra)
     return sample_index
 
 
@@ -78,19 +112,24 @@ def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState
     return np.concatenate((first, last))
 
 
-def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
-                  seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document_index, sample_index, shuffle_index) for the split's `documents` (ids into `sizes`)."""
+def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None,
+                  seed: int, options: SampleOptions = SampleOptions()
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document_index, sample_index, shuffle_index) for the split's `documents` (ids into `sizes`).
+
+    num_samples None builds one epoch (Megatron's mid-level datasets of an unweighted blend).
+    """
+    extra = int(options.extra_token)
     tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
-    if tokens_per_epoch < 2:
-        raise ValueError(f"split has {tokens_per_epoch} tokens; a sample needs at least 2")
-    epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
-    separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs)
+    if tokens_per_epoch < 1:  # Megatron would loop forever looking for enough epochs
+        raise ValueError(f"split has {len(documents)} documents and no tokens")
+    epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples, extra)
+    separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs, extra)
     rng = np.random.RandomState(seed)
     document_index = build_document_index(documents, epochs, rng, separate)
-    total = (epochs * tokens_per_epoch - 1) // seq_length
-    sample_index = build_sample_index(sizes, document_index, seq_length, total)
-    before_final = ((epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
+    total = total_samples(epochs * tokens_per_epoch, seq_length, options)
+    sample_index = build_sample_index(sizes, document_index, seq_length, total, options.extra_token)
+    before_final = ((epochs - 1) * tokens_per_epoch - extra) // seq_length if separate else total
     shuffle_index = build_shuffle_index(before_final, total, rng)
     return document_index, sample_index, shuffle_index
 
@@ -108,17 +147,19 @@ def save_atomic(path: str, array: np.ndarray) -> None:
 
 
 class GPTDataset:
-    """Samples of seq_length + 1 tokens from documents [begin, end) of an IndexedDataset.
+    """Samples of seq_length + 1 tokens (seq_length without the extra token) from documents [begin, end).
 
-    `__getitem__(i)` returns {"text": int64 array of seq_length + 1}; len() is the number of samples built
-    (at least num_samples). Index arrays are cached as .npy under cache_dir (keyed by an MD5 of the
-    description) and memory-mapped when present.
+    `__getitem__(i)` returns {"text": int64 array}, a partial last sample padded with PAD_ID; len() is the
+    number of samples built (at least num_samples; one epoch when num_samples is None). Index arrays are
+    cached as .npy under cache_dir (keyed by an MD5 of the description) and memory-mapped when present.
     """
 
     def __init__(self, indexed: IndexedDataset, split_name: str, document_range: tuple[int, int],
-                 seq_length: int, seed: int, num_samples: int, cache_dir: str | None):
+                 seq_length: int, seed: int, num_samples: int | None, cache_dir: str | None,
+                 options: SampleOptions = SampleOptions()):
         self.indexed = indexed
         self.seq_length = seq_length
+        self.options = options
         documents = np.arange(*document_range, dtype=np.int32)
         sizes = indexed.sequence_lengths
         self.description = dict(
@@ -126,10 +167,15 @@ class GPTDataset:
             path_prefix=os.path.abspath(indexed.path_prefix),
             split=split_name, document_range=list(document_range), seq_length=seq_length, seed=seed,
             num_samples=num_samples, tokens_in_split=int(sizes[documents].astype(np.int64).sum()))
+        if options != SampleOptions():  # keys only when set, so existing caches stay valid
+            self.description.update(extra_token=options.extra_token, drop_last_partial=options.drop_last_partial)
         self.cache_key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
         arrays = self._load_cache(cache_dir)
         if arrays is None:
-            arrays = build_indices(sizes, documents, seq_length, num_samples, seed)
+            try:
+                arrays = build_indices(sizes, documents, seq_length, num_samples, seed, options)
+            except ValueError as exc:
+                raise ValueError(f"{indexed.path_prefix}: {split_name} {exc}") from None
             if cache_dir is not None:
                 try:
                     self._save_cache(cache_dir, arrays)
@@ -168,12 +214,16 @@ class GPTDataset:
         j = int(self.shuffle_index[i])
         doc_beg, off_beg = (int(x) for x in self.sample_index[j])
         doc_end, off_end = (int(x) for x in self.sample_index[j + 1])
-        get, docs = self.indexed.get, self.document_index
+        get, docs, extra = self.indexed.get, self.document_index, int(self.options.extra_token)
         if doc_beg == doc_end:
-            tokens = get(int(docs[doc_beg]), offset=off_beg, length=off_end - off_beg + 1)
+            tokens = get(int(docs[doc_beg]), offset=off_beg, length=off_end - off_beg + extra)
         else:
             parts = [get(int(docs[doc_beg]), offset=off_beg)]
             parts += [get(int(docs[k])) for k in range(doc_beg + 1, doc_end)]
-            parts.append(get(int(docs[doc_end]), length=off_end + 1))
+            parts.append(get(int(docs[doc_end]), length=off_end + extra))
             tokens = np.concatenate(parts)
-        return {"text": np.asarray(tokens, dtype=np.int64)}
+        text = np.asarray(tokens, dtype=np.int64)
+        missing = self.seq_length + extra - len(text)
+        if missing > 0:  # the kept partial last sample
+            text = np.concatenate((text, np.full(missing, PAD_ID, dtype=np.int64)))
+        return {"text": text}

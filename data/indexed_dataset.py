@@ -159,6 +159,8 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(mm, dtype="<i8", count=count, offset=HEADER_SIZE + 4 * count)
         self.document_indices = np.frombuffer(mm, dtype="<i8", count=doc_count,
                                               offset=HEADER_SIZE + 12 * count)
+        _validate_index(path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                        self.dtype.itemsize)
 
     def __getstate__(self):
         # Pickle the path, not the mapped arrays (which would copy the whole corpus into the pickle).
@@ -187,6 +189,36 @@ class IndexedDataset:
     def document_count(self) -> int:
         """Number of documents (len(document_indices) - 1)."""
         return len(self.document_indices) - 1
+
+
+def _validate_index(path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
+                    itemsize: int) -> None:
+    """Lengths >= 0, pointers = running sum of lengths * itemsize, document indices from 0 to N, non-
+    decreasing. Vectorised in chunks (a few passes over the arrays, bounded memory); names the first bad
+    entry."""
+    chunk = 1 << 24
+    offset = 0  # byte offset of the next sequence, carried across chunks
+    for start in range(0, len(lengths), chunk):
+        part = lengths[start:start + chunk].astype(np.int64)
+        bad = np.flatnonzero(part < 0)
+        if bad.size:
+            i = start + int(bad[0])
+            raise IndexedDatasetError(f"{path}: sequence {i} has negative length {int(lengths[i])}")
+        expected = offset + np.concatenate(([0], np.cumsum(part[:-1]))) * itemsize
+        bad = np.flatnonzero(pointers[start:start + chunk] != expected)
+        if bad.size:
+            i = start + int(bad[0])
+            raise IndexedDatasetError(f"{path}: sequence {i} has pointer {int(pointers[i])}, the lengths "
+                                      f"before it give {int(expected[bad[0]])}")
+        offset = int(expected[-1]) + int(part[-1]) * itemsize
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths):
+        ends = documents[[0, -1]].tolist() if len(documents) else []
+        raise IndexedDatasetError(f"{path}: document indices must run from 0 to {len(lengths)} "
+                                  f"sequences, got first/last {ends}")
+    bad = np.flatnonzero(np.diff(documents) < 0)
+    if bad.size:
+        raise IndexedDatasetError(f"{path}: document {int(bad[0])} ends before it starts "
+                                  f"(document indices {int(documents[bad[0]])} > {int(documents[bad[0] + 1])})")
 
 
 def merge_datasets(prefixes: list[str], output_prefix: str) -> None:

@@ -12,6 +12,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from data.gpt_dataset import PAD_ID
+
 
 class PretrainingSampler:
     """Yields this rank's lists of sample indices (Megatron's MegatronPretrainingSampler, drop_last=True)."""
@@ -70,23 +72,35 @@ def get_batch_masks(tokens: torch.Tensor, eod_id: int, eod_mask_loss: bool, rese
 
 
 def collate_samples(samples: list[dict], eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                    reset_attention_mask: bool) -> dict:
-    """Stack samples of seq_length + 1 tokens into tokens/labels [b, s] and their masks."""
+                    reset_attention_mask: bool, extra_token: bool = True) -> dict:
+    """Stack samples into tokens/labels [b, s] and their masks, as Megatron's GPTDataset.__getitem__.
+
+    With the extra token a sample holds s + 1 tokens (tokens = x[:-1], labels = x[1:]); without it s
+    tokens, labels shifted by one and the last label is padding. Padding (PAD_ID, also the tail of a kept
+    partial sample) gets loss weight 0 and is fed to the model as token 0.
+    """
     text = torch.from_numpy(np.stack([np.asarray(x["text"], dtype=np.int64) for x in samples]))
-    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    if extra_token:
+        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    else:
+        tokens = text
+        labels = torch.cat((text[:, 1:], torch.full_like(text[:, :1], PAD_ID)), dim=1)
     loss_mask, position_ids, attention_mask = get_batch_masks(
         tokens, eod_id, eod_mask_loss, reset_position_ids, reset_attention_mask)
+    loss_mask[labels == PAD_ID] = 0.0
+    tokens, labels = tokens.clamp(min=0), labels.clamp(min=0)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
             "attention_mask": attention_mask}
 
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                         num_workers: int, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                        reset_attention_mask: bool) -> Iterator[dict]:
+                        reset_attention_mask: bool, extra_token: bool = True) -> Iterator[dict]:
     """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     collate = partial(collate_samples, eod_id=eod_id, eod_mask_loss=eod_mask_loss,
-                      reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask)
+                      reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                      extra_token=extra_token)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate, pin_memory=False,
         persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,

@@ -1,4 +1,5 @@
-"""JSONL -> {prefix}_{key}_document.bin/.idx, as Megatron's tools/preprocess_data.py (no sentence splitting).
+"""JSONL -> {prefix}_{key}_document.bin/.idx, as Megatron's tools/preprocess_data.py (no sentence splitting;
+a value that is a list of strings, Megatron's sentence-split form, is one document of one sequence each).
 
 Lines go to worker processes in batches; results come back in input order and are appended to builders
 writing temporary files, renamed only when every line is done, so a failed or interrupted run never
@@ -18,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from data.indexed_dataset import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
-from data.tokenizers import build_tokenizer
+from data.tokenizers import EOD_TOKEN, build_tokenizer
 
 # A task is up to this many lines or bytes: enough to amortise inter-process pickling, small enough that
 # a corpus of a few thousand large documents still spreads evenly over the workers.
@@ -72,16 +73,32 @@ class _Encoder:
         for key in settings["json_keys"]:
             if not isinstance(record, dict) or key not in record:
                 return line_no, f"no key {key!r}", len(raw)
-            if not isinstance(record[key], str):
-                return line_no, f"value of {key!r} is not a string", len(raw)
+            value = record[key]
+            # Megatron's sentence-split form: a list of strings is one document, one sequence per string.
+            texts = value if isinstance(value, list) else [value]
+            if not all(isinstance(t, str) for t in texts):
+                return line_no, f"value of {key!r} is not a string or a list of strings", len(raw)
             try:
-                ids = tokenizer.encode(record[key])
+                sequences = [ids for ids in (cls._encode_text(t) for t in texts) if ids]
             except UnicodeEncodeError as exc:
                 return line_no, f"value of {key!r} is not encodable as UTF-8 ({exc.reason})", len(raw)
-            if ids and settings["append_eod"]:
-                ids.append(tokenizer.eod)
-            out[key] = np.asarray(ids, dtype=settings["dtype"])
+            if sequences and settings["append_eod"]:
+                sequences[-1].append(tokenizer.eod)
+            out[key] = [np.asarray(ids, dtype=settings["dtype"]) for ids in sequences]
         return line_no, out, len(raw)
+
+    @classmethod
+    def _encode_text(cls, text: str) -> list[int]:
+        """Token ids; with parse_special_tokens a literal end-of-document string becomes the eod id."""
+        tokenizer = cls.tokenizer
+        if not cls.settings["parse_special_tokens"]:
+            return tokenizer.encode(text)
+        ids: list[int] = []
+        for k, piece in enumerate(text.split(EOD_TOKEN)):
+            if k:
+                ids.append(tokenizer.eod)
+            ids += tokenizer.encode(piece)
+        return ids
 
 
 def _read_batches(path: str) -> Iterator[tuple[int, list[bytes]]]:
@@ -107,15 +124,24 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, vocab_file=None,
                      merge_file=None, tokenizer_model=None, json_keys=("text",), append_eod=False,
                      workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
-                     log: Callable[[str], None] | None = None) -> PreprocessStats:
-    """Tokenize a JSONL file into indexed datasets, one per key; returns run totals."""
+                     log: Callable[[str], None] | None = None, parse_special_tokens: bool = False,
+                     allow_empty: bool = False) -> PreprocessStats:
+    """Tokenize a JSONL file into indexed datasets, one per key; returns run totals.
+
+    parse_special_tokens: a literal <|endoftext|> in the text becomes the end-of-document id (what
+    megatron-core's HF-based GPT-2 tokenizer does); off by default, so text that merely mentions the
+    token (web pages, code about tokenizers) cannot cut documents or inject control tokens.
+    allow_empty: write an empty dataset when no document was read, instead of failing.
+    """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not os.path.isfile(input_path):
         raise PreprocessError(f"{input_path}: input file not found")
+    if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
+        raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
     tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
     settings = dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
                     tokenizer_model=tokenizer_model, json_keys=list(json_keys), append_eod=append_eod,
-                    dtype=best_dtype(tokenizer.vocab_size))
+                    dtype=best_dtype(tokenizer.vocab_size), parse_special_tokens=parse_special_tokens)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
     builders = {}
@@ -137,6 +163,11 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
             pool.close()
             pool.join()  # reaped workers' CPU time shows up in RUSAGE_CHILDREN
         stats.encode_cpu_seconds = _cpu_seconds(pool is not None) - cpu_before
+        if stats.documents == 0:
+            if not allow_empty:
+                raise PreprocessError(f"{input_path}: no documents read (empty input or every line skipped); "
+                                      "nothing written (--allow-empty writes an empty dataset)")
+            log(f"WARNING: {input_path}: no documents read; writing an EMPTY dataset (--allow-empty)")
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
         for key, prefix in prefixes.items():
@@ -168,11 +199,12 @@ def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_ba
                                           "(use --skip-bad-lines to skip such lines)")
                 stats.bad_lines += 1
                 continue
-            for key, tokens in out.items():
-                if tokens.size:  # Megatron: an empty document has no sequence, only a document boundary
+            for key, sequences in out.items():
+                # Megatron: an empty document has no sequence, only a document boundary.
+                for tokens in sequences:
                     builders[key].add_item(tokens)
+                    stats.tokens += int(tokens.size)
                 builders[key].end_document()
-                stats.tokens += int(tokens.size)
             stats.documents += 1
             if log_interval and stats.documents % log_interval == 0:
                 elapsed = time.perf_counter() - start

@@ -31,6 +31,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=1000)
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="count and skip lines that are not UTF-8 / JSON / lack a key, instead of stopping")
+    p.add_argument("--parse-special-tokens", action="store_true",
+                   help="treat a literal <|endoftext|> in the text as the end-of-document id (Megatron's "
+                        "HF-based tokenizer does); default: plain text, so scraped text cannot inject it")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write an empty dataset when the input holds no documents (default: error)")
     return p.parse_args(argv)
 
 
@@ -42,7 +47,8 @@ def main(argv=None) -> None:
     try:
         preprocess_jsonl(args.input, args.output_prefix, args.tokenizer_type, args.vocab_file,
                          args.merge_file, args.tokenizer_model, args.json_keys, args.append_eod,
-                         args.workers, args.log_interval, args.skip_bad_lines)
+                         args.workers, args.log_interval, args.skip_bad_lines,
+                         parse_special_tokens=args.parse_special_tokens, allow_empty=args.allow_empty)
     except (PreprocessError, IndexedDatasetError, ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     except KeyboardInterrupt:

@@ -113,8 +113,14 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # Megatron's GPTDatasetConfig options (same names, same defaults), see data/builder.py BuildOptions.
+    add_extra_token_to_sequence: bool = True  # False: samples of exactly seq_length tokens
+    drop_last_partial_validation_sequence: bool = True
+    mid_level_dataset_surplus: float = 0.005  # margin each weighted blend component is built with
 
     def validate(self) -> None:
+        if not self.mid_level_dataset_surplus >= 0:
+            raise ConfigError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
         if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, "
                               f"SentencePieceTokenizer")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from data.blended_dataset import BlendedDataset
-from data.builder import build_train_valid_test_datasets
+from data.builder import BuildOptions, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import ensure_sample_corpus
@@ -76,18 +76,38 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
 
 
 def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
-    """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them."""
-    train = config.train
-    num_samples = (train.train_iters * gbs, max(train.eval_iters, 1) * gbs, max(train.eval_iters, 1) * gbs)
+    """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them.
+
+    The test split is not built: the trainer never evaluates on it. A split with fewer samples than the
+    run reads (an unweighted blend holds one epoch) is a one-line error.
+    """
+    train, data = config.train, config.data
+    num_samples = (train.train_iters * gbs, train.eval_iters * gbs, 0)
+    options = BuildOptions(extra_token=data.add_extra_token_to_sequence,
+                           drop_last_partial_validation=data.drop_last_partial_validation_sequence,
+                           mid_level_surplus=data.mid_level_dataset_surplus)
 
     def build():
-        return build_train_valid_test_datasets(
-            config.data.data_path, config.data.split, config.model.seq_length, train.seed, num_samples,
-            config.data.cache_dir)
+        return build_train_valid_test_datasets(data.data_path, data.split, config.model.seq_length, train.seed,
+                                               num_samples, data.cache_dir, options)
 
     datasets: Optional[tuple] = build() if env.rank == 0 else None
     barrier(env)
-    return datasets if datasets is not None else build()
+    datasets = datasets if datasets is not None else build()
+    for name, dataset, needed in zip(("train", "valid"), datasets, num_samples):
+        if needed and (dataset is None or len(dataset) < needed):
+            have = 0 if dataset is None else len(dataset)
+            raise ValueError(f"data.data_path: the {name} split gives {have} samples, the run reads {needed} "
+                             f"(data.split={data.split!r}; an unweighted blend holds one epoch: give weights)")
+    return datasets
+
+
+def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, data) -> None:
+    """model.vocab_size below the tokenizer's would index past the embedding table: one-line error."""
+    if model_vocab_size < tokenizer_vocab_size:
+        source = data.vocab_file or data.tokenizer_model or data.tokenizer_type
+        raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer_vocab_size} entries in {source})")
 
 
 def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, dp_size: int,
@@ -96,7 +116,7 @@ def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, 
     return build_data_iterator(
         dataset, consumed_samples, config.train.micro_batch_size, dp_rank, dp_size,
         data.num_workers if num_workers is None else num_workers, eod_id, data.eod_mask_loss,
-        data.reset_position_ids, data.reset_attention_mask)
+        data.reset_position_ids, data.reset_attention_mask, data.add_extra_token_to_sequence)
 
 
 def param_dtype(precision: str) -> torch.dtype:

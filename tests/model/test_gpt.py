@@ -85,3 +85,24 @@ def test_reset_attention_mask_path_matches_causal_when_one_document():
     positions = torch.arange(8).expand(2, 8)
     causal = torch.tril(torch.ones(8, 8, dtype=torch.bool)).expand(2, 1, 8, 8)
     assert torch.allclose(model(tokens, positions, attention_mask=causal), model(tokens, positions), atol=1e-6)
+
+
+@pytest.mark.parametrize("style", [{}, LLAMA], ids=["gpt", "llama"])
+def test_reset_masks_make_documents_independent(style):
+    """With reset_attention_mask and reset_position_ids, the second document of a sequence gets exactly the
+    logits it gets alone: no attention across the EOD, positions restarted (learned and rotary)."""
+    from data.loader import get_batch_masks
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=50,
+                      hidden_dropout=0.0, attention_dropout=0.0, **style)
+    model = build(cfg)
+    eod = 0
+    first, second = torch.randint(1, 50, (1, 4)), torch.randint(1, 50, (1, 7))
+    tokens = torch.cat((first, torch.full((1, 1), eod), second), dim=1)  # [1, 12]: doc A + EOD, doc B
+    _, positions, mask = get_batch_masks(tokens, eod, False, True, True)
+    assert positions[0].tolist() == list(range(5)) + list(range(7))
+    together = model(tokens, positions, attention_mask=mask)[:, 5:]
+    alone = model(second, torch.arange(7).unsqueeze(0))
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    unmasked = model(tokens, torch.arange(12).unsqueeze(0))[:, 5:]
+    assert not torch.allclose(unmasked, alone, atol=1e-3)  # the masks are what makes them equal
