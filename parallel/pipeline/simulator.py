@@ -3,11 +3,13 @@
 Each rank executes its list in order; an action starts when the rank is free and its input is ready:
 the forward of virtual stage k needs the forward of stage k-1 (same micro-batch); the backward of stage k
 needs the backward of stage k+1 and this stage's own forward. Communication costs zero. Costs are per whole
-stage per micro-batch, so one of v chunks costs 1/v of it.
+stage per micro-batch, so one of v chunks costs 1/v of it; or `action_cost(pp_rank, action)` gives each
+action its own cost (the planner's per-chunk compute plus the synchronous send of its output).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from parallel.pipeline.schedules import Action, build_schedule, virtual_stage
 
@@ -51,11 +53,21 @@ def _dependencies(action: Action, stage: int, last_stage: int) -> list[tuple[str
 
 
 def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: int,
-                   forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """Simulate per-rank action lists; raises RuntimeError if the lists deadlock."""
+                   forward_cost: float = 1.0, backward_cost: float = 2.0,
+                   action_cost: Optional[Callable[[int, Action], float]] = None) -> Timeline:
+    """Simulate per-rank action lists; raises RuntimeError if the lists deadlock.
+
+    Without `action_cost` a forward costs forward_cost / vp and a backward backward_cost / vp. With it,
+    each action on pipeline rank r costs action_cost(r, action), and `ideal` is the busiest rank's total.
+    """
     p = len(lists)
     last_stage = p * vp_size - 1
     cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
+    custom = action_cost is not None
+    if not custom:
+        def action_cost(_rank: int, act: Action) -> float:
+            return cost[act.op]
+    busy = [0.0] * p
     finished: dict[tuple[str, int, int], float] = {}
     position = [0] * p
     free_at = [0.0] * p
@@ -71,7 +83,9 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
                 if any(d not in finished for d in deps):
                     break
                 start = max([free_at[r]] + [finished[d] for d in deps])
-                end = start + cost[action.op]
+                duration = action_cost(r, action)
+                end = start + duration
+                busy[r] += duration
                 finished[(action.op, action.microbatch, stage)] = end
                 events.append(Event(r, action, stage, start, end))
                 free_at[r] = end
@@ -81,8 +95,8 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
             stuck = {r: lists[r][position[r]] for r in range(p) if position[r] < len(lists[r])}
             raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
     makespan = max(e.end for e in events) if events else 0.0
-    return Timeline(events, p, vp_size, num_microbatches, makespan,
-                    num_microbatches * (forward_cost + backward_cost))
+    ideal = num_microbatches * (forward_cost + backward_cost) if not custom else max(busy)
+    return Timeline(events, p, vp_size, num_microbatches, makespan, ideal)
 
 
 def simulate(schedule: str, pp_size: int, num_microbatches: int, vp_size: int = 1,
