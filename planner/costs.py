@@ -4,8 +4,9 @@
   rises with the GEMM's size (hidden size, micro-batch, 1/tp) towards gemm_max.
 - Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
   materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
-- Collectives over a group with g members per node on k nodes: NVLink inside the node, each GPU's own
-  network card between nodes (hierarchical ring; the two phases pipeline, so the slower one counts).
+- Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
+  network card between nodes; the slower of the two carries the time, plus a latency per ring step when the
+  ring crosses nodes (so tensor parallelism beyond a node pays both).
 """
 from __future__ import annotations
 
@@ -53,12 +54,16 @@ class Hardware:
             return 0.0
         spec, eff = self.cluster, self.cluster.efficiency
         factor = 2.0 if kind == "all_reduce" else 1.0
-        g = max(1, min(per_node, group_size))
-        k = group_size // g
-        intra = factor * (g - 1) / g * nbytes / (spec.nvlink_one_way_gbs * eff.nvlink * 1e9) if g > 1 else 0.0
-        inter = (factor * (k - 1) / k * nbytes / g / (spec.network_gbs_per_gpu * eff.network * 1e9)
-                 if k > 1 else 0.0)
-        return max(intra, inter) + eff.latency_us * 1e-6
+        n = group_size
+        g = max(1, min(per_node, n))
+        k = n // g
+        # NCCL's ring: every GPU moves factor (n-1)/n of the buffer over NVLink; across nodes, the rings (one
+        # per network card, g of them) each cross every node boundary carrying factor (n-1)/n / g of it.
+        share = factor * (n - 1) / n * nbytes
+        intra = share / (spec.nvlink_one_way_gbs * eff.nvlink * 1e9) if g > 1 else 0.0
+        inter = share / g / (spec.network_gbs_per_gpu * eff.network * 1e9) if k > 1 else 0.0
+        steps = factor * (n - 1) if k > 1 else 1.0  # each ring step across nodes pays the network latency
+        return max(intra, inter) + steps * eff.latency_us * 1e-6
 
 
 def tp_per_node(tp_size: int, gpus_per_node: int) -> int:
