@@ -22,6 +22,7 @@ from planner.predict import predict
 from training.config import ConfigError, load_config
 from training.flops import flops_per_iteration
 
+FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {"gemm_max": (0.01, 1.0), "hbm": (0.01, 1.0), "gemm_half_flops": (1e3, 1e13)}
 
 
@@ -84,23 +85,25 @@ def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[fl
 def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool) -> ClusterSpec:
     """The cluster with constants exp(x) (clamped to BOUNDS); `tied` scales gemm_max and hbm together."""
     eff = cluster.efficiency
-    values = {k: min(BOUNDS[k][1], max(BOUNDS[k][0], math.exp(v))) for k, v in zip(keys, x)}
     if tied:
         scale = math.exp(x[0])
         values = {"gemm_max": min(1.0, eff.gemm_max * scale), "hbm": min(1.0, eff.hbm * scale)}
+    else:
+        values = {k: min(BOUNDS[k][1], max(BOUNDS[k][0], math.exp(v))) for k, v in zip(keys, x)}
     return dataclasses.replace(cluster, efficiency=dataclasses.replace(eff, **values))
 
 
 def fit(cluster: ClusterSpec, observations: list[Observation], iterations: int = 8,
-        progress: Callable[[str], None] | None = None) -> ClusterSpec:
+        progress: Callable[[str], None] | None = None, keys: tuple[str, ...] = FITTED) -> ClusterSpec:
     """The cluster with the efficiency constants that best explain the observations (Levenberg-Marquardt on
-    the log errors, finite-difference Jacobian: a few predictions of every observation per iteration)."""
+    the log errors, finite-difference Jacobian: a few predictions of every observation per iteration).
+    At most len(observations) of `keys` are fitted; one observation fits one scale of gemm_max and hbm."""
     import numpy as np
 
     if not observations:
         raise ValueError("calibration needs at least one observation")
     tied = len(observations) == 1
-    keys = ["scale"] if tied else ["gemm_max", "hbm", "gemm_half_flops"][:len(observations)]
+    keys = ["scale"] if tied else list(keys)[:len(observations)]
     x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in keys]
 
     def residuals(point: list[float]) -> np.ndarray:

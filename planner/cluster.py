@@ -22,8 +22,10 @@ class ClusterError(ValueError):
 class Efficiency:
     """Achieved fractions of the hardware peaks; what `--calibrate` fits.
 
-    GEMM efficiency of a matrix multiply of F FLOPs: gemm_max * F / (F + gemm_half_flops) (a fixed
-    per-kernel cost on top of a peak rate: small GEMMs run far below peak, large ones approach gemm_max).
+    GEMM efficiency of a matrix multiply of F FLOPs over R rows (tokens of the micro-batch):
+    gemm_max * F / (F + gemm_half_flops) * R / (R + gemm_half_rows): a fixed per-kernel cost on top of a peak
+    rate (small GEMMs, from a small hidden size or a large tp, run below peak), and short row counts (small
+    micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
     collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
@@ -32,6 +34,7 @@ class Efficiency:
 
     gemm_max: float = 0.75
     gemm_half_flops: float = 2.0e9
+    gemm_half_rows: float = 0.0
     hbm: float = 0.7
     nvlink: float = 0.75
     network: float = 0.8
@@ -39,12 +42,16 @@ class Efficiency:
     attention: str = "materialized"
 
     def validate(self, where: str) -> None:
+        for key in ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ClusterError(f"{where}: efficiency.{key}={value!r} must be a number (write 2.5e+10, not 2.5e10)")
         for key in ("gemm_max", "hbm", "nvlink", "network"):
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
-        if self.gemm_half_flops < 0 or self.latency_us < 0:
-            raise ClusterError(f"{where}: efficiency.gemm_half_flops and efficiency.latency_us must be >= 0")
+        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us) < 0:
+            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows and latency_us must be >= 0")
         if self.attention not in ("materialized", "flash"):
             raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
 

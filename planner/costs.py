@@ -1,7 +1,7 @@
 """Time of the pieces of one PTD-P iteration on one GPU, from FLOPs, bytes and the cluster's links.
 
-- GEMMs: F FLOPs take (F + gemm_half_flops) / (gemm_max * peak): the efficiency F / (F + half) * gemm_max
-  rises with the GEMM's size (hidden size, micro-batch, 1/tp) towards gemm_max.
+- GEMMs: F FLOPs over R rows (tokens) take (F + gemm_half_flops) / (gemm_max * R / (R + half_rows) * peak):
+  the efficiency rises with the GEMM's size (hidden size, micro-batch, 1/tp) and row count towards gemm_max.
 - Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
   materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
 - Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
@@ -30,10 +30,11 @@ class Hardware:
     def peak_flops(self) -> float:
         return 1e12 * (self.cluster.peak_tflops_fp32 if self.fp32 else self.cluster.peak_tflops)
 
-    def gemm_seconds(self, flops: float) -> float:
-        """One GEMM (or batched GEMM) of `flops` on the efficiency curve."""
+    def gemm_seconds(self, flops: float, rows: float) -> float:
+        """One GEMM (or batched GEMM) of `flops` over `rows` rows on the efficiency curve."""
         eff = self.cluster.efficiency
-        return (flops + eff.gemm_half_flops) / (eff.gemm_max * self.peak_flops)
+        row_share = rows / (rows + eff.gemm_half_rows)
+        return (flops + eff.gemm_half_flops) / (eff.gemm_max * row_share * self.peak_flops)
 
     def memory_seconds(self, nbytes: float) -> float:
         """A memory-bound kernel moving `nbytes` through HBM."""
@@ -105,13 +106,13 @@ def core_attention_seconds(shape: ActivationShape, hw: Hardware) -> float:
     s, b, t = shape.seq_length, shape.micro_batch, shape.tp_size
     flops = 2.0 * s * s * b * shape.hidden / t  # each of q k^T and (scores) v
     if hw.cluster.efficiency.attention == "flash":
-        return 2 * hw.gemm_seconds(flops)
+        return 2 * hw.gemm_seconds(flops, s * b)
     scores = shape.heads * s * s * b / t
     vb = shape.value_bytes
     softmax = 2 * vb * scores  # read scores, write probabilities (scale + mask + softmax fused)
     dropout = (2 * vb + shape.mask_bytes) * scores if shape.attention_dropout else 0.0
-    qk = max(hw.gemm_seconds(flops), hw.memory_seconds(vb * scores))  # writes the scores
-    pv = max(hw.gemm_seconds(flops), hw.memory_seconds(vb * scores))  # reads the probabilities
+    qk = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # writes the scores
+    pv = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # reads the probabilities
     return qk + pv + hw.memory_seconds(softmax + dropout)
 
 
@@ -130,7 +131,8 @@ def elementwise_bytes(shape: ActivationShape) -> float:
 
 def layer_times(shape: ActivationShape, model: Any, hw: Hardware, recompute: str) -> LayerTimes:
     """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer."""
-    gemm = sum(hw.gemm_seconds(f) for f in layer_gemm_flops(shape, model))
+    rows = shape.seq_length * shape.micro_batch
+    gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(shape, model))
     core = core_attention_seconds(shape, hw)
     other = hw.memory_seconds(elementwise_bytes(shape))
     forward = gemm + core + other
@@ -151,9 +153,9 @@ def head_times(shape: ActivationShape, model: Any, hw: Hardware, padded_vocab: i
     tokens = shape.seq_length * shape.micro_batch
     flops = 2.0 * tokens * shape.hidden * padded_vocab / shape.tp_size
     logits = 4.0 * tokens * padded_vocab / shape.tp_size  # fp32 logits
-    forward = hw.gemm_seconds(flops) + hw.memory_seconds(3 * logits + 4 * shape.value_bytes * tokens
-                                                         * shape.hidden)
-    backward = 2 * hw.gemm_seconds(flops) + hw.memory_seconds(2 * logits)
+    forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(3 * logits + 4 * shape.value_bytes * tokens
+                                                                 * shape.hidden)
+    backward = 2 * hw.gemm_seconds(flops, tokens) + hw.memory_seconds(2 * logits)
     return forward, backward
 
 

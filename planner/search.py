@@ -2,8 +2,9 @@
 
 Each candidate is checked by parallel.layout.build_layout (no layout rule is repeated here) and by the memory
 model (it must fit in the GPU's memory); the survivors are ranked by a first estimate (per-chunk costs with
-the bubble formula (p-1)/(v m)), and the best `simulate_top` of them are predicted in full (the simulator over
-the real action lists), which gives the final order. Sequence parallelism, the distributed optimizer and
+the bubble formula (p-1)/(v m)), and the best `simulate_top` of them, plus the config's own layout, are
+predicted in full (the simulator over the real action lists), which gives the final order (by time per
+iteration: TFLOP/s counts the recomputed forward as work, so it does not compare recompute modes). Sequence parallelism, the distributed optimizer and
 the precision are kept as the config has them.
 """
 from __future__ import annotations
@@ -97,12 +98,14 @@ def search(config: Any, cluster: ClusterSpec, world_size: int, simulate_top: int
             fitting.append((first_estimate(candidate, cluster, world_size), candidate))
     fitting.sort(key=lambda item: item[0])
     ranked = [predict(candidate, cluster, world_size) for _, candidate in fitting[:simulate_top]]
-    ranked = [p for p in ranked if p.fits]
-    ranked.sort(key=lambda p: p.iteration_seconds)
     try:
         reference = predict(config, cluster, world_size)
     except LayoutError:
         reference = None
+    if reference is not None and not any(_same_layout(reference, p) for p in ranked):
+        ranked.append(reference)  # the config's own layout always competes
+    ranked = [p for p in ranked if p.fits]
+    ranked.sort(key=lambda p: p.iteration_seconds)
     return SearchResult(ranked, reference, considered, len(fitting))
 
 

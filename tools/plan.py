@@ -119,7 +119,8 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
                               "considered": result.considered, "fitting": result.fitting}))
             return 0
         print(f"{result.considered} valid layouts, {result.fitting} fit in {cluster.memory_gib:.0f} GiB; "
-              f"the best {len(result.ranked)} by first estimate simulated in full:")
+              f"the best by first estimate and the config's own simulated in full, ranked by time per iteration "
+              f"(TF/GPU as the trainer counts it: full recompute's extra forward counts as work):")
         print("\n".join(format_ranking(result.ranked, args.top)))
         print(f"why: {reason}")
         return 0

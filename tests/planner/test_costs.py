@@ -48,10 +48,13 @@ def test_cluster_errors_name_the_key(tmp_path):
 
 
 def test_gemm_efficiency_curve():
-    hw = Hardware(a100(gemm_max=0.8, gemm_half_flops=1e10), fp32=False)
-    at_half = hw.gemm_seconds(1e10)
+    hw = Hardware(a100(gemm_max=0.8, gemm_half_flops=1e10, gemm_half_rows=0.0), fp32=False)
+    at_half = hw.gemm_seconds(1e10, 2048)
     assert 1e10 / at_half / 312e12 == pytest.approx(0.4)  # half of gemm_max at F = gemm_half_flops
-    assert 1e14 / hw.gemm_seconds(1e14) / 312e12 == pytest.approx(0.8, rel=1e-3)  # large GEMMs near gemm_max
+    assert 1e14 / hw.gemm_seconds(1e14, 2048) / 312e12 == pytest.approx(0.8, rel=1e-3)  # large GEMMs: gemm_max
+    rows = Hardware(a100(gemm_max=0.8, gemm_half_flops=0.0, gemm_half_rows=256.0), fp32=False)
+    assert 1e12 / rows.gemm_seconds(1e12, 256) / 312e12 == pytest.approx(0.4)  # half at gemm_half_rows rows
+    assert rows.gemm_seconds(2e12, 4096) < 2 * rows.gemm_seconds(1e12, 2048)  # a bigger micro-batch runs faster
 
 
 def test_memory_and_link_terms():
