@@ -91,3 +91,13 @@ def test_an_optimal_micro_batch_size_exists():
               for mb in (1, 2, 4, 8, 16)}
     best = max(tflops, key=tflops.get)
     assert best not in (1, 16) and tflops[best] > tflops[1] and tflops[best] > tflops[16]
+
+
+def test_simulator_takes_per_action_costs():
+    lists = [build_schedule("1f1b", 4, r, 8) for r in range(4)]
+    default = simulate_lists(lists, 1, 8, 1.0, 2.0)
+    same = simulate_lists(lists, 1, 8, action_cost=lambda r, a: 1.0 if a.op == "F" else 2.0)
+    assert same.makespan == default.makespan and same.ideal == default.ideal == 24.0
+    # a slow last stage (the loss head) stretches the whole pipeline, and `ideal` is the busiest rank
+    slow = simulate_lists(lists, 1, 8, action_cost=lambda r, a: (1.0 if a.op == "F" else 2.0) * (2 if r == 3 else 1))
+    assert slow.ideal == 48.0 and slow.makespan >= 48.0 + 3 * 3.0
