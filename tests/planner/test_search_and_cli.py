@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from planner import calibrate
+from tools.plan import main as plan_main
 from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import search, why_best_wins
@@ -19,8 +20,16 @@ A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
 
 def plan(*args):
+    """tools/plan.py as users run it (a new process)."""
     return subprocess.run([sys.executable, "tools/plan.py", "--cluster", A100, *args], cwd=REPO_ROOT,
                           capture_output=True, text=True)
+
+
+def plan_here(capsys, *args, cluster=A100):
+    """tools/plan.py's main in this process (no second torch import): (exit code, stdout, stderr)."""
+    code = plan_main(["--cluster", cluster, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_search_beats_or_equals_the_paper_layout_and_always_fits():
@@ -55,23 +64,23 @@ def test_cli_json_has_the_promised_keys():
     assert result["layout"]["dp"] == 32 and result["layout"]["num_microbatches"] == 16
 
 
-def test_cli_errors_name_the_value(tmp_path):
-    bad_layout = plan("--config", "configs/paper/gpt_18.4b.yaml", "--gpus", "100")
-    assert bad_layout.returncode == 2 and "world size 100" in bad_layout.stderr
-    bad_key = plan("--config", "configs/paper/gpt_18.4b.yaml", "--gpus", "256", "parallel.tp_sise=4")
-    assert bad_key.returncode == 2 and "parallel.tp_size" in bad_key.stderr
+def test_cli_errors_name_the_value(tmp_path, capsys):
+    config = os.path.join(REPO_ROOT, "configs", "paper", "gpt_18.4b.yaml")
+    code, _, err = plan_here(capsys, "--config", config, "--gpus", "100")
+    assert code == 2 and "world size 100" in err
+    code, _, err = plan_here(capsys, "--config", config, "--gpus", "256", "parallel.tp_sise=4")
+    assert code == 2 and "parallel.tp_size" in err
     cluster = tmp_path / "c.yaml"
     cluster.write_text(open(A100).read().replace("hbm_gbs:", "hbm_gb:"))
-    bad_cluster = subprocess.run([sys.executable, "tools/plan.py", "--cluster", str(cluster), "--config",
-                                  "configs/paper/gpt_18.4b.yaml", "--gpus", "256"], cwd=REPO_ROOT,
-                                 capture_output=True, text=True)
-    assert bad_cluster.returncode == 2 and "unknown key gpu.hbm_gb" in bad_cluster.stderr
+    code, _, err = plan_here(capsys, "--config", config, "--gpus", "256", cluster=str(cluster))
+    assert code == 2 and "unknown key gpu.hbm_gb" in err
 
 
-def test_cli_plots_three_pngs(tmp_path):
-    out = plan("--config", "configs/paper/gpt_3.6b.yaml", "--gpus", "16", "parallel.tp_size=2",
-               "parallel.pp_size=2", "train.global_batch_size=64", "--plot", str(tmp_path))
-    assert out.returncode == 0, out.stderr
+def test_cli_plots_three_pngs(tmp_path, capsys):
+    code, _, err = plan_here(capsys, "--config", os.path.join(REPO_ROOT, "configs", "paper", "gpt_3.6b.yaml"),
+                             "--gpus", "16", "parallel.tp_size=2", "parallel.pp_size=2",
+                             "train.global_batch_size=64", "--plot", str(tmp_path))
+    assert code == 0, err
     for name in ("tp_vs_pp.png", "microbatch.png", "interleaving.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -92,7 +101,7 @@ def write_run(run_dir, config, world, seconds):
         handle.write(json.dumps({"iteration": 40, "val_loss": 4.0}) + "\n")
 
 
-def test_calibration_recovers_the_constants_of_a_run(tmp_path):
+def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
     cluster = load_cluster(A100)
     truth = cluster.with_efficiency(gemm_max=0.5, hbm=0.4)
     runs = []
@@ -109,12 +118,12 @@ def test_calibration_recovers_the_constants_of_a_run(tmp_path):
     fitted = calibrate.fit(cluster, observations, keys=("gemm_max", "hbm"))
     after = calibrate.error_table(fitted, observations)
     assert max(abs(r[3]) for r in before) > 0.2 and max(abs(r[3]) for r in after) < 0.01
-    out = plan("--calibrate", runs[0], "--output", str(tmp_path / "fitted.yaml"))
-    assert out.returncode == 0, out.stderr
-    assert "model error after the fit: at most" in out.stdout
+    code, out, err = plan_here(capsys, "--calibrate", runs[0], "--output", str(tmp_path / "fitted.yaml"))
+    assert code == 0, err
+    assert "model error after the fit: at most" in out
     assert load_cluster(str(tmp_path / "fitted.yaml")).efficiency.gemm_max < cluster.efficiency.gemm_max
 
 
-def test_calibrate_rejects_a_folder_without_metrics(tmp_path):
-    out = plan("--calibrate", str(tmp_path))
-    assert out.returncode == 2 and "config.yaml does not exist" in out.stderr
+def test_calibrate_rejects_a_folder_without_metrics(tmp_path, capsys):
+    code, _, err = plan_here(capsys, "--calibrate", str(tmp_path))
+    assert code == 2 and "config.yaml does not exist" in err
