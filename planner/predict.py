@@ -15,7 +15,8 @@ from typing import Any
 
 from parallel.layout import Layout, build_layout
 from parallel.pipeline.p2p import produced_message
-from parallel.pipeline.schedules import Action, build_schedule, virtual_stage
+from parallel.pipeline.schedules import Action, build_schedule
+from parallel.pipeline.stages import virtual_stage
 from parallel.pipeline.simulator import simulate_lists
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
