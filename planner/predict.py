@@ -201,5 +201,6 @@ def _rank_parts(config: Any, layout: Layout, hw: Hardware, costs: _Costs, action
         embedding_bytes = 4.0 * model.padded_vocab_size(layout.tp_size) // layout.tp_size * model.hidden_size
         dp_comm += hw.collective_seconds("all_reduce", embedding_bytes, 2, 1)
     optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw)
-    return {"compute": compute, "bubble": end - (compute + tp_comm + pp_comm), "tp_comm": tp_comm,
+    bubble = max(0.0, end - (compute + tp_comm + pp_comm))  # rounding can leave -1e-16 on one stage
+    return {"compute": compute, "bubble": bubble, "tp_comm": tp_comm,
             "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": optimizer}
