@@ -17,6 +17,8 @@ from parallel.layout import layout_from_config  # noqa: E402
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles  # noqa: E402
 from parallel.state import ParallelState, rank_of  # noqa: E402
 from parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from planner.activations import layer_activation_bytes, shape_from_config  # noqa: E402
+from planner.memory import state_bytes_per_param  # noqa: E402
 from training.config import Config, ConfigError, load_config  # noqa: E402
 from training.flops import flops_per_iteration  # noqa: E402
 
@@ -51,28 +53,18 @@ def total_parameters(config: Config) -> int:
 
 
 def activation_bytes_per_layer(config: Config) -> float:
-    """Activation memory of one layer for one micro-batch (Korthikanti et al. 2022, 16-bit activations)."""
-    m, par = config.model, config.parallel
-    s, b, h, a, t = m.seq_length, config.train.micro_batch_size, m.hidden_size, m.num_attention_heads, par.tp_size
-    if config.train.recompute == "full":
-        return 2.0 * s * b * h / (t if par.sequence_parallel else 1)  # only the layer input is kept
-    attention_scores = 0.0 if config.train.recompute == "selective" else 5.0 * a * s / (h * t)
-    if par.sequence_parallel:
-        return s * b * h * (34.0 / t + attention_scores)
-    return s * b * h * (10.0 + 24.0 / t + attention_scores)
+    """Activation memory of one layer for one micro-batch (Korthikanti et al. 2022; planner/activations.py)."""
+    shape = shape_from_config(config.model, config.parallel, config.train)
+    return layer_activation_bytes(shape, config.train.recompute)
 
 
 def memory_estimate(config: Config, params_on_rank: int, layers_on_rank: int, dp_size: int) -> dict:
     """Bytes on the busiest rank (pipeline stage 0 holds p micro-batches in flight under 1f1b)."""
-    precision, par = config.train.precision, config.parallel
-    weight_bytes = 4 if precision == "fp32" else 2
-    if precision == "fp32":
-        state_bytes = (4 + 8 / dp_size) if par.distributed_optimizer else 12  # grads + Adam moments
-    else:
-        state_bytes = (4 + 12 / dp_size) if par.distributed_optimizer else 16  # fp32 grads, master, moments
+    par = config.parallel
+    per_param = sum(state_bytes_per_param(config.train.precision, par.distributed_optimizer, dp_size).values())
     in_flight = par.pp_size if par.pp_size > 1 else 1
     activations = activation_bytes_per_layer(config) * layers_on_rank * in_flight
-    return {"weights_and_optimizer": params_on_rank * (weight_bytes + state_bytes), "activations": activations}
+    return {"weights_and_optimizer": params_on_rank * per_param, "activations": activations}
 
 
 def report(config: Config, dp_size: int) -> list[str]:

@@ -4,11 +4,13 @@ Each rank executes its list in order; an action starts when the rank is free and
 arrived. Which message an action needs and which it produces are p2p.py's rules (`needed_message`,
 `produced_message`), the same the executor's communication plan follows; a backward's own forward ran
 earlier on the same rank. Communication costs zero. Costs are per whole stage per micro-batch, so one of v
-chunks costs 1/v of it.
+chunks costs 1/v of it; or `action_cost(pp_rank, action)` gives each action its own cost (the planner's
+per-chunk compute plus the synchronous send of its output).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from parallel.pipeline.p2p import Message, Step, needed_message, plan_steps, produced_message
 from parallel.pipeline.plan import steps_needing_own_batch
@@ -45,10 +47,20 @@ class Timeline:
 
 
 def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: int,
-                   forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """Simulate per-rank action lists; raises RuntimeError if the lists deadlock."""
+                   forward_cost: float = 1.0, backward_cost: float = 2.0,
+                   action_cost: Optional[Callable[[int, Action], float]] = None) -> Timeline:
+    """Simulate per-rank action lists; raises RuntimeError if the lists deadlock.
+
+    Without `action_cost` a forward costs forward_cost / vp and a backward backward_cost / vp. With it,
+    each action on pipeline rank r costs action_cost(r, action), and `ideal` is the busiest rank's total.
+    """
     p = len(lists)
     cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
+    custom = action_cost is not None
+    if not custom:
+        def action_cost(_rank: int, act: Action) -> float:
+            return cost[act.op]
+    busy = [0.0] * p
     arrived: dict[Message, float] = {}  # message -> time it is available at its destination
     position = [0] * p
     free_at = [0.0] * p
@@ -63,7 +75,9 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
                 if need is not None and need[1] not in arrived:
                     break
                 start = max(free_at[r], arrived[need[1]] if need is not None else 0.0)
-                end = start + cost[action.op]
+                duration = action_cost(r, action)
+                end = start + duration
+                busy[r] += duration
                 out = produced_message(action, r, p, vp_size)
                 if out is not None:
                     arrived[out[1]] = end
@@ -75,8 +89,8 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
             stuck = {r: lists[r][position[r]] for r in range(p) if position[r] < len(lists[r])}
             raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
     makespan = max(e.end for e in events) if events else 0.0
-    return Timeline(events, p, vp_size, num_microbatches, makespan,
-                    num_microbatches * (forward_cost + backward_cost))
+    ideal = max(busy) if custom else num_microbatches * (forward_cost + backward_cost)
+    return Timeline(events, p, vp_size, num_microbatches, makespan, ideal)
 
 
 def simulate(schedule: str, pp_size: int, num_microbatches: int, vp_size: int = 1,

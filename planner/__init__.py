@@ -1,0 +1,12 @@
+"""Throughput and memory planner for PTD-P layouts (tools/plan.py is its command line).
+
+- `cluster`: cluster specs (GPU, node, network, calibrated efficiency constants) from configs/clusters/*.yaml.
+- `model_size`: parameters per layer, embedding and head on one tp rank, from the model section.
+- `activations`: activation bytes per layer (the paper's and Korthikanti et al.'s formulas).
+- `memory`: bytes per GPU: params, grads, optimizer state, in-flight activations from the schedule lists.
+- `costs`: time of one layer chunk (GEMMs on an efficiency curve, memory-bound kernels, tp collectives),
+  pipeline messages, data-parallel reduction and the optimizer step.
+- `predict`: one layout -> iteration time, TFLOP/s per GPU, memory and breakdown; the pipeline part is the
+  schedule simulator (parallel/pipeline/simulator.py) run over the real action lists with these costs.
+- `search`, `calibrate`, `plots`: ranking layouts, fitting the efficiency constants to runs, the sweeps.
+"""

@@ -1,0 +1,152 @@
+"""Cluster specs: one GPU kind, nodes of `gpus_per_node`, NVLink inside a node and InfiniBand between nodes,
+plus the efficiency constants the cost model uses (calibrated, see planner/calibrate.py).
+
+A spec is a YAML file (configs/clusters/*.yaml) read strictly: an unknown or missing key is an error that
+names the file and the key. Bandwidths are in GB/s (10^9 bytes), peak in TFLOP/s (10^12), memory in GiB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ClusterError(ValueError):
+    """A bad cluster spec: the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of the hardware peaks; what `--calibrate` fits.
+
+    GEMM efficiency of a matrix multiply of F FLOPs over R rows (tokens of the micro-batch):
+    gemm_max * F / (F + gemm_half_flops) * R / (R + gemm_half_rows): a fixed per-kernel cost on top of a peak
+    rate (small GEMMs, from a small hidden size or a large tp, run below peak), and short row counts (small
+    micro-batches) filling the GPU's tiles less well.
+    Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
+    collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
+    `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
+    (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
+    """
+
+    gemm_max: float = 0.75
+    gemm_half_flops: float = 2.0e9
+    gemm_half_rows: float = 0.0
+    hbm: float = 0.7
+    nvlink: float = 0.75
+    network: float = 0.8
+    latency_us: float = 10.0
+    attention: str = "materialized"
+
+    def validate(self, where: str) -> None:
+        for key in ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ClusterError(f"{where}: efficiency.{key}={value!r} must be a number (write 2.5e+10, not 2.5e10)")
+        for key in ("gemm_max", "hbm", "nvlink", "network"):
+            value = getattr(self, key)
+            if not 0.0 < value <= 1.0:
+                raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
+        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us) < 0:
+            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows and latency_us must be >= 0")
+        if self.attention not in ("materialized", "flash"):
+            raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One homogeneous cluster: per-GPU peaks, node size and links (per GPU, one direction)."""
+
+    name: str
+    peak_tflops: float  # dense 16-bit tensor-core peak per GPU (fp32 runs use peak_tflops_fp32)
+    peak_tflops_fp32: float
+    memory_gib: float
+    hbm_gbs: float
+    gpus_per_node: int
+    nvlink_gbs: float  # NVLink per GPU, both directions together (as vendors quote it)
+    network_gbs_per_gpu: float  # inter-node bandwidth per GPU, one direction (8 x 200 Gb/s per 8 GPUs = 25)
+    memory_allowance_gib: float = 3.0  # CUDA context, NCCL buffers, allocator fragmentation
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    calibration: str = ""  # where the efficiency constants come from
+
+    @property
+    def nvlink_one_way_gbs(self) -> float:
+        return self.nvlink_gbs / 2.0
+
+    def with_efficiency(self, **changes: Any) -> "ClusterSpec":
+        """The same cluster with some efficiency constants replaced."""
+        return dataclasses.replace(self, efficiency=dataclasses.replace(self.efficiency, **changes))
+
+
+def _strict(section: dict, known: list[str], where: str, prefix: str) -> None:
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+            raise ClusterError(f"{where}: unknown key {prefix}{key}{hint}")
+
+
+def _number(section: dict, key: str, where: str, prefix: str) -> float:
+    if key not in section:
+        raise ClusterError(f"{where}: missing key {prefix}{key}")
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ClusterError(f"{where}: {prefix}{key}={value!r} must be a positive number")
+    return float(value)
+
+
+def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
+    """Build a ClusterSpec from the YAML layout (name, gpu, node, network, efficiency, calibration)."""
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{where} must hold a mapping")
+    _strict(raw, ["name", "gpu", "node", "network", "efficiency", "calibration"], where, "")
+    sections = {}
+    for name in ("gpu", "node", "network"):
+        sections[name] = raw.get(name)
+        if not isinstance(sections[name], dict):
+            raise ClusterError(f"{where}: section {name} is missing or not a mapping")
+    gpu, node, network = sections["gpu"], sections["node"], sections["network"]
+    _strict(gpu, ["model", "peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "hbm_gbs"], where, "gpu.")
+    _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib"], where, "node.")
+    _strict(network, ["links_per_node", "link_gbps"], where, "network.")
+    gpus = node.get("gpus")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ClusterError(f"{where}: node.gpus={gpus!r} must be a positive integer")
+    network_gbs = (_number(network, "links_per_node", where, "network.")
+                   * _number(network, "link_gbps", where, "network.") / 8.0 / gpus)
+    eff_raw = raw.get("efficiency") or {}
+    known = [f.name for f in dataclasses.fields(Efficiency)]
+    _strict(eff_raw, known, where, "efficiency.")
+    efficiency = Efficiency(**eff_raw)
+    efficiency.validate(where)
+    return ClusterSpec(
+        name=str(raw.get("name", where)), peak_tflops=_number(gpu, "peak_tflops_bf16", where, "gpu."),
+        peak_tflops_fp32=_number(gpu, "peak_tflops_fp32", where, "gpu."),
+        memory_gib=_number(gpu, "memory_gib", where, "gpu."), hbm_gbs=_number(gpu, "hbm_gbs", where, "gpu."),
+        gpus_per_node=gpus, nvlink_gbs=_number(node, "nvlink_gbs", where, "node."),
+        network_gbs_per_gpu=network_gbs,
+        memory_allowance_gib=float(node.get("memory_allowance_gib", 3.0)),
+        efficiency=efficiency, calibration=str(raw.get("calibration", "")))
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    """Read and check a cluster YAML file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except OSError as err:
+        raise ClusterError(f"cannot read cluster file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ClusterError(f"cluster file {path} is not valid YAML: {err}") from None
+    try:
+        return cluster_from_dict(raw, path)
+    except TypeError as err:  # a wrong value type inside efficiency
+        raise ClusterError(f"{path}: {err}") from None
+
+
+def efficiency_yaml(efficiency: Efficiency) -> str:
+    """The `efficiency:` section of a cluster file holding these constants."""
+    return yaml.safe_dump({"efficiency": dataclasses.asdict(efficiency)}, sort_keys=False)

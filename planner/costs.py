@@ -1,0 +1,182 @@
+"""Time of the pieces of one PTD-P iteration on one GPU, from FLOPs, bytes and the cluster's links.
+
+- GEMMs: F FLOPs over R rows (tokens) take (F + gemm_half_flops) / (gemm_max * R / (R + half_rows) * peak):
+  the efficiency rises with the GEMM's size (hidden size, micro-batch, 1/tp) and row count towards gemm_max.
+- Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
+  materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
+- Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
+  network card between nodes; the slower of the two carries the time, plus a latency per ring step when the
+  ring crosses nodes (so tensor parallelism beyond a node pays both).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner.activations import ActivationShape
+from planner.cluster import ClusterSpec
+from planner.model_size import fc1_width, qkv_width
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster seen by one run: peak for its precision plus the spec."""
+
+    cluster: ClusterSpec
+    fp32: bool
+
+    @property
+    def peak_flops(self) -> float:
+        return 1e12 * (self.cluster.peak_tflops_fp32 if self.fp32 else self.cluster.peak_tflops)
+
+    def gemm_seconds(self, flops: float, rows: float) -> float:
+        """One GEMM (or batched GEMM) of `flops` over `rows` rows on the efficiency curve."""
+        eff = self.cluster.efficiency
+        row_share = rows / (rows + eff.gemm_half_rows)
+        return (flops + eff.gemm_half_flops) / (eff.gemm_max * row_share * self.peak_flops)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """A memory-bound kernel moving `nbytes` through HBM."""
+        return nbytes / (self.cluster.efficiency.hbm * self.cluster.hbm_gbs * 1e9)
+
+    def link_seconds(self, nbytes: float, inter_node: bool) -> float:
+        """One point-to-point transfer from this GPU."""
+        if nbytes <= 0:
+            return 0.0
+        spec, eff = self.cluster, self.cluster.efficiency
+        rate = (spec.network_gbs_per_gpu * eff.network if inter_node else spec.nvlink_one_way_gbs * eff.nvlink)
+        return nbytes / (rate * 1e9) + eff.latency_us * 1e-6
+
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int, per_node: int) -> float:
+        """all_reduce, reduce_scatter or all_gather of `nbytes` (the full buffer) over `group_size` GPUs,
+        `per_node` of them in each node."""
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        spec, eff = self.cluster, self.cluster.efficiency
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        n = group_size
+        g = max(1, min(per_node, n))
+        k = n // g
+        # NCCL's ring: every GPU moves factor (n-1)/n of the buffer over NVLink; across nodes, the rings (one
+        # per network card, g of them) each cross every node boundary carrying factor (n-1)/n / g of it.
+        share = factor * (n - 1) / n * nbytes
+        intra = share / (spec.nvlink_one_way_gbs * eff.nvlink * 1e9) if g > 1 else 0.0
+        inter = share / g / (spec.network_gbs_per_gpu * eff.network * 1e9) if k > 1 else 0.0
+        steps = factor * (n - 1) if k > 1 else 1.0  # each ring step across nodes pays the network latency
+        return max(intra, inter) + steps * eff.latency_us * 1e-6
+
+
+def tp_per_node(tp_size: int, gpus_per_node: int) -> int:
+    """Members of a tp group (consecutive ranks) that share a node."""
+    return math.gcd(tp_size, gpus_per_node)
+
+
+def dp_per_node(tp_size: int, dp_size: int, gpus_per_node: int) -> int:
+    """Members of a dp group (ranks tp apart) that share a node."""
+    return max(1, min(dp_size, gpus_per_node // tp_size)) if tp_size < gpus_per_node else 1
+
+
+def pipeline_crosses_nodes(tp_size: int, dp_size: int, pp_size: int, gpus_per_node: int) -> bool:
+    """Whether pipeline neighbours (ranks tp*dp apart) sit on different nodes."""
+    return tp_size * dp_size * pp_size > gpus_per_node
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of one transformer layer for one micro-batch on one GPU."""
+
+    forward: float  # compute
+    backward: float  # compute, recomputation included
+    recompute: float  # the part of `backward` that re-runs the forward
+    tp_forward: float  # tensor-parallel collectives
+    tp_backward: float
+
+
+def layer_gemm_flops(shape: ActivationShape, model: Any) -> list[float]:
+    """Forward FLOPs of the four weight GEMMs of one layer on one tp rank."""
+    tokens = shape.seq_length * shape.micro_batch
+    h, t = shape.hidden, shape.tp_size
+    return [2.0 * tokens * h * qkv_width(model) / t, 2.0 * tokens * h * h / t,
+            2.0 * tokens * h * fc1_width(model) / t, 2.0 * tokens * shape.ffn * h / t]
+
+
+def core_attention_seconds(shape: ActivationShape, hw: Hardware) -> float:
+    """Forward of softmax(q k^T) v: two batched GEMMs plus, when materialised, softmax and dropout in HBM."""
+    s, b, t = shape.seq_length, shape.micro_batch, shape.tp_size
+    flops = 2.0 * s * s * b * shape.hidden / t  # each of q k^T and (scores) v
+    if hw.cluster.efficiency.attention == "flash":
+        return 2 * hw.gemm_seconds(flops, s * b)
+    scores = shape.heads * s * s * b / t
+    vb = shape.value_bytes
+    softmax = 2 * vb * scores  # read scores, write probabilities (scale + mask + softmax fused)
+    dropout = (2 * vb + shape.mask_bytes) * scores if shape.attention_dropout else 0.0
+    qk = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # writes the scores
+    pv = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # reads the probabilities
+    return qk + pv + hw.memory_seconds(softmax + dropout)
+
+
+def elementwise_bytes(shape: ActivationShape) -> float:
+    """HBM bytes of the fused memory-bound kernels of one layer's forward (norms, bias+dropout+residual,
+    GeLU/SwiGLU); the norms and residual work on the full [s, b, h] unless sequence parallel."""
+    sbh = shape.seq_length * shape.micro_batch * shape.hidden
+    vb, mask = shape.value_bytes, (shape.mask_bytes if shape.hidden_dropout else 0)
+    split = shape.tp_size if shape.sequence_parallel else 1
+    norms = 2 * (2 * vb * sbh)  # read x, write norm(x)
+    residual = 2 * ((3 * vb + mask) * sbh)  # read y and x, write x + drop(y), write mask
+    ffn_tokens = shape.seq_length * shape.micro_batch * shape.ffn / shape.tp_size
+    activation = (3 if shape.swiglu else 2) * vb * ffn_tokens
+    return (norms + residual) / split + activation
+
+
+def layer_times(shape: ActivationShape, model: Any, hw: Hardware, recompute: str) -> LayerTimes:
+    """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer."""
+    rows = shape.seq_length * shape.micro_batch
+    gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(shape, model))
+    core = core_attention_seconds(shape, hw)
+    other = hw.memory_seconds(elementwise_bytes(shape))
+    forward = gemm + core + other
+    backward = 2 * forward
+    recomputed = forward if recompute == "full" else core if recompute == "selective" else 0.0
+    # tp: 2 all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) each way
+    t = shape.tp_size
+    per_node = tp_per_node(t, hw.cluster.gpus_per_node)
+    one = hw.collective_seconds("all_reduce", shape.seq_length * shape.micro_batch * shape.hidden
+                                * shape.value_bytes, t, per_node)
+    tp_forward = 2 * one
+    tp_backward = 2 * one + (tp_forward if recompute == "full" else 0.0)
+    return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward)
+
+
+def head_times(shape: ActivationShape, model: Any, hw: Hardware, padded_vocab: int) -> tuple[float, float]:
+    """(forward, backward) seconds of final norm + output layer + vocab-parallel cross entropy."""
+    tokens = shape.seq_length * shape.micro_batch
+    flops = 2.0 * tokens * shape.hidden * padded_vocab / shape.tp_size
+    logits = 4.0 * tokens * padded_vocab / shape.tp_size  # fp32 logits
+    forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(3 * logits + 4 * shape.value_bytes * tokens
+                                                                 * shape.hidden)
+    backward = 2 * hw.gemm_seconds(flops, tokens) + hw.memory_seconds(2 * logits)
+    return forward, backward
+
+
+def p2p_seconds(shape: ActivationShape, hw: Hardware, inter_node: bool, scatter_gather: bool) -> float:
+    """Sending one activation (or its gradient) [s, b, h] to the next stage, synchronously.
+
+    Sequence parallelism sends each rank's [s/t, b, h] shard. Scatter/gather (paper §4.1) sends 1/tp of the
+    replicated tensor per rank and all-gathers it over NVLink on the receiving stage.
+    """
+    nbytes = shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes
+    t = shape.tp_size
+    if shape.sequence_parallel:
+        return hw.link_seconds(nbytes / t, inter_node)
+    if scatter_gather and t > 1:
+        gather = hw.collective_seconds("all_gather", nbytes, t, tp_per_node(t, hw.cluster.gpus_per_node))
+        return hw.link_seconds(nbytes / t, inter_node) + gather
+    return hw.link_seconds(nbytes, inter_node)
+
+
+def optimizer_seconds(params_local: int, dp_size: int, distributed: bool, hw: Hardware) -> float:
+    """AdamW on the fp32 masters (read grad, master, moments; write master, moments: 28 B per element of
+    the rank's shard) plus the grad-norm read and the 16-bit copy-back over all local params (6 B)."""
+    shard = params_local / dp_size if distributed else params_local
+    return hw.memory_seconds(28.0 * shard + 6.0 * params_local)

@@ -1,0 +1,113 @@
+"""Bytes per GPU of a layout: model state by precision and optimizer, activations of the in-flight
+micro-batches as the schedule lists hold them, the recomputation working set and a stated allowance.
+
+Model state per parameter (what training/optimizer.py and parallel/data_parallel.py allocate, measured in
+docs/performance.md "Optimizer memory"): weights in the param dtype (4 B fp32, 2 B bf16/fp16), fp32 main
+grads (4 B), and the optimizer: fp32 plain keeps only the two Adam moments (8 B; the fp32 params are their own
+masters), bf16/fp16 plain fp32 masters + moments (12 B), the distributed optimizer 12/dp B in every precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+from typing import Any
+
+from parallel.pipeline.schedules import Action, build_schedule
+from planner.activations import (ActivationShape, attention_score_bytes, embedding_activation_bytes,
+                                 head_activation_bytes, layer_activation_bytes)
+from planner.model_size import rank_params
+
+GIB = 2.0 ** 30
+
+
+def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp_size: int) -> dict[str, float]:
+    """{"weights", "grads", "optimizer"} bytes per parameter."""
+    weights = 4.0 if precision == "fp32" else 2.0
+    if distributed_optimizer:
+        optimizer = 12.0 / dp_size
+    else:
+        optimizer = 8.0 if precision == "fp32" else 12.0
+    return {"weights": weights, "grads": 4.0, "optimizer": optimizer}
+
+
+def peak_in_flight_bytes(actions: list[Action], chunk_bytes: list[float]) -> float:
+    """Largest sum of chunk_bytes[chunk] over the (micro-batch, chunk) forwards whose backward has not run.
+
+    This is the bound the executor measures (ScheduleResult.max_in_flight), weighted by what each chunk keeps.
+    """
+    live = peak = 0.0
+    for action in actions:
+        if action.op == "F":
+            live += chunk_bytes[action.chunk]
+            peak = max(peak, live)
+        else:
+            live -= chunk_bytes[action.chunk]
+    return peak
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Largest number of (micro-batch, chunk) forwards awaiting their backward."""
+    return int(peak_in_flight_bytes(actions, [1.0] * (max(a.chunk for a in actions) + 1)))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU (the busiest pipeline rank)."""
+
+    pp_rank: int
+    params: int  # parameters held by this rank
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # kept for the in-flight micro-batches
+    working_set: float  # transient: one layer's recomputed intermediates or the logits' gradient
+    allowance: float  # CUDA context, communication buffers, fragmentation (the cluster spec's figure)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.working_set
+                + self.allowance)
+
+    def as_gib(self) -> dict[str, float]:
+        fields = {k: v for k, v in asdict(self).items() if k not in ("pp_rank", "params")}
+        return {**{k: v / GIB for k, v in fields.items()}, "total": self.total / GIB}
+
+
+def rank_memory(model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape,
+                pp_rank: int, allowance_bytes: float) -> MemoryEstimate:
+    """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout)."""
+    p, v = layout.pp_size, layout.vp_size
+    params = rank_params(model, layout.tp_size, p, v, pp_rank)
+    state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size)
+    recompute = train.recompute
+    layers_per_chunk = model.num_layers // (p * v)
+    per_layer = layer_activation_bytes(shape, recompute)
+    chunk_bytes = [layers_per_chunk * per_layer] * v
+    head = head_activation_bytes(shape, model.padded_vocab_size(layout.tp_size))
+    holds_head = pp_rank == p - 1
+    if pp_rank == 0:
+        chunk_bytes[0] += embedding_activation_bytes(shape)
+    if holds_head:
+        chunk_bytes[v - 1] += head
+    actions = build_schedule(layout.schedule, p, pp_rank, layout.num_microbatches, v)
+    activations = peak_in_flight_bytes(actions, chunk_bytes)
+    if recompute == "full":
+        working = layer_activation_bytes(shape, "none")
+    elif recompute == "selective":
+        working = attention_score_bytes(shape)
+    else:
+        working = 0.0
+    if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
+        working = max(working, 4.0 * shape.seq_length * shape.micro_batch
+                      * model.padded_vocab_size(layout.tp_size) / layout.tp_size)
+    return MemoryEstimate(pp_rank, params, params * state["weights"], params * state["grads"],
+                          params * state["optimizer"], activations, working, allowance_bytes)
+
+
+def layout_memory(model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape,
+                  allowance_bytes: float) -> MemoryEstimate:
+    """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the last
+    rank the output layer and the logits; the ranks between hold less than rank 0."""
+    ranks = {0, layout.pp_size - 1}
+    estimates = [rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes)
+                 for r in sorted(ranks)]
+    return max(estimates, key=lambda e: e.total)

@@ -1,0 +1,145 @@
+"""Rank every valid PTD-P layout of a model on a cluster: (tp, pp, vp, dp, micro-batch, recompute).
+
+Each candidate is checked by parallel.layout.build_layout (no layout rule is repeated here) and by the memory
+model (it must fit in the GPU's memory); the survivors are ranked by a first estimate (per-chunk costs with
+the bubble formula (p-1)/(v m)), and the best `simulate_top` of them, plus the config's own layout, are
+predicted in full (the simulator over the real action lists), which gives the final order (by time per
+iteration: TFLOP/s counts the recomputed forward as work, so it does not compare recompute modes). Sequence parallelism, the distributed optimizer and
+the precision are kept as the config has them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from parallel.layout import LayoutError, build_layout
+from planner.activations import shape_from_config
+from planner.cluster import ClusterSpec
+from planner.costs import Hardware, layer_times
+from planner.memory import GIB, layout_memory
+from planner.predict import Prediction, predict
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class SearchResult:
+    """The ranked predictions and what was searched."""
+
+    ranked: list[Prediction]
+    reference: Prediction | None  # the config's own layout, when valid
+    considered: int  # valid layouts
+    fitting: int  # of which fit in memory
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def with_layout(config: Any, tp: int, pp: int, vp: int, micro_batch: int, recompute: str) -> Any:
+    """A copy of `config` with another layout, micro-batch and recomputation."""
+    schedule = config.parallel.schedule
+    if vp > 1:
+        schedule = "interleaved"
+    elif schedule == "interleaved":
+        schedule = "1f1b"
+    parallel = dataclasses.replace(config.parallel, tp_size=tp, pp_size=pp, vp_size=vp, schedule=schedule)
+    train = dataclasses.replace(config.train, micro_batch_size=micro_batch, recompute=recompute)
+    return dataclasses.replace(config, parallel=parallel, train=train)
+
+
+def candidate_configs(config: Any, world_size: int, max_vp: int = 8,
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Iterator[Any]:
+    """Every (tp, pp, vp, micro-batch, recompute) combination whose layout is valid."""
+    layers = config.model.num_layers
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            if layers % pp:
+                continue
+            for vp in (v for v in _divisors(layers // pp) if v <= max_vp and (v == 1 or pp > 1)):
+                for mb in micro_batches:
+                    for recompute in RECOMPUTE_MODES:
+                        candidate = with_layout(config, tp, pp, vp, mb, recompute)
+                        try:
+                            build_layout(candidate.model, candidate.parallel, candidate.train, world_size)
+                        except LayoutError:
+                            continue
+                        yield candidate
+
+
+def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
+    """Seconds per iteration from per-layer costs and the bubble formula (only to order the candidates)."""
+    model, par, train = config.model, config.parallel, config.train
+    layout = build_layout(model, par, train, world_size)
+    shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
+    layer = layer_times(shape, model, Hardware(cluster, train.precision == "fp32"), train.recompute)
+    per_microbatch = (model.num_layers // layout.pp_size) * (layer.forward + layer.backward + layer.tp_forward
+                                                            + layer.tp_backward)
+    bubble = (layout.pp_size - 1) / (layout.vp_size * layout.num_microbatches)
+    return layout.num_microbatches * per_microbatch * (1.0 + bubble)
+
+
+def search(config: Any, cluster: ClusterSpec, world_size: int, simulate_top: int = 30) -> SearchResult:
+    """Rank the layouts of `config`'s model, batch and precision on `world_size` GPUs of `cluster`."""
+    allowance = cluster.memory_allowance_gib * GIB
+    fitting, considered = [], 0
+    for candidate in candidate_configs(config, world_size):
+        considered += 1
+        model, par, train = candidate.model, candidate.parallel, candidate.train
+        layout = build_layout(model, par, train, world_size)
+        shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
+        memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
+        if memory.total / GIB <= cluster.memory_gib:
+            fitting.append((first_estimate(candidate, cluster, world_size), candidate))
+    fitting.sort(key=lambda item: item[0])
+    ranked = [predict(candidate, cluster, world_size) for _, candidate in fitting[:simulate_top]]
+    try:
+        reference = predict(config, cluster, world_size)
+    except LayoutError:
+        reference = None
+    if reference is not None and not any(_same_layout(reference, p) for p in ranked):
+        ranked.append(reference)  # the config's own layout always competes
+    ranked = [p for p in ranked if p.fits]
+    ranked.sort(key=lambda p: p.iteration_seconds)
+    return SearchResult(ranked, reference, considered, len(fitting))
+
+
+def _same_layout(a: Prediction, b: Prediction) -> bool:
+    return a.describe_layout() == b.describe_layout()
+
+
+def why_best_wins(result: SearchResult) -> str:
+    """One paragraph: how the best layout compares with the config's own (or the runner-up), term by term."""
+    if not result.ranked:
+        return "no layout fits in memory"
+    best = result.best
+    other, name = result.reference, "the config's layout"
+    if other is None or _same_layout(other, best) or not other.fits:
+        if other is not None and not other.fits and not _same_layout(other, best):
+            prefix = (f"the config's layout ({other.describe_layout()}) does not fit "
+                      f"({other.memory_gib:.1f} GiB > {other.memory_capacity_gib:.0f} GiB); ")
+        elif other is not None and _same_layout(other, best):
+            prefix = "the config's layout is the best; "
+        else:
+            prefix = ""
+        if len(result.ranked) < 2:
+            return prefix + "it is the only layout that fits"
+        other, name = result.ranked[1], "the runner-up"
+    else:
+        prefix = ""
+    gain = other.iteration_seconds / best.iteration_seconds - 1.0
+    deltas = {k: other.breakdown[k] - best.breakdown[k] for k in best.breakdown}
+    saved = sorted((k for k in deltas if deltas[k] > 0), key=lambda k: -deltas[k])
+    paid = sorted((k for k in deltas if deltas[k] < 0), key=lambda k: deltas[k])
+    parts = [f"{k.replace('_', ' ')} -{deltas[k]:.2f} s" for k in saved[:3]]
+    costs = [f"{k.replace('_', ' ')} +{-deltas[k]:.2f} s" for k in paid[:2]]
+    text = (f"{prefix}{best.describe_layout()} is {gain:.1%} faster than {name} ({other.describe_layout()}): "
+            f"{', '.join(parts) or 'no term'} per iteration")
+    if costs:
+        text += f", against {', '.join(costs)}"
+    return text + f"; it needs {best.memory_gib:.1f} of {best.memory_capacity_gib:.0f} GiB."

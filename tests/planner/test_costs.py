@@ -1,0 +1,107 @@
+"""Each cost term of planner/costs.py on its own, and the cluster spec loader."""
+import os
+
+import pytest
+
+from planner.activations import ActivationShape
+from planner.cluster import ClusterError, cluster_from_dict, load_cluster
+from planner.costs import (Hardware, core_attention_seconds, dp_per_node, layer_times, optimizer_seconds,
+                           p2p_seconds, pipeline_crosses_nodes, tp_per_node)
+from tests.conftest import REPO_ROOT
+from training.config import load_config
+
+CLUSTERS = os.path.join(REPO_ROOT, "configs", "clusters")
+
+
+def a100(**efficiency):
+    return load_cluster(os.path.join(CLUSTERS, "dgx_a100_80gb.yaml")).with_efficiency(**efficiency)
+
+
+def shape(tp=8, sp=False, b=1):
+    return ActivationShape(seq_length=2048, micro_batch=b, hidden=12288, heads=96, query_groups=96, ffn=49152,
+                           swiglu=False, tp_size=tp, sequence_parallel=sp, value_bytes=2)
+
+
+def test_cluster_files_load_and_say_what_the_paper_says():
+    spec = load_cluster(os.path.join(CLUSTERS, "dgx_a100_80gb.yaml"))
+    assert (spec.peak_tflops, spec.nvlink_gbs, spec.gpus_per_node, spec.memory_gib) == (312, 600, 8, 80)
+    assert spec.network_gbs_per_gpu == 25.0  # 8 x 200 Gb/s per node of 8 GPUs
+    for name in ("dgx_h100.yaml", "dgx_h200.yaml"):
+        other = load_cluster(os.path.join(CLUSTERS, name))
+        assert other.peak_tflops > spec.peak_tflops and other.network_gbs_per_gpu == 50.0
+
+
+def test_cluster_errors_name_the_key(tmp_path):
+    raw = {"gpu": {"peak_tflops_bf16": 1, "peak_tflops_fp32": 1, "memory_gib": 1, "hbm_gbs": 1},
+           "node": {"gpus": 8, "nvlink_gbs": 1}, "network": {"links_per_node": 1, "link_gbps": 1}}
+    assert cluster_from_dict(raw).gpus_per_node == 8
+    with pytest.raises(ClusterError, match="unknown key gpu.peak_tflop; did you mean gpu.peak_tflops_"):
+        cluster_from_dict({**raw, "gpu": {**raw["gpu"], "peak_tflop": 3}})
+    with pytest.raises(ClusterError, match="missing key network.link_gbps"):
+        cluster_from_dict({**raw, "network": {"links_per_node": 1}})
+    with pytest.raises(ClusterError, match=r"efficiency.hbm=1.5 must be in \(0, 1\]"):
+        cluster_from_dict({**raw, "efficiency": {"hbm": 1.5}})
+    path = tmp_path / "bad.yaml"
+    path.write_text("gpu: [1\n")
+    with pytest.raises(ClusterError, match="is not valid YAML"):
+        load_cluster(str(path))
+
+
+def test_gemm_efficiency_curve():
+    hw = Hardware(a100(gemm_max=0.8, gemm_half_flops=1e10, gemm_half_rows=0.0), fp32=False)
+    at_half = hw.gemm_seconds(1e10, 2048)
+    assert 1e10 / at_half / 312e12 == pytest.approx(0.4)  # half of gemm_max at F = gemm_half_flops
+    assert 1e14 / hw.gemm_seconds(1e14, 2048) / 312e12 == pytest.approx(0.8, rel=1e-3)  # large GEMMs: gemm_max
+    rows = Hardware(a100(gemm_max=0.8, gemm_half_flops=0.0, gemm_half_rows=256.0), fp32=False)
+    assert 1e12 / rows.gemm_seconds(1e12, 256) / 312e12 == pytest.approx(0.4)  # half at gemm_half_rows rows
+    assert rows.gemm_seconds(2e12, 4096) < 2 * rows.gemm_seconds(1e12, 2048)  # a bigger micro-batch runs faster
+
+
+def test_memory_and_link_terms():
+    hw = Hardware(a100(hbm=0.5, nvlink=1.0, network=1.0, latency_us=0.0), fp32=False)
+    assert hw.memory_seconds(2039e9) == pytest.approx(2.0)
+    assert hw.link_seconds(25e9, inter_node=True) == pytest.approx(1.0)  # one IB card per GPU
+    assert hw.link_seconds(300e9, inter_node=False) == pytest.approx(1.0)  # 600 GB/s both ways
+    # ring all-reduce inside a node: 2 (g-1)/g of the buffer each way; reduce-scatter half of it
+    assert hw.collective_seconds("all_reduce", 300e9, 8, 8) == pytest.approx(2 * 7 / 8)
+    assert hw.collective_seconds("reduce_scatter", 300e9, 8, 8) == pytest.approx(7 / 8)
+    assert hw.collective_seconds("all_reduce", 300e9, 1, 1) == 0.0
+    # tp 16 spans two nodes: 8 rings, one per network card, each carrying 2 * 15/16 / 8 of the buffer
+    across = hw.collective_seconds("all_reduce", 300e9, 16, 8)
+    assert across == pytest.approx(2 * 15 / 16 * 300e9 / 8 / 25e9) and across > 1.5 * (2 * 7 / 8)
+
+
+def test_group_placement():
+    assert tp_per_node(8, 8) == 8 and tp_per_node(16, 8) == 8 and tp_per_node(2, 8) == 2
+    assert dp_per_node(8, 32, 8) == 1 and dp_per_node(2, 32, 8) == 4 and dp_per_node(1, 2, 8) == 2
+    assert not pipeline_crosses_nodes(2, 1, 4, 8) and pipeline_crosses_nodes(8, 1, 2, 8)
+
+
+def test_scatter_gather_cuts_inter_node_bytes_by_tp():
+    hw = Hardware(a100(latency_us=0.0), fp32=False)
+    plain = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=False)
+    scattered = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=True)
+    nbytes = 2048 * 12288 * 2
+    assert plain == pytest.approx(nbytes / (25e9 * hw.cluster.efficiency.network))
+    gather = hw.collective_seconds("all_gather", nbytes, 8, 8)
+    assert scattered == pytest.approx(plain / 8 + gather)
+    assert p2p_seconds(shape(sp=True), hw, True, True) == pytest.approx(plain / 8)
+
+
+def test_recompute_and_tp_terms_of_a_layer():
+    model = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_145.6b.yaml")).model
+    hw = Hardware(a100(), fp32=False)
+    none, selective, full = (layer_times(shape(), model, hw, r) for r in ("none", "selective", "full"))
+    assert none.backward == pytest.approx(2 * none.forward) and none.recompute == 0
+    assert full.backward == pytest.approx(3 * none.forward) and full.recompute == pytest.approx(none.forward)
+    assert selective.recompute == pytest.approx(core_attention_seconds(shape(), hw))
+    assert full.tp_backward == pytest.approx(2 * none.tp_backward)  # the recomputed forward's all-reduces
+    assert none.tp_forward == pytest.approx(2 * hw.collective_seconds("all_reduce", 2048 * 12288 * 2, 8, 8))
+    # bigger micro-batches run bigger GEMMs: time per sample falls
+    assert layer_times(shape(b=4), model, hw, "none").forward < 4 * none.forward
+
+
+def test_optimizer_step_shrinks_with_the_distributed_optimizer():
+    hw = Hardware(a100(), fp32=False)
+    assert optimizer_seconds(10**9, 8, True, hw) < optimizer_seconds(10**9, 8, False, hw)
+    assert optimizer_seconds(10**9, 1, False, hw) == pytest.approx(34e9 / (2039e9 * hw.cluster.efficiency.hbm))

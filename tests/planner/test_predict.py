@@ -1,0 +1,103 @@
+"""Predictions: the breakdown adds up, the pipeline comes from the simulator, the paper's Table 1 within 15%,
+and the paper's qualitative takeaways (interleaving at small batch, tp beyond a node, micro-batch optimum)."""
+import os
+
+import pytest
+
+from parallel.layout import LayoutError
+from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.simulator import simulate_lists
+from planner import published
+from planner.cluster import load_cluster
+from planner.predict import predict
+from planner.search import with_layout
+from tests.conftest import REPO_ROOT
+from training.config import load_config
+
+A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
+PAPER = os.path.join(REPO_ROOT, "configs", "paper")
+
+
+def paper(name, *overrides):
+    return load_config(os.path.join(PAPER, f"gpt_{name}.yaml"), list(overrides))
+
+
+def test_breakdown_sums_to_the_iteration_and_json_has_the_keys():
+    p = predict(paper("39.1b"), load_cluster(A100), 512)
+    assert sum(p.breakdown.values()) == pytest.approx(p.iteration_seconds)
+    assert all(v >= -1e-9 for v in p.breakdown.values())
+    out = p.to_dict()
+    for key in ("tflops_per_gpu", "iteration_seconds", "memory_gib_per_gpu", "breakdown_seconds",
+                "memory_breakdown_gib"):
+        assert key in out
+    assert out["tflops_per_gpu"] == pytest.approx(p.flops_per_iteration / p.iteration_seconds / 512 / 1e12)
+
+
+def test_one_stage_has_no_bubble_and_pipelines_match_the_simulator():
+    cluster = load_cluster(A100)
+    flat = predict(paper("7.5b"), cluster, 128)
+    assert flat.breakdown["bubble"] == pytest.approx(0.0, abs=1e-9) and flat.breakdown["pp_comm"] == 0.0
+    # with equal costs per stage and free communication the planner's bubble is the simulator's (p-1)/m
+    config = paper("76.1b", "parallel.scatter_gather=false")
+    free = cluster.with_efficiency(latency_us=0.0, network=1.0)
+    p = predict(config, free, 1024)
+    lay = p.layout
+    lists = [build_schedule(lay.schedule, lay.pp_size, r, lay.num_microbatches) for r in range(lay.pp_size)]
+    plain = simulate_lists(lists, 1, lay.num_microbatches)
+    assert plain.bubble_fraction == pytest.approx((lay.pp_size - 1) / lay.num_microbatches)
+    assert p.bubble_fraction == pytest.approx(plain.bubble_fraction, rel=0.1)  # head and sends differ a little
+
+
+@pytest.mark.parametrize("row", published.TABLE_1, ids=lambda r: r.label)
+def test_table_1_within_15_percent(row):
+    p = predict(row.config(), load_cluster(A100), row.world_size)
+    assert p.tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.15)
+    assert p.fits
+
+
+def test_invalid_layout_is_a_layout_error():
+    with pytest.raises(LayoutError, match="world size 100 is not divisible"):
+        predict(paper("39.1b"), load_cluster(A100), 100)
+
+
+def fig13_config(tp, pp, batch=128, vp=1, mb=1):
+    base = paper("145.6b", "model.num_layers=32", "model.hidden_size=20480", "model.num_attention_heads=128",
+                 f"train.global_batch_size={batch}")
+    return with_layout(base, tp, pp, vp, mb, "full")
+
+
+def test_tensor_parallelism_beyond_a_node_collapses_throughput():
+    cluster = load_cluster(A100)
+    tflops = {tp: predict(fig13_config(tp, 64 // tp), cluster, 64).tflops_per_gpu for tp in (4, 8, 16, 32)}
+    assert tflops[8] > tflops[4] and tflops[8] > 1.15 * tflops[16] and tflops[16] > 1.3 * tflops[32]
+
+
+def test_interleaving_helps_more_at_small_batch():
+    cluster = load_cluster(A100)
+    gain = {}
+    for batch in (16, 128):
+        plain = predict(fig13_config(8, 8, batch), cluster, 64).tflops_per_gpu
+        interleaved = predict(fig13_config(8, 8, batch, vp=2), cluster, 64).tflops_per_gpu
+        gain[batch] = interleaved / plain - 1
+    assert gain[16] > 2 * gain[128] > 0
+
+
+def test_an_optimal_micro_batch_size_exists():
+    # Figure 16's shape: (t, p) = (8, 8) on 64 GPUs; bigger micro-batches run faster GEMMs but leave
+    # fewer micro-batches to fill the pipeline
+    cluster = load_cluster(A100)
+    base = paper("145.6b", "model.num_layers=48", "train.global_batch_size=512")
+    tflops = {mb: predict(with_layout(base, 8, 8, 1, mb, "full"), cluster, 64).tflops_per_gpu
+              for mb in (1, 2, 4, 8, 16)}
+    best = max(tflops, key=tflops.get)
+    assert best not in (1, 16) and tflops[best] > tflops[1] and tflops[best] > tflops[16]
+
+
+def test_simulator_takes_per_action_costs():
+    lists = [build_schedule("1f1b", 4, r, 8) for r in range(4)]
+    default = simulate_lists(lists, 1, 8, 1.0, 2.0)
+    same = simulate_lists(lists, 1, 8, action_cost=lambda r, a: 1.0 if a.op == "F" else 2.0)
+    assert same.makespan == default.makespan and same.ideal == default.ideal == 24.0
+    # a slow last stage (the loss head) stretches the whole pipeline, and `ideal` is the busiest rank
+    slow = simulate_lists(lists, 1, 8, action_cost=lambda r, a: (1.0 if a.op == "F" else 2.0) * (2 if r == 3 else 1))
+    assert slow.ideal == 48.0 and slow.makespan >= 48.0 + 3 * 3.0

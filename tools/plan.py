@@ -1,0 +1,149 @@
+"""Predict throughput and memory of a PTD-P layout on a cluster, pick the best layout, calibrate.
+
+    python tools/plan.py --config configs/paper/gpt_1t.yaml --cluster configs/clusters/dgx_a100_80gb.yaml \
+        --gpus 3072 [section.key=value ...] [--json] [--search [--top 10]] [--plot DIR]
+    python tools/plan.py --cluster configs/clusters/dgx_a100_80gb.yaml --calibrate runs/X [runs/Y ...] \
+        [--output fitted_cluster.yaml]
+
+The layout, micro-batch, global batch, precision and recomputation come from the config (the trainer's
+section.key=value overrides apply). What the model counts and ignores: docs/performance.md, "Planner".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import yaml  # noqa: E402
+
+from parallel.layout import LayoutError  # noqa: E402
+from planner import calibrate  # noqa: E402
+from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster  # noqa: E402
+from planner.predict import Prediction, predict  # noqa: E402
+from planner.search import search, why_best_wins  # noqa: E402
+from training.config import ConfigError, load_config  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="model/run config YAML (configs/...)")
+    parser.add_argument("--cluster", required=True, help="cluster spec YAML (configs/clusters/...)")
+    parser.add_argument("--gpus", type=int, help="number of GPUs (the world size)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout that fits in memory")
+    parser.add_argument("--top", type=int, default=10, help="layouts to print with --search")
+    parser.add_argument("--plot", metavar="DIR", help="write the tp/pp, micro-batch and interleaving sweeps")
+    parser.add_argument("--calibrate", nargs="+", metavar="RUN", help="fit the efficiency constants to runs")
+    parser.add_argument("--output", help="with --calibrate: write the cluster spec with the fitted constants")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    return parser.parse_args(argv)
+
+
+def format_prediction(p: Prediction) -> list[str]:
+    lay = p.layout
+    lines = [f"layout: {lay.describe()}, micro-batch {p.micro_batch_size}, recompute {p.recompute}",
+             f"predicted: {p.tflops_per_gpu:.1f} TFLOP/s per GPU, {p.iteration_seconds:.3f} s per iteration",
+             "time per iteration (critical pipeline rank):"]
+    for key, seconds in p.breakdown.items():
+        extra = f" (recomputation {p.recompute_seconds:.3f} s)" if key == "compute" and p.recompute_seconds else ""
+        lines.append(f"  {key:<10} {seconds:9.3f} s  {seconds / p.iteration_seconds:6.1%}{extra}")
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    lines.append(f"memory per GPU (pipeline rank {p.memory.pp_rank}, {p.memory.params:,} parameters): "
+                 f"{p.memory_gib:.1f} GiB of {p.memory_capacity_gib:.0f} GiB, {verdict}")
+    for key, gib in p.memory.as_gib().items():
+        if key != "total":
+            lines.append(f"  {key:<12} {gib:8.2f} GiB")
+    return lines
+
+
+def format_ranking(ranked: list[Prediction], top: int) -> list[str]:
+    lines = [f"{'#':>3}  {'layout':<48} {'TF/GPU':>7} {'s/iter':>8} {'GiB':>6} {'bubble':>7} {'tp':>6} "
+             f"{'dp':>6}"]
+    for i, p in enumerate(ranked[:top], 1):
+        frac = {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
+        lines.append(f"{i:>3}  {p.describe_layout():<48} {p.tflops_per_gpu:7.1f} {p.iteration_seconds:8.3f} "
+                     f"{p.memory_gib:6.1f} {frac['bubble']:7.1%} {frac['tp_comm']:6.1%} {frac['dp_comm']:6.1%}")
+    return lines
+
+
+def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
+    observations = [calibrate.load_run(run) for run in args.calibrate]
+    before = calibrate.error_table(cluster, observations)
+    fitted = calibrate.fit(cluster, observations)
+    after = calibrate.error_table(fitted, observations)
+    if args.json:
+        print(json.dumps({"efficiency": dataclasses.asdict(fitted.efficiency),
+                          "runs": [{"run": b[0], "measured_seconds": b[1], "predicted_before": b[2],
+                                    "error_before": b[3], "predicted_after": a[2], "error_after": a[3]}
+                                   for b, a in zip(before, after)]}))
+    else:
+        print(f"{'run':<40} {'measured s':>11} {'before':>10} {'error':>8} {'after':>10} {'error':>8}")
+        for b, a in zip(before, after):
+            print(f"{b[0]:<40} {b[1]:11.4f} {b[2]:10.4f} {b[3]:+8.1%} {a[2]:10.4f} {a[3]:+8.1%}")
+        worst = max(abs(a[3]) for a in after)
+        print(f"model error after the fit: at most {worst:.1%} over {len(after)} run(s)")
+        print(efficiency_yaml(fitted.efficiency).rstrip())
+    if args.output:
+        with open(args.cluster, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+        raw["efficiency"] = dataclasses.asdict(fitted.efficiency)
+        raw["calibration"] = f"fitted by tools/plan.py --calibrate to {', '.join(args.calibrate)}"
+        with open(args.output + ".tmp", "w", encoding="utf-8") as handle:
+            yaml.safe_dump(raw, handle, sort_keys=False)
+        os.replace(args.output + ".tmp", args.output)
+    return 0
+
+
+def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
+    if not args.config or args.gpus is None:
+        raise ConfigError("--config and --gpus are needed (or --calibrate RUN)")
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
+    config = load_config(args.config, args.overrides)
+    if config.model.vocab_size is None:
+        raise ConfigError("model.vocab_size must be set for the planner (no tokenizer is loaded)")
+    if args.plot:
+        from planner.plots import draw_all
+        for path in draw_all(config, cluster, args.gpus, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.search:
+        result = search(config, cluster, args.gpus)
+        reason = why_best_wins(result)
+        if args.json:
+            print(json.dumps({"best": result.best.to_dict() if result.ranked else None, "reason": reason,
+                              "ranked": [p.to_dict() for p in result.ranked[:args.top]],
+                              "considered": result.considered, "fitting": result.fitting}))
+            return 0
+        print(f"{result.considered} valid layouts, {result.fitting} fit in {cluster.memory_gib:.0f} GiB; "
+              f"the best by first estimate and the config's own simulated in full, ranked by time per iteration "
+              f"(TF/GPU as the trainer counts it: full recompute's extra forward counts as work):")
+        print("\n".join(format_ranking(result.ranked, args.top)))
+        print(f"why: {reason}")
+        return 0
+    prediction = predict(config, cluster, args.gpus)
+    if args.json:
+        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name}))
+    else:
+        print(f"cluster: {cluster.name} ({args.gpus} GPUs, {cluster.gpus_per_node} per node)")
+        print("\n".join(format_prediction(prediction)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cluster = load_cluster(args.cluster)
+        if args.calibrate:
+            return run_calibration(args, cluster)
+        return run_plan(args, cluster)
+    except (ConfigError, ClusterError, LayoutError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
