@@ -158,9 +158,10 @@ def is_complete(iter_dir: str, full: bool = False) -> bool:
     return os.path.exists(os.path.join(iter_dir, META)) and os.path.exists(os.path.join(iter_dir, DCP_METADATA))
 
 
-def newest_complete(root: str, log: Callable[[str], None]) -> Optional[int]:
-    """Without a readable tracker: the newest iteration whose files all verify (others are named)."""
-    for iteration in reversed(list_iterations(root)):
+def newest_complete(root: str, log: Callable[[str], None], candidates: Optional[list[int]] = None
+                    ) -> Optional[int]:
+    """The newest iteration (of candidates, default all) whose files all verify (others are logged)."""
+    for iteration in reversed(list_iterations(root) if candidates is None else candidates):
         directory = os.path.join(root, iter_name(iteration))
         if is_complete(directory, full=True):
             return iteration
@@ -182,10 +183,12 @@ def resolve_checkpoint(path: str) -> str:
     if TMP_RE.search(name):
         raise CheckpointError(f"{path} is a save that did not complete; it cannot be loaded")
     iteration = read_tracker(path)
+    newer = [i for i in list_iterations(path) if iteration is None or i > iteration]
+    # No tracker (deleted), or a save that was renamed into place just before its tracker was written.
+    found = newest_complete(path, lambda msg: None, newer) if newer else None
+    iteration = found if found is not None else iteration
     if iteration is None:
-        iteration = newest_complete(path, lambda msg: None)
-        if iteration is None:
-            raise CheckpointError(f"{path} holds no complete checkpoint (no tracker, no verifying iter_* folder)")
+        raise CheckpointError(f"{path} holds no complete checkpoint (no tracker, no verifying iter_* folder)")
     directory = os.path.join(path, iter_name(iteration))
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint tracker {os.path.join(path, TRACKER)} names iteration {iteration} "
