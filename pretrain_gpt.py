@@ -249,6 +249,8 @@ def train(run: Run) -> None:
         progress.consumed_samples += train_cfg.global_batch_size
         progress.skipped_iters += int(result.skipped)
         stats.add(result, lr, time.perf_counter() - started)
+        if run.checkpointer is not None:
+            run.checkpointer.poll()  # report a finished background save (or its failure) promptly
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"

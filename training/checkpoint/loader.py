@@ -111,3 +111,28 @@ def load_rng(iter_dir: str, rank: int) -> Optional[dict]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {type(err).__name__}") from None
+
+
+def read_global_tensors(iter_dir: str, keys: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+    """Whole global tensors (all keys, or `keys`) of a checkpoint, read in this process alone (tools, tests)."""
+    metadata = read_dcp_metadata(iter_dir)
+    stored = metadata.state_dict_metadata
+    out, wanted = {}, {}
+    for key in sorted(stored) if keys is None else keys:
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r}")
+        entry = stored[key]
+        if not hasattr(entry, "size"):
+            continue
+        tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        out[key] = tensor
+        wanted[key] = GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
+        except BaseException as err:
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None
+    return out

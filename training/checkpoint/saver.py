@@ -175,6 +175,12 @@ class Checkpointer:
         except BaseException as err:  # reported on the main thread by wait()
             self._outcome["error"] = err
 
+    def poll(self) -> None:
+        """Report a background save that has finished well. A failure is raised by the next save() or wait(),
+        which every rank reaches at the same iteration (ranks may notice a finished thread at different ones)."""
+        if self._thread is not None and not self._thread.is_alive() and "result" in self._outcome:
+            self.wait()
+
     def wait(self) -> None:
         """Finish the save in flight (if any); re-raise its failure here, on the training thread."""
         if self._thread is None:
