@@ -142,3 +142,17 @@ def test_finetune_from_another_run_at_another_layout(tiny_corpus, tmp_path, log_
     assert [r["iteration"] for r in read_metrics(target)] == [1, 2]
     assert files.read_tracker(os.path.join(target, "checkpoints")) == 2
     assert files.read_tracker(os.path.join(source, "checkpoints")) == 2  # the source is untouched
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tiny_corpus, tmp_path, mode):
+    """Two kills per mode here; scripts/checkpoint_kill_test.py does ten (docs/performance.md)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(pretrain_gpt.__file__), "scripts"))
+    import checkpoint_kill_test
+
+    data_args = [f"data.data_path=[{tiny_corpus['data_prefix']}]", f"data.vocab_file={tiny_corpus['vocab_file']}",
+                 f"data.merge_file={tiny_corpus['merge_file']}", "model.make_vocab_size_divisible_by=8"]
+    # The second round starts by resuming the first round's checkpoint in the trainer (load=true).
+    result = checkpoint_kill_test.run(2, mode, str(tmp_path), data_args, seed=1, final_resume=False)
+    assert result["latest"] >= 2
