@@ -156,3 +156,35 @@ def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tiny_corpus, tmp_path,
     # The second round starts by resuming the first round's checkpoint in the trainer (load=true).
     result = checkpoint_kill_test.run(2, mode, str(tmp_path), data_args, seed=1, final_resume=False)
     assert result["latest"] >= 2
+
+
+def _write_legacy_checkpoint(run, root: str) -> None:
+    """Format 1 (per-rank files, as earlier versions wrote them) of a single-process run."""
+    import torch
+    directory = os.path.join(root, f"iter_{run.progress.iteration:07d}", "mp_rank_00_000")
+    os.makedirs(directory)
+    torch.save({"iteration": run.progress.iteration, "consumed_samples": run.progress.consumed_samples,
+                "skipped_iters": 0, "config": run.config.to_dict(),
+                "model": [chunk.state_dict() for chunk in run.ctx.chunks],
+                "lr_schedule": run.lr_schedule.state_dict(), "optimizer": run.ctx.optimizer.state_dict(),
+                "layout": {"tp": 1, "pp": 1, "vp": 1}}, os.path.join(directory, "model_optim_rng.pt"))
+    torch.save({"rng": run.rng_tracker.state_dict(), "optimizer": None}, os.path.join(directory, "dp_rank_000.pt"))
+    files.write_trackers(root, run.progress.iteration)
+
+
+def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
+    from training.config import load_config
+    from training.setup import init_distributed
+
+    drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")
+    whole, legacy = str(tmp_path / "whole"), str(tmp_path / "legacy")
+    assert main(tiny_corpus, whole, "train.train_iters=4", *drop) == 0
+    config = load_config(pretrain_gpt.DEFAULT_CONFIG, tiny_train_args(tiny_corpus, legacy, "train.train_iters=2",
+                                                                         *drop, "checkpoint.save=false"))
+    run = pretrain_gpt.build_run(config, init_distributed())
+    pretrain_gpt.train(run)
+    _write_legacy_checkpoint(run, os.path.join(legacy, "checkpoints"))
+    assert main(tiny_corpus, legacy, "train.train_iters=4", *drop, "checkpoint.load=true") == 0
+    assert any("per-rank format of earlier versions" in line for line in log_lines)
+    assert [r["lm_loss"] for r in read_metrics(legacy)] == [r["lm_loss"] for r in read_metrics(whole)]
+    assert checkpoint_info.main([os.path.join(legacy, "checkpoints"), "--verify"]) == 0  # saved in format 2
