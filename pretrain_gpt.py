@@ -241,7 +241,8 @@ def train(run: Run) -> None:
     while run.progress.iteration < train_cfg.train_iters:
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(run.ctx, train_iter, lr)
+        result = train_step(run.ctx, train_iter, lr,
+                            before_update=run.checkpointer.before_update if run.checkpointer else None)
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
         progress = run.progress

@@ -114,7 +114,7 @@ def test_async_save_keep_last_and_lr_schedule_rule(tiny_corpus, tmp_path, log_li
     root = os.path.join(run_dir, "checkpoints")
     assert files.list_iterations(root) == [3, 4] and files.read_tracker(root) == 4
     saves = [line for line in log_lines if line.startswith("saved checkpoint")]
-    assert len(saves) == 4 and all("MiB, async" in s and "training loop blocked" in s for s in saves)
+    assert len(saves) == 4 and all("MiB, async, copied aside in" in s and "training loop blocked" in s for s in saves)
     log_lines.clear()
     # Longer run on resume: the checkpoint's LR schedule wins (logged), unless optim.override_lr_schedule.
     assert main(tiny_corpus, run_dir, "train.train_iters=6", "train.eval_iters=0", "checkpoint.load=true") == 0
