@@ -173,6 +173,7 @@ def _write_legacy_checkpoint(run, root: str) -> None:
 
 
 def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
+    from parallel.layout import layout_from_config
     from training.config import load_config
     from training.setup import init_distributed
 
@@ -181,7 +182,7 @@ def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lin
     assert main(tiny_corpus, whole, "train.train_iters=4", *drop) == 0
     config = load_config(pretrain_gpt.DEFAULT_CONFIG, tiny_train_args(tiny_corpus, legacy, "train.train_iters=2",
                                                                          *drop, "checkpoint.save=false"))
-    run = pretrain_gpt.build_run(config, init_distributed())
+    run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, 1))
     pretrain_gpt.train(run)
     _write_legacy_checkpoint(run, os.path.join(legacy, "checkpoints"))
     assert main(tiny_corpus, legacy, "train.train_iters=4", *drop, "checkpoint.load=true") == 0

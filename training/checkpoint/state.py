@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from training.checkpoint.pieces import Block, GlobalPieces, global_shape, info_field, pieces_of, tp_blocks
+from model.param_info import param_info
+from training.checkpoint.pieces import Block, GlobalPieces, global_shape, pieces_of, tp_blocks
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -41,9 +42,10 @@ def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[
     records = []
     for chunk in chunks:
         for module_name, param in chunk.named_parameters():
-            name = info_field(param, "init_name") or module_name
-            copy = bool(info_field(param, "embedding_copy", False))
-            replicated = not info_field(param, "tensor_parallel", False) or state.tp_size == 1
+            info = param_info(param)
+            name = info.init_name or module_name
+            copy = info.embedding_copy
+            replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
             writes = replica_writer and len(records) % state.dp_size == state.dp_rank
             records.append(ParamRecord(name, param, global_shape(param, name, vocab_size),
