@@ -58,11 +58,14 @@ def check_latest(root: str) -> int:
 def one_round(run_dir: str, data_args: list[str], mode: str, rng: random.Random, max_delay: float) -> bool:
     """Start, wait for the first training line, kill -9 after a random delay; True if a save was in flight."""
     proc = launch(run_dir, data_args, mode, train_iters=10_000)
+    seen = []
     for line in proc.stdout:
+        seen.append(line)
         if line.startswith("iter "):
             break
     else:
-        raise AssertionError(f"the run ended before training (exit {proc.wait()})")
+        raise AssertionError(f"the run ended before training (exit {proc.wait()}):\n{''.join(seen[-5:])}")
+
     time.sleep(rng.uniform(0.0, max_delay))
     root = os.path.join(run_dir, "checkpoints")
     in_save = any(files.TMP_RE.search(name) for name in os.listdir(root))

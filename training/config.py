@@ -129,7 +129,8 @@ class CheckpointConfig:
     load: Union[bool, str] = False
     save: bool = True
     load_optimizer: bool = True  # false: weights and counters only, fresh optimizer state
-    finetune: bool = False  # weights only: iteration 0, fresh optimizer, LR schedule and data order
+    # weights only: iteration 0, fresh optimizer, LR schedule and data order; a path = load that path this way
+    finetune: Union[bool, str] = False
     async_save: bool = False  # write in a background thread; the loop is blocked only while copying
     keep_last: int = 0  # keep only the newest N checkpoints (0 = all), deleted after a newer one completes
 
@@ -140,6 +141,11 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0")
         if isinstance(self.load, str) and not self.load:
             raise ConfigError("checkpoint.load must be true, false or a path")
+        if isinstance(self.finetune, str):  # one override: checkpoint.finetune=PATH
+            if self.load not in (False, self.finetune):
+                raise ConfigError(f"checkpoint.finetune={self.finetune!r} and checkpoint.load={self.load!r} name "
+                                  f"different checkpoints: set one of them")
+            self.load, self.finetune = self.finetune, True
         if (self.finetune or not self.load_optimizer) and self.load is False:
             key = "checkpoint.finetune=true" if self.finetune else "checkpoint.load_optimizer=false"
             raise ConfigError(f"{key} needs checkpoint.load (true or a path)")

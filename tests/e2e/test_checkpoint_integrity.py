@@ -137,7 +137,7 @@ def test_finetune_from_another_run_at_another_layout(tiny_corpus, tmp_path, log_
     target = str(tmp_path / "finetune")
     argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
             *tiny_train_args(tiny_corpus, target, "train.train_iters=2", "train.eval_iters=0",
-                             "parallel.tp_size=2", f"checkpoint.load={source}/checkpoints", "checkpoint.finetune=true")]
+                             "parallel.tp_size=2", f"checkpoint.finetune={source}/checkpoints")]  # one override
     run_ranks(2, _rank_main, argv, timeout=300.0)
     assert [r["iteration"] for r in read_metrics(target)] == [1, 2]
     assert files.read_tracker(os.path.join(target, "checkpoints")) == 2
