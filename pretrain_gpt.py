@@ -27,7 +27,8 @@ from parallel.model_builder import build_model_chunks, count_parameters
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tensor_parallel import CommCounter
-from training.checkpointing import CheckpointError, TrainingProgress, load_checkpoint, save_checkpoint
+from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
+from training.checkpointing import CheckpointError, Checkpointer, TrainingProgress, save_checkpoint
 from training.config import Config, ConfigError, load_config
 from training.flops import flops_per_iteration
 from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
@@ -66,11 +67,15 @@ class Run:
     logger: logging.Logger
     checkpoint_root: str
     flops_per_iter: float
+    resume_plan: Optional[ResumePlan] = None  # the checkpoint to start from; None: start fresh
+    checkpointer: Optional[Checkpointer] = None  # None with checkpoint.save=false
 
 
-def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits]:
-    """Tokenizer (which fills in model.vocab_size) and datasets; then the resolved config is saved.
-    Returns the end-of-document id and the datasets."""
+def prepare_data(config: Config, env: DistEnv, logger: logging.Logger
+                 ) -> tuple[int, DatasetSplits, Optional[ResumePlan]]:
+    """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
+    and verified before anything is written) and datasets; then the resolved config is saved.
+    Returns the end-of-document id, the datasets and the resume plan."""
     resolve_sample_data(config, env, logger)
     data = config.data
     tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
@@ -78,13 +83,14 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
+    resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
     datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
         with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
         logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    return tokenizer.eod, datasets
+    return tokenizer.eod, datasets, resume_plan
 
 
 def build_optimizer_and_schedule(config: Config, chunks: list, state: ParallelState
@@ -110,7 +116,7 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     logger = get_logger(env.rank)
     state = ParallelState.from_layout(layout)
     logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
-    eod_id, datasets = prepare_data(config, env, logger)
+    eod_id, datasets, resume_plan = prepare_data(config, env, logger)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
@@ -136,7 +142,9 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
                rng_tracker=rng_tracker, comm_counter=comm_counter, datasets=datasets, eod_id=eod_id,
                progress=TrainingProgress(),
                metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard), logger=logger,
-               checkpoint_root=os.path.join(config.run.dir, "checkpoints"), flops_per_iter=flops)
+               checkpoint_root=os.path.join(config.run.dir, "checkpoints"), flops_per_iter=flops,
+               resume_plan=resume_plan,
+               checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None)
 
 
 def _all_reduce_int(value: int, group: Optional[dist.ProcessGroup], state: ParallelState) -> int:
@@ -148,30 +156,28 @@ def _all_reduce_int(value: int, group: Optional[dist.ProcessGroup], state: Paral
 
 
 def resume_if_asked(run: Run) -> None:
-    """checkpoint.load=true: continue exactly from the latest checkpoint under run.dir/checkpoints."""
-    if not run.config.checkpoint.load:
+    """Load the checkpoint planned at start-up (checkpoint.load: true, a checkpoints folder or one
+    iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false), at any layout."""
+    if run.resume_plan is None:
         return
     ctx = run.ctx
-    loaded = load_checkpoint(run.checkpoint_root, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
-                             run.config.parallel.distributed_optimizer)
-    if loaded is None:
-        run.logger.info(f"checkpoint.load=true but no checkpoint under {run.checkpoint_root}: starting fresh")
-        return
-    run.progress, rng_state = loaded
-    run.rng_tracker.load_state_dict(rng_state)
+    loaded = load_into_run(run.resume_plan, run.config, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
+                           run.rng_tracker, run.logger.info)
+    run.progress = TrainingProgress(*loaded)
     run.metrics.truncate_after(run.progress.iteration)
-    run.logger.info(f"resumed from iteration {run.progress.iteration} "
+    run.logger.info(f"starting at iteration {run.progress.iteration} "
                     f"({run.progress.consumed_samples} samples consumed)")
 
 
 def save(run: Run) -> None:
-    if not run.config.checkpoint.save:
+    """Checkpoint the current iteration (sync, or copied aside and written in the background with async_save);
+    the checkpointer logs its size and the time the loop was blocked."""
+    if run.checkpointer is None:
         return
     ctx = run.ctx
-    path = save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer,
-                           run.lr_schedule, run.rng_tracker.state_dict(), run.config.to_dict(),
-                           run.config.parallel.distributed_optimizer)
-    run.logger.info(f"saved checkpoint {path}")
+    save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer, run.lr_schedule,
+                    run.rng_tracker.state_dict(), run.config.to_dict(), run.config.parallel.distributed_optimizer,
+                    checkpointer=run.checkpointer, keep_last=run.config.checkpoint.keep_last)
 
 
 def run_evaluation(run: Run) -> None:
@@ -216,7 +222,8 @@ def train(run: Run) -> None:
     while run.progress.iteration < train_cfg.train_iters:
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(run.ctx, train_iter, lr)
+        result = train_step(run.ctx, train_iter, lr,
+                            before_update=run.checkpointer.before_update if run.checkpointer else None)
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
         progress = run.progress
@@ -224,6 +231,8 @@ def train(run: Run) -> None:
         progress.consumed_samples += train_cfg.global_batch_size
         progress.skipped_iters += int(result.skipped)
         stats.add(result, lr, time.perf_counter() - started)
+        if run.checkpointer is not None:
+            run.checkpointer.poll()  # report a finished background save promptly
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
@@ -241,6 +250,8 @@ def train(run: Run) -> None:
         if stop:
             run.logger.info(f"exit condition reached after iteration {progress.iteration}")
             break
+    if run.checkpointer is not None:
+        run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
     run.metrics.close()
     barrier(run.env)
     run.logger.info(f"done. metrics: {os.path.join(cfg.run.dir, 'metrics.jsonl')} | TensorBoard: "
@@ -264,7 +275,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ValueError, OSError, CheckpointError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        train(run)
+        try:
+            train(run)
+        except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -7,7 +7,7 @@ tied-embedding and sequence-parallel gradients are reduced and the optimizer ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -103,8 +103,10 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     return float(total.reshape(()))
 
 
-def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepResult:
-    """Forward/backward over the global batch, gradient reduction, clipping and the optimizer step."""
+def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float,
+               before_update: Optional[Callable[[], None]] = None) -> StepResult:
+    """Forward/backward over the global batch, gradient reduction, clipping and the optimizer step.
+    `before_update()` runs just before the step changes any weight (an async checkpoint copy finishes)."""
     for chunk in ctx.chunks:
         chunk.train()
     microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
@@ -115,6 +117,8 @@ def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepRe
                               on_last_backward=ctx.ddp.enable_grad_sync, overlap_p2p_comm=ctx.overlap_p2p_comm)
     ctx.ddp.finish_grad_sync()
     finalize_model_grads(ctx.chunks, ctx.state, ctx.ddp)
+    if before_update is not None:
+        before_update()
     stats = ctx.optimizer.step(lr)
     return StepResult(loss=_global_mean_loss(result.losses, ctx.state), grad_norm=stats.grad_norm,
                       skipped=stats.skipped, loss_scale=stats.loss_scale, max_in_flight=result.max_in_flight)

@@ -150,3 +150,16 @@ def test_every_shipped_config_loads():
     assert len(paths) >= 16
     for path in paths:
         load_config(path)
+
+
+def test_checkpoint_load_keys():
+    assert load_config(None, ["checkpoint.load=true"]).checkpoint.load is True
+    assert load_config(None, ["checkpoint.load=/runs/a/checkpoints"]).checkpoint.load == "/runs/a/checkpoints"
+    finetune = load_config(None, ["checkpoint.finetune=/runs/a/checkpoints"]).checkpoint  # one override
+    assert (finetune.load, finetune.finetune) == ("/runs/a/checkpoints", True)
+    for overrides, message in ((["checkpoint.finetune=true"], "checkpoint.finetune=true needs checkpoint.load"),
+                               (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=false needs"),
+                               (["checkpoint.finetune=/a", "checkpoint.load=/b"], "name different checkpoints"),
+                               (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
