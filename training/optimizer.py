@@ -261,7 +261,8 @@ class Optimizer:
         """Restore `state_dict()` output of the same layout and write the masters into the model params
         (collective over dp when distributed). Resharding to another dp size is not supported."""
         mine = self.state_dict()
-        for key in ("distributed", "dp_size", "dp_rank"):
+        # The plain optimizer's state is the same on every dp rank (dp rank 0 saves it for all of them).
+        for key in ("distributed", "dp_size", "dp_rank") if self.distributed else ("distributed", "dp_size"):
             if state[key] != mine[key]:
                 raise ValueError(f"optimizer checkpoint has {key}={state[key]}, this run has {mine[key]}")
         ranges = [(s["chunk"], s["start"], s["end"]) for s in state["segments"]]

@@ -154,6 +154,10 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     wait_for(lambda: trained(2), 240, "iteration 2 of the first attempt")
     # What `#SBATCH --signal=B:USR1@120` does before the time limit: USR1 to the batch shell only.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True, timeout=30)
+    wait_for(lambda: "requeued" in open(log).read(), 240, "the job to requeue itself")
+    # SLURM holds a requeued job back for a while (BeginTime); let it start now so the test stays short.
+    wait_for(lambda: job_state(slurm, job_id).startswith("PENDING"), 60, "the requeued job to be pending")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30)
     wait_for(lambda: job_state(slurm, job_id).startswith("COMPLETED"), 420,
              f"the requeued job to complete ({job_state(slurm, job_id)})")
     text = open(log).read()
