@@ -27,7 +27,7 @@ from training.guards import (EXIT_DIVERGED, EXIT_INPUT_ERROR, EXIT_INTERRUPTED, 
                              weights_are_finite)
 from training.logging import format_train_line
 from training.preemption import Interrupted, PreemptionHandler, job_start_time
-from training.run_lock import RunLock, RunLockError
+from training.run_lock import RunLock, take_run_lock
 from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, check_devices, data_iterator,
                             init_distributed, param_dtype, resolve_sample_data)
 
@@ -327,23 +327,6 @@ def train(run: Run) -> None:
                     f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}")
 
 
-def take_run_lock(config: Config, env: DistEnv, lock: RunLock) -> Optional[str]:
-    """Rank 0 takes run.dir's lock; every rank learns the outcome (one all-reduce). Returns the error or None."""
-    error = None
-    if env.rank == 0:
-        try:
-            os.makedirs(config.run.dir, exist_ok=True)
-            lock.acquire()
-        except (RunLockError, OSError) as err:
-            error = str(err)
-    if env.world_size > 1:
-        failed = torch.tensor([int(error is not None)], device=env.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:
-            error = ""  # rank 0 says why
-    return error
-
-
 def run_training(config: Config, env: DistEnv, preemption: PreemptionHandler) -> int:
     """Build, resume, train; returns the exit code (training.guards)."""
     try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
@@ -383,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with PreemptionHandler() as preemption:  # from here on a signal stops at an iteration boundary
         env = init_distributed(use_cuda)
         try:
-            error = take_run_lock(config, env, lock)
+            error = take_run_lock(lock, env.rank, env.world_size, env.device)
             if error is not None:
                 if error:
                     print(f"error: {error}", file=sys.stderr)

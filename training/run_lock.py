@@ -100,3 +100,24 @@ class RunLock:
         holder = self._read_holder()
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             os.remove(self.path)
+
+
+def take_run_lock(lock: RunLock, rank: int, world_size: int, device) -> Optional[str]:
+    """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce, collective
+    over the world). Returns the error ("" on ranks other than 0, which print nothing), or None."""
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(os.path.dirname(lock.path), exist_ok=True)
+            lock.acquire()
+        except (RunLockError, OSError) as err:
+            error = str(err)
+    if world_size > 1:
+        import torch  # here only: the lock itself is plain Python (tools and tests use it without torch)
+        import torch.distributed as dist
+
+        failed = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            error = ""
+    return error

@@ -138,7 +138,7 @@ def _two_rank_reference(rank: int, world_size: int, argv: list[str]) -> None:
 def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     checkout = make_checkout(tmp_path)
     run_dir = str(tmp_path / "run")
-    args = tiny_train_args(tiny_corpus, run_dir, "train.train_iters=200", "optim.lr_decay_iters=100",
+    args = tiny_train_args(tiny_corpus, run_dir, "train.train_iters=120", "optim.lr_decay_iters=100",
                            "train.eval_interval=100", "train.eval_iters=1")
     submit = subprocess.run(["sbatch", "--parsable", "--export=NONE", "--gpus-per-node=0",
                              "scripts/slurm/pretrain_gpt.sbatch", *args], cwd=checkout, capture_output=True,
@@ -164,10 +164,10 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     assert "attempt 1" in text and "attempt 2" in text and "requeued" in text, text[-3000:]
     assert "stopped by SIGUSR1 after iteration" in text and "resumed from iteration" in text, text[-3000:]
     lines = [json.loads(line) for line in open(metrics)]
-    assert [r["iteration"] for r in lines if "lm_loss" in r] == list(range(1, 201))  # no iteration twice
+    assert [r["iteration"] for r in lines if "lm_loss" in r] == list(range(1, 121))  # no iteration twice
 
     reference = str(tmp_path / "reference")
     run_ranks(2, _two_rank_reference, ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(
-        tiny_corpus, reference, "train.train_iters=200", "optim.lr_decay_iters=100", "train.eval_interval=100",
+        tiny_corpus, reference, "train.train_iters=120", "optim.lr_decay_iters=100", "train.eval_interval=100",
         "train.eval_iters=1")], timeout=300)
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == [r["lm_loss"] for r in read_metrics(reference)]
