@@ -65,8 +65,8 @@ def corpus_with_bad_ids(corpus: dict, root: str, bad_id: int, every: int = 97) -
     return prefix
 
 
-@pytest.mark.parametrize("bad_id,where", [(520, "inside the padding"), (600, "past the padded vocabulary")])
-def test_out_of_vocabulary_ids_stop_at_the_first_bad_batch(tiny_corpus, tmp_path, capsys, bad_id, where):
+@pytest.mark.parametrize("bad_id", [520, 600], ids=["inside-the-padding", "past-the-padded-vocabulary"])
+def test_out_of_vocabulary_ids_stop_at_the_first_bad_batch(tiny_corpus, tmp_path, capsys, bad_id):
     """Vocabulary 512 padded to 528 (make_vocab_size_divisible_by=48): ids 520 and 600 are both refused."""
     prefix = corpus_with_bad_ids(tiny_corpus, str(tmp_path), bad_id)
     run_dir = str(tmp_path / "run")

@@ -182,3 +182,22 @@ def test_cpu_is_refused_where_gpus_were_expected():
         check_devices(TrainConfig(device="cuda"), {})
     assert check_devices(TrainConfig(), {"SLURM_GPUS_ON_NODE": "0"}) is False
     assert check_devices(TrainConfig(device="cpu"), {"CUDA_VISIBLE_DEVICES": "0"}) is False
+
+
+def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"4 ranks on this node but 2 visible GPU\(s\).*allow_gpu_sharing=true"):
+        check_devices(TrainConfig(), {"LOCAL_WORLD_SIZE": "4"})
+    assert check_devices(TrainConfig(allow_gpu_sharing=True), {"LOCAL_WORLD_SIZE": "4"}) is True
+    assert check_devices(TrainConfig(), {"LOCAL_WORLD_SIZE": "2"}) is True
+
+
+def test_an_interval_of_skipped_steps_reports_their_loss_not_zero():
+    """fp16 skipping every step used to print "loss 0.0000": the loss of the skipped steps is reported."""
+    from training.logging import IntervalStats
+    stats = IntervalStats(1.0, 1, 1, "cpu")
+    for loss in (6.0, 8.0):
+        stats.add(step(loss=loss, grad_norm=math.nan, skipped=True, loss_scale=1.0), 0.1, 0.01)
+    record = stats.flush(SimpleNamespace(iteration=2, consumed_samples=16, skipped_iters=2))
+    assert record["lm_loss"] == 7.0 and record["skipped_iters"] == 2 and record["skipped_total"] == 2
