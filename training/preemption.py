@@ -28,6 +28,7 @@ class PreemptionHandler:
     def __init__(self) -> None:
         self.received: Optional[signal.Signals] = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> "PreemptionHandler":
         # Python allows handlers only in the main thread (tests that drive main() from a thread get none).
@@ -42,6 +43,8 @@ class PreemptionHandler:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child that inherited this handler: the trainer decides
+            return
         sig = signal.Signals(signum)
         if sig == signal.SIGINT and self.received is not None:
             raise Interrupted(f"second interrupt ({sig.name} after {self.received.name}): stopped at once")
@@ -50,6 +53,14 @@ class PreemptionHandler:
             # os.write, not logging: a handler may run while the logging stream's lock is held.
             os.write(2, f"received {sig.name}: stopping after this iteration with a checkpoint "
                         f"(press Ctrl-C again to stop at once)\n".encode())
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: SLURM's scancel and a terminal's Ctrl-C signal every process, and torch's
+    workers die of SIGTERM / SIGINT, which would break the trainer's next batch before it can save. Workers
+    ignore them; the trainer stops them when it is done."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def job_start_time(environ: Optional[dict] = None) -> float:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import Config, TrainConfig
+from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +127,7 @@ def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, 
     return build_data_iterator(
         dataset, consumed_samples, config.train.micro_batch_size, dp_rank, dp_size,
         data.num_workers if num_workers is None else num_workers, eod_id, data.eod_mask_loss,
-        data.reset_position_ids, data.reset_attention_mask)
+        data.reset_position_ids, data.reset_attention_mask, worker_init_fn=ignore_stop_signals)
 
 
 def param_dtype(precision: str) -> torch.dtype:

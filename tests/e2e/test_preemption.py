@@ -64,24 +64,27 @@ def test_second_sigint_stops_at_once_without_a_checkpoint(tiny_corpus, tmp_path,
     assert not os.path.exists(os.path.join(run_dir, "run.lock"))
 
 
-def test_sigterm_from_outside_the_process(tiny_corpus, tmp_path):
-    """A real `kill -TERM` to `python pretrain_gpt.py` mid-run: exit 3, checkpoint of the last iteration."""
+def test_sigterm_to_every_process_of_the_run(tiny_corpus, tmp_path):
+    """A real SIGTERM mid-run to `python pretrain_gpt.py` and its DataLoader worker, as `scancel` (every
+    process of the step) or Ctrl-C (the foreground group) deliver it: exit 3, checkpoint of the last
+    iteration, and the worker keeps serving batches until then."""
     run_dir = str(tmp_path / "run")
     args = tiny_train_args(tiny_corpus, run_dir, "train.train_iters=100000", "optim.lr_decay_iters=100",
-                           "train.eval_interval=100000", "train.eval_iters=1")
+                           "train.eval_interval=100000", "train.eval_iters=1", "data.num_workers=1")
     proc = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *args], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         for line in proc.stdout:
             if line.startswith("iter ") and "/100000" in line:
                 break
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # the group of this test's own child: the trainer and its worker
         output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
     saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
     assert saved >= 1 and f"stopped by SIGTERM after iteration {saved}" in output
+    assert output.count("received SIGTERM") == 1 and "Traceback" not in output
     assert read_metrics(run_dir)[-1]["iteration"] == saved
 
 
