@@ -4,8 +4,8 @@ The file (`run.dir/run.lock`) is created with O_EXCL and holds the owner's host,
 SLURM job id. A second trainer finds it and is refused with a message naming that pid and host, unless the
 holder is provably gone: on the same host, no process with that pid and start time exists (a kill -9, a
 crash); on another host, it belongs to this same SLURM job id (a requeued job that landed on other nodes:
-SLURM never runs two copies of one job at once). A lock from another host that cannot be checked is never broken silently:
-the message says which file to delete once that process is known to be gone.
+SLURM never runs two copies of one job at once). A lock from another host that cannot be checked is never
+broken silently: the message says which file to delete once that process is known to be gone.
 """
 from __future__ import annotations
 
