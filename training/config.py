@@ -27,6 +27,11 @@ class ConfigError(ValueError):
     """A bad config: the message names the key and the value."""
 
 
+def _expand_home(value: Any) -> Any:
+    """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
 @dataclass
 class ParallelConfig:
     tp_size: int = 1
@@ -132,10 +137,9 @@ class DataConfig:
     reset_attention_mask: bool = False
 
     def validate(self) -> None:
-        expand = lambda value: os.path.expanduser(value) if isinstance(value, str) else value  # noqa: E731
-        self.data_path = [expand(item) for item in self.data_path]
+        self.data_path = [_expand_home(item) for item in self.data_path]
         for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
-            setattr(self, key, expand(getattr(self, key)))
+            setattr(self, key, _expand_home(getattr(self, key)))
         if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, "
                               f"SentencePieceTokenizer")
