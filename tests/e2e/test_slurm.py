@@ -157,6 +157,8 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     wait_for(lambda: "requeued" in open(log).read(), 240, "the job to requeue itself")
     # SLURM holds a requeued job back for a while (BeginTime); let it start now so the test stays short.
     wait_for(lambda: job_state(slurm, job_id).startswith("PENDING"), 60, "the requeued job to be pending")
+    # Not in the second the old attempt's credential was revoked, or slurmd refuses the new one as revoked.
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30)
     wait_for(lambda: job_state(slurm, job_id).startswith("COMPLETED"), 420,
              f"the requeued job to complete ({job_state(slurm, job_id)})")
