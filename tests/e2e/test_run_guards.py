@@ -49,8 +49,8 @@ def test_huge_lr_stops_within_a_few_iterations_and_leaves_finite_checkpoints(tin
     for name, tensor in saved["model"][0].items():
         assert torch.isfinite(tensor.float()).all(), name
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]  # valid JSON throughout
-    if "max_nonfinite_iters" in line:  # the nan losses were logged as null, flagged
-        assert any("lm_loss" in r.get("nonfinite", []) for r in lines)
+    if "max_nonfinite_iters" in line:  # the non-finite losses / grad norms were logged as null, flagged
+        assert any(r.get("nonfinite") for r in lines)
 
 
 def corpus_with_bad_ids(corpus: dict, root: str, bad_id: int, every: int = 97) -> str:
