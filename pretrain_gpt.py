@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,12 +32,17 @@ from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import CheckpointError, Checkpointer, TrainingProgress, save_checkpoint
 from training.config import Config, ConfigError, load_config
 from training.flops import flops_per_iteration
+from training.guards import (EXIT_DIVERGED, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED,
+                             Agreement, NonFiniteGuard, TrainingStopped, agree, bad_token_message, find_bad_token,
+                             weights_are_finite)
 from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
-from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, check_vocab_size,
-                            data_iterator, init_distributed, param_dtype, resolve_sample_data)
-from training.train_step import StepContext, evaluate, train_step
+from training.preemption import Interrupted, PreemptionHandler, job_start_time
+from training.run_lock import RunLock, take_run_lock
+from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, check_devices,
+                            check_vocab_size, data_iterator, init_distributed, param_dtype, resolve_sample_data)
+from training.train_step import StepContext, StepResult, evaluate, take_microbatches, train_step
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
 
@@ -69,6 +75,8 @@ class Run:
     flops_per_iter: float
     resume_plan: Optional[ResumePlan] = None  # the checkpoint to start from; None: start fresh
     checkpointer: Optional[Checkpointer] = None  # None with checkpoint.save=false
+    preemption: Optional[PreemptionHandler] = None
+    last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
 
 
 def prepare_data(config: Config, env: DistEnv, logger: logging.Logger
@@ -158,12 +166,16 @@ def _all_reduce_int(value: int, group: Optional[dist.ProcessGroup], state: Paral
 def resume_if_asked(run: Run) -> None:
     """Load the checkpoint planned at start-up (checkpoint.load: true, a checkpoints folder or one
     iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false), at any layout."""
-    if run.resume_plan is None:
+    if run.resume_plan is None:  # iteration 0: an old metrics.jsonl here belongs to an earlier attempt
+        moved = run.metrics.set_aside()
+        if moved:
+            run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
         return
     ctx = run.ctx
     loaded = load_into_run(run.resume_plan, run.config, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
                            run.rng_tracker, run.logger.info)
     run.progress = TrainingProgress(*loaded)
+    run.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
     run.logger.info(f"starting at iteration {run.progress.iteration} "
                     f"({run.progress.consumed_samples} samples consumed)")
@@ -171,13 +183,35 @@ def resume_if_asked(run: Run) -> None:
 
 def save(run: Run) -> None:
     """Checkpoint the current iteration (sync, or copied aside and written in the background with async_save);
-    the checkpointer logs its size and the time the loop was blocked."""
-    if run.checkpointer is None:
+    the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
+    if run.checkpointer is None or run.last_saved == run.progress.iteration:
         return
     ctx = run.ctx
+    if not weights_are_finite(ctx.chunks, run.state, run.env.device):
+        raise TrainingStopped(f"training diverged: the weights after iteration {run.progress.iteration} are not "
+                              f"finite, so no checkpoint was written; the last one on disk is iteration "
+                              f"{run.last_saved}: lower optim.lr and resume from it", EXIT_DIVERGED)
     save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer, run.lr_schedule,
                     run.rng_tracker.state_dict(), run.config.to_dict(), run.config.parallel.distributed_optimizer,
                     checkpointer=run.checkpointer, keep_last=run.config.checkpoint.keep_last)
+    run.last_saved = run.progress.iteration
+
+
+def check_tokens(run: Run, microbatches: list, dataset: Any, first_sample: int, split: str,
+                 signal_number: int = 0, time_up: bool = False) -> Agreement:
+    """The per-iteration agreement (training.guards.agree): stop signals, the clock and this batch's token
+    ids against model.vocab_size. A bad id anywhere stops every rank; the lowest rank that holds it says
+    which document of which dataset it came from."""
+    vocab_size, state, mbs = run.config.model.vocab_size, run.state, run.config.train.micro_batch_size
+    found = find_bad_token(microbatches, vocab_size)
+    verdict = agree(state, run.env.device, signal_number, time_up, found is not None)
+    if verdict.bad_token_rank >= 0:
+        message = ""
+        if found is not None:  # this dp rank's samples start dp_rank * mbs into each global batch
+            message = bad_token_message(found, dataset, first_sample + state.dp_rank * mbs, mbs, state.dp_size,
+                                        vocab_size, split)
+        raise TrainingStopped(message, EXIT_INPUT_ERROR, reporting_rank=verdict.bad_token_rank)
+    return verdict
 
 
 def run_evaluation(run: Run) -> None:
@@ -188,29 +222,55 @@ def run_evaluation(run: Run) -> None:
     # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
     valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id,
                                num_workers=0)
-    val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters)
+
+    def check(microbatches: list, batch: int) -> None:
+        check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
+
+    val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
     val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
     run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
     run.metrics.write({"iteration": run.progress.iteration, "val_loss": val_loss, "val_ppl": val_ppl})
 
 
-def should_exit(run: Run, start_time: float) -> bool:
-    """train.exit_interval / train.exit_duration_mins, agreed on by every rank."""
+def iteration_boundary(run: Run, microbatches: list, job_start: float) -> bool:
+    """Before each step, one agreement of all ranks: a bad token id stops the run (exit 2); a stop signal
+    saves the last finished iteration and stops it (exit 3); exit_duration_mins (counted from the job's
+    start) saves and ends it (exit 0, returns True)."""
     train_cfg = run.config.train
-    stop = bool(train_cfg.exit_interval and run.progress.iteration % train_cfg.exit_interval == 0)
-    if train_cfg.exit_duration_mins:
-        over = (time.time() - start_time) / 60.0 >= train_cfg.exit_duration_mins
-        flag = torch.tensor([int(over)])
-        if run.state.is_distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must stop at the same iteration
-        stop = stop or bool(flag.item())
-    return stop
+    received = run.preemption.received if run.preemption is not None else None
+    over = bool(train_cfg.exit_duration_mins) and (time.time() - job_start) / 60.0 >= train_cfg.exit_duration_mins
+    verdict = check_tokens(run, microbatches, run.datasets[0], run.progress.consumed_samples, "train",
+                           int(received or 0), over)
+    if verdict.signal_number:
+        save(run)
+        name = signal.Signals(verdict.signal_number).name
+        raise TrainingStopped(f"stopped by {name} after iteration {run.progress.iteration} with a checkpoint of it "
+                              f"under {run.checkpoint_root}: run again with checkpoint.load=true to continue",
+                              EXIT_PREEMPTED)
+    if verdict.time_up:
+        save(run)
+        run.logger.info(f"train.exit_duration_mins={train_cfg.exit_duration_mins} reached after iteration "
+                        f"{run.progress.iteration} (counted from the job's start): checkpoint saved")
+    return verdict.time_up
+
+
+def after_step(run: Run, stats: IntervalStats, result: StepResult, lr: float, seconds: float) -> None:
+    """Counters, the console line and metrics.jsonl for one finished iteration."""
+    cfg, progress = run.config, run.progress
+    progress.iteration += 1
+    progress.consumed_samples += cfg.train.global_batch_size
+    progress.skipped_iters += int(result.skipped)
+    stats.add(result, lr, seconds)
+    if progress.iteration % cfg.logging.log_interval == 0:
+        record = stats.flush(progress)
+        run.logger.info(format_train_line(record, cfg.train.train_iters))
+        run.metrics.write(record)
 
 
 def train(run: Run) -> None:
     """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
     cfg, train_cfg, state = run.config, run.config.train, run.state
-    start_time = time.time()
+    job_start = job_start_time()
     train_iter = data_iterator(cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank,
                                state.dp_size, run.eod_id)
     if run.progress.iteration == 0:
@@ -219,31 +279,29 @@ def train(run: Run) -> None:
     iteration_one = run.progress.iteration + 1
     stats = IntervalStats(run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length,
                           run.env.world_size, run.env.device.type)
+    nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
     while run.progress.iteration < train_cfg.train_iters:
+        microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
+        if iteration_boundary(run, microbatches, job_start):
+            break
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(run.ctx, train_iter, lr,
+        result = train_step(run.ctx, microbatches, lr,
                             before_update=run.checkpointer.before_update if run.checkpointer else None)
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
+        after_step(run, stats, result, lr, time.perf_counter() - started)
         progress = run.progress
-        progress.iteration += 1
-        progress.consumed_samples += train_cfg.global_batch_size
-        progress.skipped_iters += int(result.skipped)
-        stats.add(result, lr, time.perf_counter() - started)
         if run.checkpointer is not None:
             run.checkpointer.poll()  # report a finished background save promptly
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
                             + run.comm_counter.summary(layers, run.ctx.num_microbatches))
-        if progress.iteration % cfg.logging.log_interval == 0:
-            record = stats.flush(progress)
-            run.logger.info(format_train_line(record, train_cfg.train_iters))
-            run.metrics.write(record)
+        nonfinite.check(result, progress.iteration)
         if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
             run_evaluation(run)
-        stop = should_exit(run, start_time)
+        stop = bool(train_cfg.exit_interval and progress.iteration % train_cfg.exit_interval == 0)
         interval = cfg.checkpoint.save_interval
         if stop or progress.iteration == train_cfg.train_iters or (interval and progress.iteration % interval == 0):
             save(run)
@@ -258,32 +316,72 @@ def train(run: Run) -> None:
                     f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}")
 
 
+def run_training(config: Config, env: DistEnv, layout: Layout, preemption: PreemptionHandler) -> int:
+    """Build, resume, train; returns the exit code (training.guards)."""
+    try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
+        run = build_run(config, env, layout)
+        run.preemption = preemption
+        resume_if_asked(run)
+    except (ValueError, OSError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    try:
+        try:
+            train(run)
+        except TrainingStopped:
+            if run.checkpointer is not None:
+                run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first
+            raise
+    except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+        run.metrics.close()
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except TrainingStopped as stop:
+        run.metrics.close()
+        if env.rank == stop.reporting_rank:
+            if stop.exit_code == EXIT_PREEMPTED:
+                run.logger.info(str(stop))
+            else:
+                print(f"error: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    return EXIT_OK
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the trainer; returns the exit code (0 done, 2 bad input, 3 stopped by a signal, 4 diverged:
+    see training/guards.py)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(args.config, args.overrides)
         layout = layout_from_config(config, world_size)  # every layout rule, before any work
+        use_cuda = check_devices(config.train, os.environ)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    env = init_distributed()
-    try:
-        try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
-            run = build_run(config, env, layout)
-            resume_if_asked(run)
-        except (ValueError, OSError, CheckpointError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        return EXIT_INPUT_ERROR
+    created_dir = not os.path.exists(config.run.dir)
+    lock = RunLock(config.run.dir)
+    with PreemptionHandler() as preemption:  # from here on a signal stops at an iteration boundary
+        env = init_distributed(use_cuda)
         try:
-            train(run)
-        except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+            error = take_run_lock(lock, env.rank, env.world_size, env.device)
+            if error is not None:
+                if error:
+                    print(f"error: {error}", file=sys.stderr)
+                return EXIT_INPUT_ERROR
+            if lock.broke_stale is not None:
+                print(f"warning: removed the stale lock of pid {lock.broke_stale.get('pid')} on host "
+                      f"{lock.broke_stale.get('host')} from {lock.path}", file=sys.stderr)
+            return run_training(config, env, layout, preemption)
+        except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)
-            return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+            return EXIT_INTERRUPTED
+        finally:
+            lock.release()
+            if created_dir and env.rank == 0 and os.path.isdir(config.run.dir) and not os.listdir(config.run.dir):
+                os.rmdir(config.run.dir)  # a start that failed before writing anything leaves no folder
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

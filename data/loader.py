@@ -95,8 +95,10 @@ def collate_samples(samples: list[dict], eod_id: int, eod_mask_loss: bool, reset
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                         num_workers: int, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                        reset_attention_mask: bool, extra_token: bool = True) -> Iterator[dict]:
-    """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out."""
+                        reset_attention_mask: bool, extra_token: bool = True,
+                        worker_init_fn=None) -> Iterator[dict]:
+    """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out.
+    `worker_init_fn` runs first in each worker process (the trainer makes workers ignore stop signals)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     collate = partial(collate_samples, eod_id=eod_id, eod_mask_loss=eod_mask_loss,
                       reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
@@ -104,6 +106,7 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate, pin_memory=False,
         persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
+        worker_init_fn=worker_init_fn,
         # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG, which
         # would shift the dropout stream whenever an iterator is created (every evaluation, every resume).
         generator=torch.Generator().manual_seed(0))

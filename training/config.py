@@ -7,8 +7,12 @@ place, parallel/layout.py's `build_layout`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +25,11 @@ from model.config import ModelConfig
 
 class ConfigError(ValueError):
     """A bad config: the message names the key and the value."""
+
+
+def _expand_home(value: Any) -> Any:
+    """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
+    return os.path.expanduser(value) if isinstance(value, str) else value
 
 
 @dataclass
@@ -57,14 +66,17 @@ class TrainConfig:
     exit_interval: int = 0  # stop (and save) after this iteration; 0 = off
     exit_duration_mins: float = 0.0  # stop (and save) when the run has lasted this long; 0 = off
     clip_grad: float = 1.0
+    max_nonfinite_iters: int = 3  # this many iterations in a row with a non-finite loss/grad norm stop the run
+    device: str = "auto"  # auto (CUDA if visible; refuses CPU where GPUs were allocated) | cuda | cpu
+    allow_gpu_sharing: bool = False  # more local ranks than visible GPUs is an error unless this is true
 
     def validate(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_interval",
-                    "recompute_num_layers"):
+                    "recompute_num_layers", "max_nonfinite_iters"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
         for key, choices in (("precision", ("fp32", "bf16", "fp16")), ("recompute", ("none", "selective", "full")),
-                             ("recompute_method", ("uniform", "block"))):
+                             ("recompute_method", ("uniform", "block")), ("device", ("auto", "cuda", "cpu"))):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
         for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad"):
@@ -92,6 +104,17 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.lr={self.lr} and optim.min_lr={self.min_lr} need 0 <= min_lr <= lr, lr > 0")
+        for key in ("adam_eps", "initial_loss_scale", "min_loss_scale"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be > 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"optim.min_loss_scale={self.min_loss_scale} is larger than "
+                              f"optim.initial_loss_scale={self.initial_loss_scale}")
+        for key in ("loss_scale_window", "hysteresis"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"optim.lr_decay_style={self.lr_decay_style!r} is not one of cosine, linear, constant")
         if self.lr_warmup_iters < 0:
@@ -122,6 +145,9 @@ class DataConfig:
     def validate(self) -> None:
         if not self.mid_level_dataset_surplus >= 0:
             raise ConfigError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
+        self.data_path = [_expand_home(item) for item in self.data_path]
+        for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
+            setattr(self, key, _expand_home(getattr(self, key)))
         if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
             raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, "
                               f"SentencePieceTokenizer")
@@ -175,6 +201,7 @@ class RunConfig:
     def validate(self) -> None:
         if not self.dir:
             raise ConfigError("run.dir must not be empty")
+        self.dir = os.path.expanduser(self.dir)
 
 
 @dataclass
@@ -251,11 +278,14 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
             raise ConfigError(f"{section}.{key}={value!r} has the wrong type: expected {expected}")
         if hints[key] is float and isinstance(value, int):
             values[key] = float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{key}={value} must be a finite number")
     return cls(**values)
 
 
-def config_from_dict(raw: dict) -> Config:
-    """Strictly build a Config from nested dicts (unknown sections/keys and wrong types are errors)."""
+def config_from_dict(raw: dict, validate: bool = True) -> Config:
+    """Strictly build a Config from nested dicts (unknown sections/keys and wrong types are errors); then
+    check the values unless validate=False."""
     sections = {f.name: f for f in dataclasses.fields(Config)}
     built = {}
     for name, values in (raw or {}).items():
@@ -267,7 +297,8 @@ def config_from_dict(raw: dict) -> Config:
             raise ConfigError(f"config section {name!r} must be a mapping, got {values!r}")
         built[name] = _build_section(typing.get_type_hints(Config)[name], dict(values), name)
     config = Config(**built)
-    config.validate()
+    if validate:
+        config.validate()
     return config
 
 
@@ -289,17 +320,47 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if raw is None:
+        raise ConfigError(f"config file {path} is empty (no sections): give it at least one section, or leave "
+                          f"out --config to train the defaults")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _first_key(message: str) -> Optional[str]:
+    """The first `section.key` a ConfigError message names, e.g. 'optim.lr' in 'optim.lr=inf must be ...'."""
+    match = re.search(r"\b([a-z_]+\.[a-z_0-9]+)(=|\b)", message)
+    return match.group(1) if match else None
+
+
 def load_config(path: Optional[str], overrides: Optional[list[str]] = None) -> Config:
-    """Read YAML (None = defaults), apply overrides, build and validate."""
+    """Read YAML (None = defaults), apply overrides, build and validate. An error in the file names the file
+    and the key; an error in an override names the override."""
+    overrides = overrides or []
     raw: dict = {}
+    file_keys: set[str] = set()
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                raw = yaml.safe_load(handle) or {}
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return config_from_dict(apply_overrides(raw, overrides or []))
+        path = os.path.expanduser(path)
+        raw = _read_config_file(path)
+        try:  # the file alone first: unknown keys, wrong types and bad sections are the file's fault
+            config_from_dict(copy.deepcopy(raw), validate=False)
+        except ConfigError as err:
+            raise ConfigError(f"config file {path}: {err}") from None
+        file_keys = {f"{section}.{key}" for section, values in raw.items() for key in values}
+    overridden = {item.split("=", 1)[0] for item in overrides}
+    try:
+        return config_from_dict(apply_overrides(raw, overrides))
+    except ConfigError as err:
+        key = _first_key(str(err))
+        if key in file_keys and key not in overridden:
+            raise ConfigError(f"config file {path}: {err}") from None
+        raise

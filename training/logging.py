@@ -5,16 +5,30 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+import math
+from typing import Any, Optional
 
 LOGGER_NAME = "ptdp"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """A handler on whatever sys.stdout is when a record is written (tests and tools swap sys.stdout; a
+    handler bound to the first one would write into a closed stream)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def get_logger(rank: int = 0) -> logging.Logger:
     """The project's logger: INFO to stdout on the logging rank (rank 0), warnings and errors on every rank."""
     logger = logging.getLogger(LOGGER_NAME)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
@@ -44,21 +58,61 @@ class MetricsWriter:
             else:
                 self._tb = SummaryWriter(log_dir=self.tensorboard_dir)
 
+    def _read_lines(self) -> list[str]:
+        """The file's complete lines; a torn last line (a crash or a full disk mid-write) is dropped with a
+        warning naming the file. A malformed line elsewhere is an error naming the file and line."""
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.readlines()
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                if number == len(lines):
+                    get_logger().warning(f"warning: dropped the torn last line {number} of {self.path} "
+                                         f"({len(line)} bytes, not complete JSON)")
+                    continue
+                raise ValueError(f"{self.path}:{number}: malformed JSON ({err.msg})") from None
+            kept.append(line if line.endswith("\n") else line + "\n")
+        return kept
+
     def truncate_after(self, iteration: int) -> None:
-        """On resume: drop lines of iterations after the checkpoint so the file reads as one run."""
+        """On resume: drop lines of iterations after the checkpoint (and a torn last line) so the file reads
+        as one run."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        with open(self.path, encoding="utf-8") as handle:
-            kept = [line for line in handle if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
+        kept = [line for line in self._read_lines() if json.loads(line).get("iteration", 0) <= iteration]
         with open(self.path + ".tmp", "w", encoding="utf-8") as handle:
             handle.writelines(kept)
         os.replace(self.path + ".tmp", self.path)
 
+    def set_aside(self) -> Optional[str]:
+        """A run starting from iteration 0 in a run.dir that already has metrics: move the old file to
+        metrics.jsonl.N (first free N) instead of appending a second copy of the iterations. Returns the
+        new name, or None when there was nothing to move."""
+        if not self.enabled or not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            return None
+        number = 1
+        while os.path.exists(f"{self.path}.{number}"):
+            number += 1
+        os.replace(self.path, f"{self.path}.{number}")
+        return f"{self.path}.{number}"
+
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record as one complete line (a single write to an O_APPEND file); non-finite numbers
+        become null and are listed under "nonfinite", so the file stays JSON."""
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        line = (json.dumps(json_safe(record), allow_nan=False) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):  # a full disk: say so instead of leaving half a line unnoticed
+                raise OSError(f"short write to {self.path} ({written} of {len(line)} bytes)")
+        finally:
+            os.close(fd)
         if self._tb is not None:
             step = record["iteration"]
             for key, value in record.items():
@@ -69,6 +123,14 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with nan/inf floats as None and their keys listed under "nonfinite" (JSON has no NaN)."""
+    bad = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+    if not bad:
+        return record
+    return {**{key: (None if key in bad else value) for key, value in record.items()}, "nonfinite": bad}
 
 
 def format_train_line(record: dict[str, Any], train_iters: int) -> str:
@@ -82,10 +144,10 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
              f"{record['tokens_per_sec']:.0f} tok/s",
              f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
              f"mem {record['memory_gib']:.2f} GiB"]
-    if record.get("loss_scale", 1.0) != 1.0:
+    if record.get("loss_scale", 1.0) != 1.0 or record.get("skipped_iters"):
         parts.append(f"loss scale {record['loss_scale']:.0f}")
     if record.get("skipped_iters"):
-        parts.append(f"skipped {record['skipped_iters']}")
+        parts.append(f"skipped {record['skipped_iters']} (total {record.get('skipped_total', '?')})")
     return " | ".join(parts)
 
 
@@ -112,13 +174,14 @@ class IntervalStats:
 
     def _reset(self) -> None:
         self.iters = self.counted = self.skipped = 0
-        self.loss_sum = self.seconds = 0.0
+        self.loss_sum = self.all_loss_sum = self.seconds = 0.0
         self.last: dict[str, float] = {}
 
     def add(self, result: Any, lr: float, seconds: float) -> None:
         """One finished iteration (a training.train_step.StepResult); skipped steps do not count in the loss."""
         self.iters += 1
         self.seconds += seconds
+        self.all_loss_sum += result.loss
         if result.skipped:
             self.skipped += 1
         else:
@@ -129,11 +192,13 @@ class IntervalStats:
     def flush(self, progress: Any) -> dict[str, Any]:
         seconds_per_iter = self.seconds / max(self.iters, 1)
         record = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                  "lm_loss": self.loss_sum / max(self.counted, 1), **self.last,
+                  # The loss of the applied steps; with none applied (every step skipped), of all of them.
+                  "lm_loss": self.loss_sum / self.counted if self.counted else self.all_loss_sum / max(self.iters, 1),
+                  **self.last,
                   "ms_per_iter": 1000.0 * seconds_per_iter,
                   "tokens_per_sec": self.tokens_per_iter / seconds_per_iter,
                   "tflops_per_device": self.flops_per_iter / seconds_per_iter / self.world_size / 1e12,
                   "memory_gib": peak_memory_gib(self.device_type),
-                  "skipped_iters": self.skipped}
+                  "skipped_iters": self.skipped, "skipped_total": progress.skipped_iters}
         self._reset()
         return record

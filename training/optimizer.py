@@ -6,8 +6,9 @@ master params, exp_avg and exp_avg_sq. Weight decay and "counts in the grad norm
 as runs of (start, end) over contiguous params, not as per-element masks: that costs nothing per element.
 
 Param groups as Megatron: no weight decay on 1-D params (biases, norm weights), decay on everything else.
-One step: unscale (fp16) -> inf/nan check over the world (fp16: skip the step) -> global grad norm -> clip ->
-AdamW -> write the masters back into the model params (distributed: all-gather the shards over dp).
+One step: unscale (fp16) -> inf/nan check over the world (fp16: skip the step) -> global grad norm (not finite:
+skip the step, any precision) -> clip -> AdamW -> write the masters back into the model params (distributed:
+all-gather the shards over dp).
 """
 from __future__ import annotations
 
@@ -208,6 +209,10 @@ class Optimizer:
             if found_inf:
                 return StepStats(grad_norm=float("nan"), skipped=True, loss_scale=scale)
         norm = self.grad_norm()
+        if not math.isfinite(norm):
+            # An inf/nan gradient would make every weight nan: skip the update (as fp16 does on overflow);
+            # the trainer counts such steps and stops after train.max_nonfinite_iters in a row.
+            return StepStats(grad_norm=norm, skipped=True, loss_scale=scale)
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0 and grads:
             torch._foreach_mul_(grads, coefficient)
@@ -269,7 +274,8 @@ class Optimizer:
         """Restore `state_dict()` output of the same layout and write the masters into the model params
         (collective over dp when distributed). Resharding to another dp size is not supported."""
         mine = self.state_dict()
-        for key in ("distributed", "dp_size", "dp_rank"):
+        # The plain optimizer's state is the same on every dp rank (dp rank 0 saves it for all of them).
+        for key in ("distributed", "dp_size", "dp_rank") if self.distributed else ("distributed", "dp_size"):
             if state[key] != mine[key]:
                 raise ValueError(f"optimizer checkpoint has {key}={state[key]}, this run has {mine[key]}")
         ranges = [(s["chunk"], s["start"], s["end"]) for s in state["segments"]]

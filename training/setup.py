@@ -13,7 +13,8 @@ from data.builder import BuildOptions, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import ensure_sample_corpus
-from training.config import Config
+from training.config import Config, TrainConfig
+from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,16 +31,48 @@ class DistEnv:
     device: torch.device
 
 
-def init_distributed() -> DistEnv:
+def _gpus_allocated(environ) -> Optional[str]:
+    """Why this process is expected to have GPUs (the variable that says so), or None."""
+    for key in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE"):
+        value = environ.get(key, "").strip()
+        allocated = (value.isdigit() and int(value) > 0) if key == "SLURM_GPUS_ON_NODE" else \
+            value not in ("", "-1", "NoDevFiles")
+        if allocated:
+            return f"{key}={value}"
+    return None
+
+
+def check_devices(train: TrainConfig, environ) -> bool:
+    """Whether to run on CUDA (train.device), refusing a silent fallback: CPU where GPUs were allocated or
+    asked for, and more local ranks than visible GPUs (unless train.allow_gpu_sharing). Raises ValueError."""
+    if train.device == "cpu":
+        return False
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        expected = "train.device=cuda" if train.device == "cuda" else _gpus_allocated(environ)
+        if expected:
+            raise ValueError(f"GPUs were expected ({expected}) but torch sees no CUDA device (torch "
+                             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}): fix the driver or "
+                             f"the torch build, or set train.device=cpu to train on the CPU")
+        return False
+    local_ranks = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+    if local_ranks > visible and not train.allow_gpu_sharing:
+        raise ValueError(f"{local_ranks} ranks on this node but {visible} visible GPU(s): ranks would share "
+                         f"GPUs; start {visible} ranks per node, or set train.allow_gpu_sharing=true")
+    return True
+
+
+def init_distributed(use_cuda: Optional[bool] = None) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
+    `use_cuda` (from `check_devices`) defaults to whether CUDA is available.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() if use_cuda is None else use_cuda:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
@@ -116,7 +149,8 @@ def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, 
     return build_data_iterator(
         dataset, consumed_samples, config.train.micro_batch_size, dp_rank, dp_size,
         data.num_workers if num_workers is None else num_workers, eod_id, data.eod_mask_loss,
-        data.reset_position_ids, data.reset_attention_mask, data.add_extra_token_to_sequence)
+        data.reset_position_ids, data.reset_attention_mask, data.add_extra_token_to_sequence,
+        worker_init_fn=ignore_stop_signals)
 
 
 def param_dtype(precision: str) -> torch.dtype:

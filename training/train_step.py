@@ -86,8 +86,10 @@ def make_forward_fn(num_microbatches: int):
     return forward_fn
 
 
-def next_microbatches(data_iter: Iterator[dict], count: int, device: torch.device) -> list[dict]:
-    return [_to_device(next(data_iter), device) for _ in range(count)]
+def take_microbatches(data_iter: Iterator[dict], count: int) -> list[dict]:
+    """This rank's `count` micro-batches of the next global batch, still on the CPU (where the trainer checks
+    their token ids before they reach the embedding)."""
+    return [next(data_iter) for _ in range(count)]
 
 
 def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
@@ -103,13 +105,16 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     return float(total.reshape(()))
 
 
-def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float,
+def train_step(ctx: StepContext, microbatches: Union[list[dict], Iterator[dict]], lr: float,
                before_update: Optional[Callable[[], None]] = None) -> StepResult:
-    """Forward/backward over the global batch, gradient reduction, clipping and the optimizer step.
+    """Forward/backward over this rank's micro-batches of the global batch (a list from `take_microbatches`,
+    or the data iterator to take them from), gradient reduction, clipping and the optimizer step.
     `before_update()` runs just before the step changes any weight (an async checkpoint copy finishes)."""
     for chunk in ctx.chunks:
         chunk.train()
-    microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
+    if not isinstance(microbatches, list):
+        microbatches = take_microbatches(microbatches, ctx.num_microbatches)
+    microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
     ctx.ddp.zero_grad()
     result = execute_schedule(ctx.train_plan, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
                               ctx.state, ctx.activation_shape, ctx.activation_dtype,
@@ -125,14 +130,19 @@ def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float,
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int) -> float:
-    """Mean validation loss over eval_iters global batches (forward only)."""
+def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int,
+             check_batch: Optional[Callable[[list[dict], int], None]] = None) -> float:
+    """Mean validation loss over eval_iters global batches (forward only); `check_batch(microbatches, k)`,
+    if given, sees the k-th batch on the CPU first (and may raise)."""
     for chunk in ctx.chunks:
         chunk.eval()
     forward_fn = make_forward_fn(ctx.num_microbatches)
     total = 0.0
-    for _ in range(eval_iters):
-        microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
+    for batch in range(eval_iters):
+        microbatches = take_microbatches(data_iter, ctx.num_microbatches)
+        if check_batch is not None:
+            check_batch(microbatches, batch)
+        microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
         result = execute_schedule(ctx.eval_plan, ctx.chunks, microbatches, forward_fn, ctx.state,
                                   ctx.activation_shape, ctx.activation_dtype, scatter_gather=ctx.scatter_gather,
                                   overlap_p2p_comm=ctx.overlap_p2p_comm)

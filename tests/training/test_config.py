@@ -163,3 +163,54 @@ def test_checkpoint_load_keys():
                                (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+# ---- hostile config files (issue 12) ------------------------------------------------------------------
+def test_empty_config_file_is_an_error(tmp_path):
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(ConfigError, match=r"config file .*c\.yaml is empty"):
+            load_config(write(tmp_path, text))
+
+
+def test_file_errors_name_the_file_and_the_key(tmp_path):
+    path = write(tmp_path, "train: 5\n")
+    with pytest.raises(ConfigError, match=rf"^config file {path}: config section 'train' must be a mapping"):
+        load_config(path, ["train.train_iters=3"])
+    path = write(tmp_path, "optim:\n  adam_eps: -1\n")
+    with pytest.raises(ConfigError, match=rf"^config file {path}: optim\.adam_eps=-1\.0 must be > 0"):
+        load_config(path)
+    path = write(tmp_path, "optim:\n  lr: .inf\n")
+    with pytest.raises(ConfigError, match=rf"^config file {path}: optim\.lr=inf must be a finite number"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^optim\.lr=-1\.0 and optim\.min_lr"):  # the override's fault
+        load_config(write(tmp_path, "optim:\n  lr: 0.1\n"), ["optim.lr=-1"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=.inf", r"optim\.lr=inf must be a finite number"),
+    ("optim.lr=.nan", r"optim\.lr=nan must be a finite number"),
+    ("optim.min_lr=-1", r"0 <= min_lr <= lr"),
+    ("optim.adam_eps=-1", r"optim\.adam_eps=-1\.0 must be > 0"),
+    ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
+    ("optim.adam_beta1=1.5", r"optim\.adam_beta1=1\.5 must be in \[0, 1\)"),
+    ("optim.adam_beta2=.nan", r"optim\.adam_beta2=nan must be a finite number"),
+    ("optim.weight_decay=-0.1", r"optim\.weight_decay=-0\.1 must be >= 0"),
+    ("train.clip_grad=-1", r"train\.clip_grad=-1\.0 must be >= 0"),
+    ("train.clip_grad=.inf", r"train\.clip_grad=inf must be a finite number"),
+    ("optim.min_loss_scale=0", r"optim\.min_loss_scale=0\.0 must be > 0"),
+    ("train.max_nonfinite_iters=0", r"train\.max_nonfinite_iters=0 must be >= 1"),
+    ("train.device=tpu", r"train\.device='tpu' is not one of auto, cuda, cpu"),
+])
+def test_values_that_make_no_sense_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("train:\n  train_iters: 300\n")
+    config = load_config("~/c.yaml", ["run.dir=~/runs/x", "data.data_path=[0.5, ~/a, 0.5, ~/b]",
+                                      "data.vocab_file=~/v.json", "data.merge_file=~/m.txt"])
+    assert config.run.dir == str(tmp_path / "runs" / "x")
+    assert config.data.data_path == [0.5, str(tmp_path / "a"), 0.5, str(tmp_path / "b")]
+    assert config.data.vocab_file == str(tmp_path / "v.json") and config.train.train_iters == 300

@@ -1,0 +1,147 @@
+"""What stops a run early, and the exit codes it stops with.
+
+Exit codes of pretrain_gpt.py (every rank):
+    0    finished: train.train_iters reached, or train.exit_interval / train.exit_duration_mins (checkpoint saved)
+    1    an unexpected error (a Python traceback)
+    2    bad input: config, data files, a token id outside the vocabulary, checkpoint, run.dir in use
+    3    stopped by SIGTERM / SIGUSR1 / SIGINT after saving a checkpoint of the last finished iteration
+    4    training diverged: train.max_nonfinite_iters iterations in a row with a non-finite loss or gradient
+         norm, or an fp16 loss scale stuck at its minimum (no checkpoint is written from such a state)
+    130  a second SIGINT: stopped at once, no checkpoint
+
+Per iteration the ranks agree on three things with one all-reduce (`agree`): a stop signal received by any
+rank, the exit_duration_mins clock, and a batch holding token ids outside the vocabulary on any rank.
+The non-finite checks need no collective of their own: the loss and the gradient norm are already reduced
+to the same value on every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+
+class TrainingStopped(Exception):
+    """Ends the run with `exit_code` and the one-line `message` (printed by rank `reporting_rank`)."""
+
+    def __init__(self, message: str, exit_code: int, reporting_rank: int = 0):
+        super().__init__(message)
+        self.exit_code, self.reporting_rank = exit_code, reporting_rank
+
+
+@dataclass
+class Agreement:
+    """What every rank decided together at an iteration boundary."""
+
+    signal_number: int  # the largest signal number any rank received, 0 = none
+    time_up: bool
+    bad_token_rank: int  # the lowest rank holding a bad batch, -1 = none
+
+
+def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, bad_batch: bool) -> Agreement:
+    """One MAX all-reduce over the world of [signal, time up, world - rank if this rank's batch is bad]."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if state.is_distributed else (1, 0)
+    flags = torch.tensor([signal_number, int(time_up), world - rank if bad_batch else 0], dtype=torch.int64,
+                         device=device)
+    if state.is_distributed:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    signal_number, time_up, bad = (int(x) for x in flags.tolist())
+    return Agreement(signal_number, bool(time_up), world - bad if bad else -1)
+
+
+# ---- token ids ---------------------------------------------------------------------------------------
+def find_bad_token(microbatches: list[dict], vocab_size: int) -> Optional[tuple[int, int, int, int]]:
+    """(micro-batch, row, position in the sample, id) of the first id outside [0, vocab_size), else None.
+
+    One min/max per tensor on the CPU batch before it moves to the device; the exact position is searched
+    only for a bad micro-batch. A sample is tokens + the last label ([b, s + 1], as read from the data)."""
+    for k, mb in enumerate(microbatches):
+        lows, highs = zip(*(torch.aminmax(mb[key]) for key in ("tokens", "labels")))
+        if min(int(x) for x in lows) >= 0 and max(int(x) for x in highs) < vocab_size:
+            continue
+        text = torch.cat([mb["tokens"], mb["labels"][:, -1:]], dim=1)
+        row, position = ((text < 0) | (text >= vocab_size)).nonzero()[0].tolist()
+        return k, row, position, int(text[row, position])
+    return None
+
+
+def locate_sample_token(dataset: Any, sample: int, position: int) -> tuple[str, int, int]:
+    """(data prefix, document index, offset in the document) of token `position` of sample `sample` of a
+    GPTDataset or a BlendedDataset of them, read from their index arrays (data/gpt_dataset.py)."""
+    if hasattr(dataset, "dataset_index"):  # BlendedDataset: which component, which of its samples
+        component = int(dataset.dataset_index[sample])
+        return locate_sample_token(dataset.datasets[component], int(dataset.dataset_sample_index[sample]),
+                                   position)
+    row = int(dataset.shuffle_index[sample])
+    doc_pos, offset = (int(x) for x in dataset.sample_index[row])
+    last_pos = int(dataset.sample_index[row + 1][0])
+    sizes = dataset.indexed.sequence_lengths
+    while doc_pos < last_pos:  # walk the documents the sample spans until `position` falls inside one
+        document = int(dataset.document_index[doc_pos])
+        available = int(sizes[document]) - offset
+        if position < available:
+            break
+        position -= available
+        doc_pos, offset = doc_pos + 1, 0
+    return dataset.indexed.path_prefix, int(dataset.document_index[doc_pos]), offset + position
+
+
+def bad_token_message(found: tuple[int, int, int, int], dataset: Any, first_sample: int, micro_batch_size: int,
+                      dp_size: int, vocab_size: int, split: str) -> str:
+    """The one line for a bad id. Sample numbering follows data/loader.py's sampler: micro-batch k of a
+    step that starts at `first_sample` (+ dp_rank * mbs) holds samples first + k * mbs * dp + [0, mbs)."""
+    microbatch, row, position, token = found
+    sample = first_sample + microbatch * micro_batch_size * dp_size + row
+    prefix, document, offset = locate_sample_token(dataset, sample, position)
+    return (f"token id {token} in document {document} of {prefix} (token {offset} of the document, {split} "
+            f"sample {sample}) is outside the model's vocabulary of {vocab_size} ids (model.vocab_size): the data "
+            f"was tokenized with another tokenizer, or model.vocab_size is too small")
+
+
+# ---- non-finite values -------------------------------------------------------------------------------
+class NonFiniteGuard:
+    """Counts consecutive iterations with a non-finite loss or gradient norm (the optimizer skipped their
+    update) and, with fp16, skipped steps whose loss scale was already the minimum. Ordinary fp16 overflow
+    skips while the scale is still coming down do not count."""
+
+    def __init__(self, max_consecutive: int, min_loss_scale: float, dynamic_scale: bool):
+        self.max_consecutive, self.min_loss_scale, self.dynamic_scale = max_consecutive, min_loss_scale, dynamic_scale
+        self.count = 0
+
+    def is_bad(self, result: Any) -> bool:
+        if not math.isfinite(result.loss):
+            return True
+        if not result.skipped:
+            return False
+        return not self.dynamic_scale or result.loss_scale <= self.min_loss_scale
+
+    def check(self, result: Any, iteration: int) -> None:
+        """Account for one iteration's StepResult; raise TrainingStopped once too many were bad in a row."""
+        self.count = self.count + 1 if self.is_bad(result) else 0
+        if self.count < self.max_consecutive:
+            return
+        first = iteration - self.count + 1
+        if self.dynamic_scale and math.isfinite(result.loss):
+            what = (f"the fp16 loss scale is stuck at its minimum optim.min_loss_scale={self.min_loss_scale:g} "
+                    f"and every step overflows")
+        else:
+            what = (f"non-finite loss or gradient norm (last: loss {result.loss}, grad norm {result.grad_norm})")
+        raise TrainingStopped(
+            f"training diverged: iterations {first}-{iteration} in a row ({self.count}, train.max_nonfinite_iters="
+            f"{self.max_consecutive}): {what}; their updates were skipped and no checkpoint was written from "
+            f"them: lower optim.lr or resume from the last checkpoint", EXIT_DIVERGED)
+
+
+def weights_are_finite(chunks: list, state: Any, device: torch.device) -> bool:
+    """Whether every parameter on every rank is finite (one sync and one all-reduce; run before a save)."""
+    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in params]).all() if params else torch.tensor(True)
+    flag = ok.to(device=device, dtype=torch.int32).reshape(1)
+    if state.is_distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

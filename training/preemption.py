@@ -1,0 +1,82 @@
+"""Preemption: SIGTERM, SIGUSR1 and SIGINT ask the run to stop at the next iteration boundary, and the clock
+that train.exit_duration_mins counts on.
+
+SLURM sends SIGTERM on `scancel`, on preemption and at the time limit; `#SBATCH --signal=USR1@<seconds>` is how
+a job asks for a warning before it; Ctrl-C sends SIGINT. The handler only records the signal. At the next
+iteration boundary every rank shares what it got (`training.guards.agree`, one all-reduce), so all ranks stop
+after the same iteration, save a checkpoint of it and exit with `EXIT_PREEMPTED`. A SIGINT that arrives while
+a stop is already pending stops at once (`Interrupted`, no checkpoint), as a second Ctrl-C is expected to.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT: stop now, without a checkpoint."""
+
+
+class PreemptionHandler:
+    """Records the first of SIGTERM / SIGUSR1 / SIGINT; use as a context manager around the run."""
+
+    def __init__(self) -> None:
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._pid = os.getpid()
+
+    def __enter__(self) -> "PreemptionHandler":
+        # Python allows handlers only in the main thread (tests that drive main() from a thread get none).
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child that inherited this handler: the trainer decides
+            return
+        sig = signal.Signals(signum)
+        if sig == signal.SIGINT and self.received is not None:
+            raise Interrupted(f"second interrupt ({sig.name} after {self.received.name}): stopped at once")
+        if self.received is None:
+            self.received = sig
+            # os.write, not logging: a handler may run while the logging stream's lock is held.
+            os.write(2, f"received {sig.name}: stopping after this iteration with a checkpoint "
+                        f"(press Ctrl-C again to stop at once)\n".encode())
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: SLURM's scancel and a terminal's Ctrl-C signal every process, and torch's
+    workers die of SIGTERM / SIGINT, which would break the trainer's next batch before it can save. Workers
+    ignore them; the trainer stops them when it is done."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def job_start_time(environ: Optional[dict] = None) -> float:
+    """When this job started, in seconds since the epoch: SLURM_JOB_START_TIME under SLURM, else the start of
+    this process (from /proc), else now. exit_duration_mins counts from here, so building the data and the
+    model and loading a checkpoint count against the time limit too."""
+    environ = os.environ if environ is None else environ
+    slurm_start = environ.get("SLURM_JOB_START_TIME", "")
+    if slurm_start.isdigit():
+        return float(slurm_start)
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            # Field 22 (after the parenthesised command name) is the start time in clock ticks since boot.
+            start_ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
