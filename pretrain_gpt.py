@@ -65,11 +65,15 @@ class Run:
     logger: Any
     checkpoint_root: str
     flops_per_iter: float
+    resume_plan: Any = None  # training.checkpoint.resume.ResumePlan, or None to start fresh
+    checkpointer: Any = None  # training.checkpointing.Checkpointer (None with checkpoint.save=false)
 
 
-def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]:
-    """Tokenizer (which fills in model.vocab_size) and datasets; then the resolved config is saved."""
+def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple, Any]:
+    """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
+    before anything is written) and datasets; then the resolved config is saved."""
     from data.tokenizers import build_tokenizer
+    from training.checkpoint.resume import plan_resume
 
     resolve_sample_data(config, env, logger)
     data = config.data
@@ -77,13 +81,14 @@ def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]
                                 tokenizer_model=data.tokenizer_model)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
+    resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
     datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
         with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
         logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    return tokenizer, datasets
+    return tokenizer, datasets, resume_plan
 
 
 def build_optimizer_and_schedule(config: Config, chunks: list, state: Any) -> tuple[Any, Any, Any]:
@@ -112,7 +117,7 @@ def build_run(config: Config, env: DistEnv) -> Run:
     from parallel.random import RNGTracker, make_checkpoint_fn
     from parallel.state import ParallelState
     from parallel.tensor_parallel import CommCounter
-    from training.checkpointing import TrainingProgress
+    from training.checkpointing import Checkpointer, TrainingProgress
     from training.flops import flops_per_iteration
     from training.logging import MetricsWriter, get_logger
     from training.train_step import StepContext
@@ -122,7 +127,7 @@ def build_run(config: Config, env: DistEnv) -> Run:
     state = (ParallelState.create(par.tp_size, par.pp_size, par.vp_size) if env.world_size > 1
              else ParallelState.single(par.vp_size))
     logger.info(f"layout: {state.describe()}; device {env.device}")
-    tokenizer, datasets = prepare_data(config, env, logger)
+    tokenizer, datasets, resume_plan = prepare_data(config, env, logger)
     run_dir = config.run.dir
 
     dtype = param_dtype(train.precision)
@@ -146,9 +151,10 @@ def build_run(config: Config, env: DistEnv) -> Run:
     flops = flops_per_iteration(train.global_batch_size, model_cfg.seq_length, model_cfg.num_layers,
                                 model_cfg.hidden_size, model_cfg.padded_vocab_size(state.tp_size),
                                 full_recompute=train.recompute == "full")
+    checkpointer = Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None
     return Run(config, env, state, ctx, lr_schedule, rng_tracker, comm_counter, datasets, tokenizer.eod,
                TrainingProgress(), MetricsWriter(run_dir, env.rank == 0, config.logging.tensorboard), logger,
-               os.path.join(run_dir, "checkpoints"), flops)
+               os.path.join(run_dir, "checkpoints"), flops, resume_plan, checkpointer)
 
 
 def _all_reduce_int(value: int, group: Any, state: Any) -> int:
@@ -160,34 +166,32 @@ def _all_reduce_int(value: int, group: Any, state: Any) -> int:
 
 
 def resume_if_asked(run: Run) -> None:
-    """checkpoint.load=true: continue exactly from the latest checkpoint under run.dir/checkpoints."""
-    from training.checkpointing import load_checkpoint
+    """Load the checkpoint planned at start-up (checkpoint.load: true, a checkpoints folder or one
+    iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false), at any layout."""
+    from training.checkpoint.resume import load_into_run
+    from training.checkpointing import TrainingProgress
 
-    if not run.config.checkpoint.load:
+    if run.resume_plan is None:
         return
     ctx = run.ctx
-    loaded = load_checkpoint(run.checkpoint_root, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
-                             run.config.parallel.distributed_optimizer)
-    if loaded is None:
-        run.logger.info(f"checkpoint.load=true but no checkpoint under {run.checkpoint_root}: starting fresh")
-        return
-    run.progress, rng_state = loaded
-    run.rng_tracker.load_state_dict(rng_state)
+    loaded = load_into_run(run.resume_plan, run.config, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
+                           run.rng_tracker, run.logger.info)
+    run.progress = TrainingProgress(*loaded)
     run.metrics.truncate_after(run.progress.iteration)
-    run.logger.info(f"resumed from iteration {run.progress.iteration} "
+    run.logger.info(f"starting at iteration {run.progress.iteration} "
                     f"({run.progress.consumed_samples} samples consumed)")
 
 
 def save(run: Run) -> None:
+    """Checkpoint the current iteration (sync, or staged and written in the background with async_save)."""
     from training.checkpointing import save_checkpoint
 
     if not run.config.checkpoint.save:
         return
     ctx = run.ctx
-    path = save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer,
-                           run.lr_schedule, run.rng_tracker.state_dict(), run.config.to_dict(),
-                           run.config.parallel.distributed_optimizer)
-    run.logger.info(f"saved checkpoint {path}")
+    save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer, run.lr_schedule,
+                    run.rng_tracker.state_dict(), run.config.to_dict(), run.config.parallel.distributed_optimizer,
+                    checkpointer=run.checkpointer, keep_last=run.config.checkpoint.keep_last)
 
 
 def run_evaluation(run: Run) -> None:
@@ -245,6 +249,8 @@ def train(run: Run) -> None:
         progress.consumed_samples += train_cfg.global_batch_size
         progress.skipped_iters += int(result.skipped)
         stats.add(result, lr, time.perf_counter() - started)
+        if run.checkpointer is not None:
+            run.checkpointer.poll()  # report a finished background save (or its failure) promptly
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
@@ -262,6 +268,8 @@ def train(run: Run) -> None:
         if stop:
             run.logger.info(f"exit condition reached after iteration {progress.iteration}")
             break
+    if run.checkpointer is not None:
+        run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
     run.metrics.close()
     barrier(run.env)
     run.logger.info(f"done. metrics: {os.path.join(cfg.run.dir, 'metrics.jsonl')} | TensorBoard: "
@@ -285,7 +293,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ValueError, OSError, CheckpointError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        train(run)
+        try:
+            train(run)
+        except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,14 +1,19 @@
-"""Checkpoints under run.dir/checkpoints, in Megatron's directory layout, crash-safe.
+"""Layout-free checkpoints (torch.distributed.checkpoint), keyed by what a tensor is, not where it lived.
 
-    checkpoints/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   model chunks, plain optimizer,
-                                                                          LR schedule, counters, config (dp rank 0)
-    checkpoints/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/dp_rank_{dp:03d}.pt   this rank's RNG states and, with the
-                                                                          distributed optimizer, its shard
-    checkpoints/latest_checkpointed_iteration.txt                          the tracker (Megatron's name)
-    checkpoints/latest                                                     the same number, a short alias
+Every model tensor is stored once under its global parameter name with its global shape
+(`layers.5.mlp.fc1.weight` [ffn, h]; the word embedding without the tp padding rows), the optimizer state per
+parameter in the same global coordinates (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, and
+`optim.master.<name>` for 16-bit weights), also when the distributed optimizer holds it as flat dp shards. Each
+rank writes only what it owns, dp replicas once. A checkpoint therefore loads at any valid (tp, pp, vp, dp,
+distributed optimizer, sequence parallel) layout of the same model. Folder layout: training/checkpoint/files.py.
+Pieces and planners: training/checkpoint/state.py. Saving (sync/async): training/checkpoint/saver.py.
 
-Every file is written aside then renamed, and the trackers are written last, after every rank has finished:
-a crash mid-save leaves the previous checkpoint as the one that loads. Loading uses weights_only=True.
+Public API (kept stable for tools/):
+    resolve_checkpoint(path) -> iteration folder
+    read_saved_config(iter_dir) -> the run config saved with it (Config.to_dict() form)
+    load_model_weights(iter_dir, chunks, state)       weights only, any layout (collective)
+    save_model_weights(root, iteration, chunks, state, config_dict) -> iteration folder (weights only)
+    save_checkpoint(...) / Checkpointer               the trainer's full save (optimizer, RNG, counters)
 """
 from __future__ import annotations
 
@@ -16,17 +21,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
-import torch.distributed as dist
+from training.checkpoint import files
+from training.checkpoint.files import (CheckpointError, read_saved_config, read_tracker, resolve_checkpoint,
+                                       FORMAT_VERSION)
+from training.checkpoint.loader import load_model_weights as _load_model_weights
+from training.checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
+from training.checkpoint.state import optimizer_pieces, param_records, weight_pieces
 
-from parallel.state import ParallelState
-
-TRACKER = "latest_checkpointed_iteration.txt"
-ALIAS = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file."""
+__all__ = ["CheckpointError", "Checkpointer", "TrainingProgress", "resolve_checkpoint", "read_saved_config",
+           "load_model_weights", "save_model_weights", "save_checkpoint", "read_tracker", "layout_of"]
 
 
 @dataclass
@@ -38,97 +41,63 @@ class TrainingProgress:
     skipped_iters: int = 0
 
 
-def rank_dir(root: str, iteration: int, state: ParallelState) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{state.tp_rank:02d}_{state.pp_rank:03d}")
+def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
+    """The layout a checkpoint records (informational: loading works at any layout)."""
+    return {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size, "dp": state.dp_size,
+            "world_size": state.world_size, "sequence_parallel": bool(sequence_parallel),
+            "distributed_optimizer": bool(distributed_optimizer)}
 
 
-def atomic_save(obj: Any, path: str) -> None:
-    """torch.save to path.tmp, fsync, then rename over path."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def load_model_weights(iter_dir: str, chunks: list, state: Any) -> None:
+    """Load only the model weights of the checkpoint in `iter_dir` (see resolve_checkpoint) into this rank's
+    `chunks` at any layout; collective when distributed. Every file this rank is dealt is checksum-verified.
+    CheckpointError (one line) names a bad file, a missing tensor, or the first tensor whose global shape
+    differs (with both shapes)."""
+    _load_model_weights(iter_dir, chunks, state)
 
 
-def atomic_write_text(text: str, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def save_model_weights(root: str, iteration: int, chunks: list, state: Any, config_dict: dict) -> str:
+    """Write a weights-only checkpoint (no optimizer state, no RNG) of `chunks` as root/iter_XXXXXXX and
+    update root's trackers; returns the iteration folder. `checkpoint.load=ROOT checkpoint.finetune=true`
+    (or `checkpoint.load_optimizer=false`) loads it at any layout. Collective when distributed."""
+    os.makedirs(root, exist_ok=True)
+    records = param_records(chunks, state, chunks[0].cfg.vocab_size)
+    par = config_dict.get("parallel", {})
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0, "skipped_iters": 0,
+            "config": config_dict, "has_optimizer": False, "optimizer": None, "lr_schedule": None,
+            "layout": layout_of(state, par.get("sequence_parallel", False), False)}
+    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), meta, rng=None)
+    return write_checkpoint(job).path
 
 
-def read_tracker(root: str) -> Optional[int]:
-    """The iteration of the latest complete checkpoint under root, or None."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path, encoding="utf-8").read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"checkpoint tracker {path} holds {text!r}, not an iteration number") from None
+def build_save_job(root: str, state: Any, progress: TrainingProgress, chunks: list, optimizer: Any,
+                   lr_schedule: Any, rng_state: dict, config: dict, distributed_optimizer: bool,
+                   keep_last: int = 0, before_tracker: Callable[[], None] = lambda: None) -> SaveJob:
+    """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config."""
+    records = param_records(chunks, state, chunks[0].cfg.vocab_size)
+    tensors = weight_pieces(records, for_save=True)
+    tensors.update(optimizer_pieces(records, optimizer, for_save=True))
+    meta = {"format_version": FORMAT_VERSION, "iteration": progress.iteration,
+            "consumed_samples": progress.consumed_samples, "skipped_iters": progress.skipped_iters,
+            "config": config, "has_optimizer": True, "lr_schedule": lr_schedule.state_dict(),
+            "optimizer": {"step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict()},
+            "layout": layout_of(state, config.get("parallel", {}).get("sequence_parallel", False),
+                                distributed_optimizer)}
+    return SaveJob(root, progress.iteration, tensors, meta if state.rank == 0 else None, rng_state,
+                   keep_last=keep_last, before_tracker=before_tracker)
 
 
-def _barrier(state: ParallelState) -> None:
-    if state.is_distributed:
-        dist.barrier()
-
-
-def save_checkpoint(root: str, state: ParallelState, progress: TrainingProgress, chunks: list,
-                    optimizer: Any, lr_schedule: Any, rng_state: dict, config: dict,
-                    distributed_optimizer: bool, before_tracker: Callable[[], None] = lambda: None) -> str:
-    """Every rank writes its files, all ranks meet, then rank 0 writes the trackers. Returns the iter dir."""
-    directory = rank_dir(root, progress.iteration, state)
-    os.makedirs(directory, exist_ok=True)
-    if state.dp_rank == 0:
-        payload = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                   "skipped_iters": progress.skipped_iters, "config": config,
-                   "model": [chunk.state_dict() for chunk in chunks],
-                   "lr_schedule": lr_schedule.state_dict(),
-                   "optimizer": None if distributed_optimizer else optimizer.state_dict(),
-                   "layout": {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}}
-        atomic_save(payload, os.path.join(directory, "model_optim_rng.pt"))
-    per_rank = {"rng": rng_state, "optimizer": optimizer.state_dict() if distributed_optimizer else None}
-    atomic_save(per_rank, os.path.join(directory, f"dp_rank_{state.dp_rank:03d}.pt"))
-    _barrier(state)
-    before_tracker()  # tests use this seam to simulate a crash between the files and the tracker
-    if state.rank == 0:
-        atomic_write_text(f"{progress.iteration}\n", os.path.join(root, TRACKER))
-        atomic_write_text(f"{progress.iteration}\n", os.path.join(root, ALIAS))
-    _barrier(state)
-    return os.path.dirname(directory)
-
-
-def _load_file(path: str) -> dict:
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing (was the run saved with another layout?)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # unpickling errors have many types; name the file either way
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {reason}") from None
-
-
-def load_checkpoint(root: str, state: ParallelState, chunks: list, optimizer: Any, lr_schedule: Any,
-                    distributed_optimizer: bool) -> Optional[tuple[TrainingProgress, dict]]:
-    """Load the latest checkpoint into chunks / optimizer / schedule; returns (progress, rng_state) or None."""
-    iteration = read_tracker(root)
-    if iteration is None:
-        return None
-    directory = rank_dir(root, iteration, state)
-    main = _load_file(os.path.join(directory, "model_optim_rng.pt"))
-    per_rank = _load_file(os.path.join(directory, f"dp_rank_{state.dp_rank:03d}.pt"))
-    layout = main.get("layout", {})
-    expected = {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}
-    if layout != expected:
-        raise CheckpointError(f"checkpoint {directory} was saved with layout {layout}, this run is {expected}")
-    for chunk, chunk_state in zip(chunks, main["model"]):
-        chunk.load_state_dict(chunk_state)
-    optimizer.load_state_dict(per_rank["optimizer"] if distributed_optimizer else main["optimizer"])
-    lr_schedule.load_state_dict(main["lr_schedule"])
-    progress = TrainingProgress(main["iteration"], main["consumed_samples"], main.get("skipped_iters", 0))
-    return progress, per_rank["rng"]
+def save_checkpoint(root: str, state: Any, progress: TrainingProgress, chunks: list, optimizer: Any,
+                    lr_schedule: Any, rng_state: dict, config: dict, distributed_optimizer: bool,
+                    before_tracker: Callable[[], None] = lambda: None, checkpointer: Optional[Checkpointer] = None,
+                    keep_last: int = 0) -> str:
+    """Save (through `checkpointer`: sync or async) the trainer's checkpoint of `progress.iteration`;
+    returns the iteration folder it is (or will be, when async) renamed to. Collective."""
+    os.makedirs(root, exist_ok=True)
+    job = build_save_job(root, state, progress, chunks, optimizer, lr_schedule, rng_state, config,
+                         distributed_optimizer, keep_last, before_tracker)
+    if checkpointer is None:
+        write_checkpoint(job)
+    else:
+        checkpointer.save(job)
+    return os.path.join(root, files.iter_name(progress.iteration))

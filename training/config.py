@@ -96,6 +96,7 @@ class OptimConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    override_lr_schedule: bool = False  # on resume, use this config's LR schedule, not the checkpoint's
 
     def validate(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -134,12 +135,24 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: int = 0  # 0 = only at the end
-    load: bool = False  # resume from the latest checkpoint under run.dir/checkpoints
+    # true: the latest checkpoint under run.dir/checkpoints; a path: a checkpoints folder or one iter_XXXXXXX
+    load: Union[bool, str] = False
     save: bool = True
+    load_optimizer: bool = True  # false: weights and counters only, fresh optimizer state
+    finetune: bool = False  # weights only: iteration 0, fresh optimizer, LR schedule and data order
+    async_save: bool = False  # write in a background thread; the loop is blocked only while copying
+    keep_last: int = 0  # keep only the newest N checkpoints (0 = all), deleted after a newer one completes
 
     def validate(self) -> None:
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval={self.save_interval} must be >= 0")
+        if self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0")
+        if isinstance(self.load, str) and not self.load:
+            raise ConfigError("checkpoint.load must be true, false or a path")
+        if (self.finetune or not self.load_optimizer) and self.load is False:
+            key = "checkpoint.finetune=true" if self.finetune else "checkpoint.load_optimizer=false"
+            raise ConfigError(f"{key} needs checkpoint.load (true or a path)")
 
 
 @dataclass

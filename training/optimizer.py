@@ -253,6 +253,18 @@ class Optimizer:
                              for seg in self.segments]}
 
     @torch.no_grad()
+    def reset_from_params(self) -> None:
+        """Fresh state for the current params (after loading weights only): masters copied from the params,
+        moments zero, step 0, loss scaler as new."""
+        for seg in self.segments:
+            for param, offset, param_offset, length in seg.pieces:
+                seg.master[offset:offset + length].copy_(
+                    param.detach().reshape(-1)[param_offset:param_offset + length])
+            seg.exp_avg.zero_()
+            seg.exp_avg_sq.zero_()
+        self.step_count = 0
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output of the same layout and write the masters into the model params
         (collective over dp when distributed). Resharding to another dp size is not supported."""

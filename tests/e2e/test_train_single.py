@@ -67,14 +67,17 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
 def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     train(tiny_corpus, run_dir, "train.train_iters=2")
-    path = os.path.join(run_dir, "checkpoints", "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+    path = os.path.join(run_dir, "checkpoints", "iter_0000002", "__0_0.distcp")
+    config_before = open(os.path.join(run_dir, "config.yaml")).read()
     with open(path, "r+b") as handle:
         handle.truncate(100)
     code = pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG,
-                              *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true")])
+                              *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true",
+                                               "train.seed=5")])
     assert code == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "model_optim_rng.pt" in error[0] and "cannot be read" in error[0]
+    assert len(error) == 1 and path in error[0] and "truncated" in error[0], error
+    assert open(os.path.join(run_dir, "config.yaml")).read() == config_before  # a refused resume writes nothing
 
 
 def test_missing_data_is_one_line_and_leaves_no_run_folder(tiny_corpus, tmp_path, capsys):

@@ -1,0 +1,1 @@
+"""Layout-free checkpoints; the public API is training/checkpointing.py."""

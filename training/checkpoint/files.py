@@ -1,0 +1,246 @@
+"""The checkpoint folder on disk: names, trackers, atomic writes, checksums, completeness, clean-up.
+
+    checkpoints/iter_0000100/            one complete checkpoint (renamed into place when complete)
+        .metadata  __<rank>_<n>.distcp   torch.distributed.checkpoint: every tensor under its global name
+        meta.json                        iteration, counters, layout, LR schedule, optimizer scalars, run config
+        rng/rank_00003.pt                each rank's RNG states (layout-specific)
+        checksums.json                   size and CRC-32 of every file above (written last)
+    checkpoints/iter_0000200.tmp.<pid>   a save in progress (pid of rank 0); never loaded
+    checkpoints/latest_checkpointed_iteration.txt, checkpoints/latest   the trackers (written after the rename)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from typing import Any, Callable, Optional
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ALIAS = "latest"
+META = "meta.json"
+CHECKSUMS = "checksums.json"
+DCP_METADATA = ".metadata"
+ITER_RE = re.compile(r"^iter_(\d{7})$")
+TMP_RE = re.compile(r"\.tmp\.(\d+)$")
+FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (training/checkpoint/legacy.py)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used or written: one line naming the file, key or value."""
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    """Write path.tmp.<pid>, fsync, rename over path."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(text: str, path: str) -> None:
+    atomic_write_bytes(text.encode("utf-8"), path)
+
+
+def write_json(obj: Any, path: str) -> None:
+    atomic_write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", path)
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration the tracker names, or None without a tracker; CheckpointError if it is unreadable."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"checkpoint tracker {path} holds {text!r}, not an iteration number") from None
+
+
+def list_iterations(root: str) -> list[int]:
+    """Iterations of the renamed-into-place iter_XXXXXXX folders under root, ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = (ITER_RE.match(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def file_crc32(path: str, block: int = 1 << 22) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def checksum_files(directory: str, names: list[str]) -> dict[str, dict]:
+    """{relative name: {"size", "crc32"}} of files under directory, each fsynced first."""
+    out = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+        out[name] = {"size": os.path.getsize(path), "crc32": file_crc32(path)}
+    return out
+
+
+def read_checksums(iter_dir: str) -> dict[str, dict]:
+    path = os.path.join(iter_dir, CHECKSUMS)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {iter_dir} has no {CHECKSUMS}: it is incomplete or not a checkpoint")
+    try:
+        return json.load(open(path, encoding="utf-8"))["files"]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"checkpoint file {path} is corrupt (not the expected JSON)") from None
+
+
+def verify_files(iter_dir: str, names: Optional[list[str]] = None, full: bool = True) -> None:
+    """Check sizes (and with full=True every byte's CRC-32) against checksums.json; CheckpointError
+    naming the first bad file."""
+    expected = read_checksums(iter_dir)
+    for name in sorted(expected) if names is None else names:
+        path, want = os.path.join(iter_dir, name), expected[name]
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint file {path} is {size} bytes, {want['size']} were written "
+                                  f"(truncated or torn)")
+        if full and file_crc32(path) != want["crc32"]:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum (corrupted on disk)")
+
+
+def read_meta(iter_dir: str) -> dict:
+    path = os.path.join(iter_dir, META)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError:
+        raise CheckpointError(f"checkpoint {iter_dir} has no readable {META}") from None
+    except ValueError:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (not JSON)") from None
+
+
+def is_legacy(iter_dir: str) -> bool:
+    """The per-rank format of earlier versions (mp_rank_XX_YYY folders, no meta.json)."""
+    return (not os.path.exists(os.path.join(iter_dir, META)) and os.path.isdir(iter_dir)
+            and any(name.startswith("mp_rank_") for name in os.listdir(iter_dir)))
+
+
+def is_complete(iter_dir: str, full: bool = False) -> bool:
+    """Renamed into place with meta, DCP metadata and every listed file of the right size (full: CRC too)."""
+    if is_legacy(iter_dir):
+        return True
+    try:
+        verify_files(iter_dir, full=full)
+    except CheckpointError:
+        return False
+    return os.path.exists(os.path.join(iter_dir, META)) and os.path.exists(os.path.join(iter_dir, DCP_METADATA))
+
+
+def newest_complete(root: str, log: Callable[[str], None], candidates: Optional[list[int]] = None
+                    ) -> Optional[int]:
+    """The newest iteration (of candidates, default all) whose files all verify (others are logged)."""
+    for iteration in reversed(list_iterations(root) if candidates is None else candidates):
+        directory = os.path.join(root, iter_name(iteration))
+        if is_complete(directory, full=True):
+            return iteration
+        log(f"checkpoint {directory} does not verify: skipped")
+    return None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoints folder (-> its latest complete iteration: the tracker's, or without a tracker the newest
+    that verifies) or one iter_XXXXXXX folder -> the iteration folder. CheckpointError (one line) otherwise."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist or is not a folder")
+    name = os.path.basename(path)
+    if ITER_RE.match(name):
+        if not (is_legacy(path) or os.path.exists(os.path.join(path, META))):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {META})")
+        return path
+    if TMP_RE.search(name):
+        raise CheckpointError(f"{path} is a save that did not complete; it cannot be loaded")
+    iteration = read_tracker(path)
+    newer = [i for i in list_iterations(path) if iteration is None or i > iteration]
+    # No tracker (deleted), or a save that was renamed into place just before its tracker was written.
+    found = newest_complete(path, lambda msg: None, newer) if newer else None
+    iteration = found if found is not None else iteration
+    if iteration is None:
+        raise CheckpointError(f"{path} holds no complete checkpoint (no tracker, no verifying iter_* folder)")
+    directory = os.path.join(path, iter_name(iteration))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint tracker {os.path.join(path, TRACKER)} names iteration {iteration} "
+                              f"but {directory} does not exist")
+    return directory
+
+
+def read_saved_config(iter_dir: str) -> dict:
+    """The run config (Config.to_dict() form) saved with the checkpoint in iter_dir."""
+    if is_legacy(iter_dir):
+        from training.checkpoint.legacy import legacy_config
+        return legacy_config(iter_dir)
+    return read_meta(iter_dir)["config"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_tmp(root: str, log: Callable[[str], None]) -> None:
+    """Delete *.tmp.<pid> files and folders under root (one level) left by processes that are gone."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        match = TMP_RE.search(name)
+        if not match or pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        log(f"removed {path}, left by an interrupted save (process {match.group(1)} is gone)")
+
+
+def write_trackers(root: str, iteration: int) -> None:
+    atomic_write_text(f"{iteration}\n", os.path.join(root, TRACKER))
+    atomic_write_text(f"{iteration}\n", os.path.join(root, ALIAS))
+
+
+def prune(root: str, keep_last: int, log: Callable[[str], None]) -> None:
+    """Delete all but the newest keep_last complete checkpoints (called after a newer one is complete)."""
+    if keep_last <= 0:
+        return
+    for iteration in list_iterations(root)[:-keep_last]:
+        path = os.path.join(root, iter_name(iteration))
+        shutil.rmtree(path, ignore_errors=True)
+        log(f"checkpoint.keep_last={keep_last}: deleted {path}")
+
+
+def dir_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(base, name)) for base, _, names in os.walk(path) for name in names)

@@ -1,0 +1,72 @@
+"""The per-rank checkpoint format of earlier versions (format 1), still loaded at the layout that wrote it:
+
+    iter_XXXXXXX/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   model chunks, plain optimizer, LR schedule,
+                                                               counters, config (written by dp rank 0)
+    iter_XXXXXXX/mp_rank_{tp:02d}_{pp:03d}/dp_rank_{dp:03d}.pt   RNG states and distributed-optimizer shard
+
+Resume such a checkpoint once at its own layout: the next save writes the layout-free format, which then
+loads at any layout.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from training.checkpoint.files import CheckpointError
+
+
+def rank_dir(iter_dir: str, tp_rank: int, pp_rank: int) -> str:
+    return os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+
+
+def _load_file(path: str) -> dict:
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling errors have many types; name the file either way
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {reason}") from None
+
+
+def legacy_main_file(iter_dir: str, tp_rank: int = 0, pp_rank: int = 0) -> dict:
+    return _load_file(os.path.join(rank_dir(iter_dir, tp_rank, pp_rank), "model_optim_rng.pt"))
+
+
+def legacy_config(iter_dir: str) -> dict:
+    return legacy_main_file(iter_dir)["config"]
+
+
+def _check_layout(iter_dir: str, main: dict, state: Any) -> None:
+    layout = main.get("layout", {})
+    expected = {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}
+    if layout != expected:
+        raise CheckpointError(
+            f"checkpoint {iter_dir} is in the per-rank format of earlier versions, saved at layout {layout}; "
+            f"this run is {expected}: resume it once at its own layout (the next save writes the layout-free "
+            f"format, which loads at any layout)")
+
+
+def load_legacy_weights(iter_dir: str, chunks: list, state: Any) -> dict:
+    """Model weights of this rank from a format-1 checkpoint at its own layout; returns the main file."""
+    main = legacy_main_file(iter_dir, state.tp_rank, state.pp_rank)
+    _check_layout(iter_dir, main, state)
+    for chunk, chunk_state in zip(chunks, main["model"]):
+        chunk.load_state_dict(chunk_state)
+    return main
+
+
+def load_legacy(iter_dir: str, state: Any, chunks: list, optimizer: Optional[Any],
+                distributed_optimizer: bool) -> tuple[dict, dict]:
+    """Weights, optimizer (unless None) of this rank; returns (main file, per-rank file)."""
+    main = load_legacy_weights(iter_dir, chunks, state)
+    per_rank = _load_file(os.path.join(rank_dir(iter_dir, state.tp_rank, state.pp_rank),
+                                       f"dp_rank_{state.dp_rank:03d}.pt"))
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(per_rank["optimizer"] if distributed_optimizer else main["optimizer"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"checkpoint {iter_dir}: optimizer state does not fit this run: {err}") from None
+    return main, per_rank

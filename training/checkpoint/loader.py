@@ -1,0 +1,138 @@
+"""Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
+then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import files
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.state import (GlobalPieces, PiecesLoadPlanner, check_against_metadata,
+                                       optimizer_pieces, param_records, weight_pieces)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def read_dcp_metadata(iter_dir: str) -> Any:
+    try:
+        return dcp.FileSystemReader(iter_dir).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {os.path.join(iter_dir, files.DCP_METADATA)} cannot be read: "
+                              f"{type(err).__name__}") from None
+
+
+def verify_share(iter_dir: str, group: Any = None) -> None:
+    """Every file's size and CRC-32, the files dealt over the ranks; CheckpointError on every rank, naming
+    the first bad file, if any rank found one."""
+    names = sorted(files.read_checksums(iter_dir))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    error = None
+    try:
+        files.verify_files(iter_dir, names[rank::world])
+    except CheckpointError as err:
+        error = str(err)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, error, group=group)
+        error = next((e for e in gathered if e), None)
+    if error:
+        raise CheckpointError(error)
+
+
+def load_pieces(iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Any, group: Any = None) -> None:
+    """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
+    check_against_metadata(wanted, metadata, iter_dir)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(),
+                     process_group=group, no_dist=not _distributed())
+    except BaseException as err:  # CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {lines[-1] if lines else type(err).__name__}"
+                              ) from None
+
+
+def _weight_key(metadata: Any):
+    """Weights come from the fp32 master when the checkpoint has one (16-bit runs), else the weight."""
+    stored = metadata.state_dict_metadata
+    return lambda name: f"optim.master.{name}" if f"optim.master.{name}" in stored else name
+
+
+def vocab_size_of(chunks: list) -> int:
+    return chunks[0].cfg.vocab_size
+
+
+def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = None, verify: bool = True) -> None:
+    """Load only the model weights of the checkpoint in iter_dir into this rank's chunks, at any layout
+    (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
+    if files.is_legacy(iter_dir):
+        from training.checkpoint.legacy import load_legacy_weights
+        load_legacy_weights(iter_dir, chunks, state)
+        return
+    if verify:
+        verify_share(iter_dir, group)
+    metadata = read_dcp_metadata(iter_dir)
+    records = param_records(chunks, state, vocab_size_of(chunks))
+    with torch.no_grad():
+        load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
+
+
+def load_optimizer_state(iter_dir: str, chunks: list, optimizer: Any, state: Any, metadata: Any,
+                         optim_meta: dict, group: Any = None) -> None:
+    """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
+    and loss-scaler state; then the masters are written into the params (collective over dp)."""
+    records = param_records(chunks, state, vocab_size_of(chunks))
+    stored = metadata.state_dict_metadata
+    wanted = optimizer_pieces(records, optimizer, for_save=False,
+                              master_key=lambda n: f"optim.master.{n}" if f"optim.master.{n}" in stored else n)
+    with torch.no_grad():
+        load_pieces(iter_dir, wanted, metadata, group)
+    optimizer.step_count = int(optim_meta["step"])
+    optimizer.scaler.load_state_dict(optim_meta["loss_scaler"])
+    optimizer._copy_to_params()
+
+
+def load_rng(iter_dir: str, rank: int) -> Optional[dict]:
+    path = os.path.join(iter_dir, "rng", f"rank_{rank:05d}.pt")
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {type(err).__name__}") from None
+
+
+def read_global_tensors(iter_dir: str, keys: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+    """Whole global tensors (all keys, or `keys`) of a checkpoint, read in this process alone (tools, tests)."""
+    metadata = read_dcp_metadata(iter_dir)
+    stored = metadata.state_dict_metadata
+    out, wanted = {}, {}
+    for key in sorted(stored) if keys is None else keys:
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r}")
+        entry = stored[key]
+        if not hasattr(entry, "size"):
+            continue
+        tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        out[key] = tensor
+        wanted[key] = GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
+        except BaseException as err:
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None
+    return out

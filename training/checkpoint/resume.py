@@ -1,0 +1,246 @@
+"""What to load when a run starts, decided before anything is written: where from, whether it fits this
+run's config, and then loading it into the built run.
+
+    checkpoint.load=true      the latest complete checkpoint under run.dir/checkpoints (none: start fresh)
+    checkpoint.load=PATH      a checkpoints folder (its latest complete one) or one iter_XXXXXXX inside it
+    checkpoint.finetune=true  weights only; iteration 0, fresh optimizer, LR schedule and data order
+    checkpoint.load_optimizer=false   weights and counters; fresh optimizer state (Megatron's --no-load-optim)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from model.config import ModelConfig
+from training.checkpoint import files
+from training.checkpoint.files import CheckpointError
+
+# Model settings that change the tensors (names or shapes): they must match the checkpoint.
+STRUCTURAL = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
+              "max_positions", "position_embedding_type", "normalization", "activation", "tie_embeddings",
+              "add_bias_linear")
+# ...and those that change what a resumed run computes from the same tensors (a fine-tune may change them).
+RESUME_ONLY = ("seq_length", "rotary_base")
+IGNORED_SECTIONS = ("run", "checkpoint")
+
+
+@dataclass
+class ResumePlan:
+    """The checkpoint a run starts from and how."""
+
+    iter_dir: str
+    meta: dict  # meta.json (legacy: a reconstruction with the same keys)
+    legacy: bool
+    weights_only: bool  # finetune or load_optimizer=false or a weights-only checkpoint
+    reset_progress: bool  # finetune: iteration 0, fresh data order and LR schedule
+
+
+def _model_value(model: dict, key: str) -> Any:
+    known = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
+    return getattr(ModelConfig(**known), key)
+
+
+def model_differences(saved: dict, current: dict, keys: tuple[str, ...]) -> list[str]:
+    """'model.KEY=checkpoint value vs this run's value' for every differing key."""
+    out = []
+    for key in keys:
+        before, after = _model_value(saved["model"], key), _model_value(current["model"], key)
+        if before != after:
+            name = {"query_groups": "num_query_groups", "ffn_size": "ffn_hidden_size",
+                    "max_positions": "max_position_embeddings"}.get(key, key)
+            out.append(f"model.{name}={before!r} in the checkpoint, {after!r} in this run")
+    return out
+
+
+def other_differences(saved: dict, current: dict) -> list[str]:
+    """Every other differing config key (logged, allowed)."""
+    out = []
+    for section, values in current.items():
+        if section in IGNORED_SECTIONS or not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            before = saved.get(section, {}).get(key, "<absent>")
+            if before != value and section != "model":
+                out.append(f"{section}.{key}: {before!r} -> {value!r}")
+            elif section == "model" and before != value and key not in STRUCTURAL + RESUME_ONLY:
+                out.append(f"{section}.{key}: {before!r} -> {value!r}")
+    return out
+
+
+def _source(config: Any, run_root: str) -> Optional[str]:
+    load = config.checkpoint.load
+    if load is False or load is None:
+        return None
+    if load is True:
+        if not files.list_iterations(run_root) and files.read_tracker(run_root) is None:
+            return None  # nothing saved yet: start fresh
+        return run_root
+    return str(load)
+
+
+def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0: bool) -> Optional[ResumePlan]:
+    """Resolve checkpoint.load, check the checkpoint against this run's config (model.vocab_size already
+    known) and verify its files. Raises CheckpointError before anything of the run is written; None = start
+    fresh. Collective when distributed (the verification)."""
+    if is_rank0:
+        files.remove_stale_tmp(run_root, log)
+    source = _source(config, run_root)
+    if source is None:
+        _refuse_overwrite(config, run_root, from_root=False, start=0)
+        if config.checkpoint.load is True:
+            log(f"checkpoint.load=true but no checkpoint under {run_root}: starting fresh")
+        return None
+    if files.read_tracker(source) is None and not files.ITER_RE.match(os.path.basename(os.path.abspath(source))) \
+            and files.list_iterations(source):
+        log(f"no tracker under {source}: loading the newest checkpoint that verifies")
+    iter_dir = files.resolve_checkpoint(source)
+    legacy = files.is_legacy(iter_dir)
+    meta = _legacy_meta(iter_dir) if legacy else files.read_meta(iter_dir)
+    ckpt = config.checkpoint
+    plan = ResumePlan(iter_dir, meta, legacy, weights_only=ckpt.finetune or not ckpt.load_optimizer
+                      or not meta.get("has_optimizer", True), reset_progress=ckpt.finetune)
+    if not plan.weights_only and not plan.reset_progress and not meta.get("has_optimizer", True):
+        raise CheckpointError(f"checkpoint {iter_dir} holds weights only: load it with checkpoint.finetune=true "
+                              f"or checkpoint.load_optimizer=false")
+    _check_config(plan, config, log)
+    if not legacy:
+        from training.checkpoint.loader import verify_share
+        verify_share(iter_dir)  # every byte, the files dealt over the ranks (collective)
+    from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
+    start = 0 if plan.reset_progress else int(meta["iteration"])
+    _refuse_overwrite(config, run_root, from_root and not plan.reset_progress, start)
+    return plan
+
+
+def _check_config(plan: ResumePlan, config: Any, log: Callable[[str], None]) -> None:
+    saved, current = plan.meta["config"], config.to_dict()
+    keys = STRUCTURAL if plan.reset_progress else STRUCTURAL + RESUME_ONLY
+    differences = model_differences(saved, current, keys)
+    if differences:
+        raise CheckpointError(f"checkpoint {plan.iter_dir} does not fit this run: " + "; ".join(differences))
+    for line in other_differences(saved, current):
+        log(f"config differs from the checkpoint's: {line}")
+    iteration = int(plan.meta["iteration"])
+    if not plan.reset_progress and config.train.train_iters < iteration:
+        raise CheckpointError(f"train.train_iters={config.train.train_iters} is below the iteration of checkpoint "
+                              f"{plan.iter_dir} ({iteration}): raise it, or fine-tune with checkpoint.finetune=true")
+
+
+def _refuse_overwrite(config: Any, run_root: str, from_root: bool, start: int) -> None:
+    """A run that did not resume from run_root must not write over the checkpoints it holds."""
+    if not config.checkpoint.save:
+        return
+    existing = [i for i in files.list_iterations(run_root) if i > start or not from_root]
+    if existing:
+        raise CheckpointError(
+            f"{run_root} already holds checkpoints ({files.iter_name(existing[-1])}) that this run would write "
+            f"over: resume them with checkpoint.load=true, or choose another run.dir")
+
+
+def _legacy_meta(iter_dir: str) -> dict:
+    from training.checkpoint.legacy import legacy_main_file
+    main = legacy_main_file(iter_dir)
+    return {"iteration": main["iteration"], "consumed_samples": main["consumed_samples"],
+            "skipped_iters": main.get("skipped_iters", 0), "config": main["config"], "has_optimizer": True,
+            "lr_schedule": main["lr_schedule"], "layout": main.get("layout", {}), "format_version": 1}
+
+
+def derived_seed(seed: int, iteration: int) -> int:
+    """The seed dropout streams restart from after a layout change: a function of (seed, iteration) only."""
+    return int(hashlib.md5(f"rng/{seed}/{iteration}".encode()).hexdigest()[:8], 16)
+
+
+def load_into_run(plan: ResumePlan, config: Any, state: Any, chunks: list, optimizer: Any, lr_schedule: Any,
+                  rng_tracker: Any, log: Callable[[str], None]) -> tuple[int, int, int]:
+    """Load the planned checkpoint into the built run; returns (iteration, consumed_samples, skipped_iters).
+    Collective."""
+    from training.checkpoint.loader import load_model_weights, load_optimizer_state, read_dcp_metadata
+
+    if plan.legacy:
+        return _load_legacy(plan, config, state, chunks, optimizer, lr_schedule, rng_tracker, log)
+    meta = plan.meta  # the files were verified by plan_resume
+    if plan.weights_only:
+        load_model_weights(plan.iter_dir, chunks, state, verify=False)
+        optimizer.reset_from_params()
+    else:
+        metadata = read_dcp_metadata(plan.iter_dir)
+        load_optimizer_state(plan.iter_dir, chunks, optimizer, state, metadata, meta["optimizer"])
+    if plan.reset_progress:
+        log(f"fine-tuning from {plan.iter_dir}: weights loaded; iteration 0, fresh optimizer and data order")
+        return 0, 0, 0
+    apply_lr_schedule(meta["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)
+    restore_rng(plan, config, state, rng_tracker, log)
+    what = "weights (checkpoint.load_optimizer=false: fresh optimizer state)" if plan.weights_only else \
+        "weights and optimizer state"
+    log(f"loaded {what} of iteration {meta['iteration']} from {plan.iter_dir} (saved at "
+        f"{_describe(meta.get('layout', {}))})")
+    return int(meta["iteration"]), int(meta["consumed_samples"]), int(meta.get("skipped_iters", 0))
+
+
+def apply_lr_schedule(saved: Optional[dict], lr_schedule: Any, override: bool, log: Callable[[str], None]) -> None:
+    """Megatron's rule: the checkpoint's LR schedule wins unless optim.override_lr_schedule=true; every
+    difference is logged either way."""
+    if not saved:
+        return
+    current = lr_schedule.state_dict()
+    changed = [key for key in current if key in saved and saved[key] != current[key]]
+    if override:
+        for key in changed:
+            log(f"LR schedule: {key}={current[key]!r} from this run's config (checkpoint had {saved[key]!r}; "
+                f"optim.override_lr_schedule=true)")
+        return
+    lr_schedule.load_state_dict(saved)
+    for key in changed:
+        log(f"LR schedule: {key}={saved[key]!r} from the checkpoint, not this run's {current[key]!r} "
+            f"(set optim.override_lr_schedule=true to use the config's)")
+
+
+def same_layout(saved: dict, state: Any) -> bool:
+    return all(saved.get(key) == value for key, value in
+               (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size)))
+
+
+def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log: Callable[[str], None]) -> None:
+    """Same layout: each rank continues its own saved streams (bitwise resume). Another layout: the streams
+    are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed, iteration)."""
+    from parallel.random import RNGTracker
+    from training.checkpoint.loader import load_rng
+
+    layout = plan.meta.get("layout", {})
+    saved = load_rng(plan.iter_dir, state.rank) if same_layout(layout, state) else None
+    if saved is not None:
+        rng_tracker.load_state_dict(saved)
+        return
+    seed = derived_seed(config.train.seed, int(plan.meta["iteration"]))
+    fresh = RNGTracker.seeded(seed, state.tp_rank, state.pp_rank, rng_tracker.device_type)
+    rng_tracker.set_states(fresh.get_states())
+    log(f"layout changed ({_describe(layout)} -> tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size} "
+        f"x dp {state.dp_size}): dropout RNG streams restarted from seed {seed} (derived from train.seed and "
+        f"iteration {plan.meta['iteration']})")
+
+
+def _describe(layout: dict) -> str:
+    if not layout:
+        return "an unknown layout"
+    extras = [name for name in ("sequence_parallel", "distributed_optimizer") if layout.get(name)]
+    return (f"tp {layout.get('tp')} x pp {layout.get('pp')} x vp {layout.get('vp')} x dp {layout.get('dp', '?')}"
+            + (f" ({', '.join(extras)})" if extras else ""))
+
+
+def _load_legacy(plan: ResumePlan, config: Any, state: Any, chunks: list, optimizer: Any, lr_schedule: Any,
+                 rng_tracker: Any, log: Callable[[str], None]) -> tuple[int, int, int]:
+    from training.checkpoint.legacy import load_legacy
+
+    main, per_rank = load_legacy(plan.iter_dir, state, chunks, None if plan.weights_only else optimizer,
+                                 config.parallel.distributed_optimizer)
+    if plan.weights_only:
+        optimizer.reset_from_params()
+    log(f"loaded {plan.iter_dir}, a checkpoint in the per-rank format of earlier versions (loads only at its "
+        f"own layout); the next save writes the layout-free format")
+    if plan.reset_progress:
+        return 0, 0, 0
+    apply_lr_schedule(main["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)
+    rng_tracker.load_state_dict(per_rank["rng"])
+    return int(main["iteration"]), int(main["consumed_samples"]), int(main.get("skipped_iters", 0))

@@ -1,0 +1,199 @@
+"""Writing a checkpoint: every rank writes its pieces with torch.distributed.checkpoint into
+iter_XXXXXXX.tmp.<pid>, checksums are gathered, then rank 0 renames the folder into place and writes the
+trackers. `Checkpointer` runs that synchronously or, with async_save, in a background thread per rank on its
+own gloo group after copying the pieces aside (the only time the training loop is blocked).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import files
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.state import PiecesSavePlanner, staged_copy
+
+
+@dataclass
+class SaveJob:
+    """Everything one save writes, captured at the moment of the save."""
+
+    root: str
+    iteration: int
+    tensors: dict  # key -> GlobalPieces
+    meta: Optional[dict]  # written by rank 0 (meta.json)
+    rng: Optional[dict]  # this rank's RNG states (rng/rank_XXXXX.pt)
+    keep_last: int = 0
+    before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
+
+
+@dataclass
+class SaveResult:
+    path: str
+    size_bytes: int
+    write_seconds: float
+
+
+def _rank_info(group: Any) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any, group: Any) -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _first_error(statuses: list) -> Optional[str]:
+    return next((status for status in statuses if isinstance(status, str)), None)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[-1] if text else ''}".strip()
+
+
+def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
+    """Collective over all ranks (on `group`). Raises CheckpointError with one line if any rank failed;
+    the previous checkpoint then stays the latest and the partial folder is removed."""
+    rank, world = _rank_info(group)
+    started = time.perf_counter()
+    final = os.path.join(job.root, files.iter_name(job.iteration))
+    tmp = _all_gather(f"{final}.tmp.{os.getpid()}" if rank == 0 else None, group)[0]
+    status: Any = None
+    if os.path.exists(final):
+        status = f"{final} already exists; a checkpoint is never overwritten"
+    try:
+        if status is None:
+            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+            if job.rng is not None:
+                torch.save(job.rng, os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    except OSError as err:
+        status = f"{tmp}: {_one_line(err)}"
+    error = _first_error(_all_gather(status, group))
+    if error is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp), planner=PiecesSavePlanner(),
+                         process_group=group, no_dist=world == 1)
+        except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = f"writing the tensors failed: {_one_line(err)}"
+    sums: Any = {}
+    if error is None:
+        try:
+            if rank == 0 and job.meta is not None:
+                files.write_json(job.meta, os.path.join(tmp, files.META))
+            sums = files.checksum_files(tmp, _own_files(tmp, rank))
+        except OSError as err:
+            sums = f"{tmp}: {_one_line(err)}"
+    gathered = _all_gather(sums if error is None else error, group)
+    error = error or _first_error(gathered)
+    if rank == 0:
+        error = error or _finalize(job, tmp, final, gathered)
+    error = _all_gather(error, group)[0]
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint save at iteration {job.iteration} failed: {error}")
+    return SaveResult(final, files.dir_size(final) if rank == 0 else 0, time.perf_counter() - started)
+
+
+def _own_files(tmp: str, rank: int) -> list[str]:
+    names = [name for name in os.listdir(tmp) if name.startswith(f"__{rank}_") and name.endswith(".distcp")]
+    if os.path.exists(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")):
+        names.append(f"rng/rank_{rank:05d}.pt")
+    if rank == 0:
+        names += [name for name in (files.DCP_METADATA, files.META) if os.path.exists(os.path.join(tmp, name))]
+    return names
+
+
+def _finalize(job: SaveJob, tmp: str, final: str, gathered: list) -> Optional[str]:
+    """Rank 0, after every rank's files are written and fsynced: checksums, rename, trackers, pruning."""
+    try:
+        merged = {name: entry for sums in gathered for name, entry in sums.items()}
+        files.write_json({"files": merged}, os.path.join(tmp, files.CHECKSUMS))
+        files.fsync_dir(os.path.join(tmp, "rng"))
+        files.fsync_dir(tmp)
+        job.before_tracker()
+        os.rename(tmp, final)
+        files.fsync_dir(job.root)
+        files.write_trackers(job.root, job.iteration)
+        files.prune(job.root, job.keep_last, lambda msg: None)
+    except OSError as err:
+        return f"{tmp}: {_one_line(err)}"
+    return None
+
+
+class Checkpointer:
+    """Saves of one run: synchronous, or asynchronous (one save in flight; the next save, or `wait()`,
+    first finishes the previous one). Collective: every rank calls save() and wait() at the same points.
+
+    `log(message)` receives the line printed after each save (size, write time, time the loop was blocked).
+    """
+
+    def __init__(self, async_save: bool, log: Callable[[str], None]):
+        self.async_save, self.log = async_save, log
+        distributed = dist.is_available() and dist.is_initialized()
+        # Own gloo group: object collectives on CPU also under NCCL, and the background thread's collectives
+        # never interleave with the training loop's on the default group.
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self._thread: Optional[threading.Thread] = None
+        self._outcome: dict[str, Any] = {}
+
+    def save(self, job: SaveJob) -> None:
+        """Write `job` (blocking) or stage it and write it in the background (async)."""
+        self.wait()
+        started = time.perf_counter()
+        if not self.async_save:
+            result = write_checkpoint(job, self.group)
+            self._report(job, result, time.perf_counter() - started)
+            return
+        job.tensors = staged_copy(job.tensors)  # the loop may change the originals from the next step on
+        blocked = time.perf_counter() - started
+        self._outcome = {}
+        self._thread = threading.Thread(target=self._run, args=(job, blocked), name="checkpoint-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, job: SaveJob, blocked: float) -> None:
+        try:
+            self._outcome["result"] = (job, write_checkpoint(job, self.group), blocked)
+        except BaseException as err:  # reported on the main thread by wait()
+            self._outcome["error"] = err
+
+    def poll(self) -> None:
+        """Report a background save that has finished well. A failure is raised by the next save() or wait(),
+        which every rank reaches at the same iteration (ranks may notice a finished thread at different ones)."""
+        if self._thread is not None and not self._thread.is_alive() and "result" in self._outcome:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight (if any); re-raise its failure here, on the training thread."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        job, result, blocked = self._outcome["result"]
+        self._report(job, result, blocked)
+
+    def _report(self, job: SaveJob, result: SaveResult, blocked: float) -> None:
+        size = f"{result.size_bytes / 2**20:.1f} MiB" if result.size_bytes else "size on rank 0"
+        mode = "async" if self.async_save else "sync"
+        self.log(f"saved checkpoint {result.path} ({size}, {mode}): written in {result.write_seconds:.2f} s, "
+                 f"training loop blocked {blocked:.3f} s")

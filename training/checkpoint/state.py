@@ -1,0 +1,141 @@
+"""What a rank contributes to (and takes from) a checkpoint: its parameters and optimizer state as
+`GlobalPieces` under global keys, and the DCP planners that resolve those pieces.
+
+Keys: the model weight under its global name (`layers.5.mlp.fc1.weight`), the optimizer state under
+`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` and, when the weights are not fp32, `optim.master.<name>`
+(with fp32 weights the master is the weight and is stored once). Writers: each tensor element once per
+checkpoint: replicated-over-tp params by tp rank 0; dp replicas by one dp rank (params dealt round-robin over
+dp, so every dp rank writes a share); with the distributed optimizer each dp rank writes its own shard of the
+state. The last pipeline stage's copy of a tied embedding is never written (the first stage writes it) but
+is loaded from the same key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from training.checkpoint.pieces import Block, GlobalPieces, global_shape, info_field, pieces_of, tp_blocks
+
+OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class ParamRecord:
+    """One parameter of this rank with its checkpoint identity."""
+
+    name: str  # global name = checkpoint key of the weight
+    param: nn.Parameter
+    shape: tuple[int, ...]  # global (stored) shape
+    blocks: list[Block]  # where the local tp shard lies in the global tensor
+    writes: bool  # this rank writes the weight (and with the plain optimizer its state)
+    replica_writer: bool  # among tp replicas and tied copies, this rank is the one that may write
+
+
+def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[ParamRecord]:
+    """This rank's parameters in chunk order, each once (a tied output layer is the embedding)."""
+    records = []
+    for chunk in chunks:
+        for module_name, param in chunk.named_parameters():
+            name = info_field(param, "init_name") or module_name
+            copy = bool(info_field(param, "embedding_copy", False))
+            replicated = not info_field(param, "tensor_parallel", False) or state.tp_size == 1
+            replica_writer = not copy and (not replicated or state.tp_rank == 0)
+            writes = replica_writer and len(records) % state.dp_size == state.dp_rank
+            records.append(ParamRecord(name, param, global_shape(param, name, vocab_size),
+                                       tp_blocks(param, name, state.tp_rank, state.tp_size, vocab_size),
+                                       writes, replica_writer))
+    return records
+
+
+def _add(out: dict[str, GlobalPieces], key: str, shape: tuple[int, ...], pieces: list) -> None:
+    if pieces:
+        out.setdefault(key, GlobalPieces(shape, [])).pieces.extend(pieces)
+
+
+def weight_pieces(records: list[ParamRecord], for_save: bool, key_of=lambda name: name) -> dict[str, GlobalPieces]:
+    """Model weights: the ones this rank writes (for_save) or all it holds (load, keyed by key_of(name))."""
+    out: dict[str, GlobalPieces] = {}
+    for rec in records:
+        if for_save and not rec.writes:
+            continue
+        flat = rec.param.detach().view(-1)
+        _add(out, key_of(rec.name), rec.shape, pieces_of(flat, 0, tuple(rec.param.shape), rec.blocks))
+    return out
+
+
+def optimizer_pieces(records: list[ParamRecord], optimizer: Any, for_save: bool,
+                     master_key=lambda name: f"optim.master.{name}") -> dict[str, GlobalPieces]:
+    """Adam moments and fp32 masters of this rank's optimizer segments as global pieces. Saving skips the
+    master of fp32 weights (it equals the weight) and what another rank writes."""
+    by_param = {id(rec.param): rec for rec in records}
+    out: dict[str, GlobalPieces] = {}
+    for seg in optimizer.segments:
+        for param, seg_offset, param_offset, length in seg.pieces:
+            rec = by_param[id(param)]
+            writer = rec.replica_writer if optimizer.distributed else rec.writes
+            if for_save and not writer:
+                continue
+            for kind in OPTIM_KINDS:
+                if kind == "master" and for_save and param.dtype == torch.float32:
+                    continue
+                key = master_key(rec.name) if kind == "master" else f"optim.{kind}.{rec.name}"
+                flat = getattr(seg, kind)[seg_offset:seg_offset + length]
+                _add(out, key, rec.shape, pieces_of(flat, param_offset, tuple(param.shape), rec.blocks))
+    return out
+
+
+def staged_copy(state_dict: dict[str, GlobalPieces]) -> dict[str, GlobalPieces]:
+    """The same pieces copied to fresh CPU memory (async save: training may change the originals)."""
+    return {key: GlobalPieces(tuple(value.shape), [(offsets, tensor.detach().to("cpu", copy=True))
+                                                   for offsets, tensor in value.pieces])
+            for key, value in state_dict.items()}
+
+
+class PiecesSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that finds the tensor of a write item inside `GlobalPieces`."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, GlobalPieces) else super().lookup_object(index)
+
+
+class PiecesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that writes each read straight into the `GlobalPieces` views."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # The default set-up runs _init_state_dict, which replaces objects it does not know by None.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, GlobalPieces) else super().lookup_tensor(index)
+
+
+def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Any, iter_dir: str) -> None:
+    """Every key present with the expected global shape; else CheckpointError naming the first tensor."""
+    from training.checkpoint.files import CheckpointError
+
+    stored = metadata.state_dict_metadata
+    for key in sorted(wanted):
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r} (saved from a different model?)")
+        saved_shape = tuple(getattr(stored[key], "size", ()))
+        if saved_shape != tuple(wanted[key].shape):
+            raise CheckpointError(f"checkpoint {iter_dir}: tensor {key!r} has shape {list(saved_shape)} in the "
+                                  f"checkpoint but {list(wanted[key].shape)} in this model")
+
+
+def first_missing(metadata: Any, keys: list[str]) -> Optional[str]:
+    return next((key for key in keys if key not in metadata.state_dict_metadata), None)
