@@ -30,7 +30,7 @@ import yaml  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.hf_mapping import (UnsupportedModelError, from_hf_state_dict, hf_config,  # noqa: E402
                               model_config_from_hf, to_hf_state_dict)
-from training.checkpointing import CheckpointError, atomic_save  # noqa: E402
+from training.checkpointing import CheckpointError  # noqa: E402
 from training.config import Config, ConfigError, DataConfig, ParallelConfig, config_from_dict  # noqa: E402
 from training.hf_folder import (DTYPES, HF_DTYPE_NAMES, HFFolderError, check_output_free,  # noqa: E402
                                 parse_size, publish_folder, read_config, read_weights, tokenizer_section,
@@ -146,7 +146,14 @@ def consolidate(checkpoint: str, out_file: str) -> str:
     if os.path.isdir(out_file):
         raise ValueError(f"output {out_file} is a folder; give a file name such as model.pt")
     tensors = {name: t.clone() for name, t in tensors.items()}  # the tied output shares no storage then
-    atomic_save({"config": config, "model": tensors}, out_file)
+    tmp = aside(out_file)
+    try:
+        torch.save({"config": config, "model": tensors}, tmp)
+        os.replace(tmp, out_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return out_file
 
 

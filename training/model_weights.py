@@ -6,7 +6,6 @@ padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_check
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -15,72 +14,34 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel
-from training.checkpointing import CheckpointError, atomic_save, atomic_write_text, read_tracker, TRACKER, ALIAS
+from parallel.model_builder import build_model_chunks
+from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
+from training.config import config_from_dict
 
 Tensors = dict[str, torch.Tensor]
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoints folder (-> its latest complete iteration) or one iter_XXXXXXX folder -> the iter folder."""
-    if os.path.basename(os.path.normpath(path)).startswith("iter_") and os.path.isdir(path):
-        return path
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a folder")
-    iteration = read_tracker(path)
-    if iteration is None:
-        raise CheckpointError(f"{path} is not a checkpoint: no {TRACKER} and not an iter_XXXXXXX folder")
-    return os.path.join(path, f"iter_{iteration:07d}")
-
-
-def _rank_files(iter_dir: str) -> list[str]:
-    names = sorted(n for n in os.listdir(iter_dir) if n.startswith("mp_rank_")) if os.path.isdir(iter_dir) else []
-    if not names:
-        raise CheckpointError(f"checkpoint {iter_dir} holds no mp_rank_* folders")
-    return [os.path.join(iter_dir, n, "model_optim_rng.pt") for n in names]
-
-
-def _load(path: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # unpickling errors have many types; name the file either way
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {str(err).splitlines()[0]}") from None
-
-
-def read_saved_config(iter_dir: str) -> dict:
-    """The run's config (Config.to_dict() form) saved in the checkpoint."""
-    return _load(_rank_files(iter_dir)[0])["config"]
-
-
 def load_global_state(path: str) -> tuple[dict, Tensors]:
-    """(saved config dict, global state dict) of a checkpoint (folder or iter folder)."""
+    """(saved config dict, global state dict) of a checkpoint of any layout (checkpoints folder or iter folder),
+    read through the layout-free loader at layout 1."""
     iter_dir = resolve_checkpoint(path)
-    files = _rank_files(iter_dir)
-    first = _load(files[0])
-    if first.get("layout", {}).get("tp", 1) != 1:
-        raise CheckpointError(f"checkpoint {iter_dir} was saved with tensor parallelism {first['layout']}; "
-                              "reading it needs the layout-free checkpoint loader")
-    tensors: Tensors = {}
-    for file in files:  # tp = 1: every pipeline stage and chunk holds its tensors under global names
-        for chunk_state in _load(file)["model"]:
-            tensors.update(chunk_state)
-    config = first["config"]
-    if config["model"].get("tie_embeddings") and "output_layer.weight" not in tensors:
-        tensors["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
-    return config, tensors
+    config = read_saved_config(iter_dir)
+    state = ParallelState.single()
+    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
+                                dtype=torch.float32)
+    load_model_weights(iter_dir, chunks, state)
+    return config, chunks[0].state_dict()
 
 
 def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors) -> str:
-    """Write a weights-only checkpoint (layout 1) of a global state dict under root; returns the iter folder."""
-    directory = os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00_000")
-    os.makedirs(directory, exist_ok=True)
-    payload = {"iteration": iteration, "consumed_samples": 0, "skipped_iters": 0, "config": config,
-               "model": [dict(tensors)], "lr_schedule": None, "optimizer": None,
-               "layout": {"tp": 1, "pp": 1, "vp": 1}}
-    atomic_save(payload, os.path.join(directory, "model_optim_rng.pt"))
-    atomic_write_text(f"{iteration}\n", os.path.join(root, TRACKER))
-    atomic_write_text(f"{iteration}\n", os.path.join(root, ALIAS))
-    return os.path.dirname(directory)
+    """A weights-only checkpoint of a global state dict under root (loadable at any layout, e.g. with
+    checkpoint.load=ROOT checkpoint.finetune=true); returns the iteration folder."""
+    state = ParallelState.single()
+    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
+                                dtype=torch.float32)
+    chunks[0].load_state_dict(tensors)
+    return save_model_weights(root, iteration, chunks, state, config)
 
 
 def resize_vocab_rows(tensors: Tensors, cfg: ModelConfig, padded_vocab: int) -> Tensors:
