@@ -145,7 +145,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, dim=1).reshape(groups * (hpg + 2) * d, *rest).contiguous()
 
 
-def _vocab_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+def vocab_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """The first `rows` rows, zero rows appended when the table is shorter."""
     if weight.shape[0] >= rows:
         return weight[:rows].contiguous()
@@ -209,7 +209,7 @@ def to_hf_state_dict(cfg: ModelConfig, ours: Tensors) -> Tensors:
         if our == "output_layer.weight" and cfg.tie_embeddings:
             continue
         tensor = ours[our]
-        hf[theirs] = _vocab_rows(tensor, cfg.vocab_size) if "position" not in our and "norm" not in our else tensor
+        hf[theirs] = vocab_rows(tensor, cfg.vocab_size) if "position" not in our and "norm" not in our else tensor
     if arch == "gpt2":
         hf = {name: (t.t() if _is_conv1d(arch, name) else t) for name, t in hf.items()}
         if not cfg.add_bias_linear:
@@ -274,7 +274,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
             used.add(theirs)  # transformers may store the tied copy; ours is the embedding itself
             continue
         tensor = take(theirs)
-        ours[our] = _vocab_rows(tensor, padded) if our in ("embedding.word_embeddings.weight",
+        ours[our] = vocab_rows(tensor, padded) if our in ("embedding.word_embeddings.weight",
                                                            "output_layer.weight") else tensor
     if cfg.tie_embeddings:
         ours["output_layer.weight"] = ours["embedding.word_embeddings.weight"]

@@ -12,9 +12,10 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
+from model.hf_mapping import vocab_rows
+from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel
-from parallel.model_builder import build_model_chunks
 from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 from training.config import config_from_dict
 
@@ -45,14 +46,10 @@ def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors)
 
 
 def resize_vocab_rows(tensors: Tensors, cfg: ModelConfig, padded_vocab: int) -> Tensors:
-    """The vocabulary tables cut or zero-padded to `padded_vocab` rows (padding rows never score)."""
-    out = dict(tensors)
-    for name in VOCAB_ROWS:
-        if name in out:
-            rows = out[name][:cfg.vocab_size]
-            pad = rows.new_zeros(padded_vocab - rows.shape[0], *rows.shape[1:])
-            out[name] = torch.cat([rows, pad]) if pad.shape[0] else rows
-    return out
+    """The vocabulary tables cut to the real vocabulary and zero-padded to `padded_vocab` rows (padding rows
+    never score)."""
+    return {name: vocab_rows(t[:cfg.vocab_size], padded_vocab) if name in VOCAB_ROWS else t
+            for name, t in tensors.items()}
 
 
 def build_model_from_state(cfg: ModelConfig, tensors: Tensors, state: Optional[ParallelState] = None,
