@@ -114,7 +114,7 @@ def test_async_save_keep_last_and_lr_schedule_rule(tiny_corpus, tmp_path, log_li
     root = os.path.join(run_dir, "checkpoints")
     assert files.list_iterations(root) == [3, 4] and files.read_tracker(root) == 4
     saves = [line for line in log_lines if line.startswith("saved checkpoint")]
-    assert len(saves) == 4 and all("MiB, async" in s and "training loop blocked" in s for s in saves)
+    assert len(saves) == 4 and all("MiB, async, copied aside in" in s and "training loop blocked" in s for s in saves)
     log_lines.clear()
     # Longer run on resume: the checkpoint's LR schedule wins (logged), unless optim.override_lr_schedule.
     assert main(tiny_corpus, run_dir, "train.train_iters=6", "train.eval_iters=0", "checkpoint.load=true") == 0
@@ -137,8 +137,55 @@ def test_finetune_from_another_run_at_another_layout(tiny_corpus, tmp_path, log_
     target = str(tmp_path / "finetune")
     argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
             *tiny_train_args(tiny_corpus, target, "train.train_iters=2", "train.eval_iters=0",
-                             "parallel.tp_size=2", f"checkpoint.load={source}/checkpoints", "checkpoint.finetune=true")]
+                             "parallel.tp_size=2", f"checkpoint.finetune={source}/checkpoints")]  # one override
     run_ranks(2, _rank_main, argv, timeout=300.0)
     assert [r["iteration"] for r in read_metrics(target)] == [1, 2]
     assert files.read_tracker(os.path.join(target, "checkpoints")) == 2
     assert files.read_tracker(os.path.join(source, "checkpoints")) == 2  # the source is untouched
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tiny_corpus, tmp_path, mode):
+    """Two kills per mode here; scripts/checkpoint_kill_test.py does ten (docs/performance.md)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(pretrain_gpt.__file__), "scripts"))
+    import checkpoint_kill_test
+
+    data_args = [f"data.data_path=[{tiny_corpus['data_prefix']}]", f"data.vocab_file={tiny_corpus['vocab_file']}",
+                 f"data.merge_file={tiny_corpus['merge_file']}", "model.make_vocab_size_divisible_by=8"]
+    # The second round starts by resuming the first round's checkpoint in the trainer (load=true).
+    result = checkpoint_kill_test.run(2, mode, str(tmp_path), data_args, seed=1, final_resume=False)
+    assert result["latest"] >= 2
+
+
+def _write_legacy_checkpoint(run, root: str) -> None:
+    """Format 1 (per-rank files, as earlier versions wrote them) of a single-process run."""
+    import torch
+    directory = os.path.join(root, f"iter_{run.progress.iteration:07d}", "mp_rank_00_000")
+    os.makedirs(directory)
+    torch.save({"iteration": run.progress.iteration, "consumed_samples": run.progress.consumed_samples,
+                "skipped_iters": 0, "config": run.config.to_dict(),
+                "model": [chunk.state_dict() for chunk in run.ctx.chunks],
+                "lr_schedule": run.lr_schedule.state_dict(), "optimizer": run.ctx.optimizer.state_dict(),
+                "layout": {"tp": 1, "pp": 1, "vp": 1}}, os.path.join(directory, "model_optim_rng.pt"))
+    torch.save({"rng": run.rng_tracker.state_dict(), "optimizer": None}, os.path.join(directory, "dp_rank_000.pt"))
+    files.write_trackers(root, run.progress.iteration)
+
+
+def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
+    from parallel.layout import layout_from_config
+    from training.config import load_config
+    from training.setup import init_distributed
+
+    drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")
+    whole, legacy = str(tmp_path / "whole"), str(tmp_path / "legacy")
+    assert main(tiny_corpus, whole, "train.train_iters=4", *drop) == 0
+    config = load_config(pretrain_gpt.DEFAULT_CONFIG, tiny_train_args(tiny_corpus, legacy, "train.train_iters=2",
+                                                                         *drop, "checkpoint.save=false"))
+    run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, 1))
+    pretrain_gpt.train(run)
+    _write_legacy_checkpoint(run, os.path.join(legacy, "checkpoints"))
+    assert main(tiny_corpus, legacy, "train.train_iters=4", *drop, "checkpoint.load=true") == 0
+    assert any("per-rank format of earlier versions" in line for line in log_lines)
+    assert [r["lm_loss"] for r in read_metrics(legacy)] == [r["lm_loss"] for r in read_metrics(whole)]
+    assert checkpoint_info.main([os.path.join(legacy, "checkpoints"), "--verify"]) == 0  # saved in format 2

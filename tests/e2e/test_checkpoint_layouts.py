@@ -13,6 +13,7 @@ import torch
 import pretrain_gpt
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
+from parallel.layout import layout_from_config
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.saver import write_checkpoint
 from training.config import load_config
@@ -43,8 +44,7 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     if world_size == 1:
         os.environ["LOCAL_WORLD_SIZE"] = str(os.cpu_count() or 1)
     config = load_config(pretrain_gpt.DEFAULT_CONFIG, overrides)
-    pretrain_gpt.check_before_work(config, world_size)
-    run = pretrain_gpt.build_run(config, init_distributed())
+    run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, world_size))
     pretrain_gpt.resume_if_asked(run)
     assert run.progress.iteration == 5
     job = build_save_job(copy_root, run.state, run.progress, run.ctx.chunks, run.ctx.optimizer, run.lr_schedule,

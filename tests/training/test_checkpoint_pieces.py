@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from model.param_info import set_param_info
 from parallel.tp_layers import shard_dim0, shard_dim1
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.pieces import Block, GlobalPieces, flat_range_rects, pieces_of, tp_blocks
@@ -28,7 +29,7 @@ def test_flat_range_rects_cover_the_range_exactly():
 
 
 def _param(full: torch.Tensor, tp_rank: int, tp_size: int, partition_dim: int, stacked: int = 1) -> nn.Parameter:
-    """A tp shard carrying the attributes the tp layers set (plain attributes or ParamInfo, both read)."""
+    """A tp shard carrying the ParamInfo the tp layers set."""
     if partition_dim == 0:
         fn = partial(shard_dim0, rank=tp_rank, size=tp_size, num_stacked=stacked)
     elif partition_dim == 1:
@@ -36,8 +37,8 @@ def _param(full: torch.Tensor, tp_rank: int, tp_size: int, partition_dim: int, s
     else:
         fn = None
     param = nn.Parameter(fn(full).clone() if fn else full.clone())
-    param.__dict__.update(tensor_parallel=fn is not None, partition_dim=partition_dim, shard_fn=fn,
-                          full_shape=tuple(full.shape))
+    set_param_info(param, tensor_parallel=fn is not None, partition_dim=partition_dim, shard_fn=fn,
+                   full_shape=tuple(full.shape))
     return param
 
 

@@ -18,14 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from model.param_info import ATTRIBUTE, param_info
-
-
-def info_field(param: torch.Tensor, name: str, default: Any = None) -> Any:
-    """A ParamInfo field of `param` (model/param_info.py), or the older plain attribute of the same name."""
-    if hasattr(param, ATTRIBUTE):
-        return getattr(param_info(param), name)
-    return getattr(param, name, default)
+from model.param_info import full_shape, param_info
 
 
 @dataclass(frozen=True)
@@ -60,7 +53,7 @@ VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def global_shape(param: torch.Tensor, name: str, vocab_size: int) -> tuple[int, ...]:
     """The stored shape: the unsharded one, vocabulary rows cut to the real vocabulary (no tp padding)."""
-    shape = tuple(info_field(param, "full_shape") or param.shape)
+    shape = full_shape(param)
     if name in VOCAB_PARAMS:
         shape = (vocab_size,) + shape[1:]
     return shape
@@ -70,15 +63,16 @@ def tp_blocks(param: torch.Tensor, name: str, tp_rank: int, tp_size: int, vocab_
     """Where this rank's tp shard of `param` lies in the global tensor, as local-to-global blocks."""
     local = as_matrix(param)
     rows, cols = local.shape
-    partition_dim = info_field(param, "partition_dim", -1)
-    tensor_parallel = info_field(param, "tensor_parallel", False) and tp_size > 1
+    info = param_info(param)
+    partition_dim = info.partition_dim
+    tensor_parallel = info.tensor_parallel and tp_size > 1
     if not tensor_parallel:
         blocks = [Block(0, rows, 0, cols)]
     elif partition_dim == 1:
         blocks = [Block(0, rows, 0, cols, 0, tp_rank * cols)]
     else:
-        shard_fn = info_field(param, "shard_fn")
-        stacked = getattr(shard_fn, "keywords", {}).get("num_stacked", 1)
+        # SwiGLU's fc1 is [gate; up] and each half is split (parallel/tp_layers.shard_dim0's num_stacked)
+        stacked = getattr(info.shard_fn, "keywords", {}).get("num_stacked", 1)
         block_rows = rows // stacked  # [stacked blocks of rows/stacked] locally, each a slice of a global block
         blocks = [Block(b * block_rows, (b + 1) * block_rows, 0, cols,
                         b * block_rows * tp_size + tp_rank * block_rows - b * block_rows)

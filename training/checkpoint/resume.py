@@ -4,6 +4,7 @@ run's config, and then loading it into the built run.
     checkpoint.load=true      the latest complete checkpoint under run.dir/checkpoints (none: start fresh)
     checkpoint.load=PATH      a checkpoints folder (its latest complete one) or one iter_XXXXXXX inside it
     checkpoint.finetune=true  weights only; iteration 0, fresh optimizer, LR schedule and data order
+                              (checkpoint.finetune=PATH: the same from PATH, one override)
     checkpoint.load_optimizer=false   weights and counters; fresh optimizer state (Megatron's --no-load-optim)
 """
 from __future__ import annotations

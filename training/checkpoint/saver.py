@@ -1,7 +1,8 @@
 """Writing a checkpoint: every rank writes its pieces with torch.distributed.checkpoint into
 iter_XXXXXXX.tmp.<pid>, checksums are gathered, then rank 0 renames the folder into place and writes the
 trackers. `Checkpointer` runs that synchronously or, with async_save, in a background thread per rank on its
-own gloo group after copying the pieces aside (the only time the training loop is blocked).
+own gloo group: the thread first copies the pieces aside (overlapping the next forward and backward; the loop
+waits for the copy only before its next optimizer step), then writes them.
 """
 from __future__ import annotations
 
@@ -154,24 +155,44 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._thread: Optional[threading.Thread] = None
         self._outcome: dict[str, Any] = {}
+        self._staging: Optional[dict] = None  # async: CPU copies of the pieces, reused from save to save
+        self._staged: Optional[threading.Event] = None  # set once the save in flight has copied the pieces
+        self._blocked = 0.0  # seconds the loop waited for the save in flight
 
     def save(self, job: SaveJob) -> None:
-        """Write `job` (blocking) or stage it and write it in the background (async)."""
+        """Write `job` (blocking), or (async) hand it to a background thread that first copies the pieces aside
+        and then writes them; the loop only has to call `before_update()` before its next optimizer step."""
         self.wait()
         started = time.perf_counter()
         if not self.async_save:
             result = write_checkpoint(job, self.group)
             self._report(job, result, time.perf_counter() - started)
             return
-        job.tensors = staged_copy(job.tensors)  # the loop may change the originals from the next step on
-        blocked = time.perf_counter() - started
-        self._outcome = {}
-        self._thread = threading.Thread(target=self._run, args=(job, blocked), name="checkpoint-save", daemon=True)
+        self._outcome, self._staged = {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(job, self._staged), name="checkpoint-save",
+                                        daemon=True)
         self._thread.start()
+        self._blocked = time.perf_counter() - started
 
-    def _run(self, job: SaveJob, blocked: float) -> None:
+    def before_update(self) -> None:
+        """Called by the training loop before anything changes the weights or optimizer state (the optimizer
+        step): waits until an async save has copied them. Forward and backward overlap with that copy."""
+        if self._staged is None:
+            return
+        started = time.perf_counter()
+        self._staged.wait()
+        self._blocked += time.perf_counter() - started
+        self._staged = None
+
+    def _run(self, job: SaveJob, staged: threading.Event) -> None:
         try:
-            self._outcome["result"] = (job, write_checkpoint(job, self.group), blocked)
+            started = time.perf_counter()
+            try:
+                self._staging = job.tensors = staged_copy(job.tensors, self._staging)  # buffers reused
+            finally:
+                staged.set()
+                self._outcome["copy_seconds"] = time.perf_counter() - started
+            self._outcome["result"] = (job, write_checkpoint(job, self.group))
         except BaseException as err:  # reported on the main thread by wait()
             self._outcome["error"] = err
 
@@ -185,15 +206,16 @@ class Checkpointer:
         """Finish the save in flight (if any); re-raise its failure here, on the training thread."""
         if self._thread is None:
             return
+        self.before_update()
         self._thread.join()
         self._thread = None
         if "error" in self._outcome:
             raise self._outcome["error"]
-        job, result, blocked = self._outcome["result"]
-        self._report(job, result, blocked)
+        job, result = self._outcome["result"]
+        self._report(job, result, self._blocked)
 
     def _report(self, job: SaveJob, result: SaveResult, blocked: float) -> None:
         size = f"{result.size_bytes / 2**20:.1f} MiB" if result.size_bytes else "size on rank 0"
-        mode = "async" if self.async_save else "sync"
+        mode = f"async, copied aside in {self._outcome['copy_seconds']:.2f} s" if self.async_save else "sync"
         self.log(f"saved checkpoint {result.path} ({size}, {mode}): written in {result.write_seconds:.2f} s, "
                  f"training loop blocked {blocked:.3f} s")

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from training.checkpoint.pieces import Block, GlobalPieces, global_shape, info_field, pieces_of, tp_blocks
+from model.param_info import param_info
+from training.checkpoint.pieces import Block, GlobalPieces, global_shape, pieces_of, tp_blocks
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -41,9 +42,10 @@ def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[
     records = []
     for chunk in chunks:
         for module_name, param in chunk.named_parameters():
-            name = info_field(param, "init_name") or module_name
-            copy = bool(info_field(param, "embedding_copy", False))
-            replicated = not info_field(param, "tensor_parallel", False) or state.tp_size == 1
+            info = param_info(param)
+            name = info.init_name or module_name
+            copy = info.embedding_copy
+            replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
             writes = replica_writer and len(records) % state.dp_size == state.dp_rank
             records.append(ParamRecord(name, param, global_shape(param, name, vocab_size),
@@ -89,11 +91,27 @@ def optimizer_pieces(records: list[ParamRecord], optimizer: Any, for_save: bool,
     return out
 
 
-def staged_copy(state_dict: dict[str, GlobalPieces]) -> dict[str, GlobalPieces]:
-    """The same pieces copied to fresh CPU memory (async save: training may change the originals)."""
-    return {key: GlobalPieces(tuple(value.shape), [(offsets, tensor.detach().to("cpu", copy=True))
-                                                   for offsets, tensor in value.pieces])
-            for key, value in state_dict.items()}
+def staged_copy(state_dict: dict[str, GlobalPieces], buffers: Optional[dict[str, GlobalPieces]] = None
+                ) -> dict[str, GlobalPieces]:
+    """The same pieces copied into CPU memory that training does not touch (async save). `buffers`, the
+    result of an earlier call with pieces of the same shapes, is reused: no new allocation (page faults cost
+    more than the copy), and pinned when the tensors live on a GPU."""
+    def same_layout(a: GlobalPieces, b: GlobalPieces) -> bool:
+        return [(o, t.shape, t.dtype) for o, t in a.pieces] == [(o, t.shape, t.dtype) for o, t in b.pieces]
+
+    if buffers is None or buffers.keys() != state_dict.keys() or not all(
+            same_layout(state_dict[k], buffers[k]) for k in state_dict):
+        buffers = {key: GlobalPieces(tuple(value.shape),
+                                     [(offsets, torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                            pin_memory=tensor.is_cuda))
+                                      for offsets, tensor in value.pieces])
+                   for key, value in state_dict.items()}
+    for key, value in state_dict.items():
+        for (_, source), (_, target) in zip(value.pieces, buffers[key].pieces):
+            target.copy_(source.detach(), non_blocking=source.is_cuda)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return buffers
 
 
 class PiecesSavePlanner(DefaultSavePlanner):
