@@ -11,7 +11,8 @@ examples:
 to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
 tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
 checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections) for fine-tuning:
-  python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.load=ckpt/llama checkpoint.finetune=true
+  python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.finetune=ckpt/llama \
+      data.data_path=[data/my_text_document]
 Bad input is one line on stderr and exit status 2; nothing is left half-written.
 """
 from __future__ import annotations

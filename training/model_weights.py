@@ -37,7 +37,7 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
 
 def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors) -> str:
     """A weights-only checkpoint of a global state dict under root (loadable at any layout, e.g. with
-    checkpoint.load=ROOT checkpoint.finetune=true); returns the iteration folder."""
+    checkpoint.finetune=ROOT); returns the iteration folder."""
     state = ParallelState.single()
     chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
                                 dtype=torch.float32)
