@@ -158,13 +158,15 @@ def layer_names(arch: str, i: int) -> dict[str, str]:
         p, q = f"layers.{i}.", f"transformer.h.{i}."
         return {p + "input_norm.weight": q + "ln_1.weight", p + "input_norm.bias": q + "ln_1.bias",
                 p + "post_attention_norm.weight": q + "ln_2.weight", p + "post_attention_norm.bias": q + "ln_2.bias",
-                p + "attention.proj.weight": q + "attn.c_proj.weight", p + "attention.proj.bias": q + "attn.c_proj.bias",
+                p + "attention.proj.weight": q + "attn.c_proj.weight",
+                p + "attention.proj.bias": q + "attn.c_proj.bias",
                 p + "mlp.fc1.weight": q + "mlp.c_fc.weight", p + "mlp.fc1.bias": q + "mlp.c_fc.bias",
                 p + "mlp.fc2.weight": q + "mlp.c_proj.weight", p + "mlp.fc2.bias": q + "mlp.c_proj.bias"}
     p, q = f"layers.{i}.", f"model.layers.{i}."
     return {p + "input_norm.weight": q + "input_layernorm.weight",
             p + "post_attention_norm.weight": q + "post_attention_layernorm.weight",
-            p + "attention.proj.weight": q + "self_attn.o_proj.weight", p + "attention.proj.bias": q + "self_attn.o_proj.bias",
+            p + "attention.proj.weight": q + "self_attn.o_proj.weight",
+            p + "attention.proj.bias": q + "self_attn.o_proj.bias",
             p + "mlp.fc2.weight": q + "mlp.down_proj.weight", p + "mlp.fc2.bias": q + "mlp.down_proj.bias"}
 
 

@@ -32,9 +32,11 @@ from model.config import ModelConfig  # noqa: E402
 from model.hf_mapping import (UnsupportedModelError, from_hf_state_dict, hf_config,  # noqa: E402
                               model_config_from_hf, to_hf_state_dict)
 from training.checkpointing import CheckpointError  # noqa: E402
-from training.config import Config, ConfigError, DataConfig, ParallelConfig, config_from_dict  # noqa: E402
+from training.config import (Config, ConfigError, DataConfig, ParallelConfig, TrainConfig,  # noqa: E402
+                             config_from_dict)
 from training.hf_folder import (DTYPES, HF_DTYPE_NAMES, HFFolderError, check_output_free,  # noqa: E402
-                                parse_size, publish_folder, read_config, read_weights, tokenizer_section,
+                                parse_size, publish_folder, read_config, read_weights, sentencepiece_normalizer,
+                                tokenizer_section,
                                 write_tokenizer, write_weights)
 from training.model_weights import load_global_state, save_global_state  # noqa: E402
 
@@ -58,6 +60,7 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     check_output_free(out_dir)
     config, tensors = load_global_state(checkpoint)
     cfg = model_config_of(config)
+    warn_about_normalization(config["data"])
     hf_tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, tensors).items()}
     tmp = aside(out_dir)
     os.makedirs(tmp)
@@ -75,6 +78,15 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     return files
 
 
+def warn_about_normalization(data: dict) -> None:
+    """transformers' LlamaTokenizer applies no SentencePiece normalization: say so when the model has one."""
+    if data.get("tokenizer_type") == "SentencePieceTokenizer":
+        rule = sentencepiece_normalizer(data["tokenizer_model"])
+        if rule != "identity":
+            print(f"warning: {data['tokenizer_model']} normalizes text ({rule!r}); transformers' LlamaTokenizer "
+                  "does not, so its ids can differ on such text (e.g. runs of whitespace)", file=sys.stderr)
+
+
 def _write_json(path: str, value: dict) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(value, handle, indent=2)
@@ -82,14 +94,13 @@ def _write_json(path: str, value: dict) -> None:
 
 # ---- from-hf / from-megatron -----------------------------------------------------------------------
 def layout_section(cfg: ModelConfig, tp: int, pp: int, vp: int) -> dict:
-    """The parallel section for the asked layout, checked against the model (one line per failure)."""
-    from parallel.tensor_parallel import check_tensor_parallel_sizes
+    """The parallel section for the asked layout, checked against the model by parallel/layout.py (one line
+    naming both values when it cannot split the model)."""
+    from parallel.layout import build_layout
 
-    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp)
-    config = Config(model=cfg, parallel=parallel)
-    config.validate()  # layers % (pp * vp), schedule for vp > 1
-    check_tensor_parallel_sizes(cfg, tp)
-    return config.to_dict()["parallel"]
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
+    build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
+    return Config(model=cfg, parallel=parallel).to_dict()["parallel"]
 
 
 def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict | None, parallel: dict) -> str:

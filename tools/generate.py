@@ -102,7 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def prepare(args: argparse.Namespace, env):
     """Model (tensor parallel over every rank under torchrun), tokenizer, sampling config, prompt ids."""
     from parallel.state import ParallelState
-    from parallel.tensor_parallel import check_tensor_parallel_sizes
+    from parallel.layout import check_tensor_parallel
 
     sampling = SamplingConfig(args.greedy, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     sampling.validate()
@@ -110,7 +110,7 @@ def prepare(args: argparse.Namespace, env):
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     cfg, tensors, data = load_model_source(args.checkpoint)
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
-    check_tensor_parallel_sizes(cfg, env.world_size)
+    check_tensor_parallel(cfg, env.world_size, sequence_parallel=False)
     tokenizer = build_tokenizer(data["tokenizer_type"], vocab_file=data.get("vocab_file"),
                                 merge_file=data.get("merge_file"), tokenizer_model=data.get("tokenizer_model"))
     if tokenizer.vocab_size != cfg.vocab_size:

@@ -166,3 +166,13 @@ def tokenizer_section(folder: str) -> Optional[dict[str, Any]]:
         return {"tokenizer_type": "SentencePieceTokenizer", "vocab_file": None, "merge_file": None,
                 "tokenizer_model": model}
     return None
+
+
+def sentencepiece_normalizer(model_file: str) -> str:
+    """The normalization rule a SentencePiece model applies ('identity', 'nmt_nfkc', ...)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_file, "rb") as handle:
+        proto.ParseFromString(handle.read())
+    return proto.normalizer_spec.name

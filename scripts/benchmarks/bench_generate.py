@@ -71,7 +71,8 @@ def main() -> None:
     for context in args.contexts:
         cached = min(ms_per_token(model, context, args.tokens, True, args.device) for _ in range(args.repeats))
         full = min(ms_per_token(model, context, args.tokens, False, args.device) for _ in range(args.repeats))
-        print(f"context {context:5d}: {cached:8.2f} ms/token with the KV cache, {full:8.2f} ms/token without", flush=True)
+        print(f"context {context:5d}: {cached:8.2f} ms/token with the KV cache, {full:8.2f} ms/token without",
+              flush=True)
 
 
 if __name__ == "__main__":
