@@ -37,8 +37,8 @@ def tokenizer_files(tmp_path_factory):
     return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
 
 
-def run_config(style: dict, tokenizer: dict, tp=1, pp=1, vp=1) -> dict:
-    return Config(model=ModelConfig(vocab_size=300, **style),
+def run_config(style: dict, tokenizer: dict, tp=1, pp=1, vp=1, vocab_size=300) -> dict:
+    return Config(model=ModelConfig(vocab_size=vocab_size, **style),
                   parallel=ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp), data=DataConfig(**tokenizer)).to_dict()
 
 
@@ -178,11 +178,12 @@ def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path):
     texts = [open(os.path.join(stdlib, name), encoding="utf-8").read() for name in ("os.py", "abc.py", "glob.py")]
     prefix = str(tmp_path / "sp")
     sentencepiece.SentencePieceTrainer.train(  # Llama's settings: no normalization, byte fallback
-        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=300, model_type="bpe", byte_fallback=True,
-        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        sentence_iterator=iter([line for text in texts for line in text.splitlines() if line]),
+        model_prefix=prefix, vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=0.9995,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
     tokenizer = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": prefix + ".model"}
-    config = run_config(LLAMA, tokenizer)
+    config = run_config(LLAMA, tokenizer, vocab_size=400)
     save_single(config, str(tmp_path / "ckpt"))
     result = run_tool("to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
