@@ -223,7 +223,10 @@ def remove_stale_tmp(root: str, log: Callable[[str], None]) -> None:
         if not match or pid_alive(int(match.group(1))):
             continue
         path = os.path.join(root, name)
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
         log(f"removed {path}, left by an interrupted save (process {match.group(1)} is gone)")
 
 
