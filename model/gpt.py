@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.kv_cache import KVCache, LayerKVCache
 from model.param_info import set_param_info
 
 
@@ -83,7 +84,8 @@ class SelfAttention(nn.Module):
         self.recompute_core = False
         self.checkpoint_fn: Optional[Callable] = None
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor]):
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
+                kv_cache: Optional[LayerKVCache] = None):
         mixed = self.qkv(x)  # [s, b, groups_local * (hpg + 2) * d]
         s, b = mixed.shape[:2]
         d, hpg = self.head_dim, self.heads_per_group
@@ -92,6 +94,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, -1, d)  # [s, b, heads_local, d]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if kv_cache is not None:  # incremental decoding: attend over every cached position too
+            k, v, attention_mask = kv_cache.update(k, v)
         if self.recompute_core and self.training:
             context = self.checkpoint_fn(self.core, q, k, v, attention_mask)
         else:
@@ -130,8 +134,9 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor]):
-        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rotary, attention_mask))
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
+                kv_cache: Optional[LayerKVCache] = None):
+        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rotary, attention_mask, kv_cache))
         return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))
 
 
@@ -231,9 +236,10 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         """Embedding (first chunk) or hidden_states [s, b, h] in; hidden [s, b, h] out, or on the last chunk
-        per-token loss [b, s] when labels [b, s] are given, else logits [b, s, V(/tp)]."""
+        per-token loss [b, s] when labels [b, s] are given, else logits [b, s, V(/tp)]. With `kv_cache`
+        (generation) the tokens continue the cached ones: position_ids start at kv_cache.length."""
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.cfg.position_embedding_type == "rope":
@@ -242,7 +248,7 @@ class GPTModel(nn.Module):
             if int(layer_id) in self.recompute_layer_ids and self.training:
                 x = self.checkpoint_fn(layer, x, rotary, attention_mask)
             else:
-                x = layer(x, rotary, attention_mask)
+                x = layer(x, rotary, attention_mask, None if kv_cache is None else kv_cache.layer(int(layer_id)))
         if not self.post_process:
             return x
         logits = self._mask_vocab_padding(self.output_layer(self.final_norm(x)))  # [s, b, V(/tp)]

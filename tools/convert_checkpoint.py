@@ -1,0 +1,213 @@
+"""Convert checkpoints: ours <-> HuggingFace transformers, Megatron-LM -> ours, any layout -> one file.
+
+A CHECKPOINT is a checkpoints folder (its latest complete iteration) or one iter_XXXXXXX folder in it.
+
+examples:
+  python tools/convert_checkpoint.py to-hf runs/gpt_tiny/checkpoints hf/gpt_tiny --dtype bf16
+  python tools/convert_checkpoint.py from-hf hf/llama ckpt/llama --tp 2 --pp 2
+  python tools/convert_checkpoint.py from-megatron /data/megatron/gpt_345m/checkpoints ckpt/gpt_345m
+  python tools/convert_checkpoint.py consolidate runs/gpt_tiny/checkpoints gpt_tiny.pt
+
+to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
+tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
+checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections) for fine-tuning:
+  python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.finetune=ckpt/llama \
+      data.data_path=[data/my_text_document]
+Bad input is one line on stderr and exit status 2; nothing is left half-written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from model.config import ModelConfig  # noqa: E402
+from model.hf_mapping import (UnsupportedModelError, from_hf_state_dict, hf_config,  # noqa: E402
+                              model_config_from_hf, to_hf_state_dict)
+from training.checkpointing import CheckpointError  # noqa: E402
+from training.config import (Config, ConfigError, DataConfig, ParallelConfig, TrainConfig,  # noqa: E402
+                             config_from_dict)
+from training.hf_folder import (DTYPES, HF_DTYPE_NAMES, HFFolderError, check_output_free,  # noqa: E402
+                                parse_size, publish_folder, read_config, read_weights, sentencepiece_normalizer,
+                                tokenizer_section,
+                                write_tokenizer, write_weights)
+from training.model_weights import load_global_state, save_global_state  # noqa: E402
+
+INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
+
+
+def model_config_of(config: dict) -> ModelConfig:
+    """The model section of a saved run config."""
+    return config_from_dict(config).model
+
+
+def aside(out_path: str) -> str:
+    """The temporary path beside out_path that is renamed onto it once complete."""
+    return f"{os.path.normpath(out_path)}.tmp-{os.getpid()}"
+
+
+# ---- to-hf -----------------------------------------------------------------------------------------
+def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> list[str]:
+    """Export a checkpoint of any layout to a transformers folder; returns the files written."""
+    max_bytes = parse_size(max_shard_size)
+    check_output_free(out_dir)
+    config, tensors = load_global_state(checkpoint)
+    cfg = model_config_of(config)
+    warn_about_normalization(config["data"])
+    hf_tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, tensors).items()}
+    tmp = aside(out_dir)
+    os.makedirs(tmp)
+    try:
+        ids = write_tokenizer(tmp, config["data"], cfg.vocab_size, cfg.max_positions)
+        files = write_weights(tmp, hf_tensors, max_bytes)
+        hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": HF_DTYPE_NAMES[dtype]}
+        _write_json(os.path.join(tmp, "config.json"), hf)
+        _write_json(os.path.join(tmp, "generation_config.json"),
+                    {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]})
+        publish_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
+
+
+def warn_about_normalization(data: dict) -> None:
+    """transformers' LlamaTokenizer applies no SentencePiece normalization: say so when the model has one."""
+    if data.get("tokenizer_type") == "SentencePieceTokenizer":
+        rule = sentencepiece_normalizer(data["tokenizer_model"])
+        if rule != "identity":
+            print(f"warning: {data['tokenizer_model']} normalizes text ({rule!r}); transformers' LlamaTokenizer "
+                  "does not, so its ids can differ on such text (e.g. runs of whitespace)", file=sys.stderr)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(value, handle, indent=2)
+
+
+# ---- from-hf / from-megatron -----------------------------------------------------------------------
+def layout_section(cfg: ModelConfig, tp: int, pp: int, vp: int) -> dict:
+    """The parallel section for the asked layout, checked against the model by parallel/layout.py (one line
+    naming both values when it cannot split the model)."""
+    from parallel.layout import build_layout
+
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
+    build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
+    return Config(model=cfg, parallel=parallel).to_dict()["parallel"]
+
+
+def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict | None, parallel: dict) -> str:
+    """Weights-only checkpoint (iteration 0) plus out/config.yaml, written aside then renamed."""
+    check_output_free(out)
+    tmp = aside(out)
+    os.makedirs(tmp)
+    try:
+        sections = Config(model=cfg).to_dict()
+        sections["parallel"] = parallel
+        if data is not None:
+            tokenizer_dir = os.path.join(tmp, "tokenizer")
+            os.makedirs(tokenizer_dir)
+            for key in ("vocab_file", "merge_file", "tokenizer_model"):
+                if data.get(key):
+                    data[key] = _copy_into(data[key], tokenizer_dir, os.path.join(out, "tokenizer"))
+            sections["data"] = {**DataConfig().__dict__, **data}
+        save_global_state(tmp, 0, sections, tensors)
+        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as handle:
+            yaml.safe_dump({k: sections[k] for k in ("model", "parallel", "data") if k in sections}, handle,
+                           sort_keys=False)
+        publish_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _copy_into(path: str, folder: str, final_folder: str) -> str:
+    shutil.copyfile(path, os.path.join(folder, os.path.basename(path)))
+    return os.path.abspath(os.path.join(final_folder, os.path.basename(path)))
+
+
+def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
+    """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout."""
+    cfg = model_config_from_hf(read_config(hf_dir))
+    parallel = layout_section(cfg, tp, pp, vp)
+    tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
+    return write_our_checkpoint(out, cfg, tensors, tokenizer_section(hf_dir), parallel)
+
+
+def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
+    """A Megatron-LM torch-format GPT checkpoint (legacy or megatron-core names, any tp/pp) -> ours."""
+    from training.megatron_checkpoint import load_megatron_checkpoint
+
+    cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
+    parallel = layout_section(cfg, tp, pp, vp)
+    return write_our_checkpoint(out, cfg, tensors, data, parallel)
+
+
+# ---- consolidate -----------------------------------------------------------------------------------
+def consolidate(checkpoint: str, out_file: str) -> str:
+    """One torch file {"config": run config, "model": global state dict} from a checkpoint of any layout."""
+    config, tensors = load_global_state(checkpoint)
+    if os.path.isdir(out_file):
+        raise ValueError(f"output {out_file} is a folder; give a file name such as model.pt")
+    tensors = {name: t.clone() for name, t in tensors.items()}  # the tied output shares no storage then
+    tmp = aside(out_file)
+    try:
+        torch.save({"config": config, "model": tensors}, tmp)
+        os.replace(tmp, out_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return out_file
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-hf", help="our checkpoint -> transformers folder")
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--max-shard-size", default="5GB", help="shard safetensors above this size (default 5GB)")
+    for name, source in (("from-hf", "hf_dir"), ("from-megatron", "megatron_dir")):
+        p = sub.add_parser(name, help=f"{source} -> our checkpoint at the asked layout")
+        p.add_argument(source)
+        p.add_argument("out_checkpoint")
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--pp", type=int, default=1)
+        p.add_argument("--vp", type=int, default=1)
+    p = sub.add_parser("consolidate", help="checkpoint of any layout -> one .pt with the full model")
+    p.add_argument("checkpoint")
+    p.add_argument("out_file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "to-hf":
+            to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+            print(f"wrote {args.out_dir}")
+        elif args.command == "from-hf":
+            print(f"wrote {from_hf(args.hf_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
+        elif args.command == "from-megatron":
+            print(f"wrote {from_megatron(args.megatron_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
+        else:
+            print(f"wrote {consolidate(args.checkpoint, args.out_file)}")
+    except INPUT_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

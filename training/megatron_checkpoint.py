@@ -1,0 +1,280 @@
+"""Read Megatron-LM's non-distributed ("torch" format) GPT checkpoints into our global state dict.
+
+    CHECKPOINTS/latest_checkpointed_iteration.txt            iteration number (or "release")
+    CHECKPOINTS/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+        {"args": argparse.Namespace, "checkpoint_version": 3.0, "model": state dict (or "model0", "model1",
+         ... with virtual pipeline stages), "optimizer": ..., "rng_state": ...}
+
+Two key styles: legacy (`model.language_model.encoder.layers.N.self_attention.query_key_value.weight`,
+nested dicts, QKV rows [np, 3, hn], i.e. [ng, np/ng + 2, hn] with grouped-query attention) and megatron-core
+(`decoder.layers.N.self_attention.linear_qkv.weight`, rows per query group [ng, np/ng + 2, hn]); both are
+our per-group layout. Layer indices are local to a pipeline stage / virtual chunk; tensor-parallel shards
+are concatenated (column-parallel rows, row-parallel columns; SwiGLU fc1 holds [gate_r; up_r] per rank).
+
+Files are unpickled with weights_only=True: argparse.Namespace is the one real class allowed; Megatron's own
+objects (enums in args) become inert placeholders that run no code; any other global is refused by name.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any, Optional
+
+import torch
+
+from model.config import ModelConfig
+from model.hf_mapping import UnsupportedModelError
+
+Tensors = dict[str, torch.Tensor]
+TRACKER = "latest_checkpointed_iteration.txt"
+ROW_PARALLEL = ("attention.proj.weight", "mlp.fc2.weight")
+COLUMN_PARALLEL = ("attention.qkv.weight", "attention.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                   "embedding.word_embeddings.weight", "output_layer.weight")
+# Layer-local names, megatron-core and legacy spellings -> ours.
+LAYER_NAMES = {
+    "input_layernorm": "input_norm", "input_norm": "input_norm", "self_attention.linear_qkv.layer_norm": "input_norm",
+    "self_attention.linear_qkv": "attention.qkv", "self_attention.query_key_value": "attention.qkv",
+    "attention.query_key_value": "attention.qkv", "self_attention.linear_proj": "attention.proj",
+    "self_attention.dense": "attention.proj", "attention.dense": "attention.proj",
+    "pre_mlp_layernorm": "post_attention_norm", "post_attention_layernorm": "post_attention_norm",
+    "post_attention_norm": "post_attention_norm", "mlp.linear_fc1.layer_norm": "post_attention_norm",
+    "mlp.linear_fc1": "mlp.fc1", "mlp.dense_h_to_4h": "mlp.fc1", "mlp.linear_fc2": "mlp.fc2",
+    "mlp.dense_4h_to_h": "mlp.fc2"}
+GLOBAL_NAMES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight", "decoder.final_layernorm.bias": "final_norm.bias",
+    "encoder.final_layernorm.weight": "final_norm.weight", "encoder.final_layernorm.bias": "final_norm.bias",
+    "encoder.final_norm.weight": "final_norm.weight", "encoder.final_norm.bias": "final_norm.bias",
+    "output_layer.weight": "output_layer.weight"}
+LAYER_KEY = re.compile(r"^(?:decoder|encoder|transformer)\.layers\.(\d+)\.(.+)\.(weight|bias|layer_norm_weight|"
+                       r"layer_norm_bias)$")
+
+
+class MegatronObject:
+    """Inert stand-in for an object of Megatron's own classes found in a checkpoint (an enum in args)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def load_megatron_file(path: str) -> dict:
+    """torch.load(weights_only=True) with argparse.Namespace allowed and Megatron's globals inert."""
+    allowed: list[Any] = []
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+        if name == "argparse.Namespace":
+            allowed.append(argparse.Namespace)
+        elif name.startswith("megatron."):
+            allowed.append((MegatronObject, name))
+        else:
+            raise ValueError(f"{path} pickles {name}, which is not on the allow-list (argparse.Namespace, "
+                             "megatron.* as inert placeholders)")
+    with torch.serialization.safe_globals(allowed):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # unpickling errors have many types; name the file either way
+            raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
+
+
+def find_iteration_dir(root: str) -> str:
+    """CHECKPOINTS folder (through its tracker) or an iter_XXXXXXX / release folder."""
+    if re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(root))) and os.path.isdir(root):
+        return root
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise ValueError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER} and not an iter_XXXXXXX "
+                         "folder")
+    text = open(tracker, encoding="utf-8").read().strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if name is None:
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
+    return os.path.join(root, name)
+
+
+def rank_files(iter_dir: str) -> dict[tuple[int, int], str]:
+    """{(tp_rank, pp_rank): model_optim_rng.pt path} of every mp_rank folder."""
+    files = {}
+    for name in sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []:
+        match = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        if match:
+            path = os.path.join(iter_dir, name, "model_optim_rng.pt")
+            files[(int(match.group(1)), int(match.group(2) or 0))] = path
+        elif name.startswith("mp_rank_"):
+            raise UnsupportedModelError(f"{os.path.join(iter_dir, name)}: expert-parallel checkpoints are not "
+                                        "supported")
+    if not files:
+        raise ValueError(f"{iter_dir} holds no mp_rank_* folders (a torch_dist checkpoint? convert it to the "
+                         "torch format with Megatron-LM first)")
+    return files
+
+
+def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Megatron options this model does not have, refused by name."""
+    checks = [("rotary_percent", lambda v: v not in (None, 1.0)), ("num_experts", lambda v: v not in (None, 0)),
+              ("apply_residual_connection_post_layernorm", bool), ("qk_layernorm", bool),
+              ("apply_layernorm_1p", bool), ("layernorm_zero_centered_gamma", bool), ("rotary_interleaved", bool),
+              ("openai_gelu", bool), ("squared_relu", bool), ("multi_latent_attention", bool),
+              ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope")),
+              ("normalization", lambda v: v not in (None, "LayerNorm", "RMSNorm"))]
+    for name, bad in checks:
+        value = _arg(args, name)
+        if value is not None and bad(value):
+            raise UnsupportedModelError(f"Megatron option {name}={value!r} is not supported by this model")
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    if _arg(args, "kv_channels") not in (None, hidden // heads):
+        raise UnsupportedModelError(f"Megatron option kv_channels={args.kv_channels} is not supported "
+                                    f"(needs hidden_size / num_attention_heads = {hidden // heads})")
+    add_bias = _arg(args, "add_bias_linear", True)
+    if _arg(args, "add_qkv_bias", add_bias) != add_bias:
+        raise UnsupportedModelError(f"Megatron option add_qkv_bias={args.add_qkv_bias} with add_bias_linear="
+                                    f"{add_bias} is not supported (one bias switch for every linear layer)")
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    """Our model section from Megatron-LM's args."""
+    _refuse_unsupported(args)
+    gqa = _arg(args, "group_query_attention", False)
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if gqa else None, ffn_hidden_size=_arg(args, "ffn_hidden_size"),
+        seq_length=args.seq_length, max_position_embeddings=_arg(args, "max_position_embeddings"),
+        vocab_size=vocab_size, make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+        position_embedding_type="rope" if _arg(args, "position_embedding_type") == "rope" else "learned",
+        rotary_base=float(_arg(args, "rotary_base", 10000)),
+        normalization="rmsnorm" if _arg(args, "normalization") == "RMSNorm" else "layernorm",
+        norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
+        activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+        tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        add_bias_linear=_arg(args, "add_bias_linear", True), hidden_dropout=_arg(args, "hidden_dropout", 0.1),
+        attention_dropout=_arg(args, "attention_dropout", 0.1), init_std=_arg(args, "init_method_std", 0.02))
+
+
+def flatten(nested: dict, prefix: str = "") -> Tensors:
+    """Legacy nested state dicts ({"language_model": {"encoder": {...}}}) -> dotted names."""
+    flat: Tensors = {}
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            flat[name] = value
+    return flat
+
+
+def rename_chunk(chunk: Tensors, layer_offset: int) -> Tensors:
+    """One chunk's tensors under our global names (layer indices shifted by the chunk's first layer)."""
+    ours: Tensors = {}
+    for name, tensor in chunk.items():
+        name = name.removeprefix("language_model.").removeprefix("module.")
+        if name.endswith("_extra_state"):
+            continue
+        if name in GLOBAL_NAMES:
+            ours[GLOBAL_NAMES[name]] = tensor
+            continue
+        match = LAYER_KEY.match(name)
+        module = match and (match.group(2) + (".layer_norm" if match.group(3).startswith("layer_norm") else ""))
+        if not match or module not in LAYER_NAMES:
+            raise UnsupportedModelError(f"Megatron tensor {name} has no counterpart in this model")
+        kind = "bias" if match.group(3).endswith("bias") else "weight"
+        ours[f"layers.{int(match.group(1)) + layer_offset}.{LAYER_NAMES[module]}.{kind}"] = tensor
+    return ours
+
+
+def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The full tensor from its tensor-parallel shards (rank order)."""
+    if len(shards) == 1 or not name.endswith(COLUMN_PARALLEL + ROW_PARALLEL):
+        return shards[0]  # replicated: norms, row-parallel biases, position embeddings
+    if name.endswith(ROW_PARALLEL):
+        return torch.cat(shards, dim=1)
+    if swiglu and ".mlp.fc1." in name:  # rank r holds [gate_r; up_r]
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0)
+
+
+def _chunks(payload: dict, path: str) -> list[Tensors]:
+    """The model chunks of one file ("model", or "model0", "model1", ... with virtual pipeline stages)."""
+    if "model" in payload:
+        return [flatten(payload["model"])]
+    keys = sorted((k for k in payload if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if not keys:
+        raise ValueError(f"{path} holds no model state (keys: {', '.join(sorted(payload))})")
+    return [flatten(payload[k]) for k in keys]
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> tuple[Optional[dict], Optional[int]]:
+    """(our data-section tokenizer keys, vocabulary size) when the run's tokenizer files exist, else (None, None)."""
+    from data.tokenizers import build_tokenizer
+
+    kind = _arg(args, "tokenizer_type")
+    files = {"vocab_file": _arg(args, "vocab_file"), "merge_file": _arg(args, "merge_file"),
+             "tokenizer_model": _arg(args, "tokenizer_model")}
+    ours = {"GPT2BPETokenizer": "GPT2BPETokenizer", "SentencePieceTokenizer": "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer": "SentencePieceTokenizer"}.get(kind)
+    if ours is None or not all(os.path.isfile(p) for p in files.values() if p):
+        return None, None
+    tokenizer = build_tokenizer(ours, **files)
+    return {"tokenizer_type": ours, **files}, tokenizer.vocab_size
+
+
+def load_megatron_checkpoint(root: str, vocab_size: Optional[int] = None) -> tuple[ModelConfig, Tensors,
+                                                                                    Optional[dict]]:
+    """(model config, our global state dict, tokenizer keys or None) of a Megatron-LM torch checkpoint.
+
+    vocab_size: the unpadded vocabulary; default: the tokenizer's named in args when its files exist, else
+    args.vocab_size, else args.padded_vocab_size."""
+    iter_dir = find_iteration_dir(root)
+    files = rank_files(iter_dir)
+    first = load_megatron_file(files[min(files)])
+    args = first.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ValueError(f"{files[min(files)]} holds no Megatron args")
+    if first.get("checkpoint_version", 0) < 2.0:
+        raise UnsupportedModelError(f"checkpoint_version={first.get('checkpoint_version')} ([3, np, hn] QKV "
+                                    "order) is not supported; re-save it with Megatron-LM >= 2.0")
+    tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
+    if len(files) != tp * pp:
+        raise ValueError(f"{iter_dir} misses mp_rank folders: {len(files)} found for tp={tp} x pp={pp}")
+    data, tokenizer_vocab = tokenizer_from_args(args)
+    vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or args.padded_vocab_size
+    cfg = model_config_from_args(args, vocab)
+    shards: dict[str, list[torch.Tensor]] = {}
+    for (tp_rank, pp_rank), path in sorted(files.items()):
+        payload = first if path == files[min(files)] else load_megatron_file(path)
+        chunks = _chunks(payload, path)
+        per_chunk = cfg.num_layers // (pp * len(chunks))
+        for chunk_index, chunk in enumerate(chunks):
+            offset = (chunk_index * pp + pp_rank) * per_chunk
+            for name, tensor in rename_chunk(chunk, offset).items():
+                shards.setdefault(name, []).append(tensor)
+    tensors = {name: merge_tp(name, parts, cfg.activation == "swiglu") for name, parts in shards.items()}
+    _check_complete(tensors, cfg, iter_dir)
+    return cfg, _pad_vocab(tensors, cfg), data
+
+
+def _check_complete(tensors: Tensors, cfg: ModelConfig, iter_dir: str) -> None:
+    missing = [f"layers.{i}.attention.qkv.weight" for i in range(cfg.num_layers)
+               if f"layers.{i}.attention.qkv.weight" not in tensors]
+    for name in ("embedding.word_embeddings.weight", "final_norm.weight"):
+        if name not in tensors:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"{iter_dir}: tensor {missing[0]} not found ({len(missing)} missing)")
+
+
+def _pad_vocab(tensors: Tensors, cfg: ModelConfig) -> Tensors:
+    """Vocabulary rows cut to the real vocabulary and zero-padded to our padded size (tied: one table)."""
+    from training.model_weights import resize_vocab_rows
+
+    tensors = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(1))
+    if cfg.tie_embeddings:
+        tensors["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
+    return tensors

@@ -1,0 +1,63 @@
+"""A model's weights as one global state dict, from and to our checkpoints, and as a runnable model.
+
+The global state dict is what a single-process GPTModel holds (`layers.5.mlp.fc1.weight`, the vocabulary
+padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_checkpoint.py) and generation
+(tools/generate.py) work on it, so that any checkpoint layout is read in one place.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.hf_mapping import vocab_rows
+from parallel.model_builder import build_model_chunks
+from parallel.state import ParallelState
+from parallel.tensor_parallel import apply_tensor_parallel
+from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
+from training.config import config_from_dict
+
+Tensors = dict[str, torch.Tensor]
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def load_global_state(path: str) -> tuple[dict, Tensors]:
+    """(saved config dict, global state dict) of a checkpoint of any layout (checkpoints folder or iter folder),
+    read through the layout-free loader at layout 1."""
+    iter_dir = resolve_checkpoint(path)
+    config = read_saved_config(iter_dir)
+    state = ParallelState.single()
+    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
+                                dtype=torch.float32)
+    load_model_weights(iter_dir, chunks, state)
+    return config, chunks[0].state_dict()
+
+
+def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors) -> str:
+    """A weights-only checkpoint of a global state dict under root (loadable at any layout, e.g. with
+    checkpoint.finetune=ROOT); returns the iteration folder."""
+    state = ParallelState.single()
+    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
+                                dtype=torch.float32)
+    chunks[0].load_state_dict(tensors)
+    return save_model_weights(root, iteration, chunks, state, config)
+
+
+def resize_vocab_rows(tensors: Tensors, cfg: ModelConfig, padded_vocab: int) -> Tensors:
+    """The vocabulary tables cut to the real vocabulary and zero-padded to `padded_vocab` rows (padding rows
+    never score)."""
+    return {name: vocab_rows(t[:cfg.vocab_size], padded_vocab) if name in VOCAB_ROWS else t
+            for name, t in tensors.items()}
+
+
+def build_model_from_state(cfg: ModelConfig, tensors: Tensors, state: Optional[ParallelState] = None,
+                           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPTModel:
+    """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode."""
+    state = state or ParallelState.single()
+    model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size))
+    model.load_state_dict(resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size)))
+    model = apply_tensor_parallel(model, state)
+    model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval()
