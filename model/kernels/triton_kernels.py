@@ -55,7 +55,7 @@ def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS
     if HAS_BIAS:
         gate += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
         up += tl.load(b_ptr + F + col, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
+    out = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,7 +71,7 @@ def bias_swiglu_bwd(g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HA
         gate += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
         up += tl.load(b_ptr + F + col, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
+    sig = (1.0 / (1.0 + tl.exp(-gate)))
     d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = g * gate * sig
     tl.store(dy_ptr + row * 2 * F + col, d_gate.to(dy_ptr.dtype.element_ty), mask=mask)
@@ -206,12 +206,13 @@ def ce_chunk_stats(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tlogit_ptr, voca
         valid = cols < num_valid
         x = tl.load(logits_ptr + row * V + cols, mask=valid, other=float("-inf"))
         m_new = tl.maximum(m, x)
-        # lanes that saw no valid column yet keep m = -inf: guard the exp against (-inf) - (-inf)
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        # lanes that saw no valid column yet keep m = -inf: shift by 0 there, so no (-inf) - (-inf)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
-        t += tl.where(cols == target, x, 0.0)
+        t += tl.where(valid & (cols == target), x, 0.0)  # a target of another shard matches no column
     row_max = tl.max(m, axis=0)
-    s = tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max))
+    s = s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max))
     tl.store(max_ptr + row, row_max)
     tl.store(sumexp_ptr + row, tl.sum(s, axis=0))
     tl.store(tlogit_ptr + row, tl.sum(t, axis=0))
