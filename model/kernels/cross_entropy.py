@@ -72,11 +72,14 @@ def _chunk_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Ten
 
 
 # ---- the same in Triton ----------------------------------------------------------------------------------
-def _block_v(vocab_local: int, device: torch.device) -> int:
-    # Compiled: 1024 columns per step keeps three fp32 accumulators in registers. Interpreter: cost grows with
-    # loop trips, so take the row in as few steps as possible.
+def _blocks(rows: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_R rows, BLOCK_V columns) per program step. Compiled: one row, 1024 columns per step keep three
+    fp32 accumulators in registers. Interpreter: its cost is per program and loop trip, so large blocks."""
     tk = triton_kernels()
-    return min(tk.next_power_of_2(vocab_local), 1024 if device.type == "cuda" else 16384)
+    if device.type == "cuda":
+        return 1, min(tk.next_power_of_2(vocab_local), 1024)
+    block_v = min(tk.next_power_of_2(vocab_local), 16384)
+    return tk.next_power_of_2(max(1, min(rows, 65536 // block_v))), block_v
 
 
 def _chunk_stats_triton(logits, target, vocab_start, num_valid):
@@ -84,16 +87,18 @@ def _chunk_stats_triton(logits, target, vocab_start, num_valid):
     rows, vocab_local = logits.shape
     row_max, sum_exp, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32)
                                       for _ in range(3))
-    tk.ce_chunk_stats[(rows,)](logits, target, row_max, sum_exp, target_logit, vocab_start, num_valid,
-                               V=vocab_local, BLOCK_V=_block_v(vocab_local, logits.device))
+    block_r, block_v = _blocks(rows, vocab_local, logits.device)
+    tk.ce_chunk_stats[(-(-rows // block_r),)](logits, target, row_max, sum_exp, target_logit, rows, vocab_start,
+                                             num_valid, V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v)
     return row_max, sum_exp, target_logit
 
 
 def _chunk_grad_triton(logits, target, lse, grad_loss, vocab_start, num_valid):
     tk = triton_kernels()
     rows, vocab_local = logits.shape
-    tk.ce_chunk_grad[(rows,)](logits, target, lse, grad_loss, vocab_start, num_valid, V=vocab_local,
-                              BLOCK_V=_block_v(vocab_local, logits.device))
+    block_r, block_v = _blocks(rows, vocab_local, logits.device)
+    tk.ce_chunk_grad[(-(-rows // block_r),)](logits, target, lse, grad_loss, rows, vocab_start, num_valid,
+                                            V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

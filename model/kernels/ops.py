@@ -96,10 +96,21 @@ class BiasDropoutAdd(torch.autograd.Function):
         return grad_y, _bias_grad(grad_y, bias), grad, None
 
 
-def _rows_per_program(n_rows: int, device: torch.device) -> int:
-    """Rows each backward program walks: enough programs to fill the device (SMs x 4), few partial dw rows."""
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, -(-n_rows // programs))
+def rows_per_block(block_cols: int, n_rows: int, device: torch.device) -> int:
+    """Rows one program takes at once (a power of two): a few on a GPU (registers), as many as fit 64k numbers
+    in the interpreter (its cost is per program)."""
+    tk = triton_kernels()
+    budget = 4096 if device.type == "cuda" else 65536
+    return tk.next_power_of_2(max(1, min(n_rows, budget // block_cols)))
+
+
+def _backward_programs(n_rows: int, block_rows: int, device: torch.device) -> tuple[int, int]:
+    """(programs, row blocks per program) of the norm backward: enough programs to fill the device (SMs x 4)
+    and few partial dw rows to sum."""
+    blocks = -(-n_rows // block_rows)
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    iters = -(-blocks // min(blocks, target))
+    return -(-blocks // iters), iters
 
 
 class Norm(torch.autograd.Function):
@@ -115,8 +126,11 @@ class Norm(torch.autograd.Function):
         y = torch.empty_like(x2d)
         mean = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         rstd = torch.empty_like(mean)
-        tk.norm_fwd[(n_rows,)](x2d, weight, bias if bias is not None else weight, y, mean, rstd, eps, H=hidden,
-                               BLOCK=tk.next_power_of_2(hidden), IS_RMS=is_rms, HAS_BIAS=bias is not None)
+        block_h = tk.next_power_of_2(hidden)
+        block_rows = rows_per_block(block_h, n_rows, x.device)
+        tk.norm_fwd[(-(-n_rows // block_rows),)](
+            x2d, weight, bias if bias is not None else weight, y, mean, rstd, n_rows, eps, H=hidden,
+            BLOCK_H=block_h, BLOCK_ROWS=block_rows, IS_RMS=is_rms, HAS_BIAS=bias is not None)
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
         return y.view(x.shape)
@@ -126,14 +140,15 @@ class Norm(torch.autograd.Function):
         tk = triton_kernels()
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
         n_rows, hidden = x2d.shape
-        rows = _rows_per_program(n_rows, x2d.device)
-        programs = -(-n_rows // rows)
+        block_h = tk.next_power_of_2(hidden)
+        block_rows = rows_per_block(block_h, n_rows, x2d.device)
+        programs, iters = _backward_programs(n_rows, block_rows, x2d.device)
         grad_x = torch.empty_like(x2d)
         dw_part = torch.empty(programs, hidden, device=x2d.device, dtype=torch.float32)
         db_part = torch.empty_like(dw_part) if bias is not None else dw_part
         tk.norm_bwd[(programs,)](grad.reshape(-1, hidden).contiguous(), x2d, weight, mean, rstd, grad_x, dw_part,
-                                 db_part, n_rows, H=hidden, BLOCK=tk.next_power_of_2(hidden),
-                                 ROWS_PER_PROGRAM=rows, IS_RMS=ctx.is_rms, HAS_BIAS=bias is not None)
+                                 db_part, n_rows, H=hidden, BLOCK_H=block_h, BLOCK_ROWS=block_rows,
+                                 ITERS=iters, IS_RMS=ctx.is_rms, HAS_BIAS=bias is not None)
         grad_bias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         return grad_x.view(grad.shape), dw_part.sum(0).to(weight.dtype), grad_bias, None, None
 
@@ -144,8 +159,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     s, b, heads, dim = x.shape
     x = x.contiguous()
     out = torch.empty_like(x)
-    tk.rotary_kernel[(s * b,)](x, cos, sin, out, N_HEADS=heads, D=dim, BLOCK_HEADS=tk.next_power_of_2(heads),
-                               BLOCK_HALF=tk.next_power_of_2(dim // 2), BACKWARD=backward)
+    block_heads, block_half = tk.next_power_of_2(heads), tk.next_power_of_2(dim // 2)
+    n_tokens = s * b
+    block_t = rows_per_block(block_heads * block_half, n_tokens, x.device)
+    tk.rotary_kernel[(-(-n_tokens // block_t),)](x, cos, sin, out, n_tokens, N_HEADS=heads, D=dim, BLOCK_T=block_t,
+                                                 BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BACKWARD=backward)
     return out
 
 

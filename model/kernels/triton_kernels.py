@@ -103,83 +103,90 @@ def mul_fwd(a_ptr, b_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (a * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- LayerNorm / RMSNorm over the last dim, one row per program -------------------------------------------
+# ---- LayerNorm / RMSNorm over the last dim, BLOCK_ROWS rows per program ------------------------------------
 @triton.jit
-def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-             IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_ROWS: tl.constexpr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < H)[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=0) / H
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(mean_ptr + row, mean)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / H + eps)
-    tl.store(rstd_ptr + row, rstd)
-    y = xc * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / H
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / H + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    y = xc * rstd[:, None] * tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y += tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def norm_bwd(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows,
-             H: tl.constexpr, BLOCK: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, IS_RMS: tl.constexpr,
-             HAS_BIAS: tl.constexpr):
-    """dx for ROWS_PER_PROGRAM rows, and this program's partial sums of dw (and db) [programs, H]."""
+             H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr, ITERS: tl.constexpr,
+             IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dx for ITERS blocks of BLOCK_ROWS rows, and this program's partial sums of dw (and db) [programs, H]."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ROWS_PER_PROGRAM):
-        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i
-        mask = col_mask & (row < n_rows)
-        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for i in range(ITERS):
+        rows = (pid.to(tl.int64) * ITERS + i) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None] * H + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(mean_ptr + row, mask=row < n_rows, other=0.0)) * rstd, 0.0)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         wg = w * g
-        c1 = tl.sum(xhat * wg, axis=0) / H
+        c1 = (tl.sum(xhat * wg, axis=1) / H)[:, None]
         if IS_RMS:
             dx = (wg - xhat * c1) * rstd
         else:
-            dx = (wg - (xhat * c1 + tl.sum(wg, axis=0) / H)) * rstd
-        tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw_acc += g * xhat
+            dx = (wg - (xhat * c1 + (tl.sum(wg, axis=1) / H)[:, None])) * rstd
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(g * xhat, axis=0)
         if HAS_BIAS:
-            db_acc += g
+            db_acc += tl.sum(g, axis=0)
     tl.store(dw_part_ptr + pid * H + cols, dw_acc, mask=col_mask)
     if HAS_BIAS:
         tl.store(db_part_ptr + pid * H + cols, db_acc, mask=col_mask)
 
 
-# ---- rotary embedding (rotate-half layout), all heads of one token per program -----------------------------
+# ---- rotary embedding (rotate-half layout), all heads of BLOCK_T tokens per program -------------------------
 @triton.jit
-def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N_HEADS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr):
+def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_tokens, N_HEADS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BACKWARD: tl.constexpr):
     """Forward: out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2 (x [T, heads, D], cos/sin [T, D]).
     Backward (the transposed rotation): dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1."""
     HALF: tl.constexpr = D // 2
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < N_HEADS) & (j < HALF)
-    base = token * N_HEADS * D + heads * D + j
+    tokens = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+    heads = tl.arange(0, BLOCK_HEADS)[None, :, None]
+    j = tl.arange(0, BLOCK_HALF)[None, None, :]
+    angle_mask = (tokens < n_tokens) & (j < HALF)
+    mask = angle_mask & (heads < N_HEADS)
+    base = tokens * N_HEADS * D + heads * D + j
     x1 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + base + HALF, mask=mask, other=0.0).to(tl.float32)
-    angle_mask = j < HALF
-    c1 = tl.load(cos_ptr + token * D + j, mask=angle_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + token * D + HALF + j, mask=angle_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + token * D + j, mask=angle_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + token * D + HALF + j, mask=angle_mask, other=0.0).to(tl.float32)
+    angle = tokens * D + j
+    c1 = tl.load(cos_ptr + angle, mask=angle_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + angle + HALF, mask=angle_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + angle, mask=angle_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + angle + HALF, mask=angle_mask, other=0.0).to(tl.float32)
     if BACKWARD:
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
@@ -190,49 +197,51 @@ def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N_HEADS: tl.constexpr, D: tl
     tl.store(out_ptr + base + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- cross entropy over one chunk of fp32 logits [C, V_local], one row per program --------------------------
+# ---- cross entropy over one chunk of fp32 logits [C, V_local], BLOCK_R rows per program ---------------------
 @triton.jit
-def ce_chunk_stats(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tlogit_ptr, vocab_start, num_valid,
-                   V: tl.constexpr, BLOCK_V: tl.constexpr):
+def ce_chunk_stats(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tlogit_ptr, n_rows, vocab_start, num_valid,
+                   V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per row: local max over the valid columns (< num_valid), sum of exp(logit - local max), and the target's
     logit when this shard owns the target (else 0). An online max keeps it to one pass over the row."""
-    row = tl.program_id(0).to(tl.int64)
-    target = tl.load(target_ptr + row) - vocab_start
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], dtype=tl.float32)
-    t = tl.zeros([BLOCK_V], dtype=tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    target = (tl.load(target_ptr + rows, mask=row_mask, other=0) - vocab_start)[:, None]
+    m = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+    t = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        valid = cols < num_valid
-        x = tl.load(logits_ptr + row * V + cols, mask=valid, other=float("-inf"))
+        cols = (start + tl.arange(0, BLOCK_V))[None, :]
+        valid = (cols < num_valid) & row_mask[:, None]
+        x = tl.load(logits_ptr + rows[:, None] * V + cols, mask=valid, other=float("-inf"))
         m_new = tl.maximum(m, x)
         # lanes that saw no valid column yet keep m = -inf: shift by 0 there, so no (-inf) - (-inf)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
         t += tl.where(valid & (cols == target), x, 0.0)  # a target of another shard matches no column
-    row_max = tl.max(m, axis=0)
-    s = s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max))
-    tl.store(max_ptr + row, row_max)
-    tl.store(sumexp_ptr + row, tl.sum(s, axis=0))
-    tl.store(tlogit_ptr + row, tl.sum(t, axis=0))
+    row_max = tl.max(m, axis=1)
+    s = s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max)[:, None])
+    tl.store(max_ptr + rows, row_max, mask=row_mask)
+    tl.store(sumexp_ptr + rows, tl.sum(s, axis=1), mask=row_mask)
+    tl.store(tlogit_ptr + rows, tl.sum(t, axis=1), mask=row_mask)
 
 
 @triton.jit
-def ce_chunk_grad(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, vocab_start, num_valid,
-                  V: tl.constexpr, BLOCK_V: tl.constexpr):
+def ce_chunk_grad(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, n_rows, vocab_start, num_valid,
+                  V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """In place: logits -> grad_loss * (softmax - onehot(target)); padding columns get 0."""
-    row = tl.program_id(0).to(tl.int64)
-    target = tl.load(target_ptr + row) - vocab_start
-    lse = tl.load(lse_ptr + row)
-    g = tl.load(grad_loss_ptr + row)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    target = (tl.load(target_ptr + rows, mask=row_mask, other=0) - vocab_start)[:, None]
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    g = tl.load(grad_loss_ptr + rows, mask=row_mask, other=0.0)[:, None]
     for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_row = cols < V
-        x = tl.load(logits_ptr + row * V + cols, mask=in_row, other=0.0)
+        cols = (start + tl.arange(0, BLOCK_V))[None, :]
+        in_row = (cols < V) & row_mask[:, None]
+        x = tl.load(logits_ptr + rows[:, None] * V + cols, mask=in_row, other=0.0)
         p = tl.where(cols < num_valid, tl.exp(x - lse), 0.0)
         p = p - tl.where(cols == target, 1.0, 0.0)
-        tl.store(logits_ptr + row * V + cols, p * g, mask=in_row)
+        tl.store(logits_ptr + rows[:, None] * V + cols, p * g, mask=in_row)
 
 
 def elementwise_grid(n_elements: int, block: int) -> tuple[int]:

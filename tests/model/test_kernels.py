@@ -89,7 +89,8 @@ def test_bias_dropout_add(device, dtype, p, bias):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("kind,shape", [("layernorm", (5, 2, 97)), ("layernorm_nobias", (1, 3, 40)),
-                                        ("rmsnorm", (5, 2, 97)), ("rmsnorm", (1, 1, 64))])
+                                        ("rmsnorm", (5, 2, 97)), ("rmsnorm", (1, 1, 64)),
+                                        ("layernorm", (300, 2, 97))])  # 600 rows: several row blocks
 def test_norms(device, dtype, kind, shape):
     from model.kernels.ops import Norm
     hidden = shape[-1]

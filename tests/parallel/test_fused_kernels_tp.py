@@ -70,7 +70,8 @@ def test_training_kernels_on_matches_off_tp2_pp2_sp(tiny_corpus, tmp_path):
     """20 iterations at tp2 x pp2 with sequence parallelism: the same losses (tools/compare_runs.py's
     tolerance) with every fused kernel on as with all off."""
     layout = ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.sequence_parallel=true",
-              "train.train_iters=20", "train.eval_iters=0", "checkpoint.save=false")
+              "train.train_iters=20", "train.eval_iters=0", "checkpoint.save=false",
+              "train.micro_batch_size=4")  # 2 micro-batches per iteration: the interpreter pays per launch
     run_dirs = {}
     for fused in ("false", "true"):
         run_dirs[fused] = str(tmp_path / f"fused_{fused}")
