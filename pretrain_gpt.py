@@ -23,7 +23,7 @@ from training.checkpointing import CheckpointError
 from training.config import Config, ConfigError, load_config, validate_layout
 from training.logging import format_train_line
 from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, data_iterator, init_distributed,
-                            param_dtype, resolve_sample_data)
+                            log_kernel_choices, param_dtype, resolve_sample_data)
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
 
@@ -131,7 +131,9 @@ def build_run(config: Config, env: DistEnv) -> Run:
     chunks = build_model_chunks(
         model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,
         comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train.recompute,
-        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers)
+        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers,
+        compile_layers=train.compile, compile_backend=train.compile_backend)
+    log_kernel_choices(chunks, model_cfg, train.micro_batch_size, state.tp_size, env.device, dtype, logger)
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, chunks, state)
     dp = state.dp_size
     num_micro = train.global_batch_size // (train.micro_batch_size * dp)
@@ -245,6 +247,9 @@ def train(run: Run) -> None:
         progress.consumed_samples += train_cfg.global_batch_size
         progress.skipped_iters += int(result.skipped)
         stats.add(result, lr, time.perf_counter() - started)
+        if progress.iteration == iteration_one and train_cfg.compile:
+            run.logger.info(f"train.compile: iteration {iteration_one} took {time.perf_counter() - started:.1f} s, "
+                            f"compiling the transformer layers included (regional, once per layer code)")
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"

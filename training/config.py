@@ -66,6 +66,8 @@ class TrainConfig:
     exit_interval: int = 0  # stop (and save) after this iteration; 0 = off
     exit_duration_mins: float = 0.0  # stop (and save) when the run has lasted this long; 0 = off
     clip_grad: float = 1.0
+    compile: bool = False  # torch.compile each transformer layer (regional compilation)
+    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tracing without code generation)
 
     def validate(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_interval",
@@ -76,6 +78,9 @@ class TrainConfig:
                              ("recompute_method", ("uniform", "block"))):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager", "cudagraphs"):
+            raise ConfigError(f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, "
+                              f"eager, cudagraphs")
         for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")

@@ -66,10 +66,10 @@ def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.
     """module(x) for an nn.LayerNorm / nn.RMSNorm, fused when selected and Triton runs."""
     if not (kernels.uses("norm") and triton_runs(x.device)):
         return module(x)
-    from model.kernels.ops import Norm
+    from model.kernels import ops
     is_rms = isinstance(module, nn.RMSNorm)
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-    return Norm.apply(x, module.weight, None if is_rms else module.bias, eps, is_rms)
+    return ops.norm(x, module.weight, None if is_rms else module.bias, eps, is_rms)
 
 
 def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -88,8 +88,8 @@ def linear_activation(fc1: nn.Module, x: torch.Tensor, swiglu: bool, kernels: Ke
     y, bias = linear_skip_bias(fc1, x)
     if not triton_runs(y.device):
         return (reference.bias_swiglu if swiglu else reference.bias_gelu)(y, bias)
-    from model.kernels.ops import BiasGeLU, BiasSwiGLU
-    return (BiasSwiGLU if swiglu else BiasGeLU).apply(y, bias)
+    from model.kernels import ops
+    return (ops.bias_swiglu if swiglu else ops.bias_gelu)(y, bias)
 
 
 def bias_dropout_add(y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
@@ -100,9 +100,9 @@ def bias_dropout_add(y: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     hence the same mask; the kernel then adds bias, applies the mask and adds the residual in one pass."""
     if not fuses_bias_dropout_add(kernels, y.device):
         return reference.bias_dropout_add(y, bias, residual, dropout)
-    from model.kernels.ops import BiasDropoutAdd
+    from model.kernels import ops
     scaled_mask = dropout(torch.ones_like(y)) if training and dropout_p > 0 else None
-    return BiasDropoutAdd.apply(y, bias, residual, scaled_mask)
+    return ops.bias_dropout_add(y, bias, residual, scaled_mask)
 
 
 def fuses_bias_dropout_add(kernels: KernelSelection, device: torch.device) -> bool:
@@ -115,16 +115,20 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d]."""
     if not (kernels.uses("rotary") and triton_runs(q.device)):
         return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
-    from model.kernels.ops import RotaryQK
-    return RotaryQK.apply(q, k, cos, sin)
+    from model.kernels import ops
+    return ops.rotary_qk(q, k, cos, sin)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                vocab_start: int, num_valid: int,
                                reductions: CrossEntropyReductions) -> torch.Tensor:
     """Per-token loss [s, b] of hidden [s, b, h] through the output layer weight [V_local, h], chunked."""
-    return chunked_linear_cross_entropy(hidden, weight, labels, vocab_start, num_valid, reductions,
-                                        use_triton=triton_runs(hidden.device))
+    return _chunked_loss_eager(hidden, weight, labels, vocab_start, num_valid, reductions,
+                               use_triton=triton_runs(hidden.device))
+
+
+# a Python loop over chunks with injected collectives: run it eagerly even inside a compiled region
+_chunked_loss_eager = torch.compiler.disable(chunked_linear_cross_entropy)
 
 
 __all__ = ["KERNEL_NAMES", "KernelSelection", "CrossEntropyReductions", "norm", "linear_skip_bias",

@@ -1,6 +1,10 @@
 """Autograd functions around the Triton kernels: bias+GeLU, bias+SwiGLU, bias+dropout+add, LayerNorm, RMSNorm
 and rotary embedding. Each computes in fp32 inside the kernel and returns the input's dtype, as the references
-in model/kernels/reference.py do. Call them only where `triton_runs(tensor)` says Triton can run."""
+in model/kernels/reference.py do. Call them only where `triton_runs(tensor)` says Triton can run.
+
+Under torch.compile (train.compile) each fused op is an opaque call (`torch.compiler.disable`): dynamo must not
+trace into Triton's interpreter, and an opaque launch is what is known to work on every Triton version; the
+price is a graph break around each fused op inside a compiled layer."""
 from __future__ import annotations
 
 from typing import Optional
@@ -182,3 +186,11 @@ class RotaryQK(torch.autograd.Function):
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
         cos2d, sin2d = ctx.saved_tensors
         return _rotate(grad_q, cos2d, sin2d, True), _rotate(grad_k, cos2d, sin2d, True), None, None
+
+
+# The entry points the dispatch functions call: opaque to torch.compile (see the module docstring).
+bias_gelu = torch.compiler.disable(BiasGeLU.apply)
+bias_swiglu = torch.compiler.disable(BiasSwiGLU.apply)
+bias_dropout_add = torch.compiler.disable(BiasDropoutAdd.apply)
+norm = torch.compiler.disable(Norm.apply)
+rotary_qk = torch.compiler.disable(RotaryQK.apply)
