@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU")
     parser.add_argument("--label", default="", help="printed in front of each row")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     cases = [(k, c) for k in args.kernels.split(",") for c in args.compile.split(",")]
     as_overrides = {(k, c): [f"model.fused_kernels={'true' if k == 'on' else 'false'}",
                              f"train.compile={'true' if c == 'on' else 'false'}"] for k, c in cases}
