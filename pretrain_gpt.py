@@ -9,21 +9,33 @@ checkpointer, then runs the training loop. Everything the run writes goes under 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import yaml
 
-from training.checkpointing import CheckpointError
-from training.config import Config, ConfigError, load_config, validate_layout
-from training.logging import format_train_line
-from training.setup import (REPO_ROOT, DistEnv, barrier, build_datasets, data_iterator, init_distributed,
-                            log_kernel_choices, param_dtype, resolve_sample_data)
+from data.tokenizers import build_tokenizer
+from parallel.data_parallel import DataParallel
+from parallel.layout import Layout, layout_from_config
+from parallel.model_builder import build_model_chunks, count_parameters
+from parallel.random import RNGTracker, make_checkpoint_fn
+from parallel.state import ParallelState
+from parallel.tensor_parallel import CommCounter
+from training.checkpointing import CheckpointError, TrainingProgress, load_checkpoint, save_checkpoint
+from training.config import Config, ConfigError, load_config
+from training.flops import flops_per_iteration
+from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
+from training.lr_schedule import LRSchedule
+from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, data_iterator,
+                            init_distributed, log_kernel_choices, param_dtype, resolve_sample_data)
+from training.train_step import StepContext, evaluate, train_step
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
 
@@ -35,42 +47,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_before_work(config: Config, world_size: int) -> int:
-    """Every layout check that can fail, before any process group, data or model is built. Returns dp."""
-    from parallel.pipeline.schedules import validate_schedule
-    from parallel.tensor_parallel import check_tensor_parallel_sizes
-
-    dp = validate_layout(config, world_size)
-    check_tensor_parallel_sizes(config.model, config.parallel.tp_size, config.parallel.sequence_parallel)
-    num_micro = config.train.global_batch_size // (config.train.micro_batch_size * dp)
-    validate_schedule(config.parallel.schedule, config.parallel.pp_size, num_micro, config.parallel.vp_size)
-    return dp
-
-
 @dataclass
 class Run:
     """Everything the loop touches, built once by `build_run`."""
 
     config: Config
     env: DistEnv
-    state: Any
-    ctx: Any  # training.train_step.StepContext
-    lr_schedule: Any
-    rng_tracker: Any
-    comm_counter: Any
-    datasets: tuple
+    layout: Layout
+    state: ParallelState
+    ctx: StepContext
+    lr_schedule: LRSchedule
+    rng_tracker: RNGTracker
+    comm_counter: CommCounter
+    datasets: DatasetSplits  # train, valid, test (valid/test may be None)
     eod_id: int
-    progress: Any  # training.checkpointing.TrainingProgress
-    metrics: Any
-    logger: Any
+    progress: TrainingProgress
+    metrics: MetricsWriter
+    logger: logging.Logger
     checkpoint_root: str
     flops_per_iter: float
 
 
-def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]:
-    """Tokenizer (which fills in model.vocab_size) and datasets; then the resolved config is saved."""
-    from data.tokenizers import build_tokenizer
-
+def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits]:
+    """Tokenizer (which fills in model.vocab_size) and datasets; then the resolved config is saved.
+    Returns the end-of-document id and the datasets."""
     resolve_sample_data(config, env, logger)
     data = config.data
     tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
@@ -83,77 +83,63 @@ def prepare_data(config: Config, env: DistEnv, logger: Any) -> tuple[Any, tuple]
         with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
         logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
-    return tokenizer, datasets
+    return tokenizer.eod, datasets
 
 
-def build_optimizer_and_schedule(config: Config, chunks: list, state: Any) -> tuple[Any, Any, Any]:
+def build_optimizer_and_schedule(config: Config, chunks: list, state: ParallelState
+                                 ) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
     """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
-    from parallel.data_parallel import DataParallel
-    from training.lr_schedule import LRSchedule
-    from training.optimizer import build_optimizer
-
-    par, train, optim = config.parallel, config.train, config.optim
+    par, train_cfg, optim = config.parallel, config.train, config.optim
     ddp = DataParallel(chunks, state, bucket_size_mb=par.grad_bucket_size_mb,
                        distributed_optimizer=par.distributed_optimizer, grad_dtype=torch.float32)
     optimizer = build_optimizer(
-        chunks, ddp, state, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, clip_grad=train.clip_grad,
-        precision=train.precision,
+        chunks, ddp, state, lr=optim.lr, weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, clip_grad=train_cfg.clip_grad,
+        precision=train_cfg.precision,
         loss_scale_cfg=dict(initial=optim.initial_loss_scale, min=optim.min_loss_scale,
                             window=optim.loss_scale_window, hysteresis=optim.hysteresis))
     lr_schedule = LRSchedule(optim.lr, optim.min_lr, optim.lr_warmup_iters,
-                             optim.lr_decay_iters or train.train_iters, optim.lr_decay_style)
+                             optim.lr_decay_iters or train_cfg.train_iters, optim.lr_decay_style)
     return ddp, optimizer, lr_schedule
 
 
-def build_run(config: Config, env: DistEnv) -> Run:
+def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
-    from parallel.model_builder import build_model_chunks, count_parameters
-    from parallel.random import RNGTracker, make_checkpoint_fn
-    from parallel.state import ParallelState
-    from parallel.tensor_parallel import CommCounter
-    from training.checkpointing import TrainingProgress
-    from training.flops import flops_per_iteration
-    from training.logging import MetricsWriter, get_logger
-    from training.train_step import StepContext
-
-    par, train, model_cfg = config.parallel, config.train, config.model
+    par, train_cfg, model_cfg = config.parallel, config.train, config.model
     logger = get_logger(env.rank)
-    state = (ParallelState.create(par.tp_size, par.pp_size, par.vp_size) if env.world_size > 1
-             else ParallelState.single(par.vp_size))
-    logger.info(f"layout: {state.describe()}; device {env.device}")
-    tokenizer, datasets = prepare_data(config, env, logger)
-    run_dir = config.run.dir
-
-    dtype = param_dtype(train.precision)
-    rng_tracker = RNGTracker.seeded(train.seed, state.tp_rank, state.pp_rank, env.device)
+    state = ParallelState.from_layout(layout)
+    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    eod_id, datasets = prepare_data(config, env, logger)
+    dtype = param_dtype(train_cfg.precision)
+    rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
     chunks = build_model_chunks(
-        model_cfg, state, train.seed, env.device, dtype, par.sequence_parallel, rng_tracker=rng_tracker,
-        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train.recompute,
-        recompute_method=train.recompute_method, recompute_num_layers=train.recompute_num_layers,
-        compile_layers=train.compile, compile_backend=train.compile_backend)
-    log_kernel_choices(chunks, model_cfg, train.micro_batch_size, state.tp_size, env.device, dtype, logger)
+        model_cfg, state, train_cfg.seed, env.device, dtype, layout.sequence_parallel, rng_tracker=rng_tracker,
+        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train_cfg.recompute,
+        recompute_method=train_cfg.recompute_method, recompute_num_layers=train_cfg.recompute_num_layers,
+        compile_layers=train_cfg.compile, compile_backend=train_cfg.compile_backend)
+    log_kernel_choices(chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, logger)
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, chunks, state)
-    dp = state.dp_size
-    num_micro = train.global_batch_size // (train.micro_batch_size * dp)
-    seq_local = model_cfg.seq_length // (state.tp_size if par.sequence_parallel else 1)
-    ctx = StepContext(chunks, state, ddp, optimizer, par.schedule if par.pp_size > 1 else "1f1b", num_micro,
-                      (seq_local, train.micro_batch_size, model_cfg.hidden_size), dtype, env.device,
-                      par.scatter_gather and not par.sequence_parallel)
+    seq_local = model_cfg.seq_length // (layout.tp_size if layout.sequence_parallel else 1)
+    ctx = StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
+                      activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
+                      activation_dtype=dtype, device=env.device,
+                      scatter_gather=par.scatter_gather and not layout.sequence_parallel)
     params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
     logger.info(f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
-                f", {num_micro} micro-batches of {train.micro_batch_size} per dp rank, {dtype}; "
+                f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
                 f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}")
-    flops = flops_per_iteration(train.global_batch_size, model_cfg.seq_length, model_cfg.num_layers,
+    flops = flops_per_iteration(train_cfg.global_batch_size, model_cfg.seq_length, model_cfg.num_layers,
                                 model_cfg.hidden_size, model_cfg.padded_vocab_size(state.tp_size),
-                                full_recompute=train.recompute == "full")
-    return Run(config, env, state, ctx, lr_schedule, rng_tracker, comm_counter, datasets, tokenizer.eod,
-               TrainingProgress(), MetricsWriter(run_dir, env.rank == 0, config.logging.tensorboard), logger,
-               os.path.join(run_dir, "checkpoints"), flops)
+                                full_recompute=train_cfg.recompute == "full")
+    return Run(config=config, env=env, layout=layout, state=state, ctx=ctx, lr_schedule=lr_schedule,
+               rng_tracker=rng_tracker, comm_counter=comm_counter, datasets=datasets, eod_id=eod_id,
+               progress=TrainingProgress(),
+               metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard), logger=logger,
+               checkpoint_root=os.path.join(config.run.dir, "checkpoints"), flops_per_iter=flops)
 
 
-def _all_reduce_int(value: int, group: Any, state: Any) -> int:
+def _all_reduce_int(value: int, group: Optional[dist.ProcessGroup], state: ParallelState) -> int:
     if not state.is_distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
@@ -163,8 +149,6 @@ def _all_reduce_int(value: int, group: Any, state: Any) -> int:
 
 def resume_if_asked(run: Run) -> None:
     """checkpoint.load=true: continue exactly from the latest checkpoint under run.dir/checkpoints."""
-    from training.checkpointing import load_checkpoint
-
     if not run.config.checkpoint.load:
         return
     ctx = run.ctx
@@ -181,8 +165,6 @@ def resume_if_asked(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    from training.checkpointing import save_checkpoint
-
     if not run.config.checkpoint.save:
         return
     ctx = run.ctx
@@ -194,8 +176,6 @@ def save(run: Run) -> None:
 
 def run_evaluation(run: Run) -> None:
     """Validation loss and perplexity on the first eval_iters global batches of the valid split."""
-    from training.train_step import evaluate
-
     train_cfg, state = run.config.train, run.state
     if run.datasets[1] is None or train_cfg.eval_iters == 0:
         return
@@ -223,9 +203,6 @@ def should_exit(run: Run, start_time: float) -> bool:
 
 def train(run: Run) -> None:
     """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
-    from training.logging import IntervalStats
-    from training.train_step import train_step
-
     cfg, train_cfg, state = run.config, run.config.train, run.state
     start_time = time.time()
     train_iter = data_iterator(cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank,
@@ -278,14 +255,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(args.config, args.overrides)
-        check_before_work(config, world_size)
+        layout = layout_from_config(config, world_size)  # every layout rule, before any work
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     env = init_distributed()
     try:
         try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
-            run = build_run(config, env)
+            run = build_run(config, env, layout)
             resume_if_asked(run)
         except (ValueError, OSError, CheckpointError) as err:
             print(f"error: {err}", file=sys.stderr)

@@ -21,6 +21,7 @@ from torch import nn
 from model import kernels
 from model.config import ModelConfig
 from model.kernels.reference import apply_rotary, cross_entropy_per_token, mask_vocab_padding
+from model.param_info import set_param_info
 
 __all__ = ["GPTModel", "TransformerLayer", "apply_rotary", "cross_entropy_per_token", "rotary_cos_sin"]
 
@@ -203,13 +204,12 @@ class GPTModel(nn.Module):
             # The last stage's own copy: initialised from the same seed as the embedding and kept equal
             # by all-reducing its gradient over the embedding group. `embedding_copy` marks the copy so
             # that the gradient norm counts the tied weight once.
-            self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
-            self.output_layer.weight.shared_embedding = True
-            self.output_layer.weight.embedding_copy = True
+            set_param_info(self.output_layer.weight, init_name="embedding.word_embeddings.weight",
+                           shared_embedding=True, embedding_copy=True)
 
     def _mark_split_tied_embedding(self) -> None:
         if self.cfg.tie_embeddings and self.pre_process and not self.post_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            set_param_info(self.embedding.word_embeddings.weight, shared_embedding=True)
 
     def tie_weights(self) -> None:
         """Re-tie the output layer to the embedding after parameters were replaced (meta init, tp)."""

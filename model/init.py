@@ -2,9 +2,9 @@
 (seed, its global name), then cut to the local shard.
 
 So any tensor-parallel size and any pipeline cut gets exactly the weights one process gets, whatever order
-ranks build in, and memory peaks at one full weight. A parameter may carry:
-  `init_name`  the name to seed from (the last stage's copy of a tied embedding uses the embedding's name),
-  `full_shape` its unsharded shape, and `shard_fn(full) -> local` to cut its shard (set by parallel/).
+ranks build in, and memory peaks at one full weight. Reads the parameter's ParamInfo (model/param_info.py):
+`init_name` (the last stage's copy of a tied embedding seeds from the embedding's name), `full_shape` and
+`shard_fn` (set by parallel/).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import output_projection_names, scaled_init_std
+from model.param_info import full_shape, param_info
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -48,14 +49,12 @@ def initialize_parameters(model: nn.Module, cfg: ModelConfig, seed: int,
             if param is None:
                 continue
             if id(param) not in replaced:
-                name = getattr(param, "init_name", None) or names[id(param)]
-                shape = tuple(getattr(param, "full_shape", param.shape))
-                full = draw_full_parameter(name, shape, cfg, seed)
-                shard_fn = getattr(param, "shard_fn", None)
-                local = shard_fn(full) if shard_fn is not None else full
+                info = param_info(param)
+                full = draw_full_parameter(info.init_name or names[id(param)], full_shape(param), cfg, seed)
+                local = info.shard_fn(full) if info.shard_fn is not None else full
                 new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(),
                                    requires_grad=param.requires_grad)
-                new.__dict__.update(param.__dict__)  # keep attributes set by parallel/ (tp, shared, ...)
+                new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
                 replaced[id(param)] = new
             setattr(module, local_name, replaced[id(param)])
 

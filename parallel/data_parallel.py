@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model.param_info import param_info
+
 
 def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
     """Async reduce_scatter(SUM) of a flat tensor, returning the work handle. parallel/comm.py holds the
@@ -74,7 +76,7 @@ def _plan_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn
     current: list[nn.Parameter] = []
     size = 0
     for param in params:
-        if getattr(param, "shared_embedding", False):
+        if param_info(param).shared_embedding:
             if current:
                 groups.append(current)
             groups.append([param])
@@ -141,9 +143,6 @@ class DataParallel:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket)))
             buckets.append(bucket)
         self.buffers.append(buffer)
-        for param in params:
-            # Read by finalize_model_grads, which gets only the chunks: the valid part of main_grad.
-            param.owned_grad_slice = self.owned_param_slice(param)
         self.buckets.append(buckets)
 
     def _make_hook(self, bucket: Bucket):
@@ -224,14 +223,6 @@ class DataParallel:
     def _all_buckets(self):
         return (bucket for buckets in self.buckets for bucket in buckets)
 
-    def owned_ranges(self) -> list[tuple[int, int, int]]:
-        """(chunk_index, start, end) buffer ranges whose reduced grads this rank owns and updates:
-        each whole buffer, or this rank's shard of every bucket with the distributed optimizer."""
-        if not self.distributed_optimizer:
-            return [(c, 0, buffer.numel()) for c, buffer in enumerate(self.buffers) if buffer.numel()]
-        dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
-        return [(b.chunk_index, *b.shard_range(dp_rank, dp_size)) for b in self._all_buckets() if b.numel]
-
     def owned_param_slice(self, param: nn.Parameter) -> tuple[int, int]:
         """[start, end) in param.view(-1) elements of the part of `param` this rank owns (maybe empty)."""
         where = self.param_ranges[param]
@@ -240,6 +231,12 @@ class DataParallel:
         start, end = where.bucket.shard_range(self.state.dp_rank, self.state.dp_size)
         lo, hi = max(start, where.start), min(end, where.end)
         return (lo - where.start, hi - where.start) if lo < hi else (0, 0)
+
+    def owned_main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The flat part of `param.main_grad` that holds reduced gradients after finish_grad_sync: all of
+        it, or with the distributed optimizer the part inside this rank's dp shard (maybe empty)."""
+        lo, hi = self.owned_param_slice(param)
+        return param.main_grad.view(-1)[lo:hi]
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of the main grad buffers on this rank."""

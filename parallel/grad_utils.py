@@ -7,7 +7,7 @@ parallel dimensions, and the pieces of the global gradient norm and clipping.
   * sequence-parallel norm (and bias) params are replicated over tp but each tp rank saw only its part of
     the sequence; their gradients are summed over `state.tp_group`.
 With the distributed optimizer only the dp shard this rank owns holds reduced gradients, so only that part
-(`param.owned_grad_slice`, set by DataParallel) is all-reduced. The buffer layouts agree across the ranks of
+(`DataParallel.owned_main_grad`) is all-reduced. The buffer layouts agree across the ranks of
 both groups (the embedding has a bucket of its own; tp ranks hold same-shaped shards in the same order), so
 every rank of a group reduces the same elements.
 """
@@ -20,11 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def owned_main_grad(param: nn.Parameter) -> torch.Tensor:
-    """The flat view of `param.main_grad` this rank owns after the dp reduction (all of it when plain)."""
-    lo, hi = getattr(param, "owned_grad_slice", (0, param.numel()))
-    return param.main_grad.view(-1)[lo:hi]
+from model.param_info import ParamInfo, param_info
+from parallel.data_parallel import DataParallel
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
@@ -40,25 +37,28 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
         offset += tensor.numel()
 
 
-def _unique_params(chunks: Iterable[nn.Module], attribute: str) -> list[nn.Parameter]:
+def _unique_params(chunks: Iterable[nn.Module], flag: str) -> list[nn.Parameter]:
+    """The parameters whose ParamInfo field `flag` is true, each once."""
+    assert flag in ParamInfo.__dataclass_fields__, flag
     seen, found = set(), []
     for chunk in chunks:
         for param in chunk.parameters():
-            if getattr(param, attribute, False) and id(param) not in seen:
+            if getattr(param_info(param), flag) and id(param) not in seen:
                 seen.add(id(param))
                 found.append(param)
     return found
 
 
-def finalize_model_grads(chunks: list[nn.Module], state) -> None:
-    """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc).
-    A no-op where neither applies (pp == 1 or untied embeddings; no sequence-parallel params)."""
+def finalize_model_grads(chunks: list[nn.Module], state, ddp: DataParallel) -> None:
+    """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
+    on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
+    (pp == 1 or untied embeddings; no sequence-parallel params)."""
     if state.pp_size > 1 and state.embedding_group is not None:
         shared = _unique_params(chunks, "shared_embedding")
-        all_reduce_coalesced([owned_main_grad(p) for p in shared], state.embedding_group)
+        all_reduce_coalesced([ddp.owned_main_grad(p) for p in shared], state.embedding_group)
     if state.tp_size > 1:
         replicated = _unique_params(chunks, "sequence_parallel")
-        all_reduce_coalesced([owned_main_grad(p) for p in replicated], state.tp_group)
+        all_reduce_coalesced([ddp.owned_main_grad(p) for p in replicated], state.tp_group)
 
 
 # ---- global gradient norm --------------------------------------------------------------------------
@@ -66,8 +66,8 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
     """Whether `param`'s gradient enters the global norm on this rank, so each element counts once:
     tp-sharded params on every tp rank, replicated ones on tp rank 0, and the tied embedding's last-stage
     copy never (the first stage counts it)."""
-    sharded_or_first = getattr(param, "tensor_parallel", False) or tp_rank == 0
-    return sharded_or_first and not getattr(param, "embedding_copy", False)
+    info = param_info(param)
+    return (info.tensor_parallel or tp_rank == 0) and not info.embedding_copy
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -124,7 +124,9 @@ def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> 
     check_positive(tp_size=tp_size)
     require_divisible("model.num_attention_heads", model.num_attention_heads, "parallel.tp_size", tp_size)
     require_divisible("model.num_query_groups", model.query_groups, "parallel.tp_size", tp_size)
-    require_divisible("the ffn size (model.ffn_hidden_size)", model.ffn_size, "parallel.tp_size", tp_size)
+    ffn_name = ("model.ffn_hidden_size" if model.ffn_hidden_size else
+                f"the ffn size derived from model.hidden_size={model.hidden_size} (model.ffn_hidden_size unset)")
+    require_divisible(ffn_name, model.ffn_size, "parallel.tp_size", tp_size)
     if sequence_parallel:
         require_divisible("model.seq_length", model.seq_length,
                           "parallel.tp_size (needed by parallel.sequence_parallel)", tp_size)
@@ -133,8 +135,9 @@ def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> 
 def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
     """Each of the pp * vp virtual stages holds the same number of layers."""
     check_positive(pp_size=pp_size, vp_size=vp_size)
-    require_divisible("model.num_layers", num_layers, "parallel.pp_size * parallel.vp_size",
-                      pp_size * vp_size)
+    if num_layers % (pp_size * vp_size):
+        raise LayoutError(f"model.num_layers={num_layers} is not divisible by parallel.pp_size * "
+                          f"parallel.vp_size = {pp_size} * {vp_size}")
 
 
 def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layout:

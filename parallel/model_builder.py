@@ -8,6 +8,7 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from model.param_info import param_info
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel
@@ -44,9 +45,10 @@ def count_parameters(chunks: list[GPTModel], state: Optional[ParallelState] = No
     total = 0
     for chunk in chunks:
         for param in chunk.parameters():
-            if getattr(param, "embedding_copy", False):
+            info = param_info(param)
+            if info.embedding_copy:
                 continue
-            if state is not None and not getattr(param, "tensor_parallel", False) and state.tp_rank != 0:
+            if state is not None and not info.tensor_parallel and state.tp_rank != 0:
                 continue
             total += param.numel()
     return total

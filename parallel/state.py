@@ -6,20 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-
-class LayoutError(ValueError):
-    """A (world size, tp, pp, vp) combination that cannot be laid out."""
-
-
-def derive_dp_size(world_size: int, tp_size: int, pp_size: int) -> int:
-    """dp = world / (tp * pp); raises LayoutError naming the numbers when it does not divide."""
-    if tp_size < 1 or pp_size < 1:
-        raise LayoutError(f"parallel.tp_size={tp_size} and parallel.pp_size={pp_size} must be >= 1")
-    if world_size % (tp_size * pp_size) != 0:
-        raise LayoutError(
-            f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size = "
-            f"{tp_size} * {pp_size} = {tp_size * pp_size}")
-    return world_size // (tp_size * pp_size)
+from parallel.layout import Layout, derive_dp_size
 
 
 @dataclass
@@ -56,10 +43,17 @@ class ParallelState:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def single(cls, vp_size: int = 1) -> "ParallelState":
+    def single(cls) -> "ParallelState":
         """The layout of one process: every group is None and every collective is skipped."""
-        return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=vp_size,
+        return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=1,
                    pp_ranks=[0], tp_ranks=[0], dp_ranks=[0])
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelState":
+        """The state of `layout` for this process: `single()` for one process, else `create(...)`."""
+        if layout.world_size == 1:
+            return cls.single()
+        return cls.create(layout.tp_size, layout.pp_size, layout.vp_size)
 
     @classmethod
     def create(cls, tp_size: int, pp_size: int, vp_size: int = 1) -> "ParallelState":
@@ -117,19 +111,12 @@ class ParallelState:
         return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
 
     @property
-    def prev_stage_rank(self) -> int:
-        """Global rank of the previous pipeline stage (wrapping: the first stage's previous is the last)."""
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
-
-    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
     def describe(self) -> str:
-        """One line for the start-up log."""
-        return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size}"
-                f" (vp {self.vp_size}); rank {self.rank} is tp_rank {self.tp_rank}, dp_rank "
-                f"{self.dp_rank}, pp_rank {self.pp_rank}")
+        """This rank's coordinates, for the start-up log (the layout itself: `Layout.describe`)."""
+        return (f"rank {self.rank} is tp_rank {self.tp_rank}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}")
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:

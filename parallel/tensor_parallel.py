@@ -12,23 +12,24 @@ Forward costs two all-reduces per layer (after proj and fc2), backward two (befo
 sequence parallelism (Korthikanti et al. 2022) the activations between layers, the norms and the hidden
 dropouts are sharded along s ([s/tp, b, h]) and each all-reduce becomes an all-gather before the column-
 parallel layer and a reduce-scatter after the row-parallel one; the gradients of the replicated norm weights
-and row-parallel biases are then partial and `allreduce_sequence_parallel_grads` sums them over tp.
+and row-parallel biases are then partial (ParamInfo.sequence_parallel) and
+`grad_utils.finalize_model_grads` sums them over tp.
 
 Layers and mappings live in parallel/tp_layers.py and parallel/tp_mappings.py; this file re-exports them.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterable, Optional
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.kernels import CrossEntropyReductions
+from model.param_info import param_info, set_param_info
+from parallel.layout import check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker
 from parallel.state import ParallelState
 from parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -38,7 +39,7 @@ from parallel.tp_mappings import (CommCounter, TPComm, all_reduce, copy_to_tp_re
                                   reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                                   scatter_to_tp_region)
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel_sizes", "allreduce_sequence_parallel_grads",
+__all__ = ["apply_tensor_parallel",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "CommCounter", "TPComm", "tp_comm", "copy_to_tp_region", "reduce_from_tp_region",
            "scatter_to_tp_region", "gather_from_tp_region", "scatter_to_sequence_parallel_region",
@@ -53,18 +54,6 @@ LAYER_PLAN: tuple[tuple[str, type], ...] = (
 )
 
 
-def check_tensor_parallel_sizes(model_cfg: ModelConfig, tp_size: int, sequence_parallel: bool = False) -> None:
-    """Raise ValueError, naming both keys and values, if tp cannot split this model."""
-    checks = [("num_attention_heads", model_cfg.num_attention_heads),
-              ("num_query_groups", model_cfg.query_groups),
-              ("ffn_hidden_size", model_cfg.ffn_size)]
-    if sequence_parallel:
-        checks.append(("seq_length", model_cfg.seq_length))
-    for key, value in checks:
-        if value % tp_size:
-            raise ValueError(f"parallel.tp_size={tp_size} does not divide model.{key}={value}")
-
-
 def tp_comm(state: ParallelState, counter: Optional[CommCounter] = None, scope: str = "layer") -> TPComm:
     """The TPComm of this rank's tp group."""
     return TPComm(group=state.tp_group, rank=state.tp_rank, size=state.tp_size, counter=counter, scope=scope)
@@ -76,15 +65,15 @@ def apply_tensor_parallel(model: GPTModel, state: ParallelState, sequence_parall
     """Shard `model` (preferably still on the meta device) over `state`'s tp group, in place; returns it.
 
     Call before model/init.initialize_parameters and model.tie_weights(): the new parameters carry
-    full_shape / shard_fn so that init draws the full tensor and keeps this rank's shard. A model with real
+    a ParamInfo with full_shape / shard_fn so that init draws the full tensor and keeps this rank's shard. A model with real
     weights is sharded from its own values. Dropout in tp regions (attention; with sequence parallelism also
     the hidden and embedding dropouts) is wrapped to draw from `rng_tracker`'s tp-specific state; without a
     tracker it draws from the default generator (fine for dropout 0 and for tests).
     """
-    check_tensor_parallel_sizes(model.cfg, state.tp_size, sequence_parallel)
+    check_tensor_parallel(model.cfg, state.tp_size, sequence_parallel)
     _wrap_dropouts(model, sequence_parallel and state.tp_size > 1, rng_tracker)
     if state.tp_size == 1:
-        return model  # nothing to split; parameters default to tensor_parallel=False
+        return model  # nothing to split; the default ParamInfo says replicated
     comm = tp_comm(state, comm_counter)
     for layer in model.layers.values():
         _shard_layer(layer, model.cfg, comm, sequence_parallel)
@@ -133,12 +122,10 @@ def _mark_replicated(model: nn.Module, sequence_parallel: bool) -> None:
     """Give every parameter not sharded above the replicated conventions. Norm weights/biases see only
     s/tp tokens under sequence parallelism, so their gradients are partial: mark them."""
     for name, param in model.named_parameters():
-        if getattr(param, "tensor_parallel", None) is not None:
-            continue
-        param.tensor_parallel = False
-        param.partition_dim = -1
-        param.full_shape = tuple(param.shape)
-        param.sequence_parallel = sequence_parallel and "norm." in name
+        if param_info(param).full_shape is not None:
+            continue  # made by a parallel layer above (which sets full_shape)
+        set_param_info(param, tensor_parallel=False, partition_dim=-1, full_shape=tuple(param.shape),
+                       sequence_parallel=sequence_parallel and "norm." in name)
 
 
 def _wrap_dropouts(model: GPTModel, sequence_parallel: bool, rng_tracker: Optional[RNGTracker]) -> None:
@@ -152,22 +139,3 @@ def _wrap_dropouts(model: GPTModel, sequence_parallel: bool, rng_tracker: Option
             layer.hidden_dropout = ForkRNG(layer.hidden_dropout, rng_tracker)
     if sequence_parallel and model.embedding is not None:
         model.embedding.dropout = ForkRNG(model.embedding.dropout, rng_tracker)
-
-
-def allreduce_sequence_parallel_grads(params: Iterable[nn.Parameter], state: ParallelState) -> None:
-    """Sum over tp the gradients of parameters marked `sequence_parallel` (in `main_grad` when the
-    parameter has one, else `grad`), one flat all-reduce per dtype."""
-    if state.tp_size == 1:
-        return
-    grads_by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in params:
-        if not getattr(param, "sequence_parallel", False):
-            continue
-        grad = param.main_grad if hasattr(param, "main_grad") else param.grad
-        if grad is not None:
-            grads_by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in grads_by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=state.tp_group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)

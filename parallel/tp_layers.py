@@ -5,13 +5,8 @@
     VocabParallelEmbedding  rows of the table split by vocabulary, lookups outside the shard give 0
     vocab_parallel_cross_entropy  per-token loss from logits [s, b, V/tp] without gathering them
 
-Every parameter carries the conventions model/init.py and the trainer read:
-    full_shape       the unsharded shape (init draws this, then cuts)
-    shard_fn(full)   full tensor -> this rank's shard
-    tensor_parallel  True: sharded over tp; False: replicated on every tp rank
-    partition_dim    the dim that is split (-1 when replicated)
-    sequence_parallel True on replicated parameters whose gradient is partial under sequence parallelism
-                     (each rank saw s/tp tokens): all-reduce it over tp after backward
+Every parameter they create carries its ParamInfo (model/param_info.py): full_shape, shard_fn,
+tensor_parallel, partition_dim and sequence_parallel, read by model/init.py and the trainer.
 """
 from __future__ import annotations
 
@@ -23,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.param_info import set_param_info
+from parallel.layout import require_divisible
 from parallel.tp_mappings import (TPComm, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
                                   gather_from_tp_region, reduce_from_tp_region,
                                   reduce_scatter_to_sequence_parallel_region)
@@ -45,10 +42,10 @@ def shard_dim1(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 
 def _new_param(shape: tuple[int, ...], device, dtype, template: Optional[nn.Parameter],
-               shard_fn: Optional[Callable], **attrs) -> nn.Parameter:
+               shard_fn: Optional[Callable], **info) -> nn.Parameter:
     """A parameter of the local `shape`: the shard of `template`'s value when it has one (not meta),
-    else uninitialised (meta build: model/init.py fills it later). Keeps the template's attributes
-    (init_name, shared_embedding, ...) and adds `attrs`."""
+    else uninitialised (meta build: model/init.py fills it later). Its ParamInfo is the template's
+    (init_name, shared_embedding, ...) with `shard_fn` and the `info` fields set."""
     if template is not None and not template.is_meta:
         value = shard_fn(template.detach()) if shard_fn is not None else template.detach()
         value = value.clone().contiguous()
@@ -57,13 +54,12 @@ def _new_param(shape: tuple[int, ...], device, dtype, template: Optional[nn.Para
     param = nn.Parameter(value, requires_grad=True if template is None else template.requires_grad)
     if template is not None:
         param.__dict__.update(template.__dict__)
-    param.__dict__.update(dict(sequence_parallel=False, shard_fn=shard_fn), **attrs)
+    set_param_info(param, **{**dict(sequence_parallel=False), **info, "shard_fn": shard_fn})
     return param
 
 
 def _check_divisible(what: str, value: int, size: int) -> None:
-    if value % size:
-        raise ValueError(f"{what}={value} is not divisible by parallel.tp_size={size}")
+    require_divisible(what, value, "parallel.tp_size", size)
 
 
 class ColumnParallelLinear(nn.Module):

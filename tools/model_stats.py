@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model.gpt import GPTModel  # noqa: E402
+from parallel.layout import layout_from_config  # noqa: E402
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles  # noqa: E402
 from parallel.state import ParallelState, rank_of  # noqa: E402
 from parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("model.vocab_size must be set for model_stats (no tokenizer is loaded)")
         if args.dp < 1:
             raise ConfigError(f"--dp {args.dp} must be >= 1")
+        par = config.parallel
+        layout_from_config(config, par.tp_size * par.pp_size * args.dp)  # the trainer's layout rules
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from parallel.pipeline.schedules import SCHEDULES, validate_schedule  # noqa: E402
+from parallel.layout import SCHEDULES, check_schedule  # noqa: E402
 from parallel.pipeline.simulator import Timeline, simulate  # noqa: E402
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
@@ -83,7 +83,7 @@ def draw(timeline: Timeline, schedule: str, path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        validate_schedule(args.schedule, args.pp, args.microbatches, args.vp)
+        check_schedule(args.schedule, args.pp, args.vp, args.microbatches)
         if args.forward_cost <= 0 or args.backward_cost <= 0:
             raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost "
                              f"({args.backward_cost}) must be > 0")

@@ -2,7 +2,8 @@
 
 `load_config(path, overrides)` reads a YAML file (or the defaults when path is None), applies
 `section.key=value` overrides (values parsed as YAML scalars), and checks types and values per section.
-Cross-section checks that need the world size live in `validate_layout`.
+Layout checks (tp, pp, vp, dp, schedule, micro-batches against the model and the world size) live in one
+place, parallel/layout.py's `build_layout`.
 """
 from __future__ import annotations
 
@@ -29,24 +30,13 @@ class ParallelConfig:
     vp_size: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 with 1f1b means interleaved)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 means interleaved; parallel/layout.py)
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     grad_bucket_size_mb: float = 25.0
 
     def validate(self) -> None:
-        for key in ("tp_size", "pp_size", "vp_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"parallel.{key}={getattr(self, key)} must be >= 1")
-        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise ConfigError(f"parallel.schedule={self.schedule!r} is not one of gpipe, 1f1b, interleaved")
-        if self.vp_size > 1 and self.schedule == "1f1b":
-            # Megatron's rule: virtual stages mean the interleaved 1F1B schedule (1F1B over model chunks).
-            self.schedule = "interleaved"
-        if self.vp_size > 1 and self.schedule != "interleaved":
-            raise ConfigError(f"parallel.vp_size={self.vp_size} needs parallel.schedule=interleaved "
-                              f"(got {self.schedule})")
-        if self.vp_size > 1 and self.pp_size == 1:
-            raise ConfigError(f"parallel.vp_size={self.vp_size} needs parallel.pp_size > 1")
+        # The layout rules (sizes, schedule, divisibility) need the model and the world size: they all
+        # live in parallel/layout.py (build_layout), called by every entry point.
         if self.grad_bucket_size_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
 
@@ -178,17 +168,12 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:
-        """Per-section checks, then the cross-section ones that need no world size."""
+        """Per-section checks, then the cross-section ones that are not about the layout."""
         for section in dataclasses.fields(self):
             try:
                 getattr(self, section.name).validate()
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        if self.model.num_layers % (self.parallel.pp_size * self.parallel.vp_size):
-            raise ConfigError(
-                f"model.num_layers={self.model.num_layers} is not divisible by parallel.pp_size * "
-                f"parallel.vp_size = {self.parallel.pp_size} * {self.parallel.vp_size}")
-
         data = self.data
         if data.data_path and data.tokenizer_type == "GPT2BPETokenizer" and not (data.vocab_file and data.merge_file):
             raise ConfigError("data.data_path is set, so GPT2BPETokenizer needs data.vocab_file and data.merge_file")
@@ -297,37 +282,3 @@ def load_config(path: Optional[str], overrides: Optional[list[str]] = None) -> C
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     return config_from_dict(apply_overrides(raw, overrides or []))
-
-
-def validate_layout(config: Config, world_size: int) -> int:
-    """Checks that need the world size; returns dp. Each error names both numbers."""
-    par, train, model = config.parallel, config.train, config.model
-    tp_pp = par.tp_size * par.pp_size
-    if world_size % tp_pp:
-        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size "
-                          f"= {par.tp_size} * {par.pp_size}")
-    dp = world_size // tp_pp
-    if model.num_attention_heads % par.tp_size:
-        raise ConfigError(f"model.num_attention_heads={model.num_attention_heads} is not divisible by "
-                          f"parallel.tp_size={par.tp_size}")
-    if model.query_groups % par.tp_size:
-        raise ConfigError(f"model.num_query_groups={model.query_groups} is not divisible by "
-                          f"parallel.tp_size={par.tp_size}")
-    if model.ffn_size % par.tp_size:
-        raise ConfigError(f"ffn size {model.ffn_size} (model.ffn_hidden_size) is not divisible by "
-                          f"parallel.tp_size={par.tp_size}")
-    if par.sequence_parallel and model.seq_length % par.tp_size:
-        raise ConfigError(f"model.seq_length={model.seq_length} is not divisible by parallel.tp_size="
-                          f"{par.tp_size} (needed by parallel.sequence_parallel)")
-    per_step = train.micro_batch_size * dp
-    if train.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size * dp = {train.micro_batch_size} * {dp}")
-    num_micro = train.global_batch_size // per_step
-    if par.schedule == "interleaved" and par.pp_size > 1 and num_micro % par.pp_size:
-        good = ", ".join(str(per_step * par.pp_size * k) for k in (1, 2, 3))
-        raise ConfigError(f"parallel.schedule=interleaved needs the number of micro-batches ({num_micro} = "
-                          f"global {train.global_batch_size} / (micro {train.micro_batch_size} * dp {dp})) to "
-                          f"be a multiple of parallel.pp_size={par.pp_size}: e.g. train.global_batch_size = "
-                          f"{good}")
-    return dp

@@ -301,14 +301,12 @@ class DistributedOptimizer(Optimizer):
                 param.data.copy_(full[where.start - bucket.start:where.end - bucket.start].view(param.shape))
 
 
-def build_optimizer(chunks: list[nn.Module], ddp: DataParallel, state, lr: float, min_lr: float = 0.0,
-                    weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+def build_optimizer(chunks: list[nn.Module], ddp: DataParallel, state, lr: float, weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     clip_grad: float = 1.0, precision: str = "fp32",
                     loss_scale_cfg: Optional[dict[str, Any]] = None) -> Optimizer:
     """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`.
 
-    `chunks` must be the chunks `ddp` was built on; `min_lr` belongs to the LR schedule and is accepted
-    only so the trainer can pass its optim section whole. `loss_scale_cfg` (fp16 only) holds the
+    `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
     DynamicLossScaler arguments: initial, min, window, hysteresis.
     """
     if precision not in PRECISIONS:

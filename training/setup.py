@@ -3,14 +3,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from data.blended_dataset import BlendedDataset
+from data.builder import build_train_valid_test_datasets
+from data.gpt_dataset import GPTDataset
+from data.loader import build_data_iterator
+from data.sample_corpus import ensure_sample_corpus
 from training.config import Config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Dataset = Union[GPTDataset, BlendedDataset]
+DatasetSplits = tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]  # train, valid, test
 
 
 @dataclass
@@ -55,8 +63,6 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     data = config.data
     if data.data_path:
         return
-    from data.sample_corpus import ensure_sample_corpus
-
     root = os.path.join(REPO_ROOT, "sample_data")
     if env.local_rank == 0:
         info = ensure_sample_corpus(root, progress=env.rank == 0)
@@ -69,10 +75,8 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     logger.info(f"data: sample corpus {info['data_prefix']}")
 
 
-def build_datasets(config: Config, env: DistEnv, gbs: int):
+def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
     """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them."""
-    from data.builder import build_train_valid_test_datasets
-
     train = config.train
     num_samples = (train.train_iters * gbs, max(train.eval_iters, 1) * gbs, max(train.eval_iters, 1) * gbs)
 
@@ -88,8 +92,6 @@ def build_datasets(config: Config, env: DistEnv, gbs: int):
 
 def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, dp_size: int,
                   eod_id: int, num_workers: Optional[int] = None):
-    from data.loader import build_data_iterator
-
     data = config.data
     return build_data_iterator(
         dataset, consumed_samples, config.train.micro_batch_size, dp_rank, dp_size,

@@ -6,38 +6,52 @@ tied-embedding and sequence-parallel gradients are reduced and the optimizer ste
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Union
 
 import torch
 import torch.distributed as dist
 
+from model.gpt import GPTModel
+from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
+from parallel.layout import Layout
 from parallel.pipeline.executor import execute_schedule
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.plan import PipelinePlan, build_plan
 from parallel.state import ParallelState
+from training.optimizer import DistributedOptimizer, Optimizer
 
 
 @dataclass
 class StepContext:
-    """What a step needs besides the batch; built once by pretrain_gpt.py."""
+    """What a step needs besides the batch; built once by pretrain_gpt.py (by keyword).
 
-    chunks: list
+    The pipeline plans (this rank's action list and communication steps, for training and for
+    evaluation) are built here, once: every iteration runs the same plans.
+    """
+
+    chunks: list[GPTModel]
     state: ParallelState
-    ddp: Any
-    optimizer: Any
-    schedule: str
-    num_microbatches: int
-    activation_shape: tuple[int, ...]
+    layout: Layout
+    ddp: DataParallel
+    optimizer: Union[Optimizer, DistributedOptimizer]
+    activation_shape: tuple[int, int, int]  # [s(/tp with sequence parallelism), b, h] between stages
     activation_dtype: torch.dtype
     device: torch.device
     scatter_gather: bool
+    train_plan: PipelinePlan = field(init=False)
+    eval_plan: PipelinePlan = field(init=False)
 
     def __post_init__(self) -> None:
-        # This rank's action list is the same every iteration: build it once. (Evaluation passes it too;
-        # with forward_only the executor runs its own forward-only order.)
-        self.actions = build_schedule(self.schedule, self.state.pp_size, self.state.pp_rank,
-                                      self.num_microbatches, self.state.vp_size)
+        layout, pp_rank = self.layout, self.state.pp_rank
+        self.train_plan = build_plan(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches,
+                                     layout.vp_size)
+        self.eval_plan = build_plan(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches,
+                                    layout.vp_size, forward_only=True)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches
 
 
 @dataclass
@@ -94,12 +108,12 @@ def train_step(ctx: StepContext, data_iter: Iterator[dict], lr: float) -> StepRe
         chunk.train()
     microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
     ctx.ddp.zero_grad()
-    result = execute_schedule(ctx.actions, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
+    result = execute_schedule(ctx.train_plan, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
                               ctx.state, ctx.activation_shape, ctx.activation_dtype,
                               scatter_gather=ctx.scatter_gather, loss_scale=ctx.optimizer.loss_scale,
                               on_last_backward=ctx.ddp.enable_grad_sync)
     ctx.ddp.finish_grad_sync()
-    finalize_model_grads(ctx.chunks, ctx.state)
+    finalize_model_grads(ctx.chunks, ctx.state, ctx.ddp)
     stats = ctx.optimizer.step(lr)
     return StepResult(loss=_global_mean_loss(result.losses, ctx.state), grad_norm=stats.grad_norm,
                       skipped=stats.skipped, loss_scale=stats.loss_scale, max_in_flight=result.max_in_flight)
@@ -114,9 +128,8 @@ def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int) -> fl
     total = 0.0
     for _ in range(eval_iters):
         microbatches = next_microbatches(data_iter, ctx.num_microbatches, ctx.device)
-        result = execute_schedule(ctx.actions, ctx.chunks, microbatches, forward_fn, ctx.state,
-                                  ctx.activation_shape, ctx.activation_dtype,
-                                  scatter_gather=ctx.scatter_gather, forward_only=True)
+        result = execute_schedule(ctx.eval_plan, ctx.chunks, microbatches, forward_fn, ctx.state,
+                                  ctx.activation_shape, ctx.activation_dtype, scatter_gather=ctx.scatter_gather)
         total += _global_mean_loss(result.losses, ctx.state)
     for chunk in ctx.chunks:
         chunk.train()

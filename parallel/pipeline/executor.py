@@ -1,6 +1,7 @@
-"""Run one rank's pipeline action list: compute forwards / backwards, exchange tensors with the neighbours.
+"""Run one rank's pipeline plan: compute forwards / backwards, exchange tensors with the neighbours.
 
-The same code path serves every layout: with pp = 1 (and vp = 1) there are no messages at all.
+The plan (`plan.PipelinePlan`: the action list and its communication steps) is built once per run; this
+module only walks it. The same code path serves every layout: with pp = 1 there are no messages at all.
 
 Memory: a stage output is freed as soon as it is sent. Only its autograd graph is needed for backward, so,
 like Megatron, the executor replaces `out.data` with a 1-element tensor after the send and later runs
@@ -14,10 +15,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from parallel.pipeline.p2p import StageComm, needed_message, plan_steps, produced_message
-from parallel.pipeline.schedules import Action, RankSchedule, build_forward_only
+from parallel.pipeline.p2p import StageComm, needed_message, produced_message
+from parallel.pipeline.plan import PipelinePlan
+from parallel.pipeline.schedules import Action
 
 
 @dataclass
@@ -77,7 +78,7 @@ class _Run:
         out = produced_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks))
         if out is None:
             return False
-        self.comm.put(out[0], out[1], tensor)
+        self.comm.put(out[1], tensor)
         return True
 
     def forward(self, action: Action) -> None:
@@ -110,57 +111,32 @@ class _Run:
         self.in_flight -= 1
 
 
-def _all_lists(actions: list[Action], state) -> list[list[Action]]:
-    """Every pipeline rank's action list: rebuilt when known how, else gathered once over pp."""
-    if isinstance(actions, RankSchedule):
-        return [actions if r == state.pp_rank else actions.for_rank(r) for r in range(state.pp_size)]
-    if state.pp_size == 1:
-        return [list(actions)]
-    gathered = [None] * state.pp_size
-    dist.all_gather_object(gathered, list(actions), group=state.pp_group)
-    return gathered
-
-
-def _last_backward_indices(schedule: list[Action]) -> set[int]:
-    """Index of the last backward of each chunk in the list (gradient reduction may start there)."""
-    last = {}
-    for index, action in enumerate(schedule):
-        if action.op == "B":
-            last[action.chunk] = index
-    return set(last.values())
-
-
-def execute_schedule(actions: list[Action], chunks: list[torch.nn.Module], microbatches: list[dict],
+def execute_schedule(plan: PipelinePlan, chunks: list[torch.nn.Module], microbatches: list[dict],
                      forward_fn, state, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
-                     scatter_gather: bool = False, loss_scale: float = 1.0, on_last_backward=None,
-                     forward_only: bool = False) -> ScheduleResult:
-    """Run this rank's actions for one iteration; see the module docstring and ScheduleResult.
+                     scatter_gather: bool = False, loss_scale: float = 1.0,
+                     on_last_backward=None) -> ScheduleResult:
+    """Run this rank's plan for one iteration; see the module docstring and ScheduleResult.
 
     `forward_fn(chunk_index, chunk, input_tensor | None, microbatch) -> Tensor` returns the chunk output,
     or on the last virtual stage the scalar loss (already divided by the number of micro-batches).
-    With `forward_only` the given actions are ignored and an evaluation order is run under no_grad.
+    A forward-only plan (evaluation) runs under no_grad and holds nothing for backward.
+    `on_last_backward(chunk_index)` is called just before the last backward of each chunk.
     """
-    vp_size, m = len(chunks), len(microbatches)
-    if forward_only:
-        actions = build_forward_only(state.pp_size, state.pp_rank, m, vp_size)
-    lists = _all_lists(actions, state)
-    schedule = lists[state.pp_rank]
-    steps = plan_steps(lists, vp_size)[state.pp_rank]
+    forward_only = plan.forward_only
     params = [p for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    comm = StageComm(state, steps, activation_shape, activation_dtype, device, scatter_gather)
+    comm = StageComm(state, activation_shape, activation_dtype, device, scatter_gather)
     run = _Run(chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
-    last_backwards = _last_backward_indices(schedule)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        for step in steps:
+        for step in plan.steps:
             comm.exchange(step)
             if step.compute is None:
                 continue
-            action = schedule[step.compute]
+            action = plan.actions[step.compute]
             if action.op == "F":
                 run.forward(action)
                 continue
-            if on_last_backward is not None and step.compute in last_backwards:
+            if on_last_backward is not None and step.compute in plan.last_backward_indices:
                 on_last_backward(action.chunk)
             run.backward(action)
     comm.finish()

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.schedules import Action, virtual_stage
+from parallel.pipeline.schedules import Action
+from parallel.pipeline.stages import last_virtual_stage, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def needed_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -> 
         if stage == 0:
             return None
         return (stage - 1) % pp_size, Message("F", action.microbatch, stage)
-    if stage == pp_size * vp_size - 1:
+    if stage == last_virtual_stage(pp_size, vp_size):
         return None  # the loss stage starts backward from its own loss
     return (stage + 1) % pp_size, Message("B", action.microbatch, stage)
 
@@ -48,22 +49,12 @@ def produced_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -
     """(destination pp rank, message) that `action` sends when done, or None."""
     stage = virtual_stage(pp_rank, action.chunk, pp_size)
     if action.op == "F":
-        if stage == pp_size * vp_size - 1:
+        if stage == last_virtual_stage(pp_size, vp_size):
             return None
         return (stage + 1) % pp_size, Message("F", action.microbatch, stage + 1)
     if stage == 0:
         return None
     return (stage - 1) % pp_size, Message("B", action.microbatch, stage - 1)
-
-
-def outgoing_order(actions: list[Action], pp_rank: int, pp_size: int, vp_size: int) -> dict[int, list[Message]]:
-    """Per destination pp rank, the messages this rank sends, in posting order."""
-    order: dict[int, list[Message]] = {}
-    for action in actions:
-        out = produced_message(action, pp_rank, pp_size, vp_size)
-        if out is not None:
-            order.setdefault(out[0], []).append(out[1])
-    return order
 
 
 @dataclass(frozen=True)
@@ -85,7 +76,6 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
         send or receive that its peer posts only after waiting on something of this rank's: no deadlock
         even where NCCL serialises a pair's sends and receives on one stream and a send waits for its
         receive (pp = 2 included, where both directions of a pair carry traffic).
-    Messages a rank sends to itself (pp = 1 with vp > 1) are handed over locally, never posted.
     """
     pp_size = len(lists)
     position, pending = [0] * pp_size, [[] for _ in range(pp_size)]
@@ -109,9 +99,7 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
                 if need is None or need[1] in arrived[r]:
                     compute, position[r], progressed = position[r], position[r] + 1, True
                     out = produced_message(action, r, pp_size, vp_size)
-                    if out is not None and out[0] == r:
-                        arrived[r].add(out[1])
-                    elif out is not None:
+                    if out is not None:  # always to another rank: vp > 1 needs pp > 1 (layout.py)
                         pending[r].append(out)
             if ops[r] or compute is not None:
                 plans[r].append(Step(tuple(ops[r]), compute))
@@ -128,26 +116,22 @@ class StageComm:
     step's action runs, so a sent tensor is released right after the step that sent it.
     """
 
-    def __init__(self, state, steps: list[Step], shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, scatter_gather: bool):
-        self.state, self.steps = state, steps
+    def __init__(self, state, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 scatter_gather: bool):
+        self.state = state
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.numel = math.prod(self.shape)
         # Scatter/gather only when the flattened tensor splits evenly over tp.
         self.scatter = scatter_gather and state.tp_size > 1 and self.numel % state.tp_size == 0
         self.outbox: dict[Message, torch.Tensor] = {}  # computed, to be sent at the next step
-        self.inbox: dict[Message, torch.Tensor] = {}  # received (or handed over locally), not yet used
+        self.inbox: dict[Message, torch.Tensor] = {}  # received, not yet used
 
-    def put(self, dst: int, message: Message, tensor: torch.Tensor) -> None:
-        """Queue `tensor` (detached) for `dst`; messages to this rank itself go straight to the inbox."""
+    def put(self, message: Message, tensor: torch.Tensor) -> None:
+        """Queue `tensor` (detached) to be sent by the step that posts `message`."""
         if tuple(tensor.shape) != self.shape:
             raise ValueError(f"pipeline message {message} has shape {tuple(tensor.shape)}, "
                              f"expected activation_shape {self.shape}")
-        data = tensor.detach().to(self.dtype).contiguous()
-        if dst == self.state.pp_rank:
-            self.inbox[message] = data.clone()
-        else:
-            self.outbox[message] = data
+        self.outbox[message] = tensor.detach().to(self.dtype).contiguous()
 
     def take(self, message: Message) -> torch.Tensor:
         """The received tensor of `message`, shaped like the activation."""

@@ -1,9 +1,10 @@
 """Pipeline schedules as data: each rank's ordered list of forward / backward actions.
 
 A schedule is a pure function `(schedule, pp_size, pp_rank, num_microbatches, vp_size) -> list[Action]`.
-Every rank can therefore rebuild every other rank's list, which is how the executor knows in which order
-a peer sends its messages (see `p2p.incoming_order`), and how the simulator and the timeline tool read
-exactly what the executor runs.
+Every rank can therefore build every other rank's list, which is how the joint communication plan knows in
+which order a peer sends its messages (`plan.build_plan` -> `p2p.plan_steps`), and how the simulator and the
+timeline tool read exactly what the executor runs. Which schedules a layout may run is decided by
+parallel/layout.py (`check_schedule`), the one home of the layout rules.
 
 Virtual stages: with `v` model chunks per rank, chunk `c` on pipeline rank `r` is virtual stage `c*p + r`
 (Megatron's interleaving: rank 0 holds stages 0, p, 2p, ...). A forward output of virtual stage k goes to
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from parallel.layout import check_schedule
 
 
 @dataclass(frozen=True)
@@ -26,75 +27,30 @@ class Action:
     chunk: int  # model chunk index on this rank, 0..vp_size-1
 
 
-class RankSchedule(list):
-    """A rank's action list (a plain `list[Action]`) that remembers how it was built.
-
-    The executor uses the recorded layout to rebuild the peers' lists and so post its receives in the
-    order the peers post their sends (NCCL matches point-to-point messages by order, not by tag).
-    """
-
-    def __init__(self, actions, name: str, pp_size: int, num_microbatches: int, vp_size: int):
-        super().__init__(actions)
-        self.name = name
-        self.pp_size = pp_size
-        self.num_microbatches = num_microbatches
-        self.vp_size = vp_size
-
-    def for_rank(self, pp_rank: int) -> "RankSchedule":
-        """The list the same schedule gives pipeline rank `pp_rank`."""
-        if self.name == "forward_only":
-            return build_forward_only(self.pp_size, pp_rank, self.num_microbatches, self.vp_size)
-        return build_schedule(self.name, self.pp_size, pp_rank, self.num_microbatches, self.vp_size)
-
-
-def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
-    """Virtual stage of chunk `chunk` on pipeline rank `pp_rank`: c*p + r."""
-    return chunk * pp_size + pp_rank
-
-
-def validate_schedule(schedule: str, pp_size: int, num_microbatches: int, vp_size: int) -> None:
-    """Raise ValueError (one line naming the values) when the layout cannot run this schedule."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.schedule={schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
-    if pp_size < 1 or vp_size < 1 or num_microbatches < 1:
-        raise ValueError(f"parallel.pp_size ({pp_size}), parallel.vp_size ({vp_size}) and the number of "
-                         f"micro-batches ({num_microbatches}) must all be >= 1")
-    if vp_size > 1 and schedule != "interleaved":
-        raise ValueError(f"parallel.vp_size={vp_size} needs parallel.schedule=interleaved "
-                         f"(got parallel.schedule={schedule})")
-    if schedule == "interleaved" and num_microbatches % pp_size != 0:
-        valid = ", ".join(str(pp_size * i) for i in range(1, 4))
-        raise ValueError(f"parallel.schedule=interleaved needs the number of micro-batches "
-                         f"({num_microbatches}) to be a multiple of parallel.pp_size ({pp_size}): "
-                         f"use {valid}, ...")
-
-
 def build_schedule(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int,
-                   vp_size: int = 1) -> RankSchedule:
-    """This rank's ordered actions for one training iteration (validated first)."""
-    validate_schedule(schedule, pp_size, num_microbatches, vp_size)
+                   vp_size: int = 1) -> list[Action]:
+    """This rank's ordered actions for one training iteration (layout rules checked first).
+
+    `schedule` is resolved by parallel/layout.py's rules: "1f1b" with vp > 1 runs interleaved, any
+    schedule with one stage runs forward then backward per micro-batch.
+    """
+    schedule = check_schedule(schedule, pp_size, vp_size, num_microbatches)
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp_size - 1}")
-    if pp_size == 1 and vp_size == 1:
-        # One stage: every schedule is forward then backward per micro-batch (least memory).
-        actions = [a for i in range(num_microbatches) for a in (Action("F", i, 0), Action("B", i, 0))]
-    elif schedule == "gpipe":
-        actions = _gpipe(num_microbatches)
-    elif schedule == "1f1b":
-        actions = _one_f_one_b(pp_size, pp_rank, num_microbatches)
-    else:
-        actions = _interleaved(pp_size, pp_rank, num_microbatches, vp_size)
-    return RankSchedule(actions, schedule, pp_size, num_microbatches, vp_size)
+    if schedule == "gpipe":
+        return _gpipe(num_microbatches)
+    if schedule == "1f1b":  # with one stage: forward then backward per micro-batch (least memory)
+        return _one_f_one_b(pp_size, pp_rank, num_microbatches)
+    return _interleaved(pp_size, pp_rank, num_microbatches, vp_size)
 
 
-def build_forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1) -> RankSchedule:
+def build_forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1) -> list[Action]:
     """Evaluation order: for each micro-batch, each chunk in virtual-stage order; forwards only.
 
     Deadlock-free: every rank walks (micro-batch, chunk) in the same lexicographic order and each
     forward depends only on a forward of the same micro-batch at a lower virtual stage.
     """
-    actions = [Action("F", i, c) for i in range(num_microbatches) for c in range(vp_size)]
-    return RankSchedule(actions, "forward_only", pp_size, num_microbatches, vp_size)
+    return [Action("F", i, c) for i in range(num_microbatches) for c in range(vp_size)]
 
 
 def _gpipe(m: int) -> list[Action]:

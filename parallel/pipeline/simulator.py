@@ -1,15 +1,18 @@
 """Simulate a pipeline schedule from the same action lists the executor runs.
 
-Each rank executes its list in order; an action starts when the rank is free and its input is ready:
-the forward of virtual stage k needs the forward of stage k-1 (same micro-batch); the backward of stage k
-needs the backward of stage k+1 and this stage's own forward. Communication costs zero. Costs are per whole
-stage per micro-batch, so one of v chunks costs 1/v of it.
+Each rank executes its list in order; an action starts when the rank is free and the message it needs has
+arrived. Which message an action needs and which it produces are p2p.py's rules (`needed_message`,
+`produced_message`), the same the executor's communication plan follows; a backward's own forward ran
+earlier on the same rank. Communication costs zero. Costs are per whole stage per micro-batch, so one of v
+chunks costs 1/v of it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.pipeline.schedules import Action, build_schedule, virtual_stage
+from parallel.pipeline.p2p import Message, needed_message, produced_message
+from parallel.pipeline.schedules import Action, build_schedule
+from parallel.pipeline.stages import virtual_stage
 
 
 @dataclass(frozen=True)
@@ -40,23 +43,12 @@ class Timeline:
         return (self.makespan - self.ideal) / self.ideal
 
 
-def _dependencies(action: Action, stage: int, last_stage: int) -> list[tuple[str, int, int]]:
-    """Keys (op, micro-batch, virtual stage) that must have finished before `action` can start."""
-    if action.op == "F":
-        return [("F", action.microbatch, stage - 1)] if stage > 0 else []
-    deps = [("F", action.microbatch, stage)]
-    if stage < last_stage:
-        deps.append(("B", action.microbatch, stage + 1))
-    return deps
-
-
 def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: int,
                    forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
     """Simulate per-rank action lists; raises RuntimeError if the lists deadlock."""
     p = len(lists)
-    last_stage = p * vp_size - 1
     cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
-    finished: dict[tuple[str, int, int], float] = {}
+    arrived: dict[Message, float] = {}  # message -> time it is available at its destination
     position = [0] * p
     free_at = [0.0] * p
     events: list[Event] = []
@@ -66,14 +58,15 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
             # Run rank r as far as its inputs allow.
             while position[r] < len(lists[r]):
                 action = lists[r][position[r]]
-                stage = virtual_stage(r, action.chunk, p)
-                deps = _dependencies(action, stage, last_stage)
-                if any(d not in finished for d in deps):
+                need = needed_message(action, r, p, vp_size)
+                if need is not None and need[1] not in arrived:
                     break
-                start = max([free_at[r]] + [finished[d] for d in deps])
+                start = max(free_at[r], arrived[need[1]] if need is not None else 0.0)
                 end = start + cost[action.op]
-                finished[(action.op, action.microbatch, stage)] = end
-                events.append(Event(r, action, stage, start, end))
+                out = produced_message(action, r, p, vp_size)
+                if out is not None:
+                    arrived[out[1]] = end
+                events.append(Event(r, action, virtual_stage(r, action.chunk, p), start, end))
                 free_at[r] = end
                 position[r] += 1
                 progressed = True

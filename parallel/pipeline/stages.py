@@ -7,14 +7,24 @@ layers 0-1 and 4-5). The embedding goes with virtual stage 0, final norm + outpu
 from __future__ import annotations
 
 
+def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
+    """Virtual stage of chunk `chunk` on pipeline rank `pp_rank`: c*p + r (Megatron's interleaving)."""
+    return chunk * pp_size + pp_rank
+
+
+def last_virtual_stage(pp_size: int, vp_size: int) -> int:
+    """The virtual stage that holds the output layer and the loss."""
+    return pp_size * vp_size - 1
+
+
 def chunk_layer_ids(num_layers: int, pp_size: int, pp_rank: int, vp_size: int, chunk: int) -> list[int]:
     """Global layer indices held by model chunk `chunk` of pipeline rank `pp_rank`."""
     per_chunk = num_layers // (pp_size * vp_size)
-    start = (chunk * pp_size + pp_rank) * per_chunk
+    start = virtual_stage(pp_rank, chunk, pp_size) * per_chunk
     return list(range(start, start + per_chunk))
 
 
 def chunk_roles(pp_size: int, pp_rank: int, vp_size: int, chunk: int) -> tuple[bool, bool]:
     """(pre_process, post_process): whether the chunk holds the embedding and whether it holds the head."""
-    virtual_stage = chunk * pp_size + pp_rank
-    return virtual_stage == 0, virtual_stage == pp_size * vp_size - 1
+    stage = virtual_stage(pp_rank, chunk, pp_size)
+    return stage == 0, stage == last_virtual_stage(pp_size, vp_size)

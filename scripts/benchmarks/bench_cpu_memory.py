@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pretrain_gpt  # noqa: E402
+from parallel.layout import layout_from_config  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.setup import init_distributed  # noqa: E402
 
@@ -119,8 +120,8 @@ def _rank(rank: int, world_size: int, port: int, argv: list[str], verbose: bool,
         logging.disable(logging.INFO)
     args = pretrain_gpt.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    pretrain_gpt.check_before_work(config, world_size)
-    run = pretrain_gpt.build_run(config, init_distributed())
+    layout = layout_from_config(config, world_size)
+    run = pretrain_gpt.build_run(config, init_distributed(), layout)
     params = [p for chunk in run.ctx.chunks for p in chunk.parameters()]
     meter = SavedTensorMeter(params)
     start_rss = rss_bytes()

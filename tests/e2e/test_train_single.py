@@ -87,8 +87,34 @@ def test_missing_data_is_one_line_and_leaves_no_run_folder(tiny_corpus, tmp_path
 
 
 def test_fp16_and_bf16_train(tiny_corpus, tmp_path):
-    for precision in ("bf16", "fp16"):
+    """Each 16-bit run logs every iteration, stays near the fp32 losses and is not the fp32 run."""
+    runs = {}
+    for precision in ("fp32", "bf16", "fp16"):
         run_dir = str(tmp_path / precision)
-        train(tiny_corpus, run_dir, f"train.precision={precision}", "train.train_iters=4")
-        losses = [r["lm_loss"] for r in read_metrics(run_dir)]
-        assert all(torch.isfinite(torch.tensor(losses)))
+        # fp16 starts at a loss scale that does not overflow (the default 2**32 skips ~16 steps first).
+        train(tiny_corpus, run_dir, f"train.precision={precision}", "train.train_iters=6",
+              "optim.initial_loss_scale=4096")
+        records = read_metrics(run_dir)
+        assert [r["iteration"] for r in records] == list(range(1, 7))
+        runs[precision] = torch.tensor([r["lm_loss"] for r in records])
+    for precision in ("bf16", "fp16"):
+        assert torch.isfinite(runs[precision]).all()
+        torch.testing.assert_close(runs[precision], runs["fp32"], rtol=2e-2, atol=0.0)
+        assert not torch.equal(runs[precision], runs["fp32"])  # the 16-bit path really ran
+
+
+def test_pipeline_plans_are_built_once_per_run(tiny_corpus, tmp_path, monkeypatch):
+    """The joint communication plan is built for training and for evaluation once, not per step."""
+    from parallel.pipeline import plan
+    calls = []
+    real_plan_steps = plan.plan_steps
+
+    def counting_plan_steps(*args, **kwargs):
+        calls.append(args)
+        return real_plan_steps(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "plan_steps", counting_plan_steps)
+    run_dir = str(tmp_path / "run")
+    train(tiny_corpus, run_dir, "train.train_iters=6", "train.eval_interval=2")
+    assert len(read_metrics(run_dir)) == 6
+    assert len(calls) == 2  # one train plan, one evaluation plan, for 6 steps and 4 evaluations

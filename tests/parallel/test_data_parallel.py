@@ -2,7 +2,8 @@
 is launched bucket by bucket during the last micro-batch's backward only; pp = 2 with a tied embedding
 (finalize_model_grads over the embedding group) matches one process.
 
-The helpers here (tiny model, batches, an in-test micro-batch loop) are also used by
+Every iteration runs through the trainer's own `training.train_step.train_step` (executor, dp buckets,
+finalize_model_grads, optimizer). The helpers here (tiny model, batches) are also used by
 tests/training/test_optimizer.py.
 """
 from __future__ import annotations
@@ -11,16 +12,17 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from model.param_info import param_info
 from parallel.data_parallel import DataParallel
-from parallel.grad_utils import finalize_model_grads
+from parallel.layout import Layout
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
+from training.train_step import StepContext, train_step
 
 GLOBAL_BATCH, SEQ = 8, 16
 
@@ -58,28 +60,28 @@ def micro_batches(batch: dict, dp_rank: int, dp_size: int) -> list[dict]:
     return [{k: v[r:r + 1] for k, v in batch.items()} for r in rows]
 
 
-def train_step(model, ddp, optimizer, state, micros: list[dict], on_phase=None):
-    """One iteration of the in-test micro-batch loop; returns (global mean loss, StepStats)."""
-    ddp.zero_grad()
-    total = torch.zeros(())
-    for index, mb in enumerate(micros):
-        last = index == len(micros) - 1
-        if last:
-            ddp.enable_grad_sync(0)
-        per_token = model(mb["input_ids"], mb["position_ids"], labels=mb["labels"])  # [b, s]
-        loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / len(micros)
-        if on_phase:
-            on_phase("last_backward" if last else f"backward{index}")
-        (loss * optimizer.loss_scale).backward()
-        if on_phase:
-            on_phase("after_backward")
-        total += loss.detach().float()
-    ddp.finish_grad_sync()
-    finalize_model_grads([model], state)
-    stats = optimizer.step()
-    if state.dp_size > 1:
-        dist.all_reduce(total, group=state.dp_group)
-    return total.item() / state.dp_size, stats
+def step_context(chunks: list[GPTModel], ddp: DataParallel, optimizer, state: ParallelState,
+                 num_microbatches: int) -> StepContext:
+    """The trainer's StepContext for a tp = 1 layout of micro-batches of one sequence."""
+    layout = Layout(tp_size=1, pp_size=state.pp_size, vp_size=1, dp_size=state.dp_size,
+                    num_microbatches=num_microbatches, schedule="1f1b")
+    dtype = next(chunks[0].parameters()).dtype
+    return StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
+                       activation_shape=(SEQ, 1, chunks[0].cfg.hidden_size), activation_dtype=dtype,
+                       device=torch.device("cpu"), scatter_gather=False)
+
+
+def run_train_step(ctx: StepContext, micros: list[dict]):
+    """One iteration of the real train_step on these micro-batches at the optimizer's lr; its StepResult."""
+    loader_batches = iter([{"tokens": mb["input_ids"], "labels": mb["labels"], "loss_mask": mb["loss_mask"],
+                            "position_ids": mb["position_ids"]} for mb in micros])
+    return train_step(ctx, loader_batches, ctx.optimizer.lr)
+
+
+def run_step(model: GPTModel, ddp: DataParallel, optimizer, state: ParallelState, micros: list[dict]):
+    """train_step on one chunk with one micro-batch per entry of `micros`: (global mean loss, StepResult)."""
+    result = run_train_step(step_context([model], ddp, optimizer, state, len(micros)), micros)
+    return result.loss, result
 
 
 # The key bias of attention has an exactly-zero gradient in theory (softmax ignores a constant shift), so
@@ -102,12 +104,12 @@ def _train_ranks(rank, world_size, out_dir, distributed, precision, steps):
     cfg = tiny_cfg()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model, ddp, optimizer = build(cfg, state, dtype, distributed, precision)
+    ctx = step_context([model], ddp, optimizer, state, GLOBAL_BATCH // state.dp_size)
     losses, norms = [], []
     for step in range(steps):
-        loss, stats = train_step(model, ddp, optimizer, state,
-                                 micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size))
-        losses.append(loss)
-        norms.append(stats.grad_norm)
+        result = run_train_step(ctx, micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
     params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     torch.save({"params": params, "losses": losses, "norms": norms, "state_bytes": optimizer.state_bytes(),
                 "grad_bytes": ddp.grad_buffer_bytes()}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -171,16 +173,24 @@ def _overlap_ranks(rank, world_size, out_dir, unused_param=False):
         model.unused = torch.nn.Parameter(torch.ones(5))
     ddp = DataParallel([model], state, bucket_size_mb=0.01)
     optimizer = build_optimizer([model], ddp, state, lr=1e-2, eps=EPS)
-    events, phase = [], ["idle"]
-    original_launch = ddp._launch
+    events, phase = [], ["backward"]
+    original_launch, original_enable, original_finish = ddp._launch, ddp.enable_grad_sync, ddp.finish_grad_sync
 
     def recording_launch(bucket):
         events.append((phase[0], bucket.index))
         original_launch(bucket)
 
-    ddp._launch = recording_launch
+    def recording_enable(chunk_index=0):  # the executor calls it just before the last backward
+        phase[0] = "last_backward"
+        original_enable(chunk_index)
+
+    def recording_finish():  # train_step calls it after the last backward
+        phase[0] = "after_backward"
+        original_finish()
+
+    ddp._launch, ddp.enable_grad_sync, ddp.finish_grad_sync = recording_launch, recording_enable, recording_finish
     micros = micro_batches(global_batch(0, cfg), state.dp_rank, state.dp_size)
-    train_step(model, ddp, optimizer, state, micros, on_phase=lambda p: phase.__setitem__(0, p))
+    run_train_step(step_context([model], ddp, optimizer, state, len(micros)), micros)
     torch.save({"events": events, "num_buckets": len(ddp.buckets[0])}, os.path.join(out_dir, f"rank{rank}.pt"))
     if unused_param:
         assert torch.equal(model.unused.main_grad, torch.zeros(5))
@@ -208,45 +218,20 @@ def test_param_without_grad_is_reduced_in_finish(tmp_path):
 
 
 def _pipeline_ranks(rank, world_size, out_dir, distributed):
-    """pp = 2 x dp = 2 with a tied embedding split over the stages, micro-batches run one after another."""
+    """pp = 2 x dp = 2 with a tied embedding split over the stages, through the trainer's train_step."""
     state = ParallelState.create(tp_size=1, pp_size=2)
     cfg = tiny_cfg()
     first = state.is_first_stage
     model = tiny_model(cfg, layer_ids=[0] if first else [1], pre=first, post=not first)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=distributed)
     optimizer = build_optimizer([model], ddp, state, lr=1e-2, weight_decay=0.1, clip_grad=1.0, eps=EPS)
-    peer = state.next_stage_rank
+    ctx = step_context([model], ddp, optimizer, state, GLOBAL_BATCH // state.dp_size)
     norms = []
     for step in range(3):
-        micros = micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size)
-        ddp.zero_grad()
-        for index, mb in enumerate(micros):
-            if index == len(micros) - 1:
-                ddp.enable_grad_sync(0)
-            _pipeline_micro_batch(model, mb, first, peer, len(micros))
-        ddp.finish_grad_sync()
-        finalize_model_grads([model], state)
-        norms.append(optimizer.step().grad_norm)
+        result = run_train_step(ctx, micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size))
+        norms.append(result.grad_norm)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     torch.save({"params": params, "norms": norms}, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def _pipeline_micro_batch(model, mb, first: bool, peer: int, num_micro: int) -> None:
-    hidden_shape = (SEQ, 1, model.cfg.hidden_size)
-    if first:
-        out = model(mb["input_ids"], mb["position_ids"])  # [s, b, h]
-        dist.send(out.detach().contiguous(), peer)
-        grad = torch.empty(hidden_shape)
-        dist.recv(grad, peer)
-        out.backward(grad)
-        return
-    hidden = torch.empty(hidden_shape)
-    dist.recv(hidden, peer)
-    hidden.requires_grad_(True)
-    per_token = model(hidden_states=hidden, position_ids=mb["position_ids"], labels=mb["labels"])
-    loss = (per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / num_micro
-    loss.backward()
-    dist.send(hidden.grad.contiguous(), peer)
 
 
 @pytest.mark.parametrize("distributed", [False, True])
@@ -275,7 +260,7 @@ def test_distributed_layout_pads_and_tiles_buckets():
         for bucket in ddp.buckets[0]:
             assert bucket.numel % 3 == 0
             assert bucket.numel - sum(p.numel() for p in bucket.params) < 3
-            if any(getattr(p, "shared_embedding", False) for p in bucket.params):
+            if any(param_info(p).shared_embedding for p in bucket.params):
                 assert len(bucket.params) == 1
         assert sum(b.numel for b in ddp.buckets[0]) == ddp.buffers[0].numel()
         for name, param in model.named_parameters():
@@ -287,5 +272,5 @@ def test_distributed_layout_pads_and_tiles_buckets():
     first_stage = tiny_model(cfg, layer_ids=[0], pre=True, post=False)  # pp > 1: the tied weight is marked
     ddp = DataParallel([first_stage], ParallelState.single(), bucket_size_mb=1.0)
     embedding = first_stage.embedding.word_embeddings.weight
-    assert embedding.shared_embedding and ddp.param_ranges[embedding].bucket.params == [embedding]
+    assert param_info(embedding).shared_embedding and ddp.param_ranges[embedding].bucket.params == [embedding]
     assert len(ddp.buckets[0]) >= 2  # 1 MiB would hold the whole chunk: the embedding was split off

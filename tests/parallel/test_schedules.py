@@ -3,20 +3,34 @@ import itertools
 
 import pytest
 
-from parallel.pipeline.p2p import outgoing_order, plan_steps
-from parallel.pipeline.schedules import (SCHEDULES, Action, build_forward_only, build_schedule,
-                                         validate_schedule, virtual_stage)
+from parallel.layout import SCHEDULES, LayoutError, check_schedule
+from parallel.pipeline.p2p import Message, plan_steps, produced_message
+from parallel.pipeline.schedules import Action, build_forward_only, build_schedule
 from parallel.pipeline.simulator import simulate, simulate_lists
+from parallel.pipeline.stages import virtual_stage
 
 
 def layouts(ms=(1, 2, 3, 4, 6, 8, 12), ps=(1, 2, 3, 4), vs=(1, 2, 3)):
-    """Every valid (schedule, p, m, v) of the grid."""
+    """Every valid (schedule, p, m, v) of the grid, each resolved schedule once."""
+    seen = set()
     for schedule, p, m, v in itertools.product(SCHEDULES, ps, ms, vs):
         try:
-            validate_schedule(schedule, p, m, v)
-        except ValueError:
+            resolved = check_schedule(schedule, p, v, m)
+        except LayoutError:
             continue
-        yield schedule, p, m, v
+        if (resolved, p, m, v) not in seen:
+            seen.add((resolved, p, m, v))
+            yield resolved, p, m, v
+
+
+def outgoing_order(actions: list[Action], pp_rank: int, pp_size: int, vp_size: int) -> dict[int, list[Message]]:
+    """Per destination pp rank, the messages a rank's list sends, in list order."""
+    order: dict[int, list[Message]] = {}
+    for action in actions:
+        out = produced_message(action, pp_rank, pp_size, vp_size)
+        if out is not None:
+            order.setdefault(out[0], []).append(out[1])
+    return order
 
 
 def all_lists(schedule, p, m, v):
@@ -74,15 +88,22 @@ def test_virtual_stage_and_single_stage():
 
 
 @pytest.mark.parametrize("args,words", [
-    (("interleaved", 4, 6, 2), ["(6)", "(4)", "4, 8, 12"]),
-    (("1f1b", 4, 8, 2), ["vp_size=2", "interleaved"]),
+    (("interleaved", 4, 6, 2), ["(6)", "pp_size=4", "4, 8, 12"]),
+    (("gpipe", 4, 8, 2), ["vp_size=2", "interleaved"]),
+    (("interleaved", 1, 4, 2), ["vp_size=2", "pp_size > 1"]),
     (("zigzag", 4, 8, 1), ["zigzag", "gpipe"]),
     (("gpipe", 2, 0, 1), ["micro-batches (0)"]),
 ])
 def test_invalid_layouts_name_the_values(args, words):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(LayoutError) as error:
         build_schedule(args[0], args[1], 0, args[2], args[3])
     assert "\n" not in str(error.value) and all(w in str(error.value) for w in words)
+
+
+def test_1f1b_with_virtual_stages_is_interleaved_everywhere():
+    """Megatron's rule, applied by layout.py for the config and the schedule builder alike."""
+    for r in range(4):
+        assert build_schedule("1f1b", 4, r, 8, 2) == build_schedule("interleaved", 4, r, 8, 2)
 
 
 # ---- the communication plan ---------------------------------------------------------------------

@@ -7,11 +7,14 @@ from torch import nn
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from model.param_info import full_shape, param_info
+from parallel.data_parallel import DataParallel
+from parallel.grad_utils import finalize_model_grads
+from parallel.layout import LayoutError, check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, CommCounter, RowParallelLinear, VocabParallelEmbedding,
-                                      allreduce_sequence_parallel_grads, apply_tensor_parallel,
-                                      check_tensor_parallel_sizes, tp_comm, vocab_parallel_cross_entropy)
+                                      apply_tensor_parallel, tp_comm, vocab_parallel_cross_entropy)
 from tests.conftest import run_ranks
 
 S, B, H, OUT = 8, 2, 12, 16  # sequence, batch, in features, out features (all divisible by 2 and 4)
@@ -50,7 +53,7 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
     layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel,
                                              num_stacked=num_stacked)
-    shard_out = layer.weight.shard_fn  # [.., OUT] -> [.., OUT/tp] along dim 0
+    shard_out = param_info(layer.weight).shard_fn  # [.., OUT] -> [.., OUT/tp] along dim 0
     x_local = x.chunk(world_size, 0)[rank] if sequence_parallel else x
     x_local = x_local.clone().requires_grad_()
     y_local = layer(x_local)
@@ -59,9 +62,9 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     _close(x_local.grad, x_grad.chunk(world_size, 0)[rank] if sequence_parallel else x_grad, "column dx")
     _close(layer.weight.grad, shard_out(w_grad), "column dW")
     if bias:
-        _close(layer.bias.grad, layer.bias.shard_fn(b_grad), "column db")
-    assert layer.weight.tensor_parallel and layer.weight.partition_dim == 0
-    assert tuple(layer.weight.full_shape) == (OUT, H)
+        _close(layer.bias.grad, param_info(layer.bias).shard_fn(b_grad), "column db")
+    assert param_info(layer.weight).tensor_parallel and param_info(layer.weight).partition_dim == 0
+    assert full_shape(layer.weight) == (OUT, H)
 
 
 def _row_case(rank, world_size, sequence_parallel, bias):
@@ -72,16 +75,20 @@ def _row_case(rank, world_size, sequence_parallel, bias):
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
     layer = RowParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel)
     x_local = x.chunk(world_size, -1)[rank].clone().requires_grad_()
+    ddp = DataParallel([layer], state)  # the trainer's gradient path: main_grad, then finalize_model_grads
+    ddp.zero_grad()
     y_local = layer(x_local)
     seq_shard = (lambda t: t.chunk(world_size, 0)[rank]) if sequence_parallel else (lambda t: t)
     y_local.backward(seq_shard(grad_out))
-    allreduce_sequence_parallel_grads(layer.parameters(), state)
+    ddp.finish_grad_sync()
+    finalize_model_grads([layer], state, ddp)  # sums the partial bias gradient over tp under SP
     _close(y_local, seq_shard(y), "row output")
     _close(x_local.grad, x_grad.chunk(world_size, -1)[rank], "row dx")
-    _close(layer.weight.grad, layer.weight.shard_fn(w_grad), "row dW")
+    _close(layer.weight.main_grad, param_info(layer.weight).shard_fn(w_grad), "row dW")
     if bias:
-        _close(layer.bias.grad, b_grad, "row db")
-        assert not layer.bias.tensor_parallel and layer.bias.sequence_parallel == sequence_parallel
+        _close(layer.bias.main_grad, b_grad, "row db")
+        info = param_info(layer.bias)
+        assert not info.tensor_parallel and info.sequence_parallel == sequence_parallel
 
 
 def _all_layer_cases(rank, world_size):
@@ -120,7 +127,7 @@ def _embedding_case(rank, world_size):
     y = layer(ids)
     y.backward(grad_out)
     _close(y, serial(ids).detach(), "embedding output")
-    _close(layer.weight.grad, layer.weight.shard_fn(serial.weight.grad), "embedding dW")
+    _close(layer.weight.grad, param_info(layer.weight).shard_fn(serial.weight.grad), "embedding dW")
 
 
 def _cross_entropy_case(rank, world_size, vocab, padded):
@@ -164,8 +171,8 @@ def _fake_state(tp_size, rank=0):
 ])
 def test_tp_not_dividing_model_fails_clearly(key, kwargs):
     cfg = ModelConfig(vocab_size=64, **kwargs)
-    with pytest.raises(ValueError, match=rf"parallel.tp_size=4 does not divide model.{key}="):
-        check_tensor_parallel_sizes(cfg, 4)
+    with pytest.raises(LayoutError, match=rf"model\.{key}=\d+ is not divisible by parallel\.tp_size=4"):
+        check_tensor_parallel(cfg, 4, sequence_parallel=False)
     with torch.device("meta"):
         model = GPTModel(cfg, 64)
     before = [type(m) for m in model.modules()]
@@ -197,10 +204,11 @@ def test_sharded_init_equals_slice_of_full_init(style):
         initialize_parameters(model, cfg, seed=3)
         model.tie_weights()
         for name, param in model.named_parameters():
-            expected = param.shard_fn(full[name]) if param.tensor_parallel else full[name]
+            info = param_info(param)
+            expected = info.shard_fn(full[name]) if info.tensor_parallel else full[name]
             assert torch.equal(param, expected), name
             partial_grad = "norm." in name or name.endswith(("proj.bias", "fc2.bias"))
-            assert param.sequence_parallel == partial_grad, name
+            assert info.sequence_parallel == partial_grad, name
         if cfg.tie_embeddings:
             assert model.output_layer.weight is model.embedding.word_embeddings.weight
 
@@ -211,8 +219,9 @@ def test_last_stage_tied_copy_keeps_its_attributes():
         model = GPTModel(cfg, 64, layer_ids=[1], pre_process=False, post_process=True)
     apply_tensor_parallel(model, _fake_state(2, 1))
     weight = model.output_layer.weight
-    assert weight.init_name == "embedding.word_embeddings.weight" and weight.shared_embedding
-    assert weight.tensor_parallel and weight.partition_dim == 0 and tuple(weight.shape) == (32, 32)
+    info = param_info(weight)
+    assert info.init_name == "embedding.word_embeddings.weight" and info.shared_embedding and info.embedding_copy
+    assert info.tensor_parallel and info.partition_dim == 0 and tuple(weight.shape) == (32, 32)
 
 
 # ---- RNG tracker ------------------------------------------------------------------------------------

@@ -13,10 +13,13 @@ import torch.distributed as dist
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from parallel.data_parallel import DataParallel
+from parallel.grad_utils import finalize_model_grads
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import CommCounter, allreduce_sequence_parallel_grads, apply_tensor_parallel
+from parallel.tensor_parallel import CommCounter, apply_tensor_parallel
 from tests.conftest import run_ranks
+from training.optimizer import build_optimizer
 
 ITERS, BATCH, SEED = 10, 2, 1234
 NUM_LAYERS = 2
@@ -62,18 +65,26 @@ def _batch(cfg: ModelConfig, iteration: int):
     return tokens[:, :-1], positions, tokens[:, 1:], mask
 
 
+def _backward_as_trainer(model: GPTModel, state: ParallelState, ddp: DataParallel, loss: torch.Tensor) -> None:
+    """The trainer's gradient path: main_grad buffers, dp sync, then finalize_model_grads (which sums the
+    sequence-parallel norm and bias gradients over tp)."""
+    ddp.zero_grad()
+    loss.backward()
+    ddp.finish_grad_sync()
+    finalize_model_grads([model], state, ddp)
+
+
 def _train(model: GPTModel, cfg: ModelConfig, state: ParallelState, counter=None,
            sequence_parallel: bool = False) -> list[float]:
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    ddp = DataParallel([model], state)
+    optimizer = build_optimizer([model], ddp, state, lr=3e-3, weight_decay=0.0, clip_grad=0.0)
     losses = []
     for iteration in range(ITERS):
         ids, positions, labels, mask = _batch(cfg, iteration)
         per_token = model(ids, positions, labels=labels)  # [b, s]
         loss = (per_token * mask).sum() / mask.sum()
-        loss.backward()
-        allreduce_sequence_parallel_grads(model.parameters(), state)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _backward_as_trainer(model, state, ddp, loss)
+        optimizer.step(3e-3)
         losses.append(loss.item())
         if counter is not None and iteration == 0:
             _check_counts(counter, state.tp_size, sequence_parallel)
@@ -144,9 +155,9 @@ def _dropout_rank(rank, world_size):
             if recompute:
                 model.set_recompute("full", "uniform", 0, make_checkpoint_fn(tracker))
             loss = (model(ids, positions, labels=labels) * mask).sum() / mask.sum()
-            loss.backward()
-            allreduce_sequence_parallel_grads(model.parameters(), state)
-            runs.append((loss.detach(), [p.grad for p in model.parameters()]))
+            ddp = DataParallel([model], state)
+            _backward_as_trainer(model, state, ddp, loss)
+            runs.append((loss.detach(), [p.main_grad.clone() for p in model.parameters()]))
         assert torch.equal(runs[0][0], runs[1][0])
         assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), f"sp={sequence_parallel}"
         losses = [torch.zeros(()) for _ in range(world_size)]

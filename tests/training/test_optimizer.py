@@ -9,12 +9,13 @@ import os
 import pytest
 import torch
 
+from model.param_info import set_param_info
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from tests.parallel.test_data_parallel import (EPS, build, global_batch, micro_batches, tiny_cfg, tiny_model,
-                                               train_step)
+from tests.parallel.test_data_parallel import (EPS, build, global_batch, micro_batches, run_step, tiny_cfg,
+                                               tiny_model)
 from training.optimizer import DynamicLossScaler, build_optimizer
 
 
@@ -26,7 +27,7 @@ def warm_meta_init() -> None:
 
 def run_steps(model, ddp, optimizer, state, steps: range) -> list:
     cfg = model.cfg
-    return [train_step(model, ddp, optimizer, state, micro_batches(global_batch(s, cfg), 0, 1))[1]
+    return [run_step(model, ddp, optimizer, state, micro_batches(global_batch(s, cfg), 0, 1))[1]
             for s in steps]
 
 
@@ -60,8 +61,8 @@ def test_bf16_tracks_fp32(distributed):
     assert all(p.dtype == torch.bfloat16 for p in bf16[0].parameters())
     assert all(p.main_grad.dtype == torch.float32 for p in bf16[0].parameters())
     for step in range(3):
-        loss32, stats32 = train_step(*fp32, state, micro_batches(global_batch(step, cfg), 0, 1))
-        loss16, stats16 = train_step(*bf16, state, micro_batches(global_batch(step, cfg), 0, 1))
+        loss32, stats32 = run_step(*fp32, state, micro_batches(global_batch(step, cfg), 0, 1))
+        loss16, stats16 = run_step(*bf16, state, micro_batches(global_batch(step, cfg), 0, 1))
         assert abs(loss16 - loss32) <= 1e-2 * loss32
         assert abs(stats16.grad_norm - stats32.grad_norm) <= 5e-2 * stats32.grad_norm
         assert stats16.loss_scale == 1.0 and not stats16.skipped
@@ -83,7 +84,7 @@ def test_fp16_skips_overflow_backs_off_and_recovers():
     history = []
     for step in range(60):  # 2 micro-batches per step: fp16 matmuls are slow on CPU
         micros = micro_batches(global_batch(step, cfg), 0, 4)
-        history.append(train_step(model, ddp, optimizer, state, micros)[1])
+        history.append(run_step(model, ddp, optimizer, state, micros)[1])
         if not history[0].skipped or len(history) >= 2 and not history[-2].skipped and not history[-1].skipped:
             break
     assert history[0].skipped and history[0].loss_scale == 2.0 ** 40 and math.isnan(history[0].grad_norm)
@@ -101,13 +102,13 @@ def test_fp16_skipped_steps_change_nothing_and_scale_grows():
     scale_cfg = dict(initial=2.0 ** 40, min=1.0, window=2, hysteresis=1)
     model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg, lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
-    stats = train_step(model, ddp, optimizer, state, micro_batches(global_batch(0, cfg), 0, 8))[1]
+    stats = run_step(model, ddp, optimizer, state, micro_batches(global_batch(0, cfg), 0, 8))[1]
     assert stats.skipped and optimizer.loss_scale == 2.0 ** 39 and optimizer.step_count == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(seg.exp_avg.abs().max() == 0 for seg in optimizer.segments)
     optimizer.scaler.scale = 2.0 ** 8  # jump to a scale that fits, then watch it grow after the window
     for step in range(2):
-        assert not train_step(model, ddp, optimizer, state, micro_batches(global_batch(step, cfg), 0, 8))[1].skipped
+        assert not run_step(model, ddp, optimizer, state, micro_batches(global_batch(step, cfg), 0, 8))[1].skipped
     assert optimizer.loss_scale == 2.0 ** 9
 
 
@@ -150,9 +151,9 @@ def _tp_norm_ranks(rank, world_size, out_dir):
     cfg = tiny_cfg()
     model = tiny_model(cfg)
     marked = dict(model.named_parameters())
-    marked["layers.0.mlp.fc1.weight"].tensor_parallel = True
-    marked["layers.1.mlp.fc2.weight"].embedding_copy = True
-    marked["final_norm.weight"].sequence_parallel = True
+    set_param_info(marked["layers.0.mlp.fc1.weight"], tensor_parallel=True)
+    set_param_info(marked["layers.1.mlp.fc2.weight"], embedding_copy=True)
+    set_param_info(marked["final_norm.weight"], sequence_parallel=True)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=True)
     optimizer = build_optimizer([model], ddp, state, lr=1e-2, eps=EPS, clip_grad=0.0)
     ddp.zero_grad()
@@ -161,8 +162,8 @@ def _tp_norm_ranks(rank, world_size, out_dir):
         ((per_token * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / 4).backward()
     ddp.finish_grad_sync()
     owned_norm_before = ddp.buffers[0].clone()
-    finalize_model_grads([model], state)
-    lo, hi = marked["final_norm.weight"].owned_grad_slice
+    finalize_model_grads([model], state, ddp)
+    lo, hi = ddp.owned_param_slice(marked["final_norm.weight"])
     sp_ratio = (marked["final_norm.weight"].main_grad.view(-1)[lo:hi]
                 / owned_norm_before[ddp.param_ranges[marked["final_norm.weight"]].start + lo:][:hi - lo])
     norm = optimizer.grad_norm()
