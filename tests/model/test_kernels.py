@@ -152,3 +152,36 @@ def test_model_with_every_kernel_matches_reference():
                  zip(losses, (plain, fused))]
         for actual, expected in zip(grads[1], grads[0]):
             assert_close(actual, expected, torch.float32)
+
+
+def test_kernel_selection_from_config_and_errors():
+    from model.config import ModelConfig
+    from model.kernels import KERNEL_NAMES, KernelSelection
+    assert KernelSelection.from_model_config(ModelConfig()).names == frozenset()
+    assert KernelSelection.from_model_config(ModelConfig(fused_kernels=True)).names == frozenset(KERNEL_NAMES)
+    subset = ModelConfig(fused_kernels=True, fused_kernel_names=["norm", "rotary"])
+    subset.validate()
+    assert KernelSelection.from_model_config(subset).names == {"norm", "rotary"}
+    with pytest.raises(ValueError, match=r"model\.fused_kernel_names: 'normm' is not one of norm, bias_gelu"):
+        ModelConfig(fused_kernels=True, fused_kernel_names=["normm"]).validate()
+    with pytest.raises(ValueError, match=r"model\.fused_kernel_names=\['norm'\] needs model\.fused_kernels=true"):
+        ModelConfig(fused_kernel_names=["norm"]).validate()
+
+
+def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):
+    """fused_kernels=true on a CPU without TRITON_INTERPRET: references and the chunked torch loss, and the
+    log line says so."""
+    from model.config import ModelConfig
+    from model.gpt import GPTModel
+    from model.kernels import KernelSelection
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=4, vocab_size=50,
+                      make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
+    fused_cfg = ModelConfig(**{**cfg.__dict__, "fused_kernels": True})
+    assert "on the torch path" in KernelSelection.from_model_config(fused_cfg).describe("cpu")
+    torch.manual_seed(0)
+    plain, fused = GPTModel(cfg, 64), GPTModel(fused_cfg, 64)
+    fused.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 50, (2, 4))
+    positions = torch.arange(4).expand(2, 4)
+    assert_close(fused(ids, positions, labels=ids), plain(ids, positions, labels=ids), torch.float32)
