@@ -234,8 +234,12 @@ class GPTModel(nn.Module):
 
     def compile_layers(self, backend: str = "inductor") -> None:
         """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).
-        The layers share their code, so compile time stays flat in the number of layers."""
+        The layers share their code, so compile time stays flat in the number of layers. Selective recompute's
+        checkpoint (inside the layer) runs eagerly: its context_fn swaps RNG-tracker states, which dynamo cannot
+        trace; full recompute checkpoints whole compiled layers from outside and needs nothing."""
         for layer in self.layers.values():
+            if layer.attention.recompute_core and layer.attention.checkpoint_fn is not None:
+                layer.attention.checkpoint_fn = torch.compiler.disable(layer.attention.checkpoint_fn)
             layer.compile(backend=backend)
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,

@@ -43,3 +43,32 @@ def test_compiled_layers_match_eager_tp2_pp2_recompute_kernels(tiny_corpus, tmp_
     compiled = _run(tiny_corpus, str(tmp_path / "compiled"), 4, *layout, "train.compile=true",
                     "train.compile_backend=aot_eager")
     _assert_same_losses(eager, compiled)
+
+
+def test_compiled_layers_with_selective_and_full_recompute_match_eager():
+    """Selective recompute checkpoints inside a compiled layer (run eagerly there), full recompute checkpoints
+    whole compiled layers: loss and gradients equal eager's."""
+    import torch
+
+    from model.config import ModelConfig
+    from model.gpt import GPTModel
+    from parallel.random import RNGTracker, make_checkpoint_fn
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=50,
+                      make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
+    tracker = RNGTracker("cpu")
+    tracker.add("model-parallel", 3)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8).expand(2, 8)
+    for mode in ("selective", "full"):
+        results = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = GPTModel(cfg, 64)
+            model.set_recompute(mode, "uniform", 1, make_checkpoint_fn(tracker))
+            if compiled:
+                model.compile_layers("aot_eager")
+            loss = model(ids, positions, labels=ids.roll(1, 1)).mean()
+            loss.backward()
+            results.append([loss.detach()] + [p.grad for p in model.parameters()])
+        for eager, compiled in zip(*results):
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
