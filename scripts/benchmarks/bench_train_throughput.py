@@ -93,7 +93,7 @@ def main() -> int:
         micro = candidates[0] if len(candidates) == 1 else pick_micro_batch(args, candidates, as_overrides[cases[0]])
         micro_overrides = batch_overrides(micro)
         print(f"micro-batch {micro}", flush=True)
-    print(f"{'case':<34} {'ms/iter':>9} {'1st iter ms':>11} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"{'case':<40} {'ms/iter':>9} {'1st iter ms':>11} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'last loss':>9}", flush=True)
     for case in cases:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -101,11 +101,11 @@ def main() -> int:
                                                               *as_overrides[case]], args.iters, run_dir)
         name = f"{args.label}kernels {case[0]}, compile {case[1]}"
         if code != 0 or not records:
-            print(f"{name:<34} FAILED (exit {code}):\n{output}", flush=True)
+            print(f"{name:<40} FAILED (exit {code}):\n{output}", flush=True)
             return 1
         row = summarize(records, args.warmup, args.peak_tflops)
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
-        print(f"{name:<34} {row['ms']:>9.1f} {row['first_ms']:>11.1f} {row['tokens_per_s']:>10.0f} "
+        print(f"{name:<40} {row['ms']:>9.1f} {row['first_ms']:>11.1f} {row['tokens_per_s']:>10.0f} "
               f"{row['tflops']:>8.3f} {mfu:>6} {row['loss']:>9.4f}", flush=True)
     return 0
 
