@@ -41,7 +41,8 @@ from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
 from training.preemption import Interrupted, PreemptionHandler, job_start_time
 from training.run_lock import RunLock, take_run_lock
 from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, check_devices,
-                            check_vocab_size, data_iterator, init_distributed, param_dtype, resolve_sample_data)
+                            check_vocab_size, data_iterator, init_distributed, log_kernel_choices, param_dtype,
+                            resolve_sample_data)
 from training.train_step import StepContext, StepResult, evaluate, take_microbatches, train_step
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
@@ -131,7 +132,9 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     chunks = build_model_chunks(
         model_cfg, state, train_cfg.seed, env.device, dtype, layout.sequence_parallel, rng_tracker=rng_tracker,
         comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train_cfg.recompute,
-        recompute_method=train_cfg.recompute_method, recompute_num_layers=train_cfg.recompute_num_layers)
+        recompute_method=train_cfg.recompute_method, recompute_num_layers=train_cfg.recompute_num_layers,
+        compile_layers=train_cfg.compile, compile_backend=train_cfg.compile_backend)
+    log_kernel_choices(chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, logger)
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, chunks, state)
     seq_local = model_cfg.seq_length // (layout.tp_size if layout.sequence_parallel else 1)
     ctx = StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
@@ -294,6 +297,9 @@ def train(run: Run) -> None:
         progress = run.progress
         if run.checkpointer is not None:
             run.checkpointer.poll()  # report a finished background save promptly
+        if run.progress.iteration == iteration_one and train_cfg.compile:
+            run.logger.info(f"train.compile: iteration {iteration_one} took {time.perf_counter() - started:.1f} s, "
+                            f"compiling the transformer layers included (regional, once per layer code)")
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
             run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"

@@ -29,6 +29,8 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_std: float = 0.02
+    fused_kernels: bool = False  # model/kernels: Triton on CUDA (or TRITON_INTERPRET=1), else torch paths
+    fused_kernel_names: Optional[list[str]] = None  # with fused_kernels: only these (None = all)
 
     CHOICES = {"position_embedding_type": ("learned", "rope"), "normalization": ("layernorm", "rmsnorm"),
                "activation": ("gelu", "swiglu")}
@@ -54,8 +56,19 @@ class ModelConfig:
         if self.max_positions < self.seq_length:
             raise ValueError(f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "
                              f"model.seq_length={self.seq_length}")
+        self._validate_kernels()
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
+
+    def _validate_kernels(self) -> None:
+        from model.kernels import KERNEL_NAMES
+        if self.fused_kernel_names is None:
+            return
+        if not self.fused_kernels:
+            raise ValueError(f"model.fused_kernel_names={self.fused_kernel_names} needs model.fused_kernels=true")
+        for name in self.fused_kernel_names:
+            if name not in KERNEL_NAMES:
+                raise ValueError(f"model.fused_kernel_names: {name!r} is not one of {', '.join(KERNEL_NAMES)}")
 
     # ---- derived sizes ----------------------------------------------------------------------
     @property

@@ -2,7 +2,9 @@
 
 Activations flow as [s, b, h] (sequence first, as in Megatron) so that sequence parallelism can shard dim 0.
 The model knows nothing of parallelism: `parallel/` swaps its Linear/Embedding modules for sharded ones and
-sets the seams below (`Embedding.scatter_to_sequence_parallel`, `GPTModel.loss_fn`). A GPTModel can hold any
+sets the seams below (`Embedding.scatter_to_sequence_parallel`, `GPTModel.loss_fn`, and for the fused chunked
+loss `GPTModel.head_input_fn` / `GPTModel.loss_reductions`). Norms, MLP activation, rotary, bias-dropout-add
+and the loss go through model/kernels' dispatch functions (fused kernels when selected). A GPTModel can hold any
 contiguous block of layers with or without the embedding (`pre_process`) and the head (`post_process`), which
 is how pipeline stages and virtual chunks are cut. Layer modules are keyed by their global index, so parameter
 names (`layers.5.mlp.fc1.weight`) are the same in every layout.
@@ -16,16 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import kernels
 from model.config import ModelConfig
+from model.kernels.reference import apply_rotary, cross_entropy_per_token, mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
 from model.param_info import set_param_info
 
-
-def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token loss in fp32: logits [s, b, V], labels [s, b] -> [s, b]."""
-    s, b, vocab = logits.shape
-    loss = F.cross_entropy(logits.float().view(-1, vocab), labels.reshape(-1), reduction="none")
-    return loss.view(s, b)
+__all__ = ["GPTModel", "TransformerLayer", "apply_rotary", "cross_entropy_per_token", "rotary_cos_sin"]
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -42,12 +41,6 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
     angles = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [s, b, n, d] by the position angles."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class CoreAttention(nn.Module):
@@ -83,6 +76,7 @@ class SelfAttention(nn.Module):
                               bias=cfg.add_bias_linear)
         self.recompute_core = False
         self.checkpoint_fn: Optional[Callable] = None
+        self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
                 kv_cache: Optional[LayerKVCache] = None):
@@ -93,7 +87,7 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(mixed, [hpg * d, d, d], dim=-1)
         q = q.reshape(s, b, -1, d)  # [s, b, heads_local, d]
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = kernels.rotary_qk(q, k, *rotary, self.kernels)
         if kv_cache is not None:  # incremental decoding: attend over every cached position too
             k, v, attention_mask = kv_cache.update(k, v)
         if self.recompute_core and self.training:
@@ -112,15 +106,14 @@ class MLP(nn.Module):
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
         self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.fc2(y)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[s, b, h] -> (output [s, b, h], fc2's bias when it is left to the fused bias-dropout-add, else None)."""
+        y = kernels.linear_activation(self.fc1, x, self.swiglu, self.kernels)  # [s, b, ffn(/tp)]
+        if kernels.fuses_bias_dropout_add(self.kernels, y.device):
+            return kernels.linear_skip_bias(self.fc2, y)
+        return self.fc2(y), None
 
 
 class TransformerLayer(nn.Module):
@@ -133,11 +126,20 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.hidden_dropout_p = cfg.hidden_dropout
+        self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
                 kv_cache: Optional[LayerKVCache] = None):
-        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rotary, attention_mask, kv_cache))
-        return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))
+        attention_out = self.attention(kernels.norm(self.input_norm, x, self.kernels), rotary, attention_mask,
+                                       kv_cache)
+        x = self._dropout_add(attention_out, None, x)
+        mlp_out, mlp_bias = self.mlp(kernels.norm(self.post_attention_norm, x, self.kernels))
+        return self._dropout_add(mlp_out, mlp_bias, x)
+
+    def _dropout_add(self, y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+        return kernels.bias_dropout_add(y, bias, residual, self.hidden_dropout, self.hidden_dropout_p,
+                                        self.training, self.kernels)
 
 
 class Embedding(nn.Module):
@@ -192,6 +194,12 @@ class GPTModel(nn.Module):
         self._mark_split_tied_embedding()
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
         self.vocab_start_index = 0  # first vocabulary id of this rank's logits (set by tensor parallelism)
+        # Seams of the fused linear + cross entropy (set by tensor parallelism): what the output layer does to
+        # its input before the GEMM (sequence-parallel all-gather / tp copy), and the reductions over the
+        # vocabulary shards of the loss statistics.
+        self.head_input_fn: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.loss_reductions = kernels.CrossEntropyReductions()
+        self.kernels = kernels.KernelSelection.from_model_config(cfg)
         self.recompute_layer_ids: set[int] = set()
         self.checkpoint_fn: Optional[Callable] = None
 
@@ -214,14 +222,10 @@ class GPTModel(nn.Module):
         if self.post_process and self.pre_process and self.cfg.tie_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
 
-    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """Padded vocabulary rows never score: the padding (which grows with tp) then changes nothing, so every
-        tp size trains the same model and the padding rows get no gradient."""
-        num_valid = self.cfg.vocab_size - self.vocab_start_index
-        if num_valid >= logits.shape[-1]:
-            return logits
-        padding = torch.arange(logits.shape[-1], device=logits.device) >= num_valid
-        return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+    def _num_valid_vocab(self) -> int:
+        """Columns of this rank's logits that are real vocabulary: padded rows (which grow with tp) never
+        score, so every tp size trains the same model and the padding rows get no gradient."""
+        return self.cfg.vocab_size - self.vocab_start_index
 
     def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable) -> None:
         """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;
@@ -233,6 +237,16 @@ class GPTModel(nn.Module):
         for layer in self.layers.values():
             layer.attention.recompute_core = mode == "selective"
             layer.attention.checkpoint_fn = checkpoint_fn
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).
+        The layers share their code, so compile time stays flat in the number of layers. Selective recompute's
+        checkpoint (inside the layer) runs eagerly: its context_fn swaps RNG-tracker states, which dynamo cannot
+        trace; full recompute checkpoints whole compiled layers from outside and needs nothing."""
+        for layer in self.layers.values():
+            if layer.attention.recompute_core and layer.attention.checkpoint_fn is not None:
+                layer.attention.checkpoint_fn = torch.compiler.disable(layer.attention.checkpoint_fn)
+            layer.compile(backend=backend)
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
@@ -251,7 +265,12 @@ class GPTModel(nn.Module):
                 x = layer(x, rotary, attention_mask, None if kv_cache is None else kv_cache.layer(int(layer_id)))
         if not self.post_process:
             return x
-        logits = self._mask_vocab_padding(self.output_layer(self.final_norm(x)))  # [s, b, V(/tp)]
+        x = kernels.norm(self.final_norm, x, self.kernels)
+        if labels is not None and self.kernels.uses("linear_cross_entropy"):
+            return kernels.fused_linear_cross_entropy(
+                self.head_input_fn(x), self.output_layer.weight, labels.t(), self.vocab_start_index,
+                self._num_valid_vocab(), self.loss_reductions).t()  # [b, s]
+        logits = mask_vocab_padding(self.output_layer(x), self._num_valid_vocab())  # [s, b, V(/tp)]
         if labels is None:
             return logits.transpose(0, 1)
         return self.loss_fn(logits, labels.t()).t()  # [b, s]

@@ -17,9 +17,11 @@ from parallel.tensor_parallel import apply_tensor_parallel
 def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device: torch.device,
                        dtype: torch.dtype, sequence_parallel: bool = False, rng_tracker: Any = None,
                        comm_counter: Any = None, checkpoint_fn: Any = None, recompute: str = "none",
-                       recompute_method: str = "uniform", recompute_num_layers: int = 1) -> list[GPTModel]:
+                       recompute_method: str = "uniform", recompute_num_layers: int = 1,
+                       compile_layers: bool = False, compile_backend: str = "inductor") -> list[GPTModel]:
     """The vp_size chunks of this pipeline rank: built on the meta device, sharded over tp, then each
-    parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py)."""
+    parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
+    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
     chunks = []
     for chunk in range(state.vp_size):
         layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk)
@@ -32,6 +34,8 @@ def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device
         model.tie_weights()
         if recompute != "none":
             model.set_recompute(recompute, recompute_method, recompute_num_layers, checkpoint_fn)
+        if compile_layers:
+            model.compile_layers(compile_backend)
         chunks.append(model)
     return chunks
 

@@ -22,17 +22,19 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
+from model.kernels import CrossEntropyReductions
 from model.param_info import param_info, set_param_info
 from parallel.layout import check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker
 from parallel.state import ParallelState
 from parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                 vocab_parallel_cross_entropy)
-from parallel.tp_mappings import (CommCounter, TPComm, copy_to_tp_region, gather_from_sequence_parallel_region,
+from parallel.tp_mappings import (CommCounter, TPComm, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
                                   gather_from_tp_region, reduce_from_tp_region,
                                   reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                                   scatter_to_tp_region)
@@ -109,6 +111,11 @@ def _shard_head(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> None:
         model.output_layer.weight = model.embedding.word_embeddings.weight
     model.vocab_start_index = comm.rank * model.output_layer.weight.shape[0]  # for the padding mask
     model.loss_fn = partial(vocab_parallel_cross_entropy, comm=comm.with_scope("loss"))
+    # the fused chunked loss (model/kernels): same input handling and the same three reductions
+    model.head_input_fn = model.output_layer.gather_input
+    model.loss_reductions = CrossEntropyReductions(
+        max=partial(all_reduce, comm=comm.with_scope("loss"), phase="forward", op=dist.ReduceOp.MAX),
+        sum=partial(all_reduce, comm=comm.with_scope("loss"), phase="forward"))
 
 
 def _mark_replicated(model: nn.Module, sequence_parallel: bool) -> None:

@@ -97,11 +97,20 @@ class ColumnParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                    device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the GEMM sees it: [s/tp, b, in] all-gathered with sequence parallelism (backward:
+        reduce-scatter), else the replicated [s, b, in] entering the tp region (backward: all-reduce)."""
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.comm)  # [s/tp, b, in] -> [s, b, in]
-        else:
-            x = copy_to_tp_region(x, self.comm)  # [s, b, in]
+            return gather_from_sequence_parallel_region(x, self.comm)
+        return copy_to_tp_region(x, self.comm)
+
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
+        """[s(/tp), b, in] -> [s, b, out/tp]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
+        x = self.gather_input(x)
+        if skip_bias_add:
+            if self.gather_output:
+                raise ValueError("skip_bias_add with gather_output would return a sharded bias: not supported")
+            return F.linear(x, self.weight), self.bias
         y_local = F.linear(x, self.weight, self.bias)  # [s, b, out/tp]
         return gather_from_tp_region(y_local, self.comm) if self.gather_output else y_local
 
@@ -141,12 +150,15 @@ class RowParallelLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                    device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
 
-    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_local: torch.Tensor, skip_bias_add: bool = False):
+        """[s, b, in/tp] -> [s(/tp), b, out]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
         partial_sum = F.linear(x_local, self.weight)  # [s, b, out], this rank's share of the sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial_sum, self.comm)  # [s/tp, b, out]
         else:
             y = reduce_from_tp_region(partial_sum, self.comm)  # [s, b, out]
+        if skip_bias_add:
+            return y, self.bias
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

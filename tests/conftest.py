@@ -9,6 +9,11 @@ import sys
 import time
 import traceback
 
+# The fused kernels (model/kernels) run on CPU tensors in Triton's interpreter. Triton reads this when it is
+# first imported (anything may import it: torch.compile, the kernels), so set it before any import. A CUDA run
+# (scripts/gpu_check.sh) sets TRITON_INTERPRET=0 to test the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 import torch.distributed as dist

@@ -69,6 +69,8 @@ class TrainConfig:
     max_nonfinite_iters: int = 3  # this many iterations in a row with a non-finite loss/grad norm stop the run
     device: str = "auto"  # auto (CUDA if visible; refuses CPU where GPUs were allocated) | cuda | cpu
     allow_gpu_sharing: bool = False  # more local ranks than visible GPUs is an error unless this is true
+    compile: bool = False  # torch.compile each transformer layer (regional compilation)
+    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tracing without code generation)
 
     def validate(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_interval",
@@ -79,6 +81,9 @@ class TrainConfig:
                              ("recompute_method", ("uniform", "block")), ("device", ("auto", "cuda", "cpu"))):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager", "cudagraphs"):
+            raise ConfigError(f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, "
+                              f"eager, cudagraphs")
         for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")

@@ -155,3 +155,13 @@ def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, 
 
 def param_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def log_kernel_choices(chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device,
+                       dtype: torch.dtype, logger) -> None:
+    """Log once which fused kernels run on which path (model/kernels) and which SDPA backend attention uses."""
+    from model.kernels import KernelSelection
+    from model.kernels.attention_backend import sdpa_backend
+    selection = chunks[0].kernels if chunks else KernelSelection.from_model_config(model_cfg)
+    logger.info(f"{selection.describe(device)}; attention: scaled_dot_product_attention, backend "
+                f"{sdpa_backend(model_cfg, micro_batch_size, tp_size, device, dtype)}")

@@ -1,0 +1,135 @@
+"""Fused operations of the GPT and the switch that picks them.
+
+Each fused op has a plain-torch reference of identical semantics (model/kernels/reference.py) and runs in
+Triton where Triton runs (CUDA; CPU only under TRITON_INTERPRET=1). The model calls the dispatch functions
+below at its norm, MLP activation, rotary, bias-dropout-add and loss sites; with a kernel off they run the
+model's original code, so the default configuration computes exactly what it computed before.
+
+    name                  replaces                                        Triton kernels
+    norm                  nn.LayerNorm / nn.RMSNorm                       norm_fwd, norm_bwd
+    bias_gelu             fc1 bias + F.gelu                               bias_gelu_fwd/_bwd
+    swiglu                fc1 bias + silu(gate) * up                      bias_swiglu_fwd/_bwd
+    bias_dropout_add      residual + dropout(y + bias)                    bias_dropout_add_fwd, mul_fwd
+    rotary                rotate-half rope on q and k                     rotary_kernel
+    linear_cross_entropy  output layer + (vocab-parallel) cross entropy   ce_chunk_stats, ce_chunk_grad
+                          chunked over tokens (torch chunks without Triton)
+
+Selection: `model.fused_kernels=true` turns every kernel on; `model.fused_kernel_names=[norm, rotary]` then
+keeps only those (KernelSelection.from_config).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.kernels import reference
+from model.kernels.backend import backend_name, triton_runs
+from model.kernels.cross_entropy import CrossEntropyReductions, chunked_linear_cross_entropy
+
+KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy")
+
+
+@dataclass(frozen=True)
+class KernelSelection:
+    """Which fused kernels the model uses (empty: none, the default)."""
+
+    names: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_model_config(cls, cfg) -> "KernelSelection":
+        """From model.fused_kernels (all on/off) and model.fused_kernel_names (a subset, or None = all)."""
+        if not cfg.fused_kernels:
+            return cls()
+        names = cfg.fused_kernel_names
+        return cls(frozenset(KERNEL_NAMES if names is None else names))
+
+    def uses(self, name: str) -> bool:
+        return name in self.names
+
+    def describe(self, device: torch.device | str) -> str:
+        """One line for the log: which kernels run, and on which path."""
+        if not self.names:
+            return "fused kernels: off"
+        path = backend_name(device)
+        chosen = ", ".join(name for name in KERNEL_NAMES if name in self.names)
+        if path == "torch":
+            return (f"fused kernels: {chosen} on the torch path (no Triton for {torch.device(device).type}; "
+                    f"set TRITON_INTERPRET=1 to run the kernels on CPU): references, chunked cross entropy")
+        return f"fused kernels: {chosen} via {path}"
+
+
+def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.Tensor:
+    """module(x) for an nn.LayerNorm / nn.RMSNorm, fused when selected and Triton runs."""
+    if not (kernels.uses("norm") and triton_runs(x.device)):
+        return module(x)
+    from model.kernels import ops
+    is_rms = isinstance(module, nn.RMSNorm)
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    return ops.norm(x, module.weight, None if is_rms else module.bias, eps, is_rms)
+
+
+def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """linear(x) without its bias, and the bias: nn.Linear, or a layer whose forward takes skip_bias_add
+    (the tensor-parallel linears of parallel/tp_layers.py)."""
+    if isinstance(linear, nn.Linear):
+        return F.linear(x, linear.weight), linear.bias
+    return linear(x, skip_bias_add=True)
+
+
+def linear_activation(fc1: nn.Module, x: torch.Tensor, swiglu: bool, kernels: KernelSelection) -> torch.Tensor:
+    """The MLP's first half: gelu(fc1(x)) or silu(gate) * up of fc1(x) = [gate, up]."""
+    name = "swiglu" if swiglu else "bias_gelu"
+    if not kernels.uses(name):
+        return (reference.bias_swiglu if swiglu else reference.bias_gelu)(fc1(x), None)
+    y, bias = linear_skip_bias(fc1, x)
+    if not triton_runs(y.device):
+        return (reference.bias_swiglu if swiglu else reference.bias_gelu)(y, bias)
+    from model.kernels import ops
+    return (ops.bias_swiglu if swiglu else ops.bias_gelu)(y, bias)
+
+
+def bias_dropout_add(y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                     dropout: Callable[[torch.Tensor], torch.Tensor], dropout_p: float, training: bool,
+                     kernels: KernelSelection) -> torch.Tensor:
+    """residual + dropout(y + bias). Fused, the mask is `dropout(ones)`: drawn by the same module (so from the
+    same RNG stream, e.g. the tensor-parallel tracker's fork) and the same generator calls as dropout(y + bias),
+    hence the same mask; the kernel then adds bias, applies the mask and adds the residual in one pass."""
+    if not fuses_bias_dropout_add(kernels, y.device):
+        return reference.bias_dropout_add(y, bias, residual, dropout)
+    from model.kernels import ops
+    scaled_mask = dropout(torch.ones_like(y)) if training and dropout_p > 0 else None
+    return ops.bias_dropout_add(y, bias, residual, scaled_mask)
+
+
+def fuses_bias_dropout_add(kernels: KernelSelection, device: torch.device) -> bool:
+    """Whether bias_dropout_add runs fused on `device` (then callers hand it the bias separately)."""
+    return kernels.uses("bias_dropout_add") and triton_runs(device)
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kernels: KernelSelection) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d]."""
+    if not (kernels.uses("rotary") and triton_runs(q.device)):
+        return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
+    from model.kernels import ops
+    return ops.rotary_qk(q, k, cos, sin)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               vocab_start: int, num_valid: int,
+                               reductions: CrossEntropyReductions) -> torch.Tensor:
+    """Per-token loss [s, b] of hidden [s, b, h] through the output layer weight [V_local, h], chunked."""
+    return _chunked_loss_eager(hidden, weight, labels, vocab_start, num_valid, reductions,
+                               use_triton=triton_runs(hidden.device))
+
+
+# a Python loop over chunks with injected collectives: run it eagerly even inside a compiled region
+_chunked_loss_eager = torch.compiler.disable(chunked_linear_cross_entropy)
+
+
+__all__ = ["KERNEL_NAMES", "KernelSelection", "CrossEntropyReductions", "norm", "linear_skip_bias",
+           "linear_activation", "fuses_bias_dropout_add", "bias_dropout_add", "rotary_qk", "fused_linear_cross_entropy"]
