@@ -180,8 +180,8 @@ def resume_if_asked(run: Run) -> None:
     run.progress = TrainingProgress(*loaded)
     run.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
-    run.logger.info(f"starting at iteration {run.progress.iteration} "
-                    f"({run.progress.consumed_samples} samples consumed)")
+    run.logger.info(f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "
+                    f"{run.progress.iteration} ({run.progress.consumed_samples} samples consumed)")
 
 
 def save(run: Run) -> None:

@@ -14,6 +14,7 @@ from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from training import checkpointing
 from training.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
+from training.model_weights import load_global_state
 
 
 def run_main(corpus, run_dir, *extra):
@@ -44,9 +45,9 @@ def test_huge_lr_stops_within_a_few_iterations_and_leaves_finite_checkpoints(tin
     root = os.path.join(run_dir, "checkpoints")
     last = checkpointing.read_tracker(root)
     assert last is not None and last < stopped_at
-    saved = torch.load(os.path.join(root, f"iter_{last:07d}", "mp_rank_00_000", "model_optim_rng.pt"),
-                       weights_only=True)
-    for name, tensor in saved["model"][0].items():
+    _, saved = load_global_state(os.path.join(root, f"iter_{last:07d}"))  # every weight, global names
+    assert saved
+    for name, tensor in saved.items():
         assert torch.isfinite(tensor.float()).all(), name
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]  # valid JSON throughout
     if "max_nonfinite_iters" in line:  # the non-finite losses / grad norms were logged as null, flagged
