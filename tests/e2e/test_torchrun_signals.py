@@ -12,7 +12,7 @@ from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from training import checkpointing
 
-LAYOUT = ("parallel.tp_size=2", "parallel.pp_size=2", "train.train_iters=60", "optim.lr_decay_iters=100",
+LAYOUT = ("parallel.tp_size=2", "parallel.pp_size=2", "train.train_iters=24", "optim.lr_decay_iters=100",
           "train.eval_interval=1000", "train.eval_iters=1")
 
 
@@ -51,7 +51,7 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
                             stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
-            if line.startswith("iter ") and "/60" in line:
+            if line.startswith("iter ") and "/24" in line:
                 break
         for pid in [proc.pid] if target == "torchrun" else children(proc.pid):
             os.kill(pid, sig)
@@ -59,7 +59,7 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
     finally:
         proc.kill()
     saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
-    assert saved is not None and saved < 60, output[-3000:]
+    assert saved is not None and saved < 24, output[-3000:]
     assert f"stopped by {sig.name} after iteration {saved}" in output
     # torchrun exits 1 either way: signalled itself, it re-raises the signal as SignalException after its
     # ranks are done; when its ranks stop with exit 3 it reports them as failed (ChildFailedError).
