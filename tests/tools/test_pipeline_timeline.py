@@ -37,7 +37,8 @@ def test_exact_bubble_line():
 @pytest.mark.parametrize("args,words", [
     (("--pp", "4", "--microbatches", "6", "--vp", "2", "--schedule", "interleaved"), "multiple of"),
     (("--pp", "4", "--microbatches", "8", "--schedule", "zigzag"), "unknown"),
-    (("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "1f1b"), "interleaved"),
+    (("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "gpipe"), "interleaved"),
+    (("--pp", "1", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved"), "pp_size > 1"),
 ])
 def test_invalid_input_exits_2_with_one_line(tmp_path, args, words):
     result = run_tool(*args, "--output", str(tmp_path / "x.png"))
