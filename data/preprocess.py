@@ -134,14 +134,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
     allow_empty: write an empty dataset when no document was read, instead of failing.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if not os.path.isfile(input_path):
-        raise PreprocessError(f"{input_path}: input file not found")
-    if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
-        raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
-    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
-    settings = dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
-                    tokenizer_model=tokenizer_model, json_keys=list(json_keys), append_eod=append_eod,
-                    dtype=best_dtype(tokenizer.vocab_size), parse_special_tokens=parse_special_tokens)
+    settings = _settings(input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys,
+                         append_eod, parse_special_tokens)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
     builders = {}
@@ -185,6 +179,19 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
                     os.remove(path)
     _report(stats, workers, log)
     return stats
+
+
+def _settings(input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod,
+              parse_special_tokens) -> dict:
+    """What each encoding process needs (picklable); checks the input and the tokenizer first."""
+    if not os.path.isfile(input_path):
+        raise PreprocessError(f"{input_path}: input file not found")
+    if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
+        raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
+    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    return dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
+                tokenizer_model=tokenizer_model, json_keys=list(json_keys), append_eod=append_eod,
+                dtype=best_dtype(tokenizer.vocab_size), parse_special_tokens=parse_special_tokens)
 
 
 def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_bad_lines: bool,
