@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from training.config import read_yaml_file
+
 
 class ClusterError(ValueError):
     """A bad cluster spec: the message names the file and the key."""
@@ -134,13 +136,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
 
 def load_cluster(path: str) -> ClusterSpec:
     """Read and check a cluster YAML file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
-    except OSError as err:
-        raise ClusterError(f"cannot read cluster file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ClusterError(f"cluster file {path} is not valid YAML: {err}") from None
+    raw = read_yaml_file(path, "cluster", ClusterError)
     try:
         return cluster_from_dict(raw, path)
     except TypeError as err:  # a wrong value type inside efficiency

@@ -325,14 +325,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _read_config_file(path: str) -> dict:
+def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
+    """The YAML document of `path`; an unreadable file or bad YAML raises `error` with one line naming the
+    `kind` of file ("config", "cluster") and the path."""
     try:
         with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
+            return yaml.safe_load(handle)
     except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+        raise error(f"cannot read {kind} file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+        raise error(f"{kind} file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+
+
+def _read_config_file(path: str) -> dict:
+    raw = read_yaml_file(path, "config", ConfigError)
     if raw is None:
         raise ConfigError(f"config file {path} is empty (no sections): give it at least one section, or leave "
                           f"out --config to train the defaults")

@@ -44,3 +44,11 @@ def write_jsonl(path, texts, key="text") -> str:
         for text in texts:
             f.write(json.dumps({key: text}, ensure_ascii=False) + "\n")
     return str(path)
+
+
+def run_preprocess(tok_files: tuple[str, str], inp: str, prefix: str, *extra: str) -> str:
+    """tools/preprocess_data.py with the GPT-2 BPE of `tok_files`; returns the output's data prefix."""
+    load_tool("preprocess_data").main(
+        ["--input", inp, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", tok_files[0], "--merge-file", tok_files[1], *extra])
+    return prefix + "_text_document"

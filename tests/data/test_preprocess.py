@@ -8,22 +8,11 @@ import pytest
 
 from data.indexed_dataset import IndexedDataset
 from data.tokenizers import GPT2BPETokenizer
-from tests.data.helpers import REPO_ROOT, VARIED_TEXTS, load_tool, write_jsonl
-
-
-@pytest.fixture(scope="module")
-def tok_files(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tok")
-    corpus = write_jsonl(tmp / "c.jsonl", VARIED_TEXTS * 2)
-    load_tool("train_tokenizer").main(["--input", corpus, "--vocab-size", "400", "--output-dir", str(tmp)])
-    return str(tmp / "vocab.json"), str(tmp / "merges.txt")
+from tests.data.helpers import REPO_ROOT, VARIED_TEXTS, load_tool, run_preprocess, write_jsonl
 
 
 def _run(tok_files, inp, prefix, *extra):
-    load_tool("preprocess_data").main(
-        ["--input", inp, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-         "--vocab-file", tok_files[0], "--merge-file", tok_files[1], "--log-interval", "5", *extra])
-    return prefix + "_text_document"
+    return run_preprocess(tok_files, inp, prefix, "--log-interval", "5", *extra)
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

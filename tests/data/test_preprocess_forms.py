@@ -7,29 +7,14 @@ import pytest
 
 from data.indexed_dataset import IndexedDataset
 from data.tokenizers import GPT2BPETokenizer
-from tests.data.helpers import VARIED_TEXTS, load_tool, write_jsonl
-
-
-@pytest.fixture(scope="module")
-def tok_files(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tok")
-    corpus = write_jsonl(tmp / "c.jsonl", VARIED_TEXTS * 2)
-    load_tool("train_tokenizer").main(["--input", corpus, "--vocab-size", "400", "--output-dir", str(tmp)])
-    return str(tmp / "vocab.json"), str(tmp / "merges.txt")
-
-
-def _run(tok_files, inp, prefix, *extra):
-    load_tool("preprocess_data").main(
-        ["--input", inp, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-         "--vocab-file", tok_files[0], "--merge-file", tok_files[1], *extra])
-    return prefix + "_text_document"
+from tests.data.helpers import run_preprocess, write_jsonl
 
 
 def test_list_of_strings_is_one_document_of_sequences(tmp_path, tok_files):
     lines = [{"text": ["First sentence.", "", " Second one!"]}, {"text": "plain"}, {"text": []}, {"text": [""]}]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    ds = IndexedDataset(_run(tok_files, str(inp), str(tmp_path / "out"), "--append-eod"))
+    ds = IndexedDataset(run_preprocess(tok_files, str(inp), str(tmp_path / "out"), "--append-eod"))
     tok = GPT2BPETokenizer(*tok_files)
     # Megatron's encoder: one sequence per non-empty string, EOD appended to the document's last sequence.
     expected = [tok.encode("First sentence."), tok.encode(" Second one!") + [tok.eod], tok.encode("plain") + [tok.eod]]
@@ -41,7 +26,7 @@ def test_list_with_a_non_string_names_the_line(tmp_path, tok_files):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"text": "ok"}\n{"text": ["a", 3]}\n', encoding="utf-8")
     with pytest.raises(SystemExit, match=r"in.jsonl:2: value of 'text' is not a string or a list of strings"):
-        _run(tok_files, str(inp), str(tmp_path / "out"))
+        run_preprocess(tok_files, str(inp), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
@@ -49,9 +34,9 @@ def test_special_token_text_is_plain_by_default_and_eod_with_the_flag(tmp_path, 
     text = "before<|endoftext|>after <|endoftext|>"
     inp = write_jsonl(tmp_path / "in.jsonl", [text])
     tok = GPT2BPETokenizer(*tok_files)
-    plain = IndexedDataset(_run(tok_files, inp, str(tmp_path / "plain")))
+    plain = IndexedDataset(run_preprocess(tok_files, inp, str(tmp_path / "plain")))
     assert plain[0].tolist() == tok.encode(text) and tok.eod not in plain[0].tolist()
-    parsed = IndexedDataset(_run(tok_files, inp, str(tmp_path / "parsed"), "--parse-special-tokens"))
+    parsed = IndexedDataset(run_preprocess(tok_files, inp, str(tmp_path / "parsed"), "--parse-special-tokens"))
     expected = tok.encode("before") + [tok.eod] + tok.encode("after ") + [tok.eod]
     assert parsed[0].tolist() == expected
     transformers = pytest.importorskip("transformers")
@@ -64,8 +49,8 @@ def test_no_documents_fails_unless_allowed(tmp_path, tok_files, capsys, content)
     inp = tmp_path / "in.jsonl"
     inp.write_text(content, encoding="utf-8")
     with pytest.raises(SystemExit, match="no documents read .*nothing written") as exc:
-        _run(tok_files, str(inp), str(tmp_path / "out"), "--skip-bad-lines")
+        run_preprocess(tok_files, str(inp), str(tmp_path / "out"), "--skip-bad-lines")
     assert exc.value.code != 0 and sorted(os.listdir(tmp_path)) == ["in.jsonl"]
-    prefix = _run(tok_files, str(inp), str(tmp_path / "out"), "--skip-bad-lines", "--allow-empty")
+    prefix = run_preprocess(tok_files, str(inp), str(tmp_path / "out"), "--skip-bad-lines", "--allow-empty")
     assert "WARNING" in capsys.readouterr().err and len(IndexedDataset(prefix)) == 0
     assert IndexedDataset(prefix).sequence_lengths.dtype == np.int32
