@@ -105,15 +105,13 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     return float(total.reshape(()))
 
 
-def train_step(ctx: StepContext, microbatches: Union[list[dict], Iterator[dict]], lr: float,
+def train_step(ctx: StepContext, microbatches: list[dict], lr: float,
                before_update: Optional[Callable[[], None]] = None) -> StepResult:
-    """Forward/backward over this rank's micro-batches of the global batch (a list from `take_microbatches`,
-    or the data iterator to take them from), gradient reduction, clipping and the optimizer step.
+    """Forward/backward over this rank's micro-batches of the global batch (from `take_microbatches`),
+    gradient reduction, clipping and the optimizer step.
     `before_update()` runs just before the step changes any weight (an async checkpoint copy finishes)."""
     for chunk in ctx.chunks:
         chunk.train()
-    if not isinstance(microbatches, list):
-        microbatches = take_microbatches(microbatches, ctx.num_microbatches)
     microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
     ctx.ddp.zero_grad()
     result = execute_schedule(ctx.train_plan, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),

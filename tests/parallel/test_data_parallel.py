@@ -73,8 +73,8 @@ def step_context(chunks: list[GPTModel], ddp: DataParallel, optimizer, state: Pa
 
 def run_train_step(ctx: StepContext, micros: list[dict]):
     """One iteration of the real train_step on these micro-batches at the optimizer's lr; its StepResult."""
-    loader_batches = iter([{"tokens": mb["input_ids"], "labels": mb["labels"], "loss_mask": mb["loss_mask"],
-                            "position_ids": mb["position_ids"]} for mb in micros])
+    loader_batches = [{"tokens": mb["input_ids"], "labels": mb["labels"], "loss_mask": mb["loss_mask"],
+                       "position_ids": mb["position_ids"]} for mb in micros]
     return train_step(ctx, loader_batches, ctx.optimizer.lr)
 
 
