@@ -6,6 +6,7 @@
 Reads the config, joins torch.distributed, builds the parallel state, data, model chunks, optimizer and
 checkpointer, then runs the training loop. Everything the run writes goes under run.dir.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,20 +30,43 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tensor_parallel import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
-from training.checkpointing import CheckpointError, Checkpointer, TrainingProgress, save_checkpoint
+from training.checkpointing import Checkpointer, CheckpointError, TrainingProgress, save_checkpoint
 from training.config import Config, ConfigError, load_config
 from training.flops import flops_per_iteration
-from training.guards import (EXIT_DIVERGED, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED,
-                             Agreement, NonFiniteGuard, TrainingStopped, agree, bad_token_message, find_bad_token,
-                             weights_are_finite)
+from training.guards import (
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INPUT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    Agreement,
+    NonFiniteGuard,
+    TrainingStopped,
+    agree,
+    bad_token_message,
+    find_bad_token,
+    weights_are_finite,
+)
 from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
 from training.preemption import Interrupted, PreemptionHandler, job_start_time
 from training.run_lock import RunLock, take_run_lock
-from training.setup import (REPO_ROOT, DatasetSplits, DistEnv, barrier, build_datasets, check_devices,
-                            check_vocab_size, data_iterator, init_distributed, log_kernel_choices, param_dtype,
-                            resolve_sample_data)
+from training.setup import (
+    REPO_ROOT,
+    DatasetSplits,
+    DistEnv,
+    barrier,
+    build_datasets,
+    check_devices,
+    check_vocab_size,
+    data_iterator,
+    init_distributed,
+    log_kernel_choices,
+    param_dtype,
+    resolve_sample_data,
+)
 from training.train_step import StepContext, StepResult, evaluate, take_microbatches, train_step
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
@@ -74,21 +98,24 @@ class Run:
     logger: logging.Logger
     checkpoint_root: str
     flops_per_iter: float
-    resume_plan: Optional[ResumePlan] = None  # the checkpoint to start from; None: start fresh
-    checkpointer: Optional[Checkpointer] = None  # None with checkpoint.save=false
-    preemption: Optional[PreemptionHandler] = None
+    resume_plan: ResumePlan | None = None  # the checkpoint to start from; None: start fresh
+    checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
+    preemption: PreemptionHandler | None = None
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
 
 
-def prepare_data(config: Config, env: DistEnv, logger: logging.Logger
-                 ) -> tuple[int, DatasetSplits, Optional[ResumePlan]]:
+def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
     and verified before anything is written) and datasets; then the resolved config is saved.
     Returns the end-of-document id, the datasets and the resume plan."""
     resolve_sample_data(config, env, logger)
     data = config.data
-    tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                                tokenizer_model=data.tokenizer_model)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+    )
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
@@ -102,20 +129,42 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger
     return tokenizer.eod, datasets, resume_plan
 
 
-def build_optimizer_and_schedule(config: Config, chunks: list, state: ParallelState
-                                 ) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
+def build_optimizer_and_schedule(
+    config: Config, chunks: list, state: ParallelState
+) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
     """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
     par, train_cfg, optim = config.parallel, config.train, config.optim
-    ddp = DataParallel(chunks, state, bucket_size_mb=par.grad_bucket_size_mb,
-                       distributed_optimizer=par.distributed_optimizer, grad_dtype=torch.float32)
+    ddp = DataParallel(
+        chunks,
+        state,
+        bucket_size_mb=par.grad_bucket_size_mb,
+        distributed_optimizer=par.distributed_optimizer,
+        grad_dtype=torch.float32,
+    )
     optimizer = build_optimizer(
-        chunks, ddp, state, lr=optim.lr, weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, clip_grad=train_cfg.clip_grad,
+        chunks,
+        ddp,
+        state,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+        clip_grad=train_cfg.clip_grad,
         precision=train_cfg.precision,
-        loss_scale_cfg=dict(initial=optim.initial_loss_scale, min=optim.min_loss_scale,
-                            window=optim.loss_scale_window, hysteresis=optim.hysteresis))
-    lr_schedule = LRSchedule(optim.lr, optim.min_lr, optim.lr_warmup_iters,
-                             optim.lr_decay_iters or train_cfg.train_iters, optim.lr_decay_style)
+        loss_scale_cfg=dict(
+            initial=optim.initial_loss_scale,
+            min=optim.min_loss_scale,
+            window=optim.loss_scale_window,
+            hysteresis=optim.hysteresis,
+        ),
+    )
+    lr_schedule = LRSchedule(
+        optim.lr,
+        optim.min_lr,
+        optim.lr_warmup_iters,
+        optim.lr_decay_iters or train_cfg.train_iters,
+        optim.lr_decay_style,
+    )
     return ddp, optimizer, lr_schedule
 
 
@@ -130,35 +179,72 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
     chunks = build_model_chunks(
-        model_cfg, state, train_cfg.seed, env.device, dtype, layout.sequence_parallel, rng_tracker=rng_tracker,
-        comm_counter=comm_counter, checkpoint_fn=make_checkpoint_fn(rng_tracker), recompute=train_cfg.recompute,
-        recompute_method=train_cfg.recompute_method, recompute_num_layers=train_cfg.recompute_num_layers,
-        compile_layers=train_cfg.compile, compile_backend=train_cfg.compile_backend)
+        model_cfg,
+        state,
+        train_cfg.seed,
+        env.device,
+        dtype,
+        layout.sequence_parallel,
+        rng_tracker=rng_tracker,
+        comm_counter=comm_counter,
+        checkpoint_fn=make_checkpoint_fn(rng_tracker),
+        recompute=train_cfg.recompute,
+        recompute_method=train_cfg.recompute_method,
+        recompute_num_layers=train_cfg.recompute_num_layers,
+        compile_layers=train_cfg.compile,
+        compile_backend=train_cfg.compile_backend,
+    )
     log_kernel_choices(chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, logger)
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, chunks, state)
     seq_local = model_cfg.seq_length // (layout.tp_size if layout.sequence_parallel else 1)
-    ctx = StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
-                      activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
-                      activation_dtype=dtype, device=env.device,
-                      scatter_gather=par.scatter_gather and not layout.sequence_parallel,
-                      overlap_p2p_comm=par.overlap_p2p_comm)
+    ctx = StepContext(
+        chunks=chunks,
+        state=state,
+        layout=layout,
+        ddp=ddp,
+        optimizer=optimizer,
+        activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
+        activation_dtype=dtype,
+        device=env.device,
+        scatter_gather=par.scatter_gather and not layout.sequence_parallel,
+        overlap_p2p_comm=par.overlap_p2p_comm,
+    )
     params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
-    logger.info(f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
-                f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
-                f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}")
-    flops = flops_per_iteration(train_cfg.global_batch_size, model_cfg.seq_length, model_cfg.num_layers,
-                                model_cfg.hidden_size, model_cfg.padded_vocab_size(state.tp_size),
-                                full_recompute=train_cfg.recompute == "full")
-    return Run(config=config, env=env, layout=layout, state=state, ctx=ctx, lr_schedule=lr_schedule,
-               rng_tracker=rng_tracker, comm_counter=comm_counter, datasets=datasets, eod_id=eod_id,
-               progress=TrainingProgress(),
-               metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard), logger=logger,
-               checkpoint_root=os.path.join(config.run.dir, "checkpoints"), flops_per_iter=flops,
-               resume_plan=resume_plan,
-               checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None)
+    logger.info(
+        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
+        f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
+        f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
+    )
+    flops = flops_per_iteration(
+        train_cfg.global_batch_size,
+        model_cfg.seq_length,
+        model_cfg.num_layers,
+        model_cfg.hidden_size,
+        model_cfg.padded_vocab_size(state.tp_size),
+        full_recompute=train_cfg.recompute == "full",
+    )
+    return Run(
+        config=config,
+        env=env,
+        layout=layout,
+        state=state,
+        ctx=ctx,
+        lr_schedule=lr_schedule,
+        rng_tracker=rng_tracker,
+        comm_counter=comm_counter,
+        datasets=datasets,
+        eod_id=eod_id,
+        progress=TrainingProgress(),
+        metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard),
+        logger=logger,
+        checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
+        flops_per_iter=flops,
+        resume_plan=resume_plan,
+        checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
+    )
 
 
-def _all_reduce_int(value: int, group: Optional[dist.ProcessGroup], state: ParallelState) -> int:
+def _all_reduce_int(value: int, group: dist.ProcessGroup | None, state: ParallelState) -> int:
     if not state.is_distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
@@ -175,13 +261,23 @@ def resume_if_asked(run: Run) -> None:
             run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
         return
     ctx = run.ctx
-    loaded = load_into_run(run.resume_plan, run.config, run.state, ctx.chunks, ctx.optimizer, run.lr_schedule,
-                           run.rng_tracker, run.logger.info)
+    loaded = load_into_run(
+        run.resume_plan,
+        run.config,
+        run.state,
+        ctx.chunks,
+        ctx.optimizer,
+        run.lr_schedule,
+        run.rng_tracker,
+        run.logger.info,
+    )
     run.progress = TrainingProgress(*loaded)
     run.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
-    run.logger.info(f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "
-                    f"{run.progress.iteration} ({run.progress.consumed_samples} samples consumed)")
+    run.logger.info(
+        f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "
+        f"{run.progress.iteration} ({run.progress.consumed_samples} samples consumed)"
+    )
 
 
 def save(run: Run) -> None:
@@ -191,17 +287,37 @@ def save(run: Run) -> None:
         return
     ctx = run.ctx
     if not weights_are_finite(ctx.chunks, run.state, run.env.device):
-        raise TrainingStopped(f"training diverged: the weights after iteration {run.progress.iteration} are not "
-                              f"finite, so no checkpoint was written; the last one on disk is iteration "
-                              f"{run.last_saved}: lower optim.lr and resume from it", EXIT_DIVERGED)
-    save_checkpoint(run.checkpoint_root, run.state, run.progress, ctx.chunks, ctx.optimizer, run.lr_schedule,
-                    run.rng_tracker.state_dict(), run.config.to_dict(), run.config.parallel.distributed_optimizer,
-                    checkpointer=run.checkpointer, keep_last=run.config.checkpoint.keep_last)
+        raise TrainingStopped(
+            f"training diverged: the weights after iteration {run.progress.iteration} are not "
+            f"finite, so no checkpoint was written; the last one on disk is iteration "
+            f"{run.last_saved}: lower optim.lr and resume from it",
+            EXIT_DIVERGED,
+        )
+    save_checkpoint(
+        run.checkpoint_root,
+        run.state,
+        run.progress,
+        ctx.chunks,
+        ctx.optimizer,
+        run.lr_schedule,
+        run.rng_tracker.state_dict(),
+        run.config.to_dict(),
+        run.config.parallel.distributed_optimizer,
+        checkpointer=run.checkpointer,
+        keep_last=run.config.checkpoint.keep_last,
+    )
     run.last_saved = run.progress.iteration
 
 
-def check_tokens(run: Run, microbatches: list, dataset: Any, first_sample: int, split: str,
-                 signal_number: int = 0, time_up: bool = False) -> Agreement:
+def check_tokens(
+    run: Run,
+    microbatches: list,
+    dataset: Any,
+    first_sample: int,
+    split: str,
+    signal_number: int = 0,
+    time_up: bool = False,
+) -> Agreement:
     """The per-iteration agreement (training.guards.agree): stop signals, the clock and this batch's token
     ids against model.vocab_size. A bad id anywhere stops every rank; the lowest rank that holds it says
     which document of which dataset it came from."""
@@ -211,8 +327,9 @@ def check_tokens(run: Run, microbatches: list, dataset: Any, first_sample: int, 
     if verdict.bad_token_rank >= 0:
         message = ""
         if found is not None:  # this dp rank's samples start dp_rank * mbs into each global batch
-            message = bad_token_message(found, dataset, first_sample + state.dp_rank * mbs, mbs, state.dp_size,
-                                        vocab_size, split)
+            message = bad_token_message(
+                found, dataset, first_sample + state.dp_rank * mbs, mbs, state.dp_size, vocab_size, split
+            )
         raise TrainingStopped(message, EXIT_INPUT_ERROR, reporting_rank=verdict.bad_token_rank)
     return verdict
 
@@ -223,8 +340,7 @@ def run_evaluation(run: Run) -> None:
     if run.datasets[1] is None or train_cfg.eval_iters == 0:
         return
     # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
-    valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id,
-                               num_workers=0)
+    valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id, num_workers=0)
 
     def check(microbatches: list, batch: int) -> None:
         check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
@@ -242,18 +358,23 @@ def iteration_boundary(run: Run, microbatches: list, job_start: float) -> bool:
     train_cfg = run.config.train
     received = run.preemption.received if run.preemption is not None else None
     over = bool(train_cfg.exit_duration_mins) and (time.time() - job_start) / 60.0 >= train_cfg.exit_duration_mins
-    verdict = check_tokens(run, microbatches, run.datasets[0], run.progress.consumed_samples, "train",
-                           int(received or 0), over)
+    verdict = check_tokens(
+        run, microbatches, run.datasets[0], run.progress.consumed_samples, "train", int(received or 0), over
+    )
     if verdict.signal_number:
         save(run)
         name = signal.Signals(verdict.signal_number).name
-        raise TrainingStopped(f"stopped by {name} after iteration {run.progress.iteration} with a checkpoint of it "
-                              f"under {run.checkpoint_root}: run again with checkpoint.load=true to continue",
-                              EXIT_PREEMPTED)
+        raise TrainingStopped(
+            f"stopped by {name} after iteration {run.progress.iteration} with a checkpoint of it "
+            f"under {run.checkpoint_root}: run again with checkpoint.load=true to continue",
+            EXIT_PREEMPTED,
+        )
     if verdict.time_up:
         save(run)
-        run.logger.info(f"train.exit_duration_mins={train_cfg.exit_duration_mins} reached after iteration "
-                        f"{run.progress.iteration} (counted from the job's start): checkpoint saved")
+        run.logger.info(
+            f"train.exit_duration_mins={train_cfg.exit_duration_mins} reached after iteration "
+            f"{run.progress.iteration} (counted from the job's start): checkpoint saved"
+        )
     return verdict.time_up
 
 
@@ -274,14 +395,16 @@ def train(run: Run) -> None:
     """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
     cfg, train_cfg, state = run.config, run.config.train, run.state
     job_start = job_start_time()
-    train_iter = data_iterator(cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank,
-                               state.dp_size, run.eod_id)
+    train_iter = data_iterator(
+        cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank, state.dp_size, run.eod_id
+    )
     if run.progress.iteration == 0:
         run_evaluation(run)
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
     iteration_one = run.progress.iteration + 1
-    stats = IntervalStats(run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length,
-                          run.env.world_size, run.env.device.type)
+    stats = IntervalStats(
+        run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length, run.env.world_size, run.env.device.type
+    )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
     while run.progress.iteration < train_cfg.train_iters:
         microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
@@ -289,8 +412,9 @@ def train(run: Run) -> None:
             break
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(run.ctx, microbatches, lr,
-                            before_update=run.checkpointer.before_update if run.checkpointer else None)
+        result = train_step(
+            run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
+        )
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
         after_step(run, stats, result, lr, time.perf_counter() - started)
@@ -298,12 +422,16 @@ def train(run: Run) -> None:
         if run.checkpointer is not None:
             run.checkpointer.poll()  # report a finished background save promptly
         if run.progress.iteration == iteration_one and train_cfg.compile:
-            run.logger.info(f"train.compile: iteration {iteration_one} took {time.perf_counter() - started:.1f} s, "
-                            f"compiling the transformer layers included (regional, once per layer code)")
+            run.logger.info(
+                f"train.compile: iteration {iteration_one} took {time.perf_counter() - started:.1f} s, "
+                f"compiling the transformer layers included (regional, once per layer code)"
+            )
         if progress.iteration == iteration_one and state.tp_size > 1:
             layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
-            run.logger.info(f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
-                            + run.comm_counter.summary(layers, run.ctx.num_microbatches))
+            run.logger.info(
+                f"tensor-parallel collectives of iteration {iteration_one} on rank {state.rank}:\n"
+                + run.comm_counter.summary(layers, run.ctx.num_microbatches)
+            )
         nonfinite.check(result, progress.iteration)
         if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
             run_evaluation(run)
@@ -318,8 +446,10 @@ def train(run: Run) -> None:
         run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
     run.metrics.close()
     barrier(run.env)
-    run.logger.info(f"done. metrics: {os.path.join(cfg.run.dir, 'metrics.jsonl')} | TensorBoard: "
-                    f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}")
+    run.logger.info(
+        f"done. metrics: {os.path.join(cfg.run.dir, 'metrics.jsonl')} | TensorBoard: "
+        f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}"
+    )
 
 
 def run_training(config: Config, env: DistEnv, layout: Layout, preemption: PreemptionHandler) -> int:
@@ -353,7 +483,7 @@ def run_training(config: Config, env: DistEnv, layout: Layout, preemption: Preem
     return EXIT_OK
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the trainer; returns the exit code (0 done, 2 bad input, 3 stopped by a signal, 4 diverged:
     see training/guards.py)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -376,8 +506,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"error: {error}", file=sys.stderr)
                 return EXIT_INPUT_ERROR
             if lock.broke_stale is not None:
-                print(f"warning: removed the stale lock of pid {lock.broke_stale.get('pid')} on host "
-                      f"{lock.broke_stale.get('host')} from {lock.path}", file=sys.stderr)
+                print(
+                    f"warning: removed the stale lock of pid {lock.broke_stale.get('pid')} on host "
+                    f"{lock.broke_stale.get('host')} from {lock.path}",
+                    file=sys.stderr,
+                )
             return run_training(config, env, layout, preemption)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)

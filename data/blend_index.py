@@ -8,6 +8,7 @@ rounding fall the same way) to machine code at the speed of megatron-core's C++ 
 compiler at install. The compiled function is cached next to this file (`cache=True`) where the folder is
 writable; otherwise the first call of each process compiles it (about 1 s).
 """
+
 from __future__ import annotations
 
 import numba

@@ -3,6 +3,7 @@
 Sample i goes to the dataset d maximising w_d * max(i, 1) - count_d (ties to the lowest d) and takes that
 dataset's next sample, so every prefix of the blend follows the weights as closely as counts allow.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,16 +32,25 @@ class BlendedDataset:
     size, the components' own cache keys) and memory-mapped when present, as the GPT indices are.
     """
 
-    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None,
-                 surplus: float = 0.005):
+    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None, surplus: float = 0.005):
         self.datasets = datasets
         self.weights = normalize_weights(weights)
         self.size = size
-        description = dict(class_name="BlendedDataset", weights=self.weights, size=size,
-                           components=[getattr(d, "cache_key", repr(d)) for d in datasets])
+        description = dict(
+            class_name="BlendedDataset",
+            weights=self.weights,
+            size=size,
+            components=[getattr(d, "cache_key", repr(d)) for d in datasets],
+        )
         self.cache_key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
-        paths = [os.path.join(cache_dir, f"{self.cache_key}-BlendedDataset-{name}.npy")
-                 for name in ("dataset_index", "dataset_sample_index")] if cache_dir else []
+        paths = (
+            [
+                os.path.join(cache_dir, f"{self.cache_key}-BlendedDataset-{name}.npy")
+                for name in ("dataset_index", "dataset_sample_index")
+            ]
+            if cache_dir
+            else []
+        )
         if paths and all(os.path.exists(p) for p in paths):
             self.dataset_index, self.dataset_sample_index = (np.load(p, mmap_mode="r") for p in paths)
         else:
@@ -51,8 +61,10 @@ class BlendedDataset:
             needed = int((self.dataset_index == d).sum())
             if len(dataset) < needed:
                 name = getattr(getattr(dataset, "indexed", None), "path_prefix", f"component {d}")
-                raise ValueError(f"blend oversamples {name}: needs {needed} samples, it has {len(dataset)}; "
-                                 f"raise data.mid_level_dataset_surplus (now {surplus})")
+                raise ValueError(
+                    f"blend oversamples {name}: needs {needed} samples, it has {len(dataset)}; "
+                    f"raise data.mid_level_dataset_surplus (now {surplus})"
+                )
 
     def _save(self, cache_dir: str, paths: list[str]) -> None:
         try:

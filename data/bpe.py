@@ -10,6 +10,7 @@ then also reaches [x, y] and stops there, so GPT-2 does not encode t as [t]. Cal
 tainted token therefore took listed merges only and equals GPT-2's; the rest go to the reference loop.
 Whole pieces that are tokens (tiktoken's shortcut) are covered by the same [t] test.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -102,7 +104,7 @@ class TiktokenBPE:
         self._tainted_array = np.asarray(sorted(tainted), dtype=np.int64)
 
     @classmethod
-    def build(cls, vocab: dict[str, int], merges: list[tuple[str, str]]) -> "TiktokenBPE | None":
+    def build(cls, vocab: dict[str, int], merges: list[tuple[str, str]]) -> TiktokenBPE | None:
         """Build from vocab/merges in memory (no download); None when tiktoken is unusable here."""
         try:
             import tiktoken
@@ -130,9 +132,8 @@ class TiktokenBPE:
         for tok, rank in ranks.items():
             rank_to_id[rank] = vocab["".join(unicode_of[x] for x in tok)]
         try:
-            enc = tiktoken.Encoding("local_gpt2_bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                    special_tokens={})
-        except Exception:  # noqa: BLE001 - any refusal by tiktoken just means: use the reference loop
+            enc = tiktoken.Encoding("local_gpt2_bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        except Exception:
             return None
         if not hasattr(enc, "_encode_single_piece"):
             return None
@@ -148,8 +149,9 @@ class TiktokenBPE:
                 continue
             word = "".join(unicode_of[x] for x in tok)
             if reference(word) != [word] or any(
-                    (tok[:k] in tainted and tok[k:] in ranks) or (tok[k:] in tainted and tok[:k] in ranks)
-                    for k in range(1, len(tok))):
+                (tok[:k] in tainted and tok[k:] in ranks) or (tok[k:] in tainted and tok[:k] in ranks)
+                for k in range(1, len(tok))
+            ):
                 tainted.add(tok)
         return {ranks[tok] for tok in tainted}
 

@@ -1,4 +1,5 @@
 """build_train_valid_test_datasets: prefixes (optionally weighted) + a split string -> three datasets."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
 def document_range(bounds: tuple[float, float], num_documents: int) -> tuple[int, int]:
     """Document [begin, end) of a split's fraction bounds: round(fraction * N) at both ends (Python's
     round, as Megatron)."""
-    begin, end = (int(round(b * float(num_documents))) for b in bounds)
+    begin, end = (round(b * float(num_documents)) for b in bounds)
     return begin, end
 
 
@@ -54,8 +55,9 @@ def parse_data_path(data_path: list) -> tuple[list[float] | None, list[str]]:
         return None, data_path
     if any(w is None for w in parsed):
         bad = next(w for w, v in zip(data_path[0::2], parsed) if v is None)
-        raise ValueError(f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected "
-                         f"in {data_path}")
+        raise ValueError(
+            f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected in {data_path}"
+        )
     return normalize_weights(parsed), data_path[1::2]
 
 
@@ -70,6 +72,7 @@ def _as_number(text: str) -> float | None:
 class BuildOptions:
     """Megatron's GPTDatasetConfig options: see SampleOptions; mid_level_surplus is the margin each blend
     component is built with (mid_level_dataset_surplus)."""
+
     extra_token: bool = True
     drop_last_partial_validation: bool = True
     mid_level_surplus: float = 0.005
@@ -80,8 +83,7 @@ class BuildOptions:
         return SampleOptions(extra_token=self.extra_token, drop_last_partial=not keep_partial)
 
 
-def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir,
-                  options: BuildOptions):
+def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_samples, cache_dir, options: BuildOptions):
     """One GPTDataset per split of `prefix` (None where the split or its sample count is 0).
 
     num_samples[k] None builds one epoch. A split with a share of the data but no documents or no tokens
@@ -99,16 +101,23 @@ def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_sampl
             continue
         begin, end = document_range(bounds, len(indexed))
         if end <= begin:
-            raise ValueError(f"{prefix}: the {name} split is empty: split {split!r} gives it documents "
-                             f"[{begin}, {end}) of {len(indexed)}")
-        datasets.append(GPTDataset(indexed, name, (begin, end), seq_length, seed, n, cache_dir,
-                                   options.samples(name)))
+            raise ValueError(
+                f"{prefix}: the {name} split is empty: split {split!r} gives it documents "
+                f"[{begin}, {end}) of {len(indexed)}"
+            )
+        datasets.append(GPTDataset(indexed, name, (begin, end), seq_length, seed, n, cache_dir, options.samples(name)))
     return datasets
 
 
-def build_train_valid_test_datasets(data_path: list, split: str, seq_length: int, seed: int,
-                                    num_samples: tuple[int, int, int], cache_dir: str | None,
-                                    options: BuildOptions = BuildOptions()):
+def build_train_valid_test_datasets(
+    data_path: list,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None,
+    options: BuildOptions = BuildOptions(),
+):
     """(train, valid, test) GPT datasets as Megatron's BlendedMegatronDatasetBuilder builds them; None
     where a split has no share or 0 samples are asked.
 
@@ -126,8 +135,10 @@ def build_train_valid_test_datasets(data_path: list, split: str, seq_length: int
         asked = [[None if n else 0 for n in num_samples] for _ in prefixes]
     else:
         asked = [[_component_samples(n, w, options.mid_level_surplus) for n in num_samples] for w in weights]
-    per_component = [_build_single(prefix, split, seq_length, seed, sizes, cache_dir, options)
-                     for prefix, sizes in zip(prefixes, asked)]
+    per_component = [
+        _build_single(prefix, split, seq_length, seed, sizes, cache_dir, options)
+        for prefix, sizes in zip(prefixes, asked)
+    ]
     blended = []
     for k, n in enumerate(num_samples):
         parts = [component[k] for component in per_component]
@@ -146,4 +157,4 @@ def build_train_valid_test_datasets(data_path: list, split: str, seq_length: int
 
 def _component_samples(num_samples: int, weight: float, surplus: float) -> int:
     """Samples a blend component is built for: ceil(ceil(n * w) * (1 + surplus)), Megatron's margin."""
-    return int(math.ceil(math.ceil(num_samples * weight) * (1 + surplus))) if num_samples else 0
+    return math.ceil(math.ceil(num_samples * weight) * (1 + surplus)) if num_samples else 0

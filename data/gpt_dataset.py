@@ -4,6 +4,7 @@ The three index arrays (document, sample, shuffle) are built with numpy only: th
 Megatron builds with a compiled loop, is a searchsorted over cumulative document lengths here, because
 sample k starts at token k * seq_length of the shuffled-document stream.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +31,7 @@ class SampleOptions:
     drop_last_partial_validation_sequence decides it for the valid split). A kept partial sample is
     padded with PAD_ID, which the loader masks out of the loss.
     """
+
     extra_token: bool = True
     drop_last_partial: bool = True
 
@@ -45,8 +47,9 @@ def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int |
     return max(1, -(-needed // tokens_per_epoch))
 
 
-def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int,
-                         extra: int = 1) -> bool:
+def separate_final_epoch(
+    tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int, extra: int = 1
+) -> bool:
     """Megatron's rule: shuffle the last epoch apart when it contributes under 80% of an epoch."""
     if num_epochs == 1:
         return False
@@ -63,8 +66,9 @@ def total_samples(tokens: int, seq_length: int, options: SampleOptions) -> int:
     return int(np.ceil(np.float32(np.float32(tokens - extra) / np.float32(seq_length))))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool
+) -> np.ndarray:
     """The split's document ids repeated num_epochs times and shuffled (last epoch apart if asked)."""
     if not separate_final or num_epochs == 1:
         index = np.tile(documents.astype(np.int32), num_epochs)
@@ -75,8 +79,9 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
-def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       num_samples: int, extra_token: bool = True) -> np.ndarray:
+def build_sample_index(
+    sizes: np.ndarray, document_index: np.ndarray, seq_length: int, num_samples: int, extra_token: bool = True
+) -> np.ndarray:
     """Rows (position in document_index, offset) where each sample starts; row k+1 is where sample k ends.
 
     Sample k spans stream tokens [k*s, (k+1)*s + extra) (s = seq_length; with the extra token one token is
@@ -112,9 +117,14 @@ def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState
     return np.concatenate((first, last))
 
 
-def build_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None,
-                  seed: int, options: SampleOptions = SampleOptions()
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_indices(
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    seq_length: int,
+    num_samples: int | None,
+    seed: int,
+    options: SampleOptions = SampleOptions(),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for the split's `documents` (ids into `sizes`).
 
     num_samples None builds one epoch (Megatron's mid-level datasets of an unweighted blend).
@@ -154,19 +164,33 @@ class GPTDataset:
     cached as .npy under cache_dir (keyed by an MD5 of the description) and memory-mapped when present.
     """
 
-    def __init__(self, indexed: IndexedDataset, split_name: str, document_range: tuple[int, int],
-                 seq_length: int, seed: int, num_samples: int | None, cache_dir: str | None,
-                 options: SampleOptions = SampleOptions()):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        split_name: str,
+        document_range: tuple[int, int],
+        seq_length: int,
+        seed: int,
+        num_samples: int | None,
+        cache_dir: str | None,
+        options: SampleOptions = SampleOptions(),
+    ):
         self.indexed = indexed
         self.seq_length = seq_length
         self.options = options
         documents = np.arange(*document_range, dtype=np.int32)
         sizes = indexed.sequence_lengths
         self.description = dict(
-            cache_format=_CACHE_FORMAT, class_name="GPTDataset",
+            cache_format=_CACHE_FORMAT,
+            class_name="GPTDataset",
             path_prefix=os.path.abspath(indexed.path_prefix),
-            split=split_name, document_range=list(document_range), seq_length=seq_length, seed=seed,
-            num_samples=num_samples, tokens_in_split=int(sizes[documents].astype(np.int64).sum()))
+            split=split_name,
+            document_range=list(document_range),
+            seq_length=seq_length,
+            seed=seed,
+            num_samples=num_samples,
+            tokens_in_split=int(sizes[documents].astype(np.int64).sum()),
+        )
         if options != SampleOptions():  # keys only when set, so existing caches stay valid
             self.description.update(extra_token=options.extra_token, drop_last_partial=options.drop_last_partial)
         self.cache_key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
@@ -181,12 +205,15 @@ class GPTDataset:
                     self._save_cache(cache_dir, arrays)
                 except OSError as exc:  # e.g. read-only data folder: train on, rebuild next time
                     logging.getLogger(__name__).warning(
-                        "index cache not written to %s (%s); indices kept in memory", cache_dir, exc)
+                        "index cache not written to %s (%s); indices kept in memory", cache_dir, exc
+                    )
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def _cache_paths(self, cache_dir: str) -> list[str]:
-        return [os.path.join(cache_dir, f"{self.cache_key}-GPTDataset-{name}.npy")
-                for name in ("document_index", "sample_index", "shuffle_index")]
+        return [
+            os.path.join(cache_dir, f"{self.cache_key}-GPTDataset-{name}.npy")
+            for name in ("document_index", "sample_index", "shuffle_index")
+        ]
 
     def _load_cache(self, cache_dir: str | None):
         if cache_dir is None:

@@ -3,6 +3,7 @@
 Layout (little-endian), see DATA_FORMATS.md: magic b"MMIDIDX\\x00\\x00", version u64 = 1, dtype code u8,
 sequence_count u64, document_count u64, then int32 lengths[N], int64 pointers[N], int64 document_indices.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,16 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # = 34, where the arrays start
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
@@ -67,7 +76,7 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{bin_file}: unsupported token dtype {self.dtype}")
-        self._file = open(bin_file, "wb")
+        self._file = open(bin_file, "wb")  # noqa: SIM115 (closed by finalize / __exit__)
         self._path = bin_file
         self.lengths: list[int] = []
         self.document_indices: list[int] = [0]
@@ -123,13 +132,11 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{data_path}: cannot open: {exc.strerror}") from None
         needed = int(self.sequence_lengths.astype(np.int64).sum()) * self.dtype.itemsize
         if self.sequence_pointers.size:
-            needed = max(needed, int(self.sequence_pointers[-1]) +
-                         int(self.sequence_lengths[-1]) * self.dtype.itemsize)
+            needed = max(needed, int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize)
         if bin_size < needed:
             raise IndexedDatasetError(f"{data_path}: {bin_size} bytes, but the index needs {needed}")
         # An empty file cannot be memory-mapped; an empty array stands in for it.
-        self._bin = (np.memmap(data_path, dtype=self.dtype, mode="r") if bin_size
-                     else np.zeros(0, dtype=self.dtype))
+        self._bin = np.memmap(data_path, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, dtype=self.dtype)
 
     def _read_index(self, path: str) -> None:
         try:
@@ -157,10 +164,8 @@ class IndexedDataset:
         self._idx = mm
         self.sequence_lengths = np.frombuffer(mm, dtype="<i4", count=count, offset=HEADER_SIZE)
         self.sequence_pointers = np.frombuffer(mm, dtype="<i8", count=count, offset=HEADER_SIZE + 4 * count)
-        self.document_indices = np.frombuffer(mm, dtype="<i8", count=doc_count,
-                                              offset=HEADER_SIZE + 12 * count)
-        _validate_index(path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
-                        self.dtype.itemsize)
+        self.document_indices = np.frombuffer(mm, dtype="<i8", count=doc_count, offset=HEADER_SIZE + 12 * count)
+        _validate_index(path, self.sequence_lengths, self.sequence_pointers, self.document_indices, self.dtype.itemsize)
 
     def __getstate__(self):
         # Pickle the path, not the mapped arrays (which would copy the whole corpus into the pickle).
@@ -183,7 +188,7 @@ class IndexedDataset:
         if length is None:
             length = seq_len - offset
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
-        return self._bin[start:start + length]
+        return self._bin[start : start + length]
 
     @property
     def document_count(self) -> int:
@@ -191,34 +196,38 @@ class IndexedDataset:
         return len(self.document_indices) - 1
 
 
-def _validate_index(path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
-                    itemsize: int) -> None:
+def _validate_index(path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, itemsize: int) -> None:
     """Lengths >= 0, pointers = running sum of lengths * itemsize, document indices from 0 to N, non-
     decreasing. Vectorised in chunks (a few passes over the arrays, bounded memory); names the first bad
     entry."""
     chunk = 1 << 24
     offset = 0  # byte offset of the next sequence, carried across chunks
     for start in range(0, len(lengths), chunk):
-        part = lengths[start:start + chunk].astype(np.int64)
+        part = lengths[start : start + chunk].astype(np.int64)
         bad = np.flatnonzero(part < 0)
         if bad.size:
             i = start + int(bad[0])
             raise IndexedDatasetError(f"{path}: sequence {i} has negative length {int(lengths[i])}")
         expected = offset + np.concatenate(([0], np.cumsum(part[:-1]))) * itemsize
-        bad = np.flatnonzero(pointers[start:start + chunk] != expected)
+        bad = np.flatnonzero(pointers[start : start + chunk] != expected)
         if bad.size:
             i = start + int(bad[0])
-            raise IndexedDatasetError(f"{path}: sequence {i} has pointer {int(pointers[i])}, the lengths "
-                                      f"before it give {int(expected[bad[0]])}")
+            raise IndexedDatasetError(
+                f"{path}: sequence {i} has pointer {int(pointers[i])}, the lengths "
+                f"before it give {int(expected[bad[0]])}"
+            )
         offset = int(expected[-1]) + int(part[-1]) * itemsize
     if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths):
         ends = documents[[0, -1]].tolist() if len(documents) else []
-        raise IndexedDatasetError(f"{path}: document indices must run from 0 to {len(lengths)} "
-                                  f"sequences, got first/last {ends}")
+        raise IndexedDatasetError(
+            f"{path}: document indices must run from 0 to {len(lengths)} sequences, got first/last {ends}"
+        )
     bad = np.flatnonzero(np.diff(documents) < 0)
     if bad.size:
-        raise IndexedDatasetError(f"{path}: document {int(bad[0])} ends before it starts "
-                                  f"(document indices {int(documents[bad[0]])} > {int(documents[bad[0] + 1])})")
+        raise IndexedDatasetError(
+            f"{path}: document {int(bad[0])} ends before it starts "
+            f"(document indices {int(documents[bad[0]])} > {int(documents[bad[0] + 1])})"
+        )
 
 
 def merge_datasets(prefixes: list[str], output_prefix: str) -> None:

@@ -4,10 +4,11 @@ The sampler walks global sample indices from consumed_samples in chunks of micro
 rank r takes slice [r * mbs, (r + 1) * mbs) of each chunk. A resumed run that restores consumed_samples
 therefore continues the same stream.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -18,8 +19,7 @@ from data.gpt_dataset import PAD_ID
 class PretrainingSampler:
     """Yields this rank's lists of sample indices (Megatron's MegatronPretrainingSampler, drop_last=True)."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int):
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
         if micro_batch_size < 1:
@@ -42,8 +42,9 @@ class PretrainingSampler:
             yield list(range(first, first + self.micro_batch_size))
 
 
-def get_batch_masks(tokens: torch.Tensor, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                    reset_attention_mask: bool):
+def get_batch_masks(
+    tokens: torch.Tensor, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool, reset_attention_mask: bool
+):
     """(loss_mask float32 [b, s], position_ids int64 [b, s], attention_mask bool [b, 1, s, s] or None).
 
     As Megatron's get_ltor_masks_and_position_ids: with eod_mask_loss, EOD positions get loss weight 0;
@@ -71,8 +72,14 @@ def get_batch_masks(tokens: torch.Tensor, eod_id: int, eod_mask_loss: bool, rese
     return loss_mask, position_ids, attention_mask
 
 
-def collate_samples(samples: list[dict], eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                    reset_attention_mask: bool, extra_token: bool = True) -> dict:
+def collate_samples(
+    samples: list[dict],
+    eod_id: int,
+    eod_mask_loss: bool,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    extra_token: bool = True,
+) -> dict:
     """Stack samples into tokens/labels [b, s] and their masks, as Megatron's GPTDataset.__getitem__.
 
     With the extra token a sample holds s + 1 tokens (tokens = x[:-1], labels = x[1:]); without it s
@@ -86,28 +93,55 @@ def collate_samples(samples: list[dict], eod_id: int, eod_mask_loss: bool, reset
         tokens = text
         labels = torch.cat((text[:, 1:], torch.full_like(text[:, :1], PAD_ID)), dim=1)
     loss_mask, position_ids, attention_mask = get_batch_masks(
-        tokens, eod_id, eod_mask_loss, reset_position_ids, reset_attention_mask)
+        tokens, eod_id, eod_mask_loss, reset_position_ids, reset_attention_mask
+    )
     loss_mask[labels == PAD_ID] = 0.0
     tokens, labels = tokens.clamp(min=0), labels.clamp(min=0)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "attention_mask": attention_mask}
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+    }
 
 
-def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                        num_workers: int, eod_id: int, eod_mask_loss: bool, reset_position_ids: bool,
-                        reset_attention_mask: bool, extra_token: bool = True,
-                        worker_init_fn=None) -> Iterator[dict]:
+def build_data_iterator(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int,
+    eod_id: int,
+    eod_mask_loss: bool,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    extra_token: bool = True,
+    worker_init_fn=None,
+) -> Iterator[dict]:
     """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out.
     `worker_init_fn` runs first in each worker process (the trainer makes workers ignore stop signals)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
-    collate = partial(collate_samples, eod_id=eod_id, eod_mask_loss=eod_mask_loss,
-                      reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
-                      extra_token=extra_token)
+    collate = partial(
+        collate_samples,
+        eod_id=eod_id,
+        eod_mask_loss=eod_mask_loss,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        extra_token=extra_token,
+    )
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate, pin_memory=False,
-        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate,
+        pin_memory=False,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
         worker_init_fn=worker_init_fn,
         # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG, which
         # would shift the dropout stream whenever an iterator is created (every evaluation, every resume).
-        generator=torch.Generator().manual_seed(0))
+        generator=torch.Generator().manual_seed(0),
+    )
     return iter(loader)

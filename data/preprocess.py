@@ -5,6 +5,7 @@ Lines go to worker processes in batches; results come back in input order and ar
 writing temporary files, renamed only when every line is done, so a failed or interrupted run never
 leaves an output that looks complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import ClassVar
 
 import numpy as np
 
@@ -34,6 +36,7 @@ class PreprocessError(ValueError):
 @dataclass
 class PreprocessStats:
     """Totals of one preprocessing run."""
+
     documents: int = 0
     bytes: int = 0
     tokens: int = 0
@@ -45,14 +48,16 @@ class PreprocessStats:
 
 class _Encoder:
     """Encodes batches of raw lines; the tokenizer lives on the class so each worker builds it once."""
+
     tokenizer = None
-    settings: dict = {}
+    settings: ClassVar[dict] = {}
 
     @classmethod
     def initialize(cls, settings: dict) -> None:
         cls.settings = settings
-        cls.tokenizer = build_tokenizer(settings["tokenizer_type"], settings["vocab_file"],
-                                        settings["merge_file"], settings["tokenizer_model"])
+        cls.tokenizer = build_tokenizer(
+            settings["tokenizer_type"], settings["vocab_file"], settings["merge_file"], settings["tokenizer_model"]
+        )
 
     @classmethod
     def encode_batch(cls, batch: tuple[int, list[bytes]]):
@@ -121,11 +126,22 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, vocab_file=None,
-                     merge_file=None, tokenizer_model=None, json_keys=("text",), append_eod=False,
-                     workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
-                     log: Callable[[str], None] | None = None, parse_special_tokens: bool = False,
-                     allow_empty: bool = False) -> PreprocessStats:
+def preprocess_jsonl(
+    input_path: str,
+    output_prefix: str,
+    tokenizer_type: str,
+    vocab_file=None,
+    merge_file=None,
+    tokenizer_model=None,
+    json_keys=("text",),
+    append_eod=False,
+    workers: int = 1,
+    log_interval: int = 1000,
+    skip_bad_lines: bool = False,
+    log: Callable[[str], None] | None = None,
+    parse_special_tokens: bool = False,
+    allow_empty: bool = False,
+) -> PreprocessStats:
     """Tokenize a JSONL file into indexed datasets, one per key; returns run totals.
 
     parse_special_tokens: a literal <|endoftext|> in the text becomes the end-of-document id (what
@@ -134,8 +150,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
     allow_empty: write an empty dataset when no document was read, instead of failing.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    settings = _settings(input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys,
-                         append_eod, parse_special_tokens)
+    settings = _settings(
+        input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
+    )
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
     builders = {}
@@ -159,8 +176,10 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
         stats.encode_cpu_seconds = _cpu_seconds(pool is not None) - cpu_before
         if stats.documents == 0:
             if not allow_empty:
-                raise PreprocessError(f"{input_path}: no documents read (empty input or every line skipped); "
-                                      "nothing written (--allow-empty writes an empty dataset)")
+                raise PreprocessError(
+                    f"{input_path}: no documents read (empty input or every line skipped); "
+                    "nothing written (--allow-empty writes an empty dataset)"
+                )
             log(f"WARNING: {input_path}: no documents read; writing an EMPTY dataset (--allow-empty)")
         for key, builder in builders.items():
             builder.finalize(tmp[key][1])
@@ -181,29 +200,37 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_type: str, v
     return stats
 
 
-def _settings(input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod,
-              parse_special_tokens) -> dict:
+def _settings(
+    input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
+) -> dict:
     """What each encoding process needs (picklable); checks the input and the tokenizer first."""
     if not os.path.isfile(input_path):
         raise PreprocessError(f"{input_path}: input file not found")
     if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
         raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
     tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
-    return dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
-                tokenizer_model=tokenizer_model, json_keys=list(json_keys), append_eod=append_eod,
-                dtype=best_dtype(tokenizer.vocab_size), parse_special_tokens=parse_special_tokens)
+    return dict(
+        tokenizer_type=tokenizer_type,
+        vocab_file=vocab_file,
+        merge_file=merge_file,
+        tokenizer_model=tokenizer_model,
+        json_keys=list(json_keys),
+        append_eod=append_eod,
+        dtype=best_dtype(tokenizer.vocab_size),
+        parse_special_tokens=parse_special_tokens,
+    )
 
 
-def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_bad_lines: bool,
-             log_interval: int, log) -> None:
+def _consume(
+    results, builders, stats: PreprocessStats, input_path: str, skip_bad_lines: bool, log_interval: int, log
+) -> None:
     start = time.perf_counter()
     for batch in results:
         for line_no, out, n_bytes in batch:
             stats.bytes += n_bytes
             if isinstance(out, str):
                 if not skip_bad_lines:
-                    raise PreprocessError(f"{input_path}:{line_no}: {out} "
-                                          "(use --skip-bad-lines to skip such lines)")
+                    raise PreprocessError(f"{input_path}:{line_no}: {out} (use --skip-bad-lines to skip such lines)")
                 stats.bad_lines += 1
                 continue
             for key, sequences in out.items():
@@ -215,8 +242,10 @@ def _consume(results, builders, stats: PreprocessStats, input_path: str, skip_ba
             stats.documents += 1
             if log_interval and stats.documents % log_interval == 0:
                 elapsed = time.perf_counter() - start
-                log(f"processed {stats.documents} documents "
-                    f"({stats.documents / elapsed:.1f} docs/s, {stats.bytes / elapsed / 1e6:.2f} MB/s)")
+                log(
+                    f"processed {stats.documents} documents "
+                    f"({stats.documents / elapsed:.1f} docs/s, {stats.bytes / elapsed / 1e6:.2f} MB/s)"
+                )
     stats.seconds = time.perf_counter() - start
 
 
@@ -229,14 +258,18 @@ def _cpu_seconds(children: bool) -> float:
 
 def _report(stats: PreprocessStats, workers: int, log) -> None:
     rate = stats.bytes / max(stats.seconds, 1e-9) / 1e6
-    log(f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in "
+    log(
+        f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in "
         f"{stats.seconds:.2f} s: {stats.documents / max(stats.seconds, 1e-9):.1f} docs/s, {rate:.2f} MB/s "
-        f"({rate / max(workers, 1):.2f} MB/s per worker, {workers} workers)")
+        f"({rate / max(workers, 1):.2f} MB/s per worker, {workers} workers)"
+    )
     if stats.encode_cpu_seconds > 0:
         # Wall-clock rates fall when other jobs share the cores; MB per CPU-second of the encoding
         # processes is the per-worker speed on an otherwise idle core.
-        log(f"encoding CPU time {stats.encode_cpu_seconds:.2f} s: "
-            f"{stats.bytes / stats.encode_cpu_seconds / 1e6:.2f} MB per worker CPU-second")
+        log(
+            f"encoding CPU time {stats.encode_cpu_seconds:.2f} s: "
+            f"{stats.bytes / stats.encode_cpu_seconds / 1e6:.2f} MB per worker CPU-second"
+        )
     if stats.bad_lines:
         log(f"skipped {stats.bad_lines} bad lines")
     for prefix in stats.outputs:

@@ -11,6 +11,7 @@ tools/train_tokenizer.py.
 Everything is built in a temporary sibling folder and renamed into place, so a half-built corpus is
 never picked up; a second call finds the marker file and returns at once.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -56,30 +57,43 @@ def write_stdlib_jsonl(path: str, stdlib_dir: str | None = None) -> tuple[int, i
 
 
 def _result(root_dir: str) -> dict:
-    return {"data_prefix": os.path.join(root_dir, "stdlib_text_document"),
-            "tokenizer_type": "GPT2BPETokenizer",
-            "vocab_file": os.path.join(root_dir, "vocab.json"),
-            "merge_file": os.path.join(root_dir, "merges.txt")}
+    return {
+        "data_prefix": os.path.join(root_dir, "stdlib_text_document"),
+        "tokenizer_type": "GPT2BPETokenizer",
+        "vocab_file": os.path.join(root_dir, "vocab.json"),
+        "merge_file": os.path.join(root_dir, "merges.txt"),
+    }
 
 
 def _build(build_dir: str, log, stdlib_dir: str | None) -> dict:
     start = time.perf_counter()
     jsonl = os.path.join(build_dir, "stdlib.jsonl")
     docs, size = write_stdlib_jsonl(jsonl, stdlib_dir)
-    log(f"[sample corpus] {docs} stdlib files, {size / 1e6:.1f} MB -> {jsonl} "
-        f"({time.perf_counter() - start:.1f} s)")
+    log(f"[sample corpus] {docs} stdlib files, {size / 1e6:.1f} MB -> {jsonl} ({time.perf_counter() - start:.1f} s)")
     # Every 4th file (~8 MB) trains a vocabulary about as well as all of them, 5x faster.
     sample = (text for k, text in enumerate(iter_jsonl_texts(jsonl)) if k % _TRAIN_EVERY == 0)
     train_gpt2_bpe(sample, VOCAB_SIZE, build_dir)
-    log(f"[sample corpus] trained byte-level BPE, vocabulary {VOCAB_SIZE} "
-        f"({time.perf_counter() - start:.1f} s)")
+    log(f"[sample corpus] trained byte-level BPE, vocabulary {VOCAB_SIZE} ({time.perf_counter() - start:.1f} s)")
     workers = max(1, min(2, os.cpu_count() or 1))
-    stats = preprocess_jsonl(jsonl, os.path.join(build_dir, "stdlib"), "GPT2BPETokenizer",
-                             os.path.join(build_dir, "vocab.json"), os.path.join(build_dir, "merges.txt"),
-                             append_eod=True, workers=workers, log_interval=500,
-                             log=lambda msg: log(f"[sample corpus] {msg}"))
-    info = dict(documents=docs, source_bytes=size, tokens=stats.tokens, vocab_size=VOCAB_SIZE,
-                python=sys.version.split()[0], build_seconds=round(time.perf_counter() - start, 1))
+    stats = preprocess_jsonl(
+        jsonl,
+        os.path.join(build_dir, "stdlib"),
+        "GPT2BPETokenizer",
+        os.path.join(build_dir, "vocab.json"),
+        os.path.join(build_dir, "merges.txt"),
+        append_eod=True,
+        workers=workers,
+        log_interval=500,
+        log=lambda msg: log(f"[sample corpus] {msg}"),
+    )
+    info = dict(
+        documents=docs,
+        source_bytes=size,
+        tokens=stats.tokens,
+        vocab_size=VOCAB_SIZE,
+        python=sys.version.split()[0],
+        build_seconds=round(time.perf_counter() - start, 1),
+    )
     with open(os.path.join(build_dir, MARKER), "w") as f:
         json.dump(info, f, indent=2)
     return info
@@ -113,8 +127,9 @@ def ensure_sample_corpus(root_dir: str, progress: bool = True, stdlib_dir: str |
 
 def _build_in_place(root_dir: str, progress: bool, stdlib_dir: str | None) -> None:
     if os.path.isdir(root_dir) and os.listdir(root_dir):
-        raise RuntimeError(f"{root_dir}: exists, is not empty and holds no {MARKER}; "
-                           "remove it to rebuild the sample corpus")
+        raise RuntimeError(
+            f"{root_dir}: exists, is not empty and holds no {MARKER}; remove it to rebuild the sample corpus"
+        )
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     log(f"[sample corpus] building {root_dir} (first run only)")
     parent = os.path.dirname(root_dir)
@@ -128,8 +143,10 @@ def _build_in_place(root_dir: str, progress: bool, stdlib_dir: str | None) -> No
         except OSError:
             if not os.path.exists(os.path.join(root_dir, MARKER)):
                 raise  # not a concurrent builder finishing first: a real failure
-        log(f"[sample corpus] ready: {info['documents']} documents, {info['tokens']} tokens "
-            f"in {info['build_seconds']} s")
+        log(
+            f"[sample corpus] ready: {info['documents']} documents, {info['tokens']} tokens "
+            f"in {info['build_seconds']} s"
+        )
     finally:
         if os.path.exists(build_dir):
             shutil.rmtree(build_dir, ignore_errors=True)

@@ -3,11 +3,12 @@
 The BPE files load in transformers' GPT2Tokenizer and in our GPT2BPETokenizer. `<|endoftext|>` is the
 first vocabulary entry (id 0), all 256 byte symbols follow, then one token per merge.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from data.tokenizers import EOD_TOKEN
 
@@ -27,8 +28,9 @@ def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:
             yield value
 
 
-def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str, min_frequency: int = 2,
-                   show_progress: bool = False) -> tuple[str, str]:
+def train_gpt2_bpe(
+    texts: Iterable[str], vocab_size: int, output_dir: str, min_frequency: int = 2, show_progress: bool = False
+) -> tuple[str, str]:
     """Train byte-level BPE; write output_dir/vocab.json and merges.txt; return their paths."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -37,9 +39,13 @@ def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str, min_f
     tokenizer = Tokenizer(models.BPE())
     # Same pre-tokenisation as GPT-2 (the regex split, no prefix space), so merges never cross pieces.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOD_TOKEN], show_progress=show_progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOD_TOKEN],
+        show_progress=show_progress,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     os.makedirs(output_dir, exist_ok=True)
     model = json.loads(tokenizer.to_str())["model"]
@@ -54,15 +60,24 @@ def train_gpt2_bpe(texts: Iterable[str], vocab_size: int, output_dir: str, min_f
     return vocab_path, merges_path
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_prefix: str,
-                        model_type: str = "bpe") -> str:
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_prefix: str, model_type: str = "bpe") -> str:
     """Train a SentencePiece model (with eos, used as end of document); return the .model path."""
     import sentencepiece
 
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_prefix=model_prefix, vocab_size=vocab_size,
-        model_type=model_type, character_coverage=1.0, byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False,
-        max_sentence_length=1 << 20, minloglevel=2)
+        sentence_iterator=iter(texts),
+        model_prefix=model_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        max_sentence_length=1 << 20,
+        minloglevel=2,
+    )
     return model_prefix + ".model"

@@ -2,6 +2,7 @@
 
 Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unpadded) and `eod`.
 """
+
 from __future__ import annotations
 
 import unicodedata
@@ -109,8 +110,7 @@ class SentencePieceTokenizer:
         except (OSError, RuntimeError) as exc:
             raise ValueError(f"{model_file}: cannot load SentencePiece model: {exc}") from None
         if self.sp.eos_id() < 0:
-            raise ValueError(f"{model_file}: SentencePiece model has no eos piece "
-                             "(needed as end of document)")
+            raise ValueError(f"{model_file}: SentencePiece model has no eos piece (needed as end of document)")
 
     @property
     def vocab_size(self) -> int:
@@ -141,5 +141,4 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
         if not tokenizer_model:
             raise ValueError("SentencePieceTokenizer needs tokenizer_model")
         return SentencePieceTokenizer(tokenizer_model)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} "
-                     "(expected GPT2BPETokenizer or SentencePieceTokenizer)")
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected GPT2BPETokenizer or SentencePieceTokenizer)")

@@ -1,9 +1,10 @@
 """The model section of the config: the shape and style of one GPT (GPT-2/3 or Llama style)."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar
 
 
 @dataclass
@@ -13,11 +14,11 @@ class ModelConfig:
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # grouped-query attention; None = one group per head (MHA)
-    ffn_hidden_size: Optional[int] = None  # None: 4h for GeLU, Llama's 2/3 * 4h rounded to 64 for SwiGLU
+    num_query_groups: int | None = None  # grouped-query attention; None = one group per head (MHA)
+    ffn_hidden_size: int | None = None  # None: 4h for GeLU, Llama's 2/3 * 4h rounded to 64 for SwiGLU
     seq_length: int = 128
-    max_position_embeddings: Optional[int] = None  # None = seq_length
-    vocab_size: Optional[int] = None
+    max_position_embeddings: int | None = None  # None = seq_length
+    vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: str = "learned"  # learned | rope
     rotary_base: float = 10000.0
@@ -30,38 +31,47 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_std: float = 0.02
     fused_kernels: bool = False  # model/kernels: Triton on CUDA (or TRITON_INTERPRET=1), else torch paths
-    fused_kernel_names: Optional[list[str]] = None  # with fused_kernels: only these (None = all)
+    fused_kernel_names: list[str] | None = None  # with fused_kernels: only these (None = all)
 
-    CHOICES = {"position_embedding_type": ("learned", "rope"), "normalization": ("layernorm", "rmsnorm"),
-               "activation": ("gelu", "swiglu")}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "position_embedding_type": ("learned", "rope"),
+        "normalization": ("layernorm", "rmsnorm"),
+        "activation": ("gelu", "swiglu"),
+    }
 
     def validate(self) -> None:
         """Checks local to this section; each error names the key and its value."""
         for key, choices in self.CHOICES.items():
             if getattr(self, key) not in choices:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                    "make_vocab_size_divisible_by"):
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                             f"model.num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.query_groups:
-            raise ValueError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-                             f"model.num_query_groups={self.query_groups}")
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.query_groups}"
+            )
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         if self.max_positions < self.seq_length:
-            raise ValueError(f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "
-                             f"model.seq_length={self.seq_length}")
+            raise ValueError(
+                f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "
+                f"model.seq_length={self.seq_length}"
+            )
         self._validate_kernels()
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
 
     def _validate_kernels(self) -> None:
         from model.kernels import KERNEL_NAMES
+
         if self.fused_kernel_names is None:
             return
         if not self.fused_kernels:

@@ -5,10 +5,11 @@ which returns the full-vocabulary logits [1, s, V] of those tokens (under tensor
 gathers the vocabulary shards). The prompt goes through in one forward (prefill); each new token then
 costs one token's forward against the cache.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -68,8 +69,9 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: SamplingConfig,
-               generator: Optional[torch.Generator]) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, seen: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """The next token ids [b] from the last position's logits [b, V] (fp32) and the ids so far [b, t]."""
     logits = logits.float()
     if sampling.repetition_penalty != 1.0:
@@ -82,9 +84,16 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: SamplingConfi
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def generate_tokens(logits_fn: LogitsFn, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-                    eod_id: Optional[int], device: torch.device, generator: Optional[torch.Generator] = None,
-                    max_length: Optional[int] = None) -> Iterator[int]:
+def generate_tokens(
+    logits_fn: LogitsFn,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eod_id: int | None,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+    max_length: int | None = None,
+) -> Iterator[int]:
     """Yield up to `max_new_tokens` new token ids after `prompt_ids`, stopping after EOD (not yielded).
 
     max_length: the longest sequence the model accepts (learned positions); the cache is sized to

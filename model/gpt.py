@@ -9,10 +9,11 @@ contiguous block of layers with or without the embedding (`pre_process`) and the
 is how pipeline stages and virtual chunks are cut. Layer modules are keyed by their global index, so parameter
 names (`layers.5.mlp.fc1.weight`) are the same in every layout.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +34,13 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [s, b, 1, d] for positions [b, s] (rotate-half layout, as Megatron and HF Llama)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                            dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    )
     angles = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -50,14 +53,21 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout_p = attention_dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         # q [s, b, nq, d], k/v [s, b, nkv, d] -> context [s, b, nq * d]
         s, b, nq, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=attention_mask is None, enable_gqa=k.shape[1] != nq)
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=attention_mask is None,
+            enable_gqa=k.shape[1] != nq,
+        )
         return context.permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
 
@@ -72,14 +82,18 @@ class SelfAttention(nn.Module):
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.add_bias_linear)
         self.core = CoreAttention(cfg.attention_dropout)
-        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                              bias=cfg.add_bias_linear)
+        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.recompute_core = False
-        self.checkpoint_fn: Optional[Callable] = None
+        self.checkpoint_fn: Callable | None = None
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
-                kv_cache: Optional[LayerKVCache] = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple | None,
+        attention_mask: torch.Tensor | None,
+        kv_cache: LayerKVCache | None = None,
+    ):
         mixed = self.qkv(x)  # [s, b, groups_local * (hpg + 2) * d]
         s, b = mixed.shape[:2]
         d, hpg = self.head_dim, self.heads_per_group
@@ -108,7 +122,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, h] -> (output [s, b, h], fc2's bias when it is left to the fused bias-dropout-add, else None)."""
         y = kernels.linear_activation(self.fc1, x, self.swiglu, self.kernels)  # [s, b, ffn(/tp)]
         if kernels.fuses_bias_dropout_add(self.kernels, y.device):
@@ -129,17 +143,22 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout_p = cfg.hidden_dropout
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple], attention_mask: Optional[torch.Tensor],
-                kv_cache: Optional[LayerKVCache] = None):
-        attention_out = self.attention(kernels.norm(self.input_norm, x, self.kernels), rotary, attention_mask,
-                                       kv_cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple | None,
+        attention_mask: torch.Tensor | None,
+        kv_cache: LayerKVCache | None = None,
+    ):
+        attention_out = self.attention(kernels.norm(self.input_norm, x, self.kernels), rotary, attention_mask, kv_cache)
         x = self._dropout_add(attention_out, None, x)
         mlp_out, mlp_bias = self.mlp(kernels.norm(self.post_attention_norm, x, self.kernels))
         return self._dropout_add(mlp_out, mlp_bias, x)
 
-    def _dropout_add(self, y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
-        return kernels.bias_dropout_add(y, bias, residual, self.hidden_dropout, self.hidden_dropout_p,
-                                        self.training, self.kernels)
+    def _dropout_add(self, y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        return kernels.bias_dropout_add(
+            y, bias, residual, self.hidden_dropout, self.hidden_dropout_p, self.training, self.kernels
+        )
 
 
 class Embedding(nn.Module):
@@ -148,8 +167,9 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
         super().__init__()
         self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = (nn.Embedding(cfg.max_positions, cfg.hidden_size)
-                                    if cfg.position_embedding_type == "learned" else None)
+        self.position_embeddings = (
+            nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding_type == "learned" else None
+        )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         # Seam for sequence parallelism: parallel/ replaces it with a split along s.
         self.scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -177,8 +197,14 @@ class GPTModel(nn.Module):
         post_process: holds final norm, output layer and loss (the last chunk of the last stage).
     """
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, layer_ids: Optional[Sequence[int]] = None,
-                 pre_process: bool = True, post_process: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        padded_vocab_size: int,
+        layer_ids: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
         super().__init__()
         self.cfg = cfg
         self.pre_process, self.post_process = pre_process, post_process
@@ -201,7 +227,7 @@ class GPTModel(nn.Module):
         self.loss_reductions = kernels.CrossEntropyReductions()
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
         self.recompute_layer_ids: set[int] = set()
-        self.checkpoint_fn: Optional[Callable] = None
+        self.checkpoint_fn: Callable | None = None
 
     def _tie_output_to_embedding(self) -> None:
         if self.pre_process:
@@ -210,8 +236,12 @@ class GPTModel(nn.Module):
             # The last stage's own copy: initialised from the same seed as the embedding and kept equal
             # by all-reducing its gradient over the embedding group. `embedding_copy` marks the copy so
             # that the gradient norm counts the tied weight once.
-            set_param_info(self.output_layer.weight, init_name="embedding.word_embeddings.weight",
-                           shared_embedding=True, embedding_copy=True)
+            set_param_info(
+                self.output_layer.weight,
+                init_name="embedding.word_embeddings.weight",
+                shared_embedding=True,
+                embedding_copy=True,
+            )
 
     def _mark_split_tied_embedding(self) -> None:
         if self.cfg.tie_embeddings and self.pre_process and not self.post_process:
@@ -248,9 +278,15 @@ class GPTModel(nn.Module):
                 layer.attention.checkpoint_fn = torch.compiler.disable(layer.attention.checkpoint_fn)
             layer.compile(backend=backend)
 
-    def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """Embedding (first chunk) or hidden_states [s, b, h] in; hidden [s, b, h] out, or on the last chunk
         per-token loss [b, s] when labels [b, s] are given, else logits [b, s, V(/tp)]. With `kv_cache`
         (generation) the tokens continue the cached ones: position_ids start at kv_cache.length."""
@@ -268,8 +304,13 @@ class GPTModel(nn.Module):
         x = kernels.norm(self.final_norm, x, self.kernels)
         if labels is not None and self.kernels.uses("linear_cross_entropy"):
             return kernels.fused_linear_cross_entropy(
-                self.head_input_fn(x), self.output_layer.weight, labels.t(), self.vocab_start_index,
-                self._num_valid_vocab(), self.loss_reductions).t()  # [b, s]
+                self.head_input_fn(x),
+                self.output_layer.weight,
+                labels.t(),
+                self.vocab_start_index,
+                self._num_valid_vocab(),
+                self.loss_reductions,
+            ).t()  # [b, s]
         logits = mask_vocab_padding(self.output_layer(x), self._num_valid_vocab())  # [s, b, V(/tp)]
         if labels is None:
             return logits.transpose(0, 1)

@@ -11,6 +11,7 @@ ModelConfig.padded_vocab_size(1)). The layouts that differ:
     vocabulary   padded rows dropped on export and added (zeros) on import
 Pure tensors and dicts: the files (config.json, safetensors, tokenizer) are written by training/hf_folder.py.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,37 +33,64 @@ def hf_architecture(cfg: ModelConfig) -> str:
     style = (cfg.position_embedding_type, cfg.normalization, cfg.activation)
     if style == ("learned", "layernorm", "gelu"):
         if cfg.query_groups != cfg.num_attention_heads:
-            raise UnsupportedModelError(f"model.num_query_groups={cfg.num_query_groups}: GPT-2 has no "
-                                        "grouped-query attention")
+            raise UnsupportedModelError(
+                f"model.num_query_groups={cfg.num_query_groups}: GPT-2 has no grouped-query attention"
+            )
         return "gpt2"
     if style == ("rope", "rmsnorm", "swiglu"):
         return "llama"
     raise UnsupportedModelError(
         f"model style position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
         f"activation={cfg.activation} has no transformers equivalent (GPT-2: learned/layernorm/gelu, "
-        "Llama: rope/rmsnorm/swiglu)")
+        "Llama: rope/rmsnorm/swiglu)"
+    )
 
 
 def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, Any]:
     """config.json content for our model (vocab_size unpadded)."""
-    common = {"vocab_size": cfg.vocab_size, "initializer_range": cfg.init_std, "bos_token_id": bos_id,
-              "eos_token_id": eos_id, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True}
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+    }
     if hf_architecture(cfg) == "gpt2":
-        return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "n_positions": cfg.max_positions, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-                "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size,
-                "activation_function": "gelu",  # exact erf GeLU, as F.gelu (GPT-2's default gelu_new is tanh)
-                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
-                "attn_pdrop": cfg.attention_dropout, "layer_norm_epsilon": cfg.norm_epsilon,
-                "scale_attn_weights": True}
-    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
-            "attention_dropout": cfg.attention_dropout}
+        return {
+            **common,
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_positions": cfg.max_positions,
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_size,
+            "activation_function": "gelu",  # exact erf GeLU, as F.gelu (GPT-2's default gelu_new is tanh)
+            "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout,
+            "layer_norm_epsilon": cfg.norm_epsilon,
+            "scale_attn_weights": True,
+        }
+    return {
+        **common,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "attention_bias": cfg.add_bias_linear,
+        "mlp_bias": cfg.add_bias_linear,
+        "attention_dropout": cfg.attention_dropout,
+    }
 
 
 def _refuse(condition: bool, option: str) -> None:
@@ -77,8 +105,9 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
         return _gpt2_model_config(config)
     if model_type == "llama":
         return _llama_model_config(config)
-    raise UnsupportedModelError(f"model_type={model_type!r} (architectures {config.get('architectures')}) is not "
-                                "supported: only gpt2 and llama")
+    raise UnsupportedModelError(
+        f"model_type={model_type!r} (architectures {config.get('architectures')}) is not supported: only gpt2 and llama"
+    )
 
 
 def _gpt2_model_config(config: dict[str, Any]) -> ModelConfig:
@@ -89,22 +118,33 @@ def _gpt2_model_config(config: dict[str, Any]) -> ModelConfig:
     _refuse(config.get("add_cross_attention", False), "add_cross_attention=true")
     hidden = config["n_embd"]
     return ModelConfig(
-        num_layers=config["n_layer"], hidden_size=hidden, num_attention_heads=config["n_head"],
-        ffn_hidden_size=config.get("n_inner") or 4 * hidden, seq_length=config["n_positions"],
-        vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128,
-        position_embedding_type="learned", normalization="layernorm",
-        norm_epsilon=config.get("layer_norm_epsilon", 1e-5), activation="gelu",
-        tie_embeddings=config.get("tie_word_embeddings", True), add_bias_linear=True,
-        hidden_dropout=config.get("resid_pdrop", 0.1), attention_dropout=config.get("attn_pdrop", 0.1),
-        init_std=config.get("initializer_range", 0.02))
+        num_layers=config["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=config["n_head"],
+        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+        seq_length=config["n_positions"],
+        vocab_size=config["vocab_size"],
+        make_vocab_size_divisible_by=128,
+        position_embedding_type="learned",
+        normalization="layernorm",
+        norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+        activation="gelu",
+        tie_embeddings=config.get("tie_word_embeddings", True),
+        add_bias_linear=True,
+        hidden_dropout=config.get("resid_pdrop", 0.1),
+        attention_dropout=config.get("attn_pdrop", 0.1),
+        init_std=config.get("initializer_range", 0.02),
+    )
 
 
 def _llama_model_config(config: dict[str, Any]) -> ModelConfig:
     act = config.get("hidden_act", "silu")
     _refuse(act != "silu", f"hidden_act={act!r} (only 'silu', SwiGLU)")
     attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
-    _refuse(attention_bias != mlp_bias, f"attention_bias={attention_bias} with mlp_bias={mlp_bias} "
-            "(one bias switch for every linear layer)")
+    _refuse(
+        attention_bias != mlp_bias,
+        f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (one bias switch for every linear layer)",
+    )
     _refuse(config.get("pretraining_tp", 1) != 1, f"pretraining_tp={config.get('pretraining_tp')}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -112,17 +152,31 @@ def _llama_model_config(config: dict[str, Any]) -> ModelConfig:
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    _refuse(head_dim * heads != hidden, f"head_dim={head_dim} with hidden_size={hidden}, "
-            f"num_attention_heads={heads} (head_dim must be hidden_size / num_attention_heads)")
+    _refuse(
+        head_dim * heads != hidden,
+        f"head_dim={head_dim} with hidden_size={hidden}, "
+        f"num_attention_heads={heads} (head_dim must be hidden_size / num_attention_heads)",
+    )
     return ModelConfig(
-        num_layers=config["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=config.get("num_key_value_heads") or heads, ffn_hidden_size=config["intermediate_size"],
-        seq_length=config["max_position_embeddings"], vocab_size=config["vocab_size"],
-        make_vocab_size_divisible_by=128, position_embedding_type="rope", rotary_base=float(theta),
-        normalization="rmsnorm", norm_epsilon=config.get("rms_norm_eps", 1e-6), activation="swiglu",
-        tie_embeddings=config.get("tie_word_embeddings", False), add_bias_linear=attention_bias,
-        hidden_dropout=0.0, attention_dropout=config.get("attention_dropout", 0.0),
-        init_std=config.get("initializer_range", 0.02))
+        num_layers=config["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=config["intermediate_size"],
+        seq_length=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        make_vocab_size_divisible_by=128,
+        position_embedding_type="rope",
+        rotary_base=float(theta),
+        normalization="rmsnorm",
+        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        activation="swiglu",
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        add_bias_linear=attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=config.get("attention_dropout", 0.0),
+        init_std=config.get("initializer_range", 0.02),
+    )
 
 
 # ---- tensors ---------------------------------------------------------------------------------------
@@ -132,8 +186,11 @@ def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.
     hpg = cfg.num_attention_heads // groups
     rest = qkv.shape[1:]
     grouped = qkv.reshape(groups, hpg + 2, d, *rest)
-    return (grouped[:, :hpg].reshape(groups * hpg * d, *rest), grouped[:, hpg].reshape(groups * d, *rest),
-            grouped[:, hpg + 1].reshape(groups * d, *rest))
+    return (
+        grouped[:, :hpg].reshape(groups * hpg * d, *rest),
+        grouped[:, hpg].reshape(groups * d, *rest),
+        grouped[:, hpg + 1].reshape(groups * d, *rest),
+    )
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -156,29 +213,44 @@ def layer_names(arch: str, i: int) -> dict[str, str]:
     """Our layer-i parameter name -> transformers' (for tensors that map one to one, up to a transpose)."""
     if arch == "gpt2":
         p, q = f"layers.{i}.", f"transformer.h.{i}."
-        return {p + "input_norm.weight": q + "ln_1.weight", p + "input_norm.bias": q + "ln_1.bias",
-                p + "post_attention_norm.weight": q + "ln_2.weight", p + "post_attention_norm.bias": q + "ln_2.bias",
-                p + "attention.proj.weight": q + "attn.c_proj.weight",
-                p + "attention.proj.bias": q + "attn.c_proj.bias",
-                p + "mlp.fc1.weight": q + "mlp.c_fc.weight", p + "mlp.fc1.bias": q + "mlp.c_fc.bias",
-                p + "mlp.fc2.weight": q + "mlp.c_proj.weight", p + "mlp.fc2.bias": q + "mlp.c_proj.bias"}
+        return {
+            p + "input_norm.weight": q + "ln_1.weight",
+            p + "input_norm.bias": q + "ln_1.bias",
+            p + "post_attention_norm.weight": q + "ln_2.weight",
+            p + "post_attention_norm.bias": q + "ln_2.bias",
+            p + "attention.proj.weight": q + "attn.c_proj.weight",
+            p + "attention.proj.bias": q + "attn.c_proj.bias",
+            p + "mlp.fc1.weight": q + "mlp.c_fc.weight",
+            p + "mlp.fc1.bias": q + "mlp.c_fc.bias",
+            p + "mlp.fc2.weight": q + "mlp.c_proj.weight",
+            p + "mlp.fc2.bias": q + "mlp.c_proj.bias",
+        }
     p, q = f"layers.{i}.", f"model.layers.{i}."
-    return {p + "input_norm.weight": q + "input_layernorm.weight",
-            p + "post_attention_norm.weight": q + "post_attention_layernorm.weight",
-            p + "attention.proj.weight": q + "self_attn.o_proj.weight",
-            p + "attention.proj.bias": q + "self_attn.o_proj.bias",
-            p + "mlp.fc2.weight": q + "mlp.down_proj.weight", p + "mlp.fc2.bias": q + "mlp.down_proj.bias"}
+    return {
+        p + "input_norm.weight": q + "input_layernorm.weight",
+        p + "post_attention_norm.weight": q + "post_attention_layernorm.weight",
+        p + "attention.proj.weight": q + "self_attn.o_proj.weight",
+        p + "attention.proj.bias": q + "self_attn.o_proj.bias",
+        p + "mlp.fc2.weight": q + "mlp.down_proj.weight",
+        p + "mlp.fc2.bias": q + "mlp.down_proj.bias",
+    }
 
 
 def global_names(arch: str) -> dict[str, str]:
     """Non-layer names: ours -> transformers'."""
     if arch == "gpt2":
-        return {"embedding.word_embeddings.weight": "transformer.wte.weight",
-                "embedding.position_embeddings.weight": "transformer.wpe.weight",
-                "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
-                "output_layer.weight": "lm_head.weight"}
-    return {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-            "output_layer.weight": "lm_head.weight"}
+        return {
+            "embedding.word_embeddings.weight": "transformer.wte.weight",
+            "embedding.position_embeddings.weight": "transformer.wpe.weight",
+            "final_norm.weight": "transformer.ln_f.weight",
+            "final_norm.bias": "transformer.ln_f.bias",
+            "output_layer.weight": "lm_head.weight",
+        }
+    return {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "final_norm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+    }
 
 
 def _is_conv1d(arch: str, hf_name: str) -> bool:
@@ -276,12 +348,14 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
             used.add(theirs)  # transformers may store the tied copy; ours is the embedding itself
             continue
         tensor = take(theirs)
-        ours[our] = vocab_rows(tensor, padded) if our in ("embedding.word_embeddings.weight",
-                                                           "output_layer.weight") else tensor
+        ours[our] = (
+            vocab_rows(tensor, padded) if our in ("embedding.word_embeddings.weight", "output_layer.weight") else tensor
+        )
     if cfg.tie_embeddings:
         ours["output_layer.weight"] = ours["embedding.word_embeddings.weight"]
     left = sorted(set(hf) - used - {n for n in hf if n.endswith((".attn.bias", ".attn.masked_bias"))})
     if left:
-        raise UnsupportedModelError(f"transformers tensor {left[0]} has no counterpart in this model "
-                                    f"({len(left)} such tensors)")
+        raise UnsupportedModelError(
+            f"transformers tensor {left[0]} has no counterpart in this model ({len(left)} such tensors)"
+        )
     return {name: t.contiguous() for name, t in ours.items()}

@@ -6,6 +6,7 @@ ranks build in, and memory peaks at one full weight. Reads the parameter's Param
 `init_name` (the last stage's copy of a tied embedding seeds from the embedding's name), `full_shape` and
 `shard_fn` (set by parallel/).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,13 @@ def draw_full_parameter(name: str, shape: tuple[int, ...], cfg: ModelConfig, see
 
 
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, cfg: ModelConfig, seed: int,
-                          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+def initialize_parameters(
+    model: nn.Module,
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Replace every parameter (meta or not) of `model` by its deterministic initial value on `device`.
 
     Shared parameters (a tied output layer) are replaced once and stay shared.
@@ -52,9 +58,7 @@ def initialize_parameters(model: nn.Module, cfg: ModelConfig, seed: int,
                 info = param_info(param)
                 full = draw_full_parameter(info.init_name or names[id(param)], full_shape(param), cfg, seed)
                 local = info.shard_fn(full) if info.shard_fn is not None else full
-                new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(),
-                                   requires_grad=param.requires_grad)
+                new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(), requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
                 replaced[id(param)] = new
             setattr(module, local_name, replaced[id(param)])
-

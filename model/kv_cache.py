@@ -5,9 +5,8 @@ appends its new keys/values ([s_new, b, groups_local, d], this tensor-parallel r
 attends over everything cached so far. The caller passes position ids that continue where the cache ends
 (`cache.length`). Buffers are allocated once, at the first call, for `max_length` tokens.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -18,10 +17,10 @@ class LayerKVCache:
     def __init__(self, max_length: int):
         self.max_length = max_length
         self.length = 0
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append k, v [s_new, b, g, d]; return all keys and values [length, b, g, d] and the attention mask
         for the new queries: None (plain causal) when the cache was empty, else bool [s_new, length] with
         True = may attend (query i sits at position start + i)."""
@@ -31,14 +30,14 @@ class LayerKVCache:
         if self.keys is None:
             self.keys = k.new_empty((self.max_length, *k.shape[1:]))
             self.values = v.new_empty((self.max_length, *v.shape[1:]))
-        self.keys[start:start + s_new] = k
-        self.values[start:start + s_new] = v
+        self.keys[start : start + s_new] = k
+        self.values[start : start + s_new] = v
         self.length = start + s_new
         mask = None
         if start > 0:
             query_pos = torch.arange(start, self.length, device=k.device)[:, None]
             mask = torch.arange(self.length, device=k.device)[None, :] <= query_pos  # [s_new, length]
-        return self.keys[:self.length], self.values[:self.length], mask
+        return self.keys[: self.length], self.values[: self.length], mask
 
 
 class KVCache:

@@ -20,11 +20,12 @@ Fields:
     embedding_copy     the last stage's copy of the tied embedding: counted in neither the gradient norm
                        nor the parameter count (the first stage counts it)
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -35,9 +36,9 @@ ATTRIBUTE = "ptdp"
 class ParamInfo:
     """The per-parameter facts shared by model/, parallel/ and training/ (see the module docstring)."""
 
-    init_name: Optional[str] = None
-    full_shape: Optional[tuple[int, ...]] = None
-    shard_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    init_name: str | None = None
+    full_shape: tuple[int, ...] | None = None
+    shard_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     tensor_parallel: bool = False
     partition_dim: int = -1
     sequence_parallel: bool = False

@@ -4,6 +4,7 @@ torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favo
 `reduce_scatter_single`, while torch 2.11 (the GPU machine) may lack the new names. Everything in parallel/
 calls these two functions instead of either spelling.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -16,10 +16,11 @@ padded to a multiple of dp and split into dp equal shards; dp rank d owns shard 
 it by an async reduce_scatter. The tied embedding (`shared_embedding=True`) always has a bucket of its own
 so the first and last pipeline stages shard it identically (see parallel/grad_utils.finalize_model_grads).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class Bucket:
     end: int
     params: list[nn.Parameter]
     pending: set[int] = field(default_factory=set)  # ids of params whose hook has not fired since sync on
-    work: Optional[Any] = None
+    work: Any | None = None
     launched: bool = False
 
     @property
@@ -103,13 +104,19 @@ class DataParallel:
         grad_dtype: dtype of the main gradient buffers (fp32).
     """
 
-    def __init__(self, chunks: list[nn.Module], state, bucket_size_mb: float = 25.0,
-                 distributed_optimizer: bool = False, grad_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        state,
+        bucket_size_mb: float = 25.0,
+        distributed_optimizer: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.chunks, self.state = chunks, state
         self.distributed_optimizer = distributed_optimizer
         self.grad_dtype = grad_dtype
         element_size = torch.empty((), dtype=grad_dtype).element_size()
-        self.bucket_numel = max(1, int(bucket_size_mb * 2 ** 20) // element_size)
+        self.bucket_numel = max(1, int(bucket_size_mb * 2**20) // element_size)
         self.buffers: list[torch.Tensor] = []  # one flat [numel] grad buffer per chunk
         self.buckets: list[list[Bucket]] = []  # per chunk, in launch order
         self.param_ranges: dict[nn.Parameter, ParamRange] = {}
@@ -138,7 +145,7 @@ class DataParallel:
             position = start
             for param in group:
                 self.param_ranges[param] = ParamRange(chunk_index, position, position + param.numel(), bucket)
-                param.main_grad = buffer[position:position + param.numel()].view(param.shape)
+                param.main_grad = buffer[position : position + param.numel()].view(param.shape)
                 position += param.numel()
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket)))
             buckets.append(bucket)
@@ -149,8 +156,10 @@ class DataParallel:
         def hook(param: torch.Tensor) -> None:
             if bucket.launched and self._sync_enabled[bucket.chunk_index]:
                 # Adding now would race with (or miss) the reduction already in flight.
-                raise RuntimeError(f"a gradient of chunk {bucket.chunk_index} bucket {bucket.index} arrived "
-                                   f"after the bucket's dp reduction was launched")
+                raise RuntimeError(
+                    f"a gradient of chunk {bucket.chunk_index} bucket {bucket.index} arrived "
+                    f"after the bucket's dp reduction was launched"
+                )
             if param.grad is not None:
                 param.main_grad.add_(param.grad)  # fp32 accumulation also for 16-bit params
                 param.grad = None
@@ -159,6 +168,7 @@ class DataParallel:
                 bucket.pending.discard(id(param))
                 if not bucket.pending:
                     self._launch_ready(bucket.chunk_index)
+
         return hook
 
     # ---- per iteration ----------------------------------------------------------------------
@@ -188,7 +198,7 @@ class DataParallel:
         """Launch the buckets not yet launched (sync never enabled, params without grad) and wait for all.
         Afterwards main_grad holds the dp average (distributed optimizer: in this rank's shards only)."""
         for chunk_index, buckets in enumerate(self.buckets):
-            for bucket in buckets[self._next_launch[chunk_index]:]:
+            for bucket in buckets[self._next_launch[chunk_index] :]:
                 self._launch(bucket)
             self._next_launch[chunk_index] = len(buckets)
         for bucket in self._all_buckets():
@@ -210,7 +220,7 @@ class DataParallel:
         bucket.launched, bucket.pending = True, set()
         if self.state.dp_size == 1:
             return
-        flat = self.buffers[bucket.chunk_index][bucket.start:bucket.end]
+        flat = self.buffers[bucket.chunk_index][bucket.start : bucket.end]
         flat.div_(self.state.dp_size)  # average: sum of grads / dp (gloo has no AVG op)
         if self.distributed_optimizer:
             start, end = bucket.shard_range(self.state.dp_rank, self.state.dp_size)

@@ -11,10 +11,12 @@ With the distributed optimizer only the dp shard this rank owns holds reduced gr
 both groups (the embedding has a bucket of its own; tp ranks hold same-shaped shards in the same order), so
 every rank of a group reduces the same elements.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for tensor in tensors:
-        tensor.view(-1).copy_(flat[offset:offset + tensor.numel()])
+        tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
         offset += tensor.numel()
 
 
@@ -95,8 +97,7 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     return max_norm / (grad_norm + 1.0e-6)
 
 
-def any_non_finite(tensors: list[torch.Tensor], groups: list[Any],
-                   device: torch.device | str = "cpu") -> bool:
+def any_non_finite(tensors: list[torch.Tensor], groups: list[Any], device: torch.device | str = "cpu") -> bool:
     """True if any element of `tensors` on any rank of `groups` is inf or nan (one host sync)."""
     flag = torch.zeros((), dtype=torch.float32, device=device)
     for tensor in tensors:

@@ -7,6 +7,7 @@ lives in this file: the trainer, tools/model_stats.py, the planner, the schedule
 tensor-parallel layers all call these functions, so the same input gets the same answer everywhere.
 Nothing here needs torch.distributed or a process group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,12 +47,14 @@ class Layout:
     def describe(self) -> str:
         """One line for the start-up log."""
         sp = ", sequence parallel" if self.sequence_parallel else ""
-        return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size} "
-                f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
-                f"{self.schedule}{sp}")
+        return (
+            f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size} "
+            f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
+            f"{self.schedule}{sp}"
+        )
 
     @classmethod
-    def single(cls, num_microbatches: int = 1) -> "Layout":
+    def single(cls, num_microbatches: int = 1) -> Layout:
         """The layout of one process."""
         return cls(1, 1, 1, 1, num_microbatches, "1f1b")
 
@@ -66,8 +69,10 @@ def derive_dp_size(world_size: int, tp_size: int, pp_size: int) -> int:
     """dp = world / (tp * pp)."""
     check_positive(tp_size=tp_size, pp_size=pp_size)
     if world_size % (tp_size * pp_size):
-        raise LayoutError(f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size "
-                          f"= {tp_size} * {pp_size} = {tp_size * pp_size}")
+        raise LayoutError(
+            f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size "
+            f"= {tp_size} * {pp_size} = {tp_size * pp_size}"
+        )
     return world_size // (tp_size * pp_size)
 
 
@@ -89,8 +94,10 @@ def effective_schedule(schedule: str, pp_size: int, vp_size: int) -> str:
     if vp_size > 1 and pp_size == 1:
         raise LayoutError(f"parallel.vp_size={vp_size} needs parallel.pp_size > 1")
     if vp_size > 1 and schedule == "gpipe":
-        raise LayoutError(f"parallel.vp_size={vp_size} needs parallel.schedule=interleaved (or 1f1b, which "
-                          f"means interleaved with vp > 1); got parallel.schedule=gpipe")
+        raise LayoutError(
+            f"parallel.vp_size={vp_size} needs parallel.schedule=interleaved (or 1f1b, which "
+            f"means interleaved with vp > 1); got parallel.schedule=gpipe"
+        )
     if vp_size > 1:
         return "interleaved"
     if pp_size == 1 or schedule == "interleaved":
@@ -98,8 +105,7 @@ def effective_schedule(schedule: str, pp_size: int, vp_size: int) -> str:
     return schedule
 
 
-def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: int,
-                   per_step_samples: int = 0) -> str:
+def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: int, per_step_samples: int = 0) -> str:
     """effective_schedule plus the micro-batch rule of the interleaved schedule; returns the schedule.
 
     `per_step_samples` (micro-batch size * dp), when known, lets the message suggest global batch sizes.
@@ -113,9 +119,11 @@ def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: 
             hint = f": e.g. train.global_batch_size = {good}"
         else:
             hint = f": use {', '.join(str(pp_size * k) for k in (1, 2, 3))}, ..."
-        raise LayoutError(f"the interleaved schedule (parallel.vp_size={vp_size}) needs the number of "
-                          f"micro-batches ({num_microbatches}) to be a multiple of parallel.pp_size={pp_size}"
-                          f"{hint}")
+        raise LayoutError(
+            f"the interleaved schedule (parallel.vp_size={vp_size}) needs the number of "
+            f"micro-batches ({num_microbatches}) to be a multiple of parallel.pp_size={pp_size}"
+            f"{hint}"
+        )
     return resolved
 
 
@@ -124,20 +132,26 @@ def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> 
     check_positive(tp_size=tp_size)
     require_divisible("model.num_attention_heads", model.num_attention_heads, "parallel.tp_size", tp_size)
     require_divisible("model.num_query_groups", model.query_groups, "parallel.tp_size", tp_size)
-    ffn_name = ("model.ffn_hidden_size" if model.ffn_hidden_size else
-                f"the ffn size derived from model.hidden_size={model.hidden_size} (model.ffn_hidden_size unset)")
+    ffn_name = (
+        "model.ffn_hidden_size"
+        if model.ffn_hidden_size
+        else f"the ffn size derived from model.hidden_size={model.hidden_size} (model.ffn_hidden_size unset)"
+    )
     require_divisible(ffn_name, model.ffn_size, "parallel.tp_size", tp_size)
     if sequence_parallel:
-        require_divisible("model.seq_length", model.seq_length,
-                          "parallel.tp_size (needed by parallel.sequence_parallel)", tp_size)
+        require_divisible(
+            "model.seq_length", model.seq_length, "parallel.tp_size (needed by parallel.sequence_parallel)", tp_size
+        )
 
 
 def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
     """Each of the pp * vp virtual stages holds the same number of layers."""
     check_positive(pp_size=pp_size, vp_size=vp_size)
     if num_layers % (pp_size * vp_size):
-        raise LayoutError(f"model.num_layers={num_layers} is not divisible by parallel.pp_size * "
-                          f"parallel.vp_size = {pp_size} * {vp_size}")
+        raise LayoutError(
+            f"model.num_layers={num_layers} is not divisible by parallel.pp_size * "
+            f"parallel.vp_size = {pp_size} * {vp_size}"
+        )
 
 
 def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layout:
@@ -153,8 +167,10 @@ def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layo
     check_pipeline_split(model.num_layers, pp, vp)
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
-        raise LayoutError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size * dp = {train.micro_batch_size} * {dp}")
+        raise LayoutError(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size * dp = {train.micro_batch_size} * {dp}"
+        )
     num_microbatches = train.global_batch_size // per_step
     schedule = check_schedule(parallel.schedule, pp, vp, num_microbatches, per_step)
     return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel))

@@ -1,7 +1,8 @@
 """Build this rank's model chunks for any (tp, pp, vp) layout, with the same weights as one process."""
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -14,11 +15,22 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel
 
 
-def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device: torch.device,
-                       dtype: torch.dtype, sequence_parallel: bool = False, rng_tracker: Any = None,
-                       comm_counter: Any = None, checkpoint_fn: Any = None, recompute: str = "none",
-                       recompute_method: str = "uniform", recompute_num_layers: int = 1,
-                       compile_layers: bool = False, compile_backend: str = "inductor") -> list[GPTModel]:
+def build_model_chunks(
+    cfg: ModelConfig,
+    state: ParallelState,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sequence_parallel: bool = False,
+    rng_tracker: Any = None,
+    comm_counter: Any = None,
+    checkpoint_fn: Any = None,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    compile_layers: bool = False,
+    compile_backend: str = "inductor",
+) -> list[GPTModel]:
     """The vp_size chunks of this pipeline rank: built on the meta device, sharded over tp, then each
     parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
     `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
@@ -28,8 +40,9 @@ def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device
         pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk)
         with torch.device("meta"):
             model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process)
-        model = apply_tensor_parallel(model, state, sequence_parallel, comm_counter=comm_counter,
-                                      rng_tracker=rng_tracker)
+        model = apply_tensor_parallel(
+            model, state, sequence_parallel, comm_counter=comm_counter, rng_tracker=rng_tracker
+        )
         initialize_parameters(model, cfg, seed, device=device, dtype=dtype)
         model.tie_weights()
         if recompute != "none":
@@ -40,7 +53,7 @@ def build_model_chunks(cfg: ModelConfig, state: ParallelState, seed: int, device
     return chunks
 
 
-def count_parameters(chunks: list[GPTModel], state: Optional[ParallelState] = None) -> int:
+def count_parameters(chunks: list[GPTModel], state: ParallelState | None = None) -> int:
     """Parameters on this rank, each tensor-parallel-replicated one and the tied copy counted once."""
     total = 0
     for chunk in chunks:

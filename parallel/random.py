@@ -11,11 +11,13 @@ part (attention heads; anything along a sequence shard: otherwise the masks are 
 block. `ForkRNG` wraps a module so its forward runs inside `fork()`. `make_checkpoint_fn` builds the
 activation-checkpoint function that replays the same tracker-forked masks on recomputation.
 """
+
 from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -33,15 +35,16 @@ class RNGTracker:
             CUDA generator, on CPU tensors from the CPU one: the tracker swaps the one the model uses.
     """
 
-    def __init__(self, device: Optional[str | torch.device] = None):
+    def __init__(self, device: str | torch.device | None = None):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device_type = torch.device(device).type
         self.states: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def seeded(cls, seed: int, tp_rank: int = 0, pp_rank: int = 0,
-               device: Optional[str | torch.device] = None) -> "RNGTracker":
+    def seeded(
+        cls, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: str | torch.device | None = None
+    ) -> RNGTracker:
         """Seed the process as Megatron does and return its tracker (call once per process)."""
         tracker = cls(device)
         offset = seed + 100 * pp_rank
@@ -96,9 +99,13 @@ class RNGTracker:
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the random streams: python, CPU, CUDA (if any), tracker states."""
-        return {"python": random.getstate(), "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                "tracker": self.get_states(), "device_type": self.device_type}
+        return {
+            "python": random.getstate(),
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": self.get_states(),
+            "device_type": self.device_type,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
@@ -147,7 +154,8 @@ def make_checkpoint_fn(rng_tracker: RNGTracker) -> Callable:
         return forward_context(), recompute_context()
 
     def checkpoint_fn(fn: Callable, *args):
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                                                 context_fn=context_fn)
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+        )
 
     return checkpoint_fn

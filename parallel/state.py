@@ -1,4 +1,5 @@
 """The parallel state: process groups and ranks of one PTD-P layout, built once and passed explicitly."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,25 +44,27 @@ class ParallelState:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def single(cls) -> "ParallelState":
+    def single(cls) -> ParallelState:
         """The layout of one process: every group is None and every collective is skipped."""
-        return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=1,
-                   pp_ranks=[0], tp_ranks=[0], dp_ranks=[0])
+        return cls(
+            world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=1, pp_ranks=[0], tp_ranks=[0], dp_ranks=[0]
+        )
 
     @classmethod
-    def from_layout(cls, layout: Layout) -> "ParallelState":
+    def from_layout(cls, layout: Layout) -> ParallelState:
         """The state of `layout` for this process: `single()` for one process, else `create(...)`."""
         if layout.world_size == 1:
             return cls.single()
         return cls.create(layout.tp_size, layout.pp_size, layout.vp_size)
 
     @classmethod
-    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1) -> "ParallelState":
+    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         dp_size = derive_dp_size(world_size, tp_size, pp_size)
-        state = cls(world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size,
-                    dp_size=dp_size, vp_size=vp_size)
+        state = cls(
+            world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, vp_size=vp_size
+        )
         for ranks in _tp_groups(tp_size, dp_size, pp_size):
             group = dist.new_group(ranks)
             if rank in ranks:
@@ -116,7 +119,7 @@ class ParallelState:
 
     def describe(self) -> str:
         """This rank's coordinates, for the start-up log (the layout itself: `Layout.describe`)."""
-        return (f"rank {self.rank} is tp_rank {self.tp_rank}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}")
+        return f"rank {self.rank} is tp_rank {self.tp_rank}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}"
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:

@@ -17,10 +17,10 @@ and row-parallel biases are then partial (ParamInfo.sequence_parallel) and
 
 Layers and mappings live in parallel/tp_layers.py and parallel/tp_mappings.py; this file re-exports them.
 """
+
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -32,18 +32,42 @@ from model.param_info import param_info, set_param_info
 from parallel.layout import check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker
 from parallel.state import ParallelState
-from parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                vocab_parallel_cross_entropy)
-from parallel.tp_mappings import (CommCounter, TPComm, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
-                                  gather_from_tp_region, reduce_from_tp_region,
-                                  reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-                                  scatter_to_tp_region)
+from parallel.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from parallel.tp_mappings import (
+    CommCounter,
+    TPComm,
+    all_reduce,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 
-__all__ = ["apply_tensor_parallel",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "CommCounter", "TPComm", "tp_comm", "copy_to_tp_region", "reduce_from_tp_region",
-           "scatter_to_tp_region", "gather_from_tp_region", "scatter_to_sequence_parallel_region",
-           "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region"]
+__all__ = [
+    "ColumnParallelLinear",
+    "CommCounter",
+    "RowParallelLinear",
+    "TPComm",
+    "VocabParallelEmbedding",
+    "apply_tensor_parallel",
+    "copy_to_tp_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tp_region",
+    "tp_comm",
+    "vocab_parallel_cross_entropy",
+]
 
 # Which linear of a TransformerLayer becomes which parallel layer.
 LAYER_PLAN: tuple[tuple[str, type], ...] = (
@@ -54,14 +78,18 @@ LAYER_PLAN: tuple[tuple[str, type], ...] = (
 )
 
 
-def tp_comm(state: ParallelState, counter: Optional[CommCounter] = None, scope: str = "layer") -> TPComm:
+def tp_comm(state: ParallelState, counter: CommCounter | None = None, scope: str = "layer") -> TPComm:
     """The TPComm of this rank's tp group."""
     return TPComm(group=state.tp_group, rank=state.tp_rank, size=state.tp_size, counter=counter, scope=scope)
 
 
-def apply_tensor_parallel(model: GPTModel, state: ParallelState, sequence_parallel: bool = False,
-                          comm_counter: Optional[CommCounter] = None,
-                          rng_tracker: Optional[RNGTracker] = None) -> GPTModel:
+def apply_tensor_parallel(
+    model: GPTModel,
+    state: ParallelState,
+    sequence_parallel: bool = False,
+    comm_counter: CommCounter | None = None,
+    rng_tracker: RNGTracker | None = None,
+) -> GPTModel:
     """Shard `model` (preferably still on the meta device) over `state`'s tp group, in place; returns it.
 
     Call before model/init.initialize_parameters and model.tie_weights(): the new parameters carry
@@ -105,8 +133,9 @@ def _shard_embedding(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> 
 
 def _shard_head(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> None:
     """Output layer split by vocabulary (logits stay [s, b, V/tp]) and the vocab-parallel loss."""
-    model.output_layer = ColumnParallelLinear.from_linear(model.output_layer, comm.with_scope("output"),
-                                                          sequence_parallel=sequence_parallel)
+    model.output_layer = ColumnParallelLinear.from_linear(
+        model.output_layer, comm.with_scope("output"), sequence_parallel=sequence_parallel
+    )
     if model.cfg.tie_embeddings and model.pre_process:
         model.output_layer.weight = model.embedding.word_embeddings.weight
     model.vocab_start_index = comm.rank * model.output_layer.weight.shape[0]  # for the padding mask
@@ -115,7 +144,8 @@ def _shard_head(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> None:
     model.head_input_fn = model.output_layer.gather_input
     model.loss_reductions = CrossEntropyReductions(
         max=partial(all_reduce, comm=comm.with_scope("loss"), phase="forward", op=dist.ReduceOp.MAX),
-        sum=partial(all_reduce, comm=comm.with_scope("loss"), phase="forward"))
+        sum=partial(all_reduce, comm=comm.with_scope("loss"), phase="forward"),
+    )
 
 
 def _mark_replicated(model: nn.Module, sequence_parallel: bool) -> None:
@@ -124,11 +154,16 @@ def _mark_replicated(model: nn.Module, sequence_parallel: bool) -> None:
     for name, param in model.named_parameters():
         if param_info(param).full_shape is not None:
             continue  # made by a parallel layer above (which sets full_shape)
-        set_param_info(param, tensor_parallel=False, partition_dim=-1, full_shape=tuple(param.shape),
-                       sequence_parallel=sequence_parallel and "norm." in name)
+        set_param_info(
+            param,
+            tensor_parallel=False,
+            partition_dim=-1,
+            full_shape=tuple(param.shape),
+            sequence_parallel=sequence_parallel and "norm." in name,
+        )
 
 
-def _wrap_dropouts(model: GPTModel, sequence_parallel: bool, rng_tracker: Optional[RNGTracker]) -> None:
+def _wrap_dropouts(model: GPTModel, sequence_parallel: bool, rng_tracker: RNGTracker | None) -> None:
     """Attention dropout acts on this rank's heads: tp-specific stream. Hidden/embedding dropout acts on
     replicated activations (shared stream) unless sequence parallelism shards them along s."""
     if rng_tracker is None:

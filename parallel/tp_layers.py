@@ -8,10 +8,11 @@
 Every parameter they create carries its ParamInfo (model/param_info.py): full_shape, shard_fn,
 tensor_parallel, partition_dim and sequence_parallel, read by model/init.py and the trainer.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,9 +21,15 @@ from torch import nn
 
 from model.param_info import set_param_info
 from parallel.layout import require_divisible
-from parallel.tp_mappings import (TPComm, all_reduce, copy_to_tp_region, gather_from_sequence_parallel_region,
-                                  gather_from_tp_region, reduce_from_tp_region,
-                                  reduce_scatter_to_sequence_parallel_region)
+from parallel.tp_mappings import (
+    TPComm,
+    all_reduce,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 # ---- shard functions (module level so parameters stay deep-copyable) ------------------------------
@@ -41,8 +48,9 @@ def shard_dim1(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return full.narrow(1, rank * local, local)
 
 
-def _new_param(shape: tuple[int, ...], device, dtype, template: Optional[nn.Parameter],
-               shard_fn: Optional[Callable], **info) -> nn.Parameter:
+def _new_param(
+    shape: tuple[int, ...], device, dtype, template: nn.Parameter | None, shard_fn: Callable | None, **info
+) -> nn.Parameter:
     """A parameter of the local `shape`: the shard of `template`'s value when it has one (not meta),
     else uninitialised (meta build: model/init.py fills it later). Its ParamInfo is the template's
     (init_name, shared_embedding, ...) with `shard_fn` and the `info` fields set."""
@@ -71,31 +79,64 @@ class ColumnParallelLinear(nn.Module):
     or the vocab-parallel loss). `num_stacked` blocks along `out` are split separately (SwiGLU's fc1).
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
-                 sequence_parallel: bool = False, gather_output: bool = False, num_stacked: int = 1,
-                 device=None, dtype=None, template: Optional[nn.Linear] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: TPComm,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        num_stacked: int = 1,
+        device=None,
+        dtype=None,
+        template: nn.Linear | None = None,
+    ):
         super().__init__()
-        _check_divisible(f"output size per block ({num_stacked} blocks)", out_features // num_stacked,
-                         comm.size)
+        _check_divisible(f"output size per block ({num_stacked} blocks)", out_features // num_stacked, comm.size)
         if gather_output and num_stacked > 1:
             raise ValueError("gather_output with stacked blocks would interleave them: not supported")
         self.comm, self.sequence_parallel, self.gather_output = comm, sequence_parallel, gather_output
         self.in_features, self.out_features = in_features, out_features
         out_local = out_features // comm.size
         shard = partial(shard_dim0, rank=comm.rank, size=comm.size, num_stacked=num_stacked)
-        self.weight = _new_param((out_local, in_features), device, dtype, getattr(template, "weight", None),
-                                 shard, full_shape=(out_features, in_features), tensor_parallel=True,
-                                 partition_dim=0)
+        self.weight = _new_param(
+            (out_local, in_features),
+            device,
+            dtype,
+            getattr(template, "weight", None),
+            shard,
+            full_shape=(out_features, in_features),
+            tensor_parallel=True,
+            partition_dim=0,
+        )
         self.bias = None
         if bias:
-            self.bias = _new_param((out_local,), device, dtype, getattr(template, "bias", None), shard,
-                                   full_shape=(out_features,), tensor_parallel=True, partition_dim=0)
+            self.bias = _new_param(
+                (out_local,),
+                device,
+                dtype,
+                getattr(template, "bias", None),
+                shard,
+                full_shape=(out_features,),
+                tensor_parallel=True,
+                partition_dim=0,
+            )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> ColumnParallelLinear:
         """The parallel version of `linear` (meta or real: a real weight keeps its own values, sharded)."""
-        return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                   device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            comm,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            template=linear,
+            **kwargs,
+        )
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input as the GEMM sees it: [s/tp, b, in] all-gathered with sequence parallelism (backward:
@@ -115,8 +156,10 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp_region(y_local, self.comm) if self.gather_output else y_local
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, out_local={self.weight.shape[0]}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, out_local={self.weight.shape[0]}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -127,28 +170,59 @@ class RowParallelLinear(nn.Module):
     under sequence parallelism its gradient is partial, so it is marked `sequence_parallel`.
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: TPComm, *, bias: bool = True,
-                 sequence_parallel: bool = False, device=None, dtype=None,
-                 template: Optional[nn.Linear] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: TPComm,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+        template: nn.Linear | None = None,
+    ):
         super().__init__()
         _check_divisible("input size", in_features, comm.size)
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         shard = partial(shard_dim1, rank=comm.rank, size=comm.size)
-        self.weight = _new_param((out_features, in_features // comm.size), device, dtype,
-                                 getattr(template, "weight", None), shard,
-                                 full_shape=(out_features, in_features), tensor_parallel=True,
-                                 partition_dim=1)
+        self.weight = _new_param(
+            (out_features, in_features // comm.size),
+            device,
+            dtype,
+            getattr(template, "weight", None),
+            shard,
+            full_shape=(out_features, in_features),
+            tensor_parallel=True,
+            partition_dim=1,
+        )
         self.bias = None
         if bias:
-            self.bias = _new_param((out_features,), device, dtype, getattr(template, "bias", None), None,
-                                   full_shape=(out_features,), tensor_parallel=False, partition_dim=-1,
-                                   sequence_parallel=sequence_parallel)
+            self.bias = _new_param(
+                (out_features,),
+                device,
+                dtype,
+                getattr(template, "bias", None),
+                None,
+                full_shape=(out_features,),
+                tensor_parallel=False,
+                partition_dim=-1,
+                sequence_parallel=sequence_parallel,
+            )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> "RowParallelLinear":
-        return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                   device=linear.weight.device, dtype=linear.weight.dtype, template=linear, **kwargs)
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> RowParallelLinear:
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            comm,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            template=linear,
+            **kwargs,
+        )
 
     def forward(self, x_local: torch.Tensor, skip_bias_add: bool = False):
         """[s, b, in/tp] -> [s(/tp), b, out]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
@@ -162,16 +236,26 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, in_local={self.weight.shape[1]}, out={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, in_local={self.weight.shape[1]}, out={self.out_features}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V, h] split by vocabulary rows; each rank looks up the ids in its range, zeros the
     others, and the all-reduce sums the one non-zero contribution: ids [b, s] -> [b, s, h] replicated."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm: TPComm, *, device=None, dtype=None,
-                 template: Optional[nn.Embedding] = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        comm: TPComm,
+        *,
+        device=None,
+        dtype=None,
+        template: nn.Embedding | None = None,
+    ):
         super().__init__()
         _check_divisible("padded vocabulary size", num_embeddings, comm.size)
         self.comm = comm
@@ -179,14 +263,27 @@ class VocabParallelEmbedding(nn.Module):
         rows_local = num_embeddings // comm.size
         self.vocab_start, self.vocab_end = comm.rank * rows_local, (comm.rank + 1) * rows_local
         shard = partial(shard_dim0, rank=comm.rank, size=comm.size)
-        self.weight = _new_param((rows_local, embedding_dim), device, dtype, getattr(template, "weight", None),
-                                 shard, full_shape=(num_embeddings, embedding_dim), tensor_parallel=True,
-                                 partition_dim=0)
+        self.weight = _new_param(
+            (rows_local, embedding_dim),
+            device,
+            dtype,
+            getattr(template, "weight", None),
+            shard,
+            full_shape=(num_embeddings, embedding_dim),
+            tensor_parallel=True,
+            partition_dim=0,
+        )
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, comm: TPComm) -> "VocabParallelEmbedding":
-        return cls(embedding.num_embeddings, embedding.embedding_dim, comm, device=embedding.weight.device,
-                   dtype=embedding.weight.dtype, template=embedding)
+    def from_embedding(cls, embedding: nn.Embedding, comm: TPComm) -> VocabParallelEmbedding:
+        return cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            comm,
+            device=embedding.weight.device,
+            dtype=embedding.weight.dtype,
+            template=embedding,
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
@@ -233,7 +330,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor,
-                                 comm: TPComm) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor, comm: TPComm) -> torch.Tensor:
     """Per-token loss [s, b] in fp32 from vocabulary-sharded logits [s, b, V/tp] and labels [s, b]."""
     return _VocabParallelCrossEntropy.apply(logits_local, labels, comm)

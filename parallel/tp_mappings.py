@@ -14,11 +14,12 @@ Each function is a pair of conjugate collectives: what forward does, backward un
 A `TPComm` carries what a collective needs (group, rank, size) plus an optional `CommCounter` and a scope
 label ("layer", "embedding", "output", "loss") so the per-transformer-layer count can be checked apart.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,16 +44,17 @@ class CommCounter:
         self.counts[key] += 1
         self.bytes[key] += tensor.numel() * tensor.element_size()
 
-    def count(self, kind: str, phase: str, scope: Optional[str] = "layer") -> int:
+    def count(self, kind: str, phase: str, scope: str | None = "layer") -> int:
         """Calls of `kind` in `phase` within `scope` (None: all scopes)."""
-        return sum(n for (s, k, p), n in self.counts.items()
-                   if k == kind and p == phase and (scope is None or s == scope))
+        return sum(
+            n for (s, k, p), n in self.counts.items() if k == kind and p == phase and (scope is None or s == scope)
+        )
 
     def reset(self) -> None:
         self.counts.clear()
         self.bytes.clear()
 
-    def summary(self, num_layers: Optional[int] = None, num_microbatches: int = 1) -> str:
+    def summary(self, num_layers: int | None = None, num_microbatches: int = 1) -> str:
         """One line per (scope, kind, phase); with `num_layers`, layer counts also per layer per micro-batch."""
         lines = []
         for (scope, kind, phase), n in sorted(self.counts.items()):
@@ -71,10 +73,10 @@ class TPComm:
     group: Any
     rank: int
     size: int
-    counter: Optional[CommCounter] = None
+    counter: CommCounter | None = None
     scope: str = "layer"
 
-    def with_scope(self, scope: str) -> "TPComm":
+    def with_scope(self, scope: str) -> TPComm:
         return replace(self, scope=scope)
 
     def record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
@@ -83,8 +85,9 @@ class TPComm:
 
 
 # ---- the raw collectives (no autograd) ------------------------------------------------------------
-def all_reduce(x: torch.Tensor, comm: TPComm, phase: str,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    x: torch.Tensor, comm: TPComm, phase: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """All-reduce over the tp group, in place when x is contiguous (returns the reduced tensor)."""
     if comm.size == 1:
         return x
@@ -114,8 +117,9 @@ def _split_first(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     if comm.size == 1:
         return x
     if x.shape[0] % comm.size:
-        raise ValueError(f"sequence parallelism: sequence length {x.shape[0]} is not divisible by "
-                         f"parallel.tp_size={comm.size}")
+        raise ValueError(
+            f"sequence parallelism: sequence length {x.shape[0]} is not divisible by parallel.tp_size={comm.size}"
+        )
     return x.chunk(comm.size, dim=0)[comm.rank].contiguous()
 
 
@@ -132,8 +136,9 @@ def _reduce_scatter_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Te
     if comm.size == 1:
         return x
     if x.shape[0] % comm.size:
-        raise ValueError(f"sequence parallelism: sequence length {x.shape[0]} is not divisible by "
-                         f"parallel.tp_size={comm.size}")
+        raise ValueError(
+            f"sequence parallelism: sequence length {x.shape[0]} is not divisible by parallel.tp_size={comm.size}"
+        )
     comm.record("reduce_scatter", phase, x)
     out = torch.empty((x.shape[0] // comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out, x.contiguous(), group=comm.group)
@@ -241,8 +246,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, comm: TPComm) -> torch.
     return _ScatterToSP.apply(x, comm)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, comm: TPComm,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, comm: TPComm, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     return _GatherFromSP.apply(x, comm, tensor_parallel_output_grad)
 
 

@@ -11,6 +11,7 @@ Generalised here to the value size of the run (2 bytes for bf16/fp16 activations
 attention, any ffn width, SwiGLU (fc1 output of 2 ffn values), dropout off (no masks), and fused attention
 kernels that keep no [s, s] tensor (`attention="flash"`: only a fp32 log-sum-exp per query row).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,16 +38,25 @@ class ActivationShape:
     attention: str = "materialized"  # or "flash"
 
 
-def shape_from_config(model: Any, parallel: Any, train: Any, attention: str = "materialized",
-                      micro_batch: int | None = None) -> ActivationShape:
+def shape_from_config(
+    model: Any, parallel: Any, train: Any, attention: str = "materialized", micro_batch: int | None = None
+) -> ActivationShape:
     """The ActivationShape of a run config (training.config sections)."""
     return ActivationShape(
-        seq_length=model.seq_length, micro_batch=micro_batch or train.micro_batch_size, hidden=model.hidden_size,
-        heads=model.num_attention_heads, query_groups=model.query_groups, ffn=model.ffn_size,
-        swiglu=model.activation == "swiglu", tp_size=parallel.tp_size,
+        seq_length=model.seq_length,
+        micro_batch=micro_batch or train.micro_batch_size,
+        hidden=model.hidden_size,
+        heads=model.num_attention_heads,
+        query_groups=model.query_groups,
+        ffn=model.ffn_size,
+        swiglu=model.activation == "swiglu",
+        tp_size=parallel.tp_size,
         sequence_parallel=bool(parallel.sequence_parallel and parallel.tp_size > 1),
-        value_bytes=4 if train.precision == "fp32" else 2, hidden_dropout=model.hidden_dropout > 0,
-        attention_dropout=model.attention_dropout > 0, attention=attention)
+        value_bytes=4 if train.precision == "fp32" else 2,
+        hidden_dropout=model.hidden_dropout > 0,
+        attention_dropout=model.attention_dropout > 0,
+        attention=attention,
+    )
 
 
 def attention_score_bytes(shape: ActivationShape) -> float:

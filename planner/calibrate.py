@@ -7,6 +7,7 @@ The fit minimises the squared log error over the observations (Levenberg-Marquar
 as many constants as there are observations: gemm_max, hbm, gemm_half_flops; with one observation, one
 common scale of gemm_max and hbm.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,9 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from planner.cluster import ClusterSpec
 from planner.predict import predict
@@ -65,9 +67,14 @@ def load_run(run_dir: str) -> Observation:
     kept = records[1:] if len(records) > 1 else records
     seconds = statistics.median(r["ms_per_iter"] for r in kept) / 1000.0
     model, train = config.model, config.train
-    flops = flops_per_iteration(train.global_batch_size, model.seq_length, model.num_layers, model.hidden_size,
-                                model.padded_vocab_size(config.parallel.tp_size),
-                                full_recompute=train.recompute == "full")
+    flops = flops_per_iteration(
+        train.global_batch_size,
+        model.seq_length,
+        model.num_layers,
+        model.hidden_size,
+        model.padded_vocab_size(config.parallel.tp_size),
+        full_recompute=train.recompute == "full",
+    )
     tflops = statistics.median(r["tflops_per_device"] for r in kept)
     world = max(1, round(flops / (seconds * tflops * 1e12))) if tflops > 0 else 1
     return Observation(run_dir, config, world, seconds)
@@ -78,8 +85,7 @@ def predicted_seconds(cluster: ClusterSpec, observations: list[Observation]) -> 
 
 
 def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:
-    return [math.log(p / o.measured_seconds) for p, o in zip(predicted_seconds(cluster, observations),
-                                                             observations)]
+    return [math.log(p / o.measured_seconds) for p, o in zip(predicted_seconds(cluster, observations), observations)]
 
 
 def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool) -> ClusterSpec:
@@ -93,8 +99,13 @@ def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool
     return dataclasses.replace(cluster, efficiency=dataclasses.replace(eff, **values))
 
 
-def fit(cluster: ClusterSpec, observations: list[Observation], iterations: int = 8,
-        progress: Callable[[str], None] | None = None, keys: tuple[str, ...] = FITTED) -> ClusterSpec:
+def fit(
+    cluster: ClusterSpec,
+    observations: list[Observation],
+    iterations: int = 8,
+    progress: Callable[[str], None] | None = None,
+    keys: tuple[str, ...] = FITTED,
+) -> ClusterSpec:
     """The cluster with the efficiency constants that best explain the observations (Levenberg-Marquardt on
     the log errors, finite-difference Jacobian: a few predictions of every observation per iteration).
     At most len(observations) of `keys` are fitted; one observation fits one scale of gemm_max and hbm."""
@@ -103,7 +114,7 @@ def fit(cluster: ClusterSpec, observations: list[Observation], iterations: int =
     if not observations:
         raise ValueError("calibration needs at least one observation")
     tied = len(observations) == 1
-    keys = ["scale"] if tied else list(keys)[:len(observations)]
+    keys = ["scale"] if tied else list(keys)[: len(observations)]
     x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in keys]
 
     def residuals(point: list[float]) -> np.ndarray:

@@ -4,6 +4,7 @@ plus the efficiency constants the cost model uses (calibrated, see planner/calib
 A spec is a YAML file (configs/clusters/*.yaml) read strictly: an unknown or missing key is an error that
 names the file and the key. Bandwidths are in GB/s (10^9 bytes), peak in TFLOP/s (10^12), memory in GiB.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,7 +79,7 @@ class ClusterSpec:
     def nvlink_one_way_gbs(self) -> float:
         return self.nvlink_gbs / 2.0
 
-    def with_efficiency(self, **changes: Any) -> "ClusterSpec":
+    def with_efficiency(self, **changes: Any) -> ClusterSpec:
         """The same cluster with some efficiency constants replaced."""
         return dataclasses.replace(self, efficiency=dataclasses.replace(self.efficiency, **changes))
 
@@ -117,21 +118,30 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
     gpus = node.get("gpus")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ClusterError(f"{where}: node.gpus={gpus!r} must be a positive integer")
-    network_gbs = (_number(network, "links_per_node", where, "network.")
-                   * _number(network, "link_gbps", where, "network.") / 8.0 / gpus)
+    network_gbs = (
+        _number(network, "links_per_node", where, "network.")
+        * _number(network, "link_gbps", where, "network.")
+        / 8.0
+        / gpus
+    )
     eff_raw = raw.get("efficiency") or {}
     known = [f.name for f in dataclasses.fields(Efficiency)]
     _strict(eff_raw, known, where, "efficiency.")
     efficiency = Efficiency(**eff_raw)
     efficiency.validate(where)
     return ClusterSpec(
-        name=str(raw.get("name", where)), peak_tflops=_number(gpu, "peak_tflops_bf16", where, "gpu."),
+        name=str(raw.get("name", where)),
+        peak_tflops=_number(gpu, "peak_tflops_bf16", where, "gpu."),
         peak_tflops_fp32=_number(gpu, "peak_tflops_fp32", where, "gpu."),
-        memory_gib=_number(gpu, "memory_gib", where, "gpu."), hbm_gbs=_number(gpu, "hbm_gbs", where, "gpu."),
-        gpus_per_node=gpus, nvlink_gbs=_number(node, "nvlink_gbs", where, "node."),
+        memory_gib=_number(gpu, "memory_gib", where, "gpu."),
+        hbm_gbs=_number(gpu, "hbm_gbs", where, "gpu."),
+        gpus_per_node=gpus,
+        nvlink_gbs=_number(node, "nvlink_gbs", where, "node."),
         network_gbs_per_gpu=network_gbs,
         memory_allowance_gib=float(node.get("memory_allowance_gib", 3.0)),
-        efficiency=efficiency, calibration=str(raw.get("calibration", "")))
+        efficiency=efficiency,
+        calibration=str(raw.get("calibration", "")),
+    )
 
 
 def load_cluster(path: str) -> ClusterSpec:

@@ -8,6 +8,7 @@
   network card between nodes; the slower of the two carries the time, plus a latency per ring step when the
   ring crosses nodes (so tensor parallelism beyond a node pays both).
 """
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ class Hardware:
         if nbytes <= 0:
             return 0.0
         spec, eff = self.cluster, self.cluster.efficiency
-        rate = (spec.network_gbs_per_gpu * eff.network if inter_node else spec.nvlink_one_way_gbs * eff.nvlink)
+        rate = spec.network_gbs_per_gpu * eff.network if inter_node else spec.nvlink_one_way_gbs * eff.nvlink
         return nbytes / (rate * 1e9) + eff.latency_us * 1e-6
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, per_node: int) -> float:
@@ -97,8 +98,12 @@ def layer_gemm_flops(shape: ActivationShape, model: Any) -> list[float]:
     """Forward FLOPs of the four weight GEMMs of one layer on one tp rank."""
     tokens = shape.seq_length * shape.micro_batch
     h, t = shape.hidden, shape.tp_size
-    return [2.0 * tokens * h * qkv_width(model) / t, 2.0 * tokens * h * h / t,
-            2.0 * tokens * h * fc1_width(model) / t, 2.0 * tokens * shape.ffn * h / t]
+    return [
+        2.0 * tokens * h * qkv_width(model) / t,
+        2.0 * tokens * h * h / t,
+        2.0 * tokens * h * fc1_width(model) / t,
+        2.0 * tokens * shape.ffn * h / t,
+    ]
 
 
 def core_attention_seconds(shape: ActivationShape, hw: Hardware) -> float:
@@ -141,8 +146,9 @@ def layer_times(shape: ActivationShape, model: Any, hw: Hardware, recompute: str
     # tp: 2 all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) each way
     t = shape.tp_size
     per_node = tp_per_node(t, hw.cluster.gpus_per_node)
-    one = hw.collective_seconds("all_reduce", shape.seq_length * shape.micro_batch * shape.hidden
-                                * shape.value_bytes, t, per_node)
+    one = hw.collective_seconds(
+        "all_reduce", shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes, t, per_node
+    )
     tp_forward = 2 * one
     tp_backward = 2 * one + (tp_forward if recompute == "full" else 0.0)
     return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward)
@@ -153,8 +159,9 @@ def head_times(shape: ActivationShape, model: Any, hw: Hardware, padded_vocab: i
     tokens = shape.seq_length * shape.micro_batch
     flops = 2.0 * tokens * shape.hidden * padded_vocab / shape.tp_size
     logits = 4.0 * tokens * padded_vocab / shape.tp_size  # fp32 logits
-    forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(3 * logits + 4 * shape.value_bytes * tokens
-                                                                 * shape.hidden)
+    forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(
+        3 * logits + 4 * shape.value_bytes * tokens * shape.hidden
+    )
     backward = 2 * hw.gemm_seconds(flops, tokens) + hw.memory_seconds(2 * logits)
     return forward, backward
 

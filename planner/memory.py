@@ -6,17 +6,23 @@ docs/performance.md "Optimizer memory"): weights in the param dtype (4 B fp32, 2
 grads (4 B), and the optimizer: fp32 plain keeps only the two Adam moments (8 B; the fp32 params are their own
 masters), bf16/fp16 plain fp32 masters + moments (12 B), the distributed optimizer 12/dp B in every precision.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from parallel.pipeline.schedules import Action, build_schedule
-from planner.activations import (ActivationShape, attention_score_bytes, embedding_activation_bytes,
-                                 head_activation_bytes, layer_activation_bytes)
+from planner.activations import (
+    ActivationShape,
+    attention_score_bytes,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+)
 from planner.model_size import rank_params
 
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp_size: int) -> dict[str, float]:
@@ -64,16 +70,22 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.working_set
-                + self.allowance)
+        return self.weights + self.grads + self.optimizer + self.activations + self.working_set + self.allowance
 
     def as_gib(self) -> dict[str, float]:
         fields = {k: v for k, v in asdict(self).items() if k not in ("pp_rank", "params")}
         return {**{k: v / GIB for k, v in fields.items()}, "total": self.total / GIB}
 
 
-def rank_memory(model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape,
-                pp_rank: int, allowance_bytes: float) -> MemoryEstimate:
+def rank_memory(
+    model: Any,
+    layout: Any,
+    train: Any,
+    distributed_optimizer: bool,
+    shape: ActivationShape,
+    pp_rank: int,
+    allowance_bytes: float,
+) -> MemoryEstimate:
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout)."""
     p, v = layout.pp_size, layout.vp_size
     params = rank_params(model, layout.tp_size, p, v, pp_rank)
@@ -97,17 +109,29 @@ def rank_memory(model: Any, layout: Any, train: Any, distributed_optimizer: bool
     else:
         working = 0.0
     if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
-        working = max(working, 4.0 * shape.seq_length * shape.micro_batch
-                      * model.padded_vocab_size(layout.tp_size) / layout.tp_size)
-    return MemoryEstimate(pp_rank, params, params * state["weights"], params * state["grads"],
-                          params * state["optimizer"], activations, working, allowance_bytes)
+        working = max(
+            working,
+            4.0 * shape.seq_length * shape.micro_batch * model.padded_vocab_size(layout.tp_size) / layout.tp_size,
+        )
+    return MemoryEstimate(
+        pp_rank,
+        params,
+        params * state["weights"],
+        params * state["grads"],
+        params * state["optimizer"],
+        activations,
+        working,
+        allowance_bytes,
+    )
 
 
-def layout_memory(model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape,
-                  allowance_bytes: float) -> MemoryEstimate:
+def layout_memory(
+    model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape, allowance_bytes: float
+) -> MemoryEstimate:
     """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the last
     rank the output layer and the logits; the ranks between hold less than rank 0."""
     ranks = {0, layout.pp_size - 1}
-    estimates = [rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes)
-                 for r in sorted(ranks)]
+    estimates = [
+        rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes) for r in sorted(ranks)
+    ]
     return max(estimates, key=lambda e: e.total)

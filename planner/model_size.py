@@ -5,6 +5,7 @@ row-parallel weights (proj, fc2) are split over tp, row-parallel biases and norm
 embedding and the output layer are split along the vocabulary. tests/planner/test_model_size.py checks these
 counts against the meta-device model of tools/model_stats.py.
 """
+
 from __future__ import annotations
 
 from typing import Any

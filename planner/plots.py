@@ -5,6 +5,7 @@
 - interleaving.png: interleaved against plain 1F1B over batch sizes (Figure 12).
 Points whose layout does not fit in memory are drawn hollow.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from planner.search import with_layout
 
 def _batch(config: Any, global_batch: int) -> Any:
     import dataclasses
+
     return dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=global_batch))
 
 
@@ -39,7 +41,7 @@ def _plot_series(ax, xs, points, label) -> None:
     kept = [(x, p) for x, p in zip(xs, points) if p is not None]
     if not kept:
         return
-    line, = ax.plot([x for x, _ in kept], [p[0] for _, p in kept], "-", label=label)
+    (line,) = ax.plot([x for x, _ in kept], [p[0] for _, p in kept], "-", label=label)
     for x, (y, fits) in kept:
         ax.plot([x], [y], "o", color=line.get_color(), markerfacecolor=line.get_color() if fits else "none")
 
@@ -49,17 +51,33 @@ def sweep_tp_pp(config: Any, cluster: ClusterSpec, world: int) -> dict[int, list
     model_parallel = config.parallel.tp_size * config.parallel.pp_size
     splits = [(t, model_parallel // t) for t in range(1, model_parallel + 1) if model_parallel % t == 0]
     mb, recompute = config.train.micro_batch_size, config.train.recompute
-    return {batch: [(t, p, _point(_batch(with_layout(config, t, p, 1, mb, recompute), batch), cluster, world))
-                    for t, p in splits] for batch in batch_sizes(config, world)}
+    return {
+        batch: [
+            (t, p, _point(_batch(with_layout(config, t, p, 1, mb, recompute), batch), cluster, world))
+            for t, p in splits
+        ]
+        for batch in batch_sizes(config, world)
+    }
 
 
 def sweep_microbatch(config: Any, cluster: ClusterSpec, world: int) -> dict[int, list]:
     """{batch: [(micro-batch, point)]} for the config's layout."""
     par, recompute = config.parallel, config.train.recompute
     base = config.train.global_batch_size
-    return {batch: [(mb, _point(_batch(with_layout(config, par.tp_size, par.pp_size, par.vp_size, mb, recompute),
-                                       batch), cluster, world)) for mb in (1, 2, 4, 8, 16)]
-            for batch in sorted({max(1, base // 4), base})}
+    return {
+        batch: [
+            (
+                mb,
+                _point(
+                    _batch(with_layout(config, par.tp_size, par.pp_size, par.vp_size, mb, recompute), batch),
+                    cluster,
+                    world,
+                ),
+            )
+            for mb in (1, 2, 4, 8, 16)
+        ]
+        for batch in sorted({max(1, base // 4), base})
+    }
 
 
 def sweep_interleaving(config: Any, cluster: ClusterSpec, world: int, vp: int) -> dict[int, list]:
@@ -67,14 +85,28 @@ def sweep_interleaving(config: Any, cluster: ClusterSpec, world: int, vp: int) -
     par, train = config.parallel, config.train
     per_step = world // (par.tp_size * par.pp_size) * train.micro_batch_size * par.pp_size
     batches = [per_step * k for k in (1, 2, 3, 4, 6, 8, 12, 16)]
-    return {v: [(b, _point(_batch(with_layout(config, par.tp_size, par.pp_size, v, train.micro_batch_size,
-                                              train.recompute), b), cluster, world)) for b in batches]
-            for v in (1, vp)}
+    return {
+        v: [
+            (
+                b,
+                _point(
+                    _batch(
+                        with_layout(config, par.tp_size, par.pp_size, v, train.micro_batch_size, train.recompute), b
+                    ),
+                    cluster,
+                    world,
+                ),
+            )
+            for b in batches
+        ]
+        for v in (1, vp)
+    }
 
 
 def draw_all(config: Any, cluster: ClusterSpec, world: int, out_dir: str) -> list[str]:
     """Write the three PNGs into out_dir; returns their paths."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -111,6 +143,7 @@ def draw_all(config: Any, cluster: ClusterSpec, world: int, out_dir: str) -> lis
 
 def _finish(fig, ax, title: str, path: str) -> str:
     import matplotlib.pyplot as plt
+
     ax.set_ylabel("predicted TFLOP/s per GPU")
     ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)

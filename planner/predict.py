@@ -8,6 +8,7 @@ After the pipeline: the data-parallel gradient reduction (overlapped with the la
 as the trainer's buckets are), the tied-embedding all-reduce, the optimizer step and, with the distributed
 optimizer, the parameter all-gather.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +17,20 @@ from typing import Any
 from parallel.layout import Layout, build_layout
 from parallel.pipeline.p2p import produced_message
 from parallel.pipeline.schedules import Action, build_schedule
-from parallel.pipeline.stages import virtual_stage
 from parallel.pipeline.simulator import simulate_lists
+from parallel.pipeline.stages import virtual_stage
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
-from planner.costs import (Hardware, dp_per_node, head_times, layer_times, optimizer_seconds, p2p_seconds,
-                           pipeline_crosses_nodes, tp_per_node)
+from planner.costs import (
+    Hardware,
+    dp_per_node,
+    head_times,
+    layer_times,
+    optimizer_seconds,
+    p2p_seconds,
+    pipeline_crosses_nodes,
+    tp_per_node,
+)
 from planner.memory import GIB, MemoryEstimate, layout_memory
 from planner.model_size import rank_params
 from training.flops import flops_per_iteration
@@ -72,23 +81,39 @@ class Prediction:
     def describe_layout(self) -> str:
         lay = self.layout
         sp = " sp" if lay.sequence_parallel else ""
-        return (f"tp {lay.tp_size} pp {lay.pp_size} vp {lay.vp_size} dp {lay.dp_size} mb {self.micro_batch_size} "
-                f"recompute {self.recompute}{sp}")
+        return (
+            f"tp {lay.tp_size} pp {lay.pp_size} vp {lay.vp_size} dp {lay.dp_size} mb {self.micro_batch_size} "
+            f"recompute {self.recompute}{sp}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
-        return {"layout": {"tp": lay.tp_size, "pp": lay.pp_size, "vp": lay.vp_size, "dp": lay.dp_size,
-                           "micro_batch_size": self.micro_batch_size, "num_microbatches": lay.num_microbatches,
-                           "schedule": lay.schedule, "sequence_parallel": lay.sequence_parallel,
-                           "recompute": self.recompute, "world_size": lay.world_size},
-                "tflops_per_gpu": self.tflops_per_gpu, "iteration_seconds": self.iteration_seconds,
-                "memory_gib_per_gpu": self.memory_gib, "fits": self.fits,
-                "memory_capacity_gib": self.memory_capacity_gib,
-                "breakdown_seconds": dict(self.breakdown), "recompute_seconds": self.recompute_seconds,
-                "breakdown_fraction": {k: v / self.iteration_seconds for k, v in self.breakdown.items()},
-                "bubble_fraction": self.bubble_fraction,
-                "memory_breakdown_gib": self.memory.as_gib(), "memory_pp_rank": self.memory.pp_rank,
-                "flops_per_iteration": self.flops_per_iteration}
+        return {
+            "layout": {
+                "tp": lay.tp_size,
+                "pp": lay.pp_size,
+                "vp": lay.vp_size,
+                "dp": lay.dp_size,
+                "micro_batch_size": self.micro_batch_size,
+                "num_microbatches": lay.num_microbatches,
+                "schedule": lay.schedule,
+                "sequence_parallel": lay.sequence_parallel,
+                "recompute": self.recompute,
+                "world_size": lay.world_size,
+            },
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "iteration_seconds": self.iteration_seconds,
+            "memory_gib_per_gpu": self.memory_gib,
+            "fits": self.fits,
+            "memory_capacity_gib": self.memory_capacity_gib,
+            "breakdown_seconds": dict(self.breakdown),
+            "recompute_seconds": self.recompute_seconds,
+            "breakdown_fraction": {k: v / self.iteration_seconds for k, v in self.breakdown.items()},
+            "bubble_fraction": self.bubble_fraction,
+            "memory_breakdown_gib": self.memory.as_gib(),
+            "memory_pp_rank": self.memory.pp_rank,
+            "flops_per_iteration": self.flops_per_iteration,
+        }
 
 
 class _Costs:
@@ -170,15 +195,32 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
             critical, total, parts = r, rank_total, rank_parts
     allowance = cluster.memory_allowance_gib * GIB
     memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
-    flops = flops_per_iteration(train.global_batch_size, model.seq_length, model.num_layers, model.hidden_size,
-                                model.padded_vocab_size(layout.tp_size), full_recompute=train.recompute == "full")
+    flops = flops_per_iteration(
+        train.global_batch_size,
+        model.seq_length,
+        model.num_layers,
+        model.hidden_size,
+        model.padded_vocab_size(layout.tp_size),
+        full_recompute=train.recompute == "full",
+    )
     recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op == "B")
-    return Prediction(layout, train.micro_batch_size, train.recompute, total, flops, parts, recompute, memory,
-                      cluster.memory_gib, timeline.bubble_fraction)
+    return Prediction(
+        layout,
+        train.micro_batch_size,
+        train.recompute,
+        total,
+        flops,
+        parts,
+        recompute,
+        memory,
+        cluster.memory_gib,
+        timeline.bubble_fraction,
+    )
 
 
-def _rank_parts(config: Any, layout: Layout, hw: Hardware, costs: _Costs, actions: list[Action], pp_rank: int,
-                events: list) -> dict[str, float]:
+def _rank_parts(
+    config: Any, layout: Layout, hw: Hardware, costs: _Costs, actions: list[Action], pp_rank: int, events: list
+) -> dict[str, float]:
     """The time of pipeline rank `pp_rank`, split as BREAKDOWN_KEYS (sums to the rank's iteration time)."""
     model, par, train = config.model, config.parallel, config.train
     spent = [costs.of(pp_rank, a) for a in actions]
@@ -190,7 +232,7 @@ def _rank_parts(config: Any, layout: Layout, hw: Hardware, costs: _Costs, action
     dp_node = dp_per_node(layout.tp_size, dp, node)
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
     dp_seconds = hw.collective_seconds(kind, 4.0 * params, dp, dp_node)
-    bucket = hw.collective_seconds(kind, min(4.0 * params, par.grad_bucket_size_mb * 2 ** 20), dp, dp_node)
+    bucket = hw.collective_seconds(kind, min(4.0 * params, par.grad_bucket_size_mb * 2**20), dp, dp_node)
     end = max(e.end for e in events)
     dp_comm = _dp_exposed(events, dp_seconds, bucket)
     if par.distributed_optimizer:
@@ -202,5 +244,11 @@ def _rank_parts(config: Any, layout: Layout, hw: Hardware, costs: _Costs, action
         dp_comm += hw.collective_seconds("all_reduce", embedding_bytes, 2, 1)
     optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw)
     bubble = max(0.0, end - (compute + tp_comm + pp_comm))  # rounding can leave -1e-16 on one stage
-    return {"compute": compute, "bubble": bubble, "tp_comm": tp_comm,
-            "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": optimizer}
+    return {
+        "compute": compute,
+        "bubble": bubble,
+        "tp_comm": tp_comm,
+        "pp_comm": pp_comm,
+        "dp_comm": dp_comm,
+        "optimizer": optimizer,
+    }

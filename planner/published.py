@@ -5,6 +5,7 @@ Table 1 (weak scaling, the ten configs of configs/paper/) and the PTD-P rows of 
 activation recomputation, micro-batch 1, the interleaved schedule with scatter/gather (§5.1; the paper does
 not give the number of chunks, so the planner runs these at the configs' plain 1F1B).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,27 +33,40 @@ class PublishedRow:
             return load_config(os.path.join(REPO_ROOT, "configs", "paper", f"{self.config_name}.yaml"))
         layers, hidden, heads = self.model
         tp, pp, batch = self.layout
-        return config_from_dict({
-            "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-                      "seq_length": 2048, "vocab_size": 51200},
-            "parallel": {"tp_size": tp, "pp_size": pp, "schedule": "1f1b"},
-            "train": {"micro_batch_size": 1, "global_batch_size": batch, "precision": "bf16",
-                      "recompute": "full"}})
+        return config_from_dict(
+            {
+                "model": {
+                    "num_layers": layers,
+                    "hidden_size": hidden,
+                    "num_attention_heads": heads,
+                    "seq_length": 2048,
+                    "vocab_size": 51200,
+                },
+                "parallel": {"tp_size": tp, "pp_size": pp, "schedule": "1f1b"},
+                "train": {"micro_batch_size": 1, "global_batch_size": batch, "precision": "bf16", "recompute": "full"},
+            }
+        )
 
 
 TABLE_1 = [
-    PublishedRow("1.7B", 32, 137, 44, "gpt_1.7b"), PublishedRow("3.6B", 64, 138, 44, "gpt_3.6b"),
-    PublishedRow("7.5B", 128, 142, 46, "gpt_7.5b"), PublishedRow("18.4B", 256, 135, 43, "gpt_18.4b"),
-    PublishedRow("39.1B", 512, 138, 44, "gpt_39.1b"), PublishedRow("76.1B", 1024, 140, 45, "gpt_76.1b"),
-    PublishedRow("145.6B", 1536, 148, 47, "gpt_145.6b"), PublishedRow("310.1B", 1920, 155, 50, "gpt_310.1b"),
-    PublishedRow("529.6B", 2520, 163, 52, "gpt_529.6b"), PublishedRow("1008.0B", 3072, 163, 52, "gpt_1t"),
+    PublishedRow("1.7B", 32, 137, 44, "gpt_1.7b"),
+    PublishedRow("3.6B", 64, 138, 44, "gpt_3.6b"),
+    PublishedRow("7.5B", 128, 142, 46, "gpt_7.5b"),
+    PublishedRow("18.4B", 256, 135, 43, "gpt_18.4b"),
+    PublishedRow("39.1B", 512, 138, 44, "gpt_39.1b"),
+    PublishedRow("76.1B", 1024, 140, 45, "gpt_76.1b"),
+    PublishedRow("145.6B", 1536, 148, 47, "gpt_145.6b"),
+    PublishedRow("310.1B", 1920, 155, 50, "gpt_310.1b"),
+    PublishedRow("529.6B", 2520, 163, 52, "gpt_529.6b"),
+    PublishedRow("1008.0B", 3072, 163, 52, "gpt_1t"),
 ]
 
 TABLE_2_PTDP = [
     PublishedRow(f"{name} on {gpus} GPUs", gpus, tflops, None, model=model, layout=layout)
     for name, model, layout, runs in (
         ("174.6B", (96, 12288, 96), (8, 12, 1536), ((384, 153), (768, 149), (1536, 141))),
-        ("529.6B", (105, 20480, 128), (8, 35, 2240), ((560, 171), (1120, 167), (2240, 159))))
+        ("529.6B", (105, 20480, 128), (8, 35, 2240), ((560, 171), (1120, 167), (2240, 159))),
+    )
     for gpus, tflops in runs
 ]
 
@@ -61,12 +75,19 @@ def observations(rows: list[PublishedRow]) -> list:
     """Calibration observations (planner.calibrate.Observation) of published rows."""
     from planner.calibrate import Observation
     from training.flops import flops_per_iteration
+
     result = []
     for row in rows:
         config = row.config()
         m = config.model
-        flops = flops_per_iteration(config.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
-                                    m.padded_vocab_size(config.parallel.tp_size), full_recompute=True)
+        flops = flops_per_iteration(
+            config.train.global_batch_size,
+            m.seq_length,
+            m.num_layers,
+            m.hidden_size,
+            m.padded_vocab_size(config.parallel.tp_size),
+            full_recompute=True,
+        )
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
         result.append(Observation(row.label, config, row.world_size, seconds))
     return result

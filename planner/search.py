@@ -7,11 +7,13 @@ predicted in full (the simulator over the real action lists), which gives the fi
 iteration: TFLOP/s counts the recomputed forward as work, so it does not compare recompute modes). Sequence parallelism, the distributed optimizer and
 the precision are kept as the config has them.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from parallel.layout import LayoutError, build_layout
 from planner.activations import shape_from_config
@@ -53,8 +55,9 @@ def with_layout(config: Any, tp: int, pp: int, vp: int, micro_batch: int, recomp
     return dataclasses.replace(config, parallel=parallel, train=train)
 
 
-def candidate_configs(config: Any, world_size: int, max_vp: int = 8,
-                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Iterator[Any]:
+def candidate_configs(
+    config: Any, world_size: int, max_vp: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+) -> Iterator[Any]:
     """Every (tp, pp, vp, micro-batch, recompute) combination whose layout is valid."""
     layers = config.model.num_layers
     for tp in _divisors(world_size):
@@ -78,8 +81,9 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
     layout = build_layout(model, par, train, world_size)
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
     layer = layer_times(shape, model, Hardware(cluster, train.precision == "fp32"), train.recompute)
-    per_microbatch = (model.num_layers // layout.pp_size) * (layer.forward + layer.backward + layer.tp_forward
-                                                            + layer.tp_backward)
+    per_microbatch = (model.num_layers // layout.pp_size) * (
+        layer.forward + layer.backward + layer.tp_forward + layer.tp_backward
+    )
     bubble = (layout.pp_size - 1) / (layout.vp_size * layout.num_microbatches)
     return layout.num_microbatches * per_microbatch * (1.0 + bubble)
 
@@ -121,8 +125,10 @@ def why_best_wins(result: SearchResult) -> str:
     other, name = result.reference, "the config's layout"
     if other is None or _same_layout(other, best) or not other.fits:
         if other is not None and not other.fits and not _same_layout(other, best):
-            prefix = (f"the config's layout ({other.describe_layout()}) does not fit "
-                      f"({other.memory_gib:.1f} GiB > {other.memory_capacity_gib:.0f} GiB); ")
+            prefix = (
+                f"the config's layout ({other.describe_layout()}) does not fit "
+                f"({other.memory_gib:.1f} GiB > {other.memory_capacity_gib:.0f} GiB); "
+            )
         elif other is not None and _same_layout(other, best):
             prefix = "the config's layout is the best; "
         else:
@@ -138,8 +144,10 @@ def why_best_wins(result: SearchResult) -> str:
     paid = sorted((k for k in deltas if deltas[k] < 0), key=lambda k: deltas[k])
     parts = [f"{k.replace('_', ' ')} -{deltas[k]:.2f} s" for k in saved[:3]]
     costs = [f"{k.replace('_', ' ')} +{-deltas[k]:.2f} s" for k in paid[:2]]
-    text = (f"{prefix}{best.describe_layout()} is {gain:.1%} faster than {name} ({other.describe_layout()}): "
-            f"{', '.join(parts) or 'no term'} per iteration")
+    text = (
+        f"{prefix}{best.describe_layout()} is {gain:.1%} faster than {name} ({other.describe_layout()}): "
+        f"{', '.join(parts) or 'no term'} per iteration"
+    )
     if costs:
         text += f", against {', '.join(costs)}"
     return text + f"; it needs {best.memory_gib:.1f} of {best.memory_capacity_gib:.0f} GiB."

@@ -9,6 +9,7 @@ way, sends SIGKILL after a random delay, then: the tracker's checkpoint must pas
 --verify and every tensor must read back; a save folder left by the killed process (*.tmp.<pid>) is removed by
 the next round's start. Prints how many kills landed while a save was in progress. Exit 1 on any failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,23 +23,42 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from tools import checkpoint_info  # noqa: E402
 from training.checkpoint import files  # noqa: E402
 from training.checkpoint.loader import read_global_tensors  # noqa: E402
 
 # A model whose save (write, fsync, checksum) takes a good share of an iteration, so kills land in saves.
-MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=32",
-         "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.micro_batch_size=2",
-         "train.global_batch_size=4", "train.eval_iters=0", "logging.log_interval=1", "logging.tensorboard=false",
-         "optim.lr_warmup_iters=2", "data.num_workers=0"]
+MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_attention_heads=4",
+    "model.seq_length=32",
+    "model.hidden_dropout=0.1",
+    "model.attention_dropout=0.1",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.eval_iters=0",
+    "logging.log_interval=1",
+    "logging.tensorboard=false",
+    "optim.lr_warmup_iters=2",
+    "data.num_workers=0",
+]
 
 
 def launch(run_dir: str, data_args: list[str], mode: str, train_iters: int) -> subprocess.Popen:
-    args = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *data_args, *MODEL, f"run.dir={run_dir}",
-            f"train.train_iters={train_iters}", "checkpoint.save_interval=1", "checkpoint.load=true",
-            f"checkpoint.async_save={'true' if mode == 'async' else 'false'}", "checkpoint.keep_last=3"]
+    args = [
+        sys.executable,
+        os.path.join(REPO, "pretrain_gpt.py"),
+        *data_args,
+        *MODEL,
+        f"run.dir={run_dir}",
+        f"train.train_iters={train_iters}",
+        "checkpoint.save_interval=1",
+        "checkpoint.load=true",
+        f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+        "checkpoint.keep_last=3",
+    ]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -75,8 +95,15 @@ def one_round(run_dir: str, data_args: list[str], mode: str, rng: random.Random,
     return in_save
 
 
-def run(kills: int, mode: str, workdir: str, data_args: list[str], seed: int = 0, max_delay: float = 3.0,
-        final_resume: bool = True) -> dict:
+def run(
+    kills: int,
+    mode: str,
+    workdir: str,
+    data_args: list[str],
+    seed: int = 0,
+    max_delay: float = 3.0,
+    final_resume: bool = True,
+) -> dict:
     """`kills` rounds on one run in workdir; returns counts. Raises AssertionError on a bad checkpoint.
     Every round after the first starts by resuming the previous round's latest checkpoint in the trainer;
     final_resume adds such a resume after the last kill."""
@@ -108,17 +135,24 @@ def main() -> int:
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt_kill_")
     from tests.conftest import build_tiny_corpus  # the tests' small real corpus and tokenizer
+
     corpus = build_tiny_corpus(os.path.join(workdir, "corpus"))
-    data_args = [f"data.data_path=[{corpus['data_prefix']}]", f"data.vocab_file={corpus['vocab_file']}",
-                 f"data.merge_file={corpus['merge_file']}", "model.make_vocab_size_divisible_by=8"]
+    data_args = [
+        f"data.data_path=[{corpus['data_prefix']}]",
+        f"data.vocab_file={corpus['vocab_file']}",
+        f"data.merge_file={corpus['merge_file']}",
+        "model.make_vocab_size_divisible_by=8",
+    ]
     try:
         result = run(args.kills, args.mode, workdir, data_args, args.seed)
     except AssertionError as err:
         print(f"FAILED: {err}")
         return 1
     print(json.dumps({"mode": args.mode, **result}))
-    print(f"{args.mode}: {result['kills']} kills ({result['during_save']} during a save): the latest checkpoint "
-          f"verified and loaded after every one")
+    print(
+        f"{args.mode}: {result['kills']} kills ({result['during_save']} during a save): the latest checkpoint "
+        f"verified and loaded after every one"
+    )
     return 0
 
 

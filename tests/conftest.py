@@ -3,6 +3,7 @@
 Forking is used (not spawn) because it starts 8 ranks in a fraction of a second on 2 cores; each rank
 gets one thread so that 8 ranks do not fight over the cores.
 """
+
 import os
 import socket
 import sys
@@ -35,9 +36,14 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, error_queue) ->
     # One thread per rank, also for a single forked rank: the trainer sizes its thread pool from
     # LOCAL_WORLD_SIZE, and a forked child that opens an OpenMP region after the parent already used libgomp's
     # pool can hang in its first parallel op (libgomp is not fork-safe); one thread never opens a region.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -59,8 +65,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
     """
     ctx = mp.get_context("fork")
     error_queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_rank_entry, args=(world_size, free_port(), fn, args, error_queue),
-                               nprocs=world_size, join=False, start_method="fork")
+    procs = mp.start_processes(
+        _rank_entry,
+        args=(world_size, free_port(), fn, args, error_queue),
+        nprocs=world_size,
+        join=False,
+        start_method="fork",
+    )
     try:
         deadline = time.monotonic() + timeout
         while not procs.join(timeout=5.0):
@@ -98,8 +109,15 @@ def build_tiny_corpus(root: str, num_files: int = 60) -> dict:
     with open(jsonl, "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     vocab, merges = train_gpt2_bpe(texts, 512, root)
-    preprocess_jsonl(jsonl, os.path.join(root, "tiny"), "GPT2BPETokenizer", vocab_file=vocab, merge_file=merges,
-                     append_eod=True, log=lambda msg: None)
+    preprocess_jsonl(
+        jsonl,
+        os.path.join(root, "tiny"),
+        "GPT2BPETokenizer",
+        vocab_file=vocab,
+        merge_file=merges,
+        append_eod=True,
+        log=lambda msg: None,
+    )
     return {"data_prefix": os.path.join(root, "tiny_text_document"), "vocab_file": vocab, "merge_file": merges}
 
 
@@ -111,17 +129,35 @@ def tiny_corpus(tmp_path_factory) -> dict:
 
 def tiny_train_args(corpus: dict, run_dir: str, *extra: str) -> list[str]:
     """pretrain_gpt.py arguments for a seconds-long fp32 run on the tiny corpus (dropout 0: parity-ready)."""
-    return [f"data.data_path=[{corpus['data_prefix']}]", f"data.vocab_file={corpus['vocab_file']}",
-            f"data.merge_file={corpus['merge_file']}", "data.num_workers=0", "model.num_layers=4",
-            "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=32",
-            "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "model.make_vocab_size_divisible_by=8",
-            "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=10",
-            "train.eval_interval=5", "train.eval_iters=2", "optim.lr_warmup_iters=2", "logging.log_interval=1",
-            "logging.tensorboard=false", "checkpoint.save_interval=0", f"run.dir={run_dir}", *extra]
+    return [
+        f"data.data_path=[{corpus['data_prefix']}]",
+        f"data.vocab_file={corpus['vocab_file']}",
+        f"data.merge_file={corpus['merge_file']}",
+        "data.num_workers=0",
+        "model.num_layers=4",
+        "model.hidden_size=32",
+        "model.num_attention_heads=4",
+        "model.seq_length=32",
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "model.make_vocab_size_divisible_by=8",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.train_iters=10",
+        "train.eval_interval=5",
+        "train.eval_iters=2",
+        "optim.lr_warmup_iters=2",
+        "logging.log_interval=1",
+        "logging.tensorboard=false",
+        "checkpoint.save_interval=0",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The training lines (those with lm_loss) of a run's metrics.jsonl."""
     import json
+
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         return [r for r in map(json.loads, handle) if "lm_loss" in r]

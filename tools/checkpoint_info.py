@@ -9,17 +9,16 @@ dtype. --verify reads every byte and checks each file's size and CRC-32 against 
 tensor's stored extent against the DCP metadata: a torn, truncated or corrupted file is named. Exit status:
 0 fine, 1 verification failed, 2 not a checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from training.checkpoint import files  # noqa: E402
-from training.checkpoint.files import CheckpointError  # noqa: E402
-from training.checkpoint.loader import read_dcp_metadata  # noqa: E402
+from training.checkpoint import files
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.loader import read_dcp_metadata
 
 
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
@@ -31,18 +30,22 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     stored = metadata.state_dict_metadata
     layout = meta.get("layout", {})
     model = meta["config"].get("model", {})
-    lines = [f"checkpoint {iter_dir}",
-             f"  iteration {meta['iteration']}, {meta.get('consumed_samples', 0)} samples consumed, "
-             f"format {meta.get('format_version')}",
-             "  saved at tp {tp} x pp {pp} x vp {vp} x dp {dp} (world {world_size}), sequence parallel "
-             "{sequence_parallel}, distributed optimizer {distributed_optimizer}".format(**{
-                 k: layout.get(k) for k in ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel",
-                                            "distributed_optimizer")}),
-             "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
-             f"  optimizer state: {'present' if meta.get('has_optimizer') else 'absent (weights only)'}",
-             f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in "
-             f"{len(files.read_checksums(iter_dir))} files",
-             f"  tensors: {len(stored)}"]
+    lines = [
+        f"checkpoint {iter_dir}",
+        f"  iteration {meta['iteration']}, {meta.get('consumed_samples', 0)} samples consumed, "
+        f"format {meta.get('format_version')}",
+        "  saved at tp {tp} x pp {pp} x vp {vp} x dp {dp} (world {world_size}), sequence parallel "
+        "{sequence_parallel}, distributed optimizer {distributed_optimizer}".format(
+            **{
+                k: layout.get(k)
+                for k in ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel", "distributed_optimizer")
+            }
+        ),
+        "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
+        f"  optimizer state: {'present' if meta.get('has_optimizer') else 'absent (weights only)'}",
+        f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in {len(files.read_checksums(iter_dir))} files",
+        f"  tensors: {len(stored)}",
+    ]
     if show_tensors or len(stored) <= 40:
         for key in sorted(stored):
             entry = stored[key]

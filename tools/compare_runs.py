@@ -16,6 +16,7 @@ the same process run with 1 thread against 2 threads is bitwise equal up to iter
 within --rtol (a wrong reduction shows from the first iteration, far above 1e-5), later ones within
 --drift-rtol. `--strict-iters -1` applies --rtol everywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,6 @@ import json
 import math
 import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class BadInput(Exception):
@@ -72,8 +71,7 @@ def tolerance_at(iteration: int, rtol: float, strict_iters: int, drift_rtol: flo
     return max(rtol, drift_rtol)
 
 
-def compare(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str, tolerance,
-            out) -> tuple[int, list[str]]:
+def compare(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str, tolerance, out) -> tuple[int, list[str]]:
     """Print one table for `key`; `tolerance(iteration)` gives the rtol there. Returns (number of compared
     iterations, failure messages)."""
     common = sorted(i for i in set(rows_a) & set(rows_b) if key in rows_a[i] and key in rows_b[i])
@@ -89,8 +87,10 @@ def compare(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str, toleranc
         flag = "" if diff <= rtol else "  <-- over rtol"
         print(f"  {iteration:>9}  {a:>14.8g}  {b:>14.8g}  {diff:>9.2e}{flag}", file=out)
         if diff > rtol:
-            failures.append(f"{key} differs first at iteration {iteration}: {a!r} vs {b!r} "
-                            f"(relative difference {diff:.2e} > rtol {rtol:g})")
+            failures.append(
+                f"{key} differs first at iteration {iteration}: {a!r} vs {b!r} "
+                f"(relative difference {diff:.2e} > rtol {rtol:g})"
+            )
     return len(common), failures[:1]
 
 
@@ -98,14 +98,16 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_a")
     parser.add_argument("run_b")
-    parser.add_argument("--rtol", type=float, default=1e-5,
-                        help="largest relative difference up to --strict-iters (default 1e-5)")
-    parser.add_argument("--strict-iters", type=int, default=20,
-                        help="iterations held to --rtol; -1 = all (default 20)")
-    parser.add_argument("--drift-rtol", type=float, default=1e-2,
-                        help="largest relative difference after --strict-iters (default 1e-2)")
-    parser.add_argument("--key", action="append", dest="keys",
-                        help="training metric to compare (repeatable; default lm_loss)")
+    parser.add_argument(
+        "--rtol", type=float, default=1e-5, help="largest relative difference up to --strict-iters (default 1e-5)"
+    )
+    parser.add_argument("--strict-iters", type=int, default=20, help="iterations held to --rtol; -1 = all (default 20)")
+    parser.add_argument(
+        "--drift-rtol", type=float, default=1e-2, help="largest relative difference after --strict-iters (default 1e-2)"
+    )
+    parser.add_argument(
+        "--key", action="append", dest="keys", help="training metric to compare (repeatable; default lm_loss)"
+    )
     args = parser.parse_args(argv)
     keys = args.keys or ["lm_loss"]
     try:
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
     def tolerance(iteration: int) -> float:
         return tolerance_at(iteration, args.rtol, args.strict_iters, args.drift_rtol)
 
@@ -121,8 +124,9 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     for key in keys:
         count, failed = compare(train_a, train_b, key, tolerance, out)
         if count == 0:
-            print(f"error: no common training iterations with {key!r} in {args.run_a} and {args.run_b}",
-                  file=sys.stderr)
+            print(
+                f"error: no common training iterations with {key!r} in {args.run_a} and {args.run_b}", file=sys.stderr
+            )
             return 2
         compared += count
         failures += failed
@@ -133,10 +137,16 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     if failures:
         print(f"FAIL: {failures[0]}", file=out)
         return 1
-    drift = "" if args.strict_iters < 0 else (f" up to iteration {args.strict_iters}, "
-                                              f"{max(args.rtol, args.drift_rtol):g} after")
-    print(f"OK: {compared} values ({', '.join(keys)}{', val_loss' if valid_a and valid_b else ''}) within "
-          f"rtol {args.rtol:g}{drift}", file=out)
+    drift = (
+        ""
+        if args.strict_iters < 0
+        else (f" up to iteration {args.strict_iters}, {max(args.rtol, args.drift_rtol):g} after")
+    )
+    print(
+        f"OK: {compared} values ({', '.join(keys)}{', val_loss' if valid_a and valid_b else ''}) within "
+        f"rtol {args.rtol:g}{drift}",
+        file=out,
+    )
     return 0
 
 

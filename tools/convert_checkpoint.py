@@ -15,6 +15,7 @@ checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections)
       data.data_path=[data/my_text_document]
 Bad input is one line on stderr and exit status 2; nothing is left half-written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,22 +24,41 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import yaml
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from model.config import ModelConfig  # noqa: E402
-from model.hf_mapping import (UnsupportedModelError, from_hf_state_dict, hf_config,  # noqa: E402
-                              model_config_from_hf, to_hf_state_dict)
-from training.checkpointing import CheckpointError  # noqa: E402
-from training.config import (Config, ConfigError, DataConfig, ParallelConfig, TrainConfig,  # noqa: E402
-                             config_from_dict)
-from training.hf_folder import (DTYPES, HF_DTYPE_NAMES, HFFolderError, check_output_free,  # noqa: E402
-                                parse_size, publish_folder, read_config, read_weights, sentencepiece_normalizer,
-                                tokenizer_section,
-                                write_tokenizer, write_weights)
-from training.model_weights import load_global_state, save_global_state  # noqa: E402
+from model.config import ModelConfig
+from model.hf_mapping import (
+    UnsupportedModelError,
+    from_hf_state_dict,
+    hf_config,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
+from training.checkpointing import CheckpointError
+from training.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ParallelConfig,
+    TrainConfig,
+    config_from_dict,
+)
+from training.hf_folder import (
+    DTYPES,
+    HF_DTYPE_NAMES,
+    HFFolderError,
+    check_output_free,
+    parse_size,
+    publish_folder,
+    read_config,
+    read_weights,
+    sentencepiece_normalizer,
+    tokenizer_section,
+    write_tokenizer,
+    write_weights,
+)
+from training.model_weights import load_global_state, save_global_state
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -69,8 +89,9 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
         files = write_weights(tmp, hf_tensors, max_bytes)
         hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": HF_DTYPE_NAMES[dtype]}
         _write_json(os.path.join(tmp, "config.json"), hf)
-        _write_json(os.path.join(tmp, "generation_config.json"),
-                    {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]})
+        _write_json(
+            os.path.join(tmp, "generation_config.json"), {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}
+        )
         publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -83,8 +104,11 @@ def warn_about_normalization(data: dict) -> None:
     if data.get("tokenizer_type") == "SentencePieceTokenizer":
         rule = sentencepiece_normalizer(data["tokenizer_model"])
         if rule != "identity":
-            print(f"warning: {data['tokenizer_model']} normalizes text ({rule!r}); transformers' LlamaTokenizer "
-                  "does not, so its ids can differ on such text (e.g. runs of whitespace)", file=sys.stderr)
+            print(
+                f"warning: {data['tokenizer_model']} normalizes text ({rule!r}); transformers' LlamaTokenizer "
+                "does not, so its ids can differ on such text (e.g. runs of whitespace)",
+                file=sys.stderr,
+            )
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -120,8 +144,9 @@ def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict |
             sections["data"] = {**DataConfig().__dict__, **data}
         save_global_state(tmp, 0, sections, tensors)
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as handle:
-            yaml.safe_dump({k: sections[k] for k in ("model", "parallel", "data") if k in sections}, handle,
-                           sort_keys=False)
+            yaml.safe_dump(
+                {k: sections[k] for k in ("model", "parallel", "data") if k in sections}, handle, sort_keys=False
+            )
         publish_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

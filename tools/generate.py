@@ -10,6 +10,7 @@ Without --prompt, a prompt piped on stdin is used; with neither, generation star
 token (an unconditional sample). The text streams to stdout as it is produced (after the prompt); the
 speed goes to stderr at the end. Generation stops at the end-of-document token or after --max-new-tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,20 +18,18 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from data.tokenizers import build_tokenizer  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.generation import SamplingConfig, generate_tokens  # noqa: E402
-from model.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf  # noqa: E402
-from training.checkpointing import CheckpointError  # noqa: E402
-from training.config import ConfigError, config_from_dict  # noqa: E402
-from training.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section  # noqa: E402
-from training.model_weights import build_model_from_state, load_global_state  # noqa: E402
-from training.setup import init_distributed, param_dtype  # noqa: E402
+from data.tokenizers import build_tokenizer
+from model.config import ModelConfig
+from model.generation import SamplingConfig, generate_tokens
+from model.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
+from training.checkpointing import CheckpointError
+from training.config import ConfigError, config_from_dict
+from training.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
+from training.model_weights import build_model_from_state, load_global_state
+from training.setup import init_distributed, param_dtype
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -41,8 +40,9 @@ def load_model_source(path: str) -> tuple[ModelConfig, dict, dict]:
         cfg = model_config_from_hf(read_config(path))
         tokenizer = tokenizer_section(path)
         if tokenizer is None:
-            raise HFFolderError(f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt or "
-                                "tokenizer.model)")
+            raise HFFolderError(
+                f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt or tokenizer.model)"
+            )
         return cfg, from_hf_state_dict(cfg, read_weights(path)), tokenizer
     config, tensors = load_global_state(path)
     return config_from_dict(config).model, tensors, config["data"]
@@ -59,19 +59,21 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its other bytes
             return ""
-        new, self.printed = text[self.printed:], len(text)
+        new, self.printed = text[self.printed :], len(text)
         return new
 
 
 def make_logits_fn(model, cfg: ModelConfig, state):
     """logits_fn(tokens, positions, cache) -> [b, s, vocab] (the vocabulary shards gathered over tp)."""
+
     def logits_fn(tokens, positions, cache):
         logits = model(tokens, positions, kv_cache=cache)  # [b, s, V/tp]
         if state.tp_size > 1:
             shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
             dist.all_gather(shards, logits.contiguous(), group=state.tp_group)
             logits = torch.cat(shards, dim=-1)
-        return logits[..., :cfg.vocab_size]
+        return logits[..., : cfg.vocab_size]
+
     return logits_fn
 
 
@@ -85,8 +87,9 @@ def read_prompt(args: argparse.Namespace, rank: int) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True,
-                        help="checkpoints folder, iter_XXXXXXX folder, or transformers model folder")
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoints folder, iter_XXXXXXX folder, or transformers model folder"
+    )
     parser.add_argument("--prompt", default=None, help="prompt text (default: stdin if piped, else none)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
@@ -101,8 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace, env):
     """Model (tensor parallel over every rank under torchrun), tokenizer, sampling config, prompt ids."""
-    from parallel.state import ParallelState
     from parallel.layout import check_tensor_parallel
+    from parallel.state import ParallelState
 
     sampling = SamplingConfig(args.greedy, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     sampling.validate()
@@ -111,8 +114,12 @@ def prepare(args: argparse.Namespace, env):
     cfg, tensors, data = load_model_source(args.checkpoint)
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     check_tensor_parallel(cfg, env.world_size, sequence_parallel=False)
-    tokenizer = build_tokenizer(data["tokenizer_type"], vocab_file=data.get("vocab_file"),
-                                merge_file=data.get("merge_file"), tokenizer_model=data.get("tokenizer_model"))
+    tokenizer = build_tokenizer(
+        data["tokenizer_type"],
+        vocab_file=data.get("vocab_file"),
+        merge_file=data.get("merge_file"),
+        tokenizer_model=data.get("tokenizer_model"),
+    )
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} entries, the model model.vocab_size={cfg.vocab_size}")
     state = ParallelState.create(env.world_size, 1) if env.world_size > 1 else ParallelState.single()
@@ -133,8 +140,16 @@ def main(argv: list[str] | None = None) -> int:
                 dist.broadcast_object_list(holder, src=0)
                 prompt_ids = holder[0]
             generator = torch.Generator().manual_seed(args.seed)
-            tokens = generate_tokens(make_logits_fn(model, cfg, state), prompt_ids, args.max_new_tokens,
-                                     sampling, tokenizer.eod, env.device, generator, max_length=cfg.max_positions)
+            tokens = generate_tokens(
+                make_logits_fn(model, cfg, state),
+                prompt_ids,
+                args.max_new_tokens,
+                sampling,
+                tokenizer.eod,
+                env.device,
+                generator,
+                max_length=cfg.max_positions,
+            )
             stream(tokens, tokenizer, prompt, env.rank == 0)
         except INPUT_ERRORS as err:
             if env.rank == 0:
@@ -160,8 +175,11 @@ def stream(tokens, tokenizer, prompt: str, printing: bool) -> None:
     elapsed = time.perf_counter() - started
     if printing:
         print(flush=True)
-        print(f"[{count} tokens in {elapsed:.2f} s: {count / max(elapsed, 1e-9):.1f} tokens/s, "
-              f"{1000 * elapsed / max(count, 1):.1f} ms/token]", file=sys.stderr)
+        print(
+            f"[{count} tokens in {elapsed:.2f} s: {count / max(elapsed, 1e-9):.1f} tokens/s, "
+            f"{1000 * elapsed / max(count, 1):.1f} ms/token]",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

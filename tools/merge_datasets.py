@@ -4,13 +4,11 @@ Example:
     python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab_text_document
     python tools/merge_datasets.py --input-dir shards/ --output-prefix all_text_document
 """
+
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.indexed_dataset import IndexedDatasetError, merge_datasets  # noqa: E402
+from data.indexed_dataset import IndexedDatasetError, merge_datasets
 
 
 def _prefixes_in(directory: str) -> list[str]:
@@ -26,9 +24,13 @@ def _prefixes_in(directory: str) -> list[str]:
 def main(argv=None) -> None:
     """Merge the given prefixes (in order), or every prefix in --input-dir (sorted)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", default=[],
-                   help="dataset prefixes, merged in this order; a directory (Megatron's usage) stands for "
-                        "every PREFIX.idx/.bin pair in it, in sorted order")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        default=[],
+        help="dataset prefixes, merged in this order; a directory (Megatron's usage) stands for "
+        "every PREFIX.idx/.bin pair in it, in sorted order",
+    )
     p.add_argument("--input-dir", help="same as giving this directory to --input")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)

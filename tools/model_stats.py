@@ -1,36 +1,39 @@
 """Parameter counts, FLOPs per iteration and a memory estimate per device, on the meta device (no weights).
 
-    python tools/model_stats.py --config configs/paper/gpt_1t.yaml [section.key=value ...] [--dp N]
+python tools/model_stats.py --config configs/paper/gpt_1t.yaml [section.key=value ...] [--dp N]
 """
+
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from model.gpt import GPTModel
+from parallel.layout import layout_from_config
+from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
+from parallel.state import ParallelState, rank_of
+from parallel.tensor_parallel import apply_tensor_parallel
+from planner.activations import layer_activation_bytes, shape_from_config
+from planner.memory import state_bytes_per_param
+from training.config import Config, ConfigError, load_config
+from training.flops import flops_per_iteration
 
-from model.gpt import GPTModel  # noqa: E402
-from parallel.layout import layout_from_config  # noqa: E402
-from parallel.pipeline.stages import chunk_layer_ids, chunk_roles  # noqa: E402
-from parallel.state import ParallelState, rank_of  # noqa: E402
-from parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
-from planner.activations import layer_activation_bytes, shape_from_config  # noqa: E402
-from planner.memory import state_bytes_per_param  # noqa: E402
-from training.config import Config, ConfigError, load_config  # noqa: E402
-from training.flops import flops_per_iteration  # noqa: E402
-
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
     par, model_cfg = config.parallel, config.model
-    state = ParallelState(world_size=par.tp_size * par.pp_size * dp_size,
-                          rank=rank_of(tp_rank, 0, pp_rank, par.tp_size, dp_size),
-                          tp_size=par.tp_size, pp_size=par.pp_size, dp_size=dp_size, vp_size=par.vp_size)
+    state = ParallelState(
+        world_size=par.tp_size * par.pp_size * dp_size,
+        rank=rank_of(tp_rank, 0, pp_rank, par.tp_size, dp_size),
+        tp_size=par.tp_size,
+        pp_size=par.pp_size,
+        dp_size=dp_size,
+        vp_size=par.vp_size,
+    )
     chunks = []
     for chunk in range(par.vp_size):
         layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk)
@@ -70,26 +73,37 @@ def memory_estimate(config: Config, params_on_rank: int, layers_on_rank: int, dp
 def report(config: Config, dp_size: int) -> list[str]:
     par, m, train = config.parallel, config.model, config.train
     total = total_parameters(config)
-    lines = [f"total parameters: {total:,} ({total / 1e9:.1f} B)",
-             f"layout: tp {par.tp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
-             f"padded vocabulary {m.padded_vocab_size(par.tp_size)}"]
+    lines = [
+        f"total parameters: {total:,} ({total / 1e9:.1f} B)",
+        f"layout: tp {par.tp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
+        f"padded vocabulary {m.padded_vocab_size(par.tp_size)}",
+    ]
     busiest = (0, 0)
     for pp_rank in range(par.pp_size):
         chunks = meta_chunks(config, 0, pp_rank, dp_size)
         layers = sum(len(chunk.layers) for chunk in chunks)
         local = count(chunks)
         busiest = max(busiest, (local, layers))
-        lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank "
-                     f"({local / 1e9:.3f} B)")
-    flops = flops_per_iteration(train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
-                                m.padded_vocab_size(par.tp_size), full_recompute=train.recompute == "full")
-    lines.append(f"training FLOPs per iteration (batch {train.global_batch_size}): {flops:.4e} "
-                 f"({flops / (par.tp_size * par.pp_size * dp_size) / 1e12:.1f} TFLOP per device)")
+        lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank ({local / 1e9:.3f} B)")
+    flops = flops_per_iteration(
+        train.global_batch_size,
+        m.seq_length,
+        m.num_layers,
+        m.hidden_size,
+        m.padded_vocab_size(par.tp_size),
+        full_recompute=train.recompute == "full",
+    )
+    lines.append(
+        f"training FLOPs per iteration (batch {train.global_batch_size}): {flops:.4e} "
+        f"({flops / (par.tp_size * par.pp_size * dp_size) / 1e12:.1f} TFLOP per device)"
+    )
     memory = memory_estimate(config, busiest[0], busiest[1], dp_size)
-    lines.append(f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
-                 f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "
-                 f"{memory['weights_and_optimizer'] / GIB:.1f} GiB, activations {memory['activations'] / GIB:.1f}"
-                 f" GiB, total {sum(memory.values()) / GIB:.1f} GiB")
+    lines.append(
+        f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
+        f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "
+        f"{memory['weights_and_optimizer'] / GIB:.1f} GiB, activations {memory['activations'] / GIB:.1f}"
+        f" GiB, total {sum(memory.values()) / GIB:.1f} GiB"
+    )
     return lines
 
 

@@ -11,24 +11,22 @@ executor's communication plan is simulated (simulator.simulate_plans): batches o
 complete together, and with --overlap computation while a batch is in flight (parallel.overlap_p2p_comm).
 Invalid input prints one line and exits with code 2.
 """
+
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch
 
-from parallel.layout import SCHEDULES, check_schedule  # noqa: E402
-from parallel.pipeline.schedules import build_schedule  # noqa: E402
-from parallel.pipeline.simulator import Timeline, simulate, simulate_plans  # noqa: E402
+from parallel.layout import SCHEDULES, check_schedule
+from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.simulator import Timeline, simulate, simulate_plans
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
 
@@ -62,24 +60,44 @@ def draw(timeline: Timeline, schedule: str, path: str, note: str = "") -> None:
     fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.45), 1.0 + 0.6 * p))
     for event in timeline.events:
         action = event.action
-        ax.barh(event.rank, event.end - event.start, left=event.start, height=0.8,
-                color=box_colour(action.microbatch, action.chunk, action.op, m),
-                hatch=HATCHES[action.chunk % len(HATCHES)], edgecolor="black", linewidth=0.6)
+        ax.barh(
+            event.rank,
+            event.end - event.start,
+            left=event.start,
+            height=0.8,
+            color=box_colour(action.microbatch, action.chunk, action.op, m),
+            hatch=HATCHES[action.chunk % len(HATCHES)],
+            edgecolor="black",
+            linewidth=0.6,
+        )
         weight = "bold" if action.op == "B" else "normal"
-        ax.text((event.start + event.end) / 2, event.rank, f"{action.op}{action.microbatch + 1}",
-                ha="center", va="center", fontsize=7, fontweight=weight,
-                bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none", alpha=0.6))
+        ax.text(
+            (event.start + event.end) / 2,
+            event.rank,
+            f"{action.op}{action.microbatch + 1}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            fontweight=weight,
+            bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none", alpha=0.6),
+        )
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()  # rank 0 on top, as in the paper's figures
     ax.set_xlim(0, timeline.makespan)
     ax.set_xlabel("time (units of --forward-cost / --backward-cost)")
-    ax.set_title(f"{schedule}: p={p}, m={m}, vp={v}{note}; bubble fraction {timeline.bubble_fraction:.4f}"
-                 f"  (F = forward, B = backward, number = micro-batch)")
-    legend = [Patch(facecolor="lightgrey", edgecolor="black", label="F: forward"),
-              Patch(facecolor="grey", edgecolor="black", label="B: backward (darker)")]
+    ax.set_title(
+        f"{schedule}: p={p}, m={m}, vp={v}{note}; bubble fraction {timeline.bubble_fraction:.4f}"
+        f"  (F = forward, B = backward, number = micro-batch)"
+    )
+    legend = [
+        Patch(facecolor="lightgrey", edgecolor="black", label="F: forward"),
+        Patch(facecolor="grey", edgecolor="black", label="B: backward (darker)"),
+    ]
     if v > 1:
-        legend += [Patch(facecolor="white", edgecolor="black", hatch=HATCHES[c % len(HATCHES)],
-                         label=f"chunk {c}") for c in range(v)]
+        legend += [
+            Patch(facecolor="white", edgecolor="black", hatch=HATCHES[c % len(HATCHES)], label=f"chunk {c}")
+            for c in range(v)
+        ]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))  # leave the bottom strip to the legend
     fig.savefig(path, dpi=120)
@@ -91,8 +109,9 @@ def main(argv=None) -> int:
     try:
         check_schedule(args.schedule, args.pp, args.vp, args.microbatches)
         if args.forward_cost <= 0 or args.backward_cost <= 0:
-            raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost "
-                             f"({args.backward_cost}) must be > 0")
+            raise ValueError(
+                f"--forward-cost ({args.forward_cost}) and --backward-cost ({args.backward_cost}) must be > 0"
+            )
         if args.comm_cost < 0:
             raise ValueError(f"--comm-cost ({args.comm_cost}) must be >= 0")
     except ValueError as error:
@@ -100,11 +119,11 @@ def main(argv=None) -> int:
         return 2
     if args.comm_cost or args.overlap:
         lists = [build_schedule(args.schedule, args.pp, r, args.microbatches, args.vp) for r in range(args.pp)]
-        timeline = simulate_plans(lists, args.vp, args.microbatches, args.forward_cost, args.backward_cost,
-                                  args.comm_cost, args.overlap)
+        timeline = simulate_plans(
+            lists, args.vp, args.microbatches, args.forward_cost, args.backward_cost, args.comm_cost, args.overlap
+        )
     else:
-        timeline = simulate(args.schedule, args.pp, args.microbatches, args.vp,
-                            args.forward_cost, args.backward_cost)
+        timeline = simulate(args.schedule, args.pp, args.microbatches, args.vp, args.forward_cost, args.backward_cost)
     # Rounded so that exact fractions print plainly (0.1875, not 0.18750000000000003).
     print(f"bubble fraction: {round(timeline.bubble_fraction, 10)}")
     print(f"makespan: {round(timeline.makespan, 10)}")

@@ -8,6 +8,7 @@
 The layout, micro-batch, global batch, precision and recomputation come from the config (the trainer's
 section.key=value overrides apply). What the model counts and ignores: docs/performance.md, "Planner".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,16 +17,14 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import yaml
 
-import yaml  # noqa: E402
-
-from parallel.layout import LayoutError  # noqa: E402
-from planner import calibrate  # noqa: E402
-from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster  # noqa: E402
-from planner.predict import Prediction, predict  # noqa: E402
-from planner.search import search, why_best_wins  # noqa: E402
-from training.config import ConfigError, load_config  # noqa: E402
+from parallel.layout import LayoutError
+from planner import calibrate
+from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
+from planner.predict import Prediction, predict
+from planner.search import search, why_best_wins
+from training.config import ConfigError, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,15 +44,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def format_prediction(p: Prediction) -> list[str]:
     lay = p.layout
-    lines = [f"layout: {lay.describe()}, micro-batch {p.micro_batch_size}, recompute {p.recompute}",
-             f"predicted: {p.tflops_per_gpu:.1f} TFLOP/s per GPU, {p.iteration_seconds:.3f} s per iteration",
-             "time per iteration (critical pipeline rank):"]
+    lines = [
+        f"layout: {lay.describe()}, micro-batch {p.micro_batch_size}, recompute {p.recompute}",
+        f"predicted: {p.tflops_per_gpu:.1f} TFLOP/s per GPU, {p.iteration_seconds:.3f} s per iteration",
+        "time per iteration (critical pipeline rank):",
+    ]
     for key, seconds in p.breakdown.items():
         extra = f" (recomputation {p.recompute_seconds:.3f} s)" if key == "compute" and p.recompute_seconds else ""
         lines.append(f"  {key:<10} {seconds:9.3f} s  {seconds / p.iteration_seconds:6.1%}{extra}")
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    lines.append(f"memory per GPU (pipeline rank {p.memory.pp_rank}, {p.memory.params:,} parameters): "
-                 f"{p.memory_gib:.1f} GiB of {p.memory_capacity_gib:.0f} GiB, {verdict}")
+    lines.append(
+        f"memory per GPU (pipeline rank {p.memory.pp_rank}, {p.memory.params:,} parameters): "
+        f"{p.memory_gib:.1f} GiB of {p.memory_capacity_gib:.0f} GiB, {verdict}"
+    )
     for key, gib in p.memory.as_gib().items():
         if key != "total":
             lines.append(f"  {key:<12} {gib:8.2f} GiB")
@@ -61,12 +64,13 @@ def format_prediction(p: Prediction) -> list[str]:
 
 
 def format_ranking(ranked: list[Prediction], top: int) -> list[str]:
-    lines = [f"{'#':>3}  {'layout':<48} {'TF/GPU':>7} {'s/iter':>8} {'GiB':>6} {'bubble':>7} {'tp':>6} "
-             f"{'dp':>6}"]
+    lines = [f"{'#':>3}  {'layout':<48} {'TF/GPU':>7} {'s/iter':>8} {'GiB':>6} {'bubble':>7} {'tp':>6} {'dp':>6}"]
     for i, p in enumerate(ranked[:top], 1):
         frac = {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
-        lines.append(f"{i:>3}  {p.describe_layout():<48} {p.tflops_per_gpu:7.1f} {p.iteration_seconds:8.3f} "
-                     f"{p.memory_gib:6.1f} {frac['bubble']:7.1%} {frac['tp_comm']:6.1%} {frac['dp_comm']:6.1%}")
+        lines.append(
+            f"{i:>3}  {p.describe_layout():<48} {p.tflops_per_gpu:7.1f} {p.iteration_seconds:8.3f} "
+            f"{p.memory_gib:6.1f} {frac['bubble']:7.1%} {frac['tp_comm']:6.1%} {frac['dp_comm']:6.1%}"
+        )
     return lines
 
 
@@ -76,10 +80,24 @@ def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     fitted = calibrate.fit(cluster, observations)
     after = calibrate.error_table(fitted, observations)
     if args.json:
-        print(json.dumps({"efficiency": dataclasses.asdict(fitted.efficiency),
-                          "runs": [{"run": b[0], "measured_seconds": b[1], "predicted_before": b[2],
-                                    "error_before": b[3], "predicted_after": a[2], "error_after": a[3]}
-                                   for b, a in zip(before, after)]}))
+        print(
+            json.dumps(
+                {
+                    "efficiency": dataclasses.asdict(fitted.efficiency),
+                    "runs": [
+                        {
+                            "run": b[0],
+                            "measured_seconds": b[1],
+                            "predicted_before": b[2],
+                            "error_before": b[3],
+                            "predicted_after": a[2],
+                            "error_after": a[3],
+                        }
+                        for b, a in zip(before, after)
+                    ],
+                }
+            )
+        )
     else:
         print(f"{'run':<40} {'measured s':>11} {'before':>10} {'error':>8} {'after':>10} {'error':>8}")
         for b, a in zip(before, after):
@@ -108,19 +126,30 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
         raise ConfigError("model.vocab_size must be set for the planner (no tokenizer is loaded)")
     if args.plot:
         from planner.plots import draw_all
+
         for path in draw_all(config, cluster, args.gpus, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     if args.search:
         result = search(config, cluster, args.gpus)
         reason = why_best_wins(result)
         if args.json:
-            print(json.dumps({"best": result.best.to_dict() if result.ranked else None, "reason": reason,
-                              "ranked": [p.to_dict() for p in result.ranked[:args.top]],
-                              "considered": result.considered, "fitting": result.fitting}))
+            print(
+                json.dumps(
+                    {
+                        "best": result.best.to_dict() if result.ranked else None,
+                        "reason": reason,
+                        "ranked": [p.to_dict() for p in result.ranked[: args.top]],
+                        "considered": result.considered,
+                        "fitting": result.fitting,
+                    }
+                )
+            )
             return 0
-        print(f"{result.considered} valid layouts, {result.fitting} fit in {cluster.memory_gib:.0f} GiB; "
-              f"the best by first estimate and the config's own simulated in full, ranked by time per iteration "
-              f"(TF/GPU as the trainer counts it: full recompute's extra forward counts as work):")
+        print(
+            f"{result.considered} valid layouts, {result.fitting} fit in {cluster.memory_gib:.0f} GiB; "
+            f"the best by first estimate and the config's own simulated in full, ranked by time per iteration "
+            f"(TF/GPU as the trainer counts it: full recompute's extra forward counts as work):"
+        )
         print("\n".join(format_ranking(result.ranked, args.top)))
         print(f"why: {reason}")
         return 0

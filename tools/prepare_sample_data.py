@@ -1,14 +1,13 @@
 """Build the sample corpus (the Python standard library's sources, tokenized) if it is missing.
 
-    python tools/prepare_sample_data.py [--output-dir sample_data]
+python tools/prepare_sample_data.py [--output-dir sample_data]
 """
+
 import argparse
 import json
 import os
-import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
 
 from data.sample_corpus import ensure_sample_corpus  # noqa: E402
 

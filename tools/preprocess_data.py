@@ -5,14 +5,11 @@ Example:
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
         --append-eod --workers 2
 """
+
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.indexed_dataset import IndexedDatasetError  # noqa: E402
-from data.preprocess import PreprocessError, preprocess_jsonl  # noqa: E402
+from data.indexed_dataset import IndexedDatasetError
+from data.preprocess import PreprocessError, preprocess_jsonl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -21,21 +18,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", required=True,
-                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    p.add_argument("--tokenizer-type", required=True, choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-model")
     p.add_argument("--append-eod", action="store_true", help="append end-of-document to each document")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000)
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="count and skip lines that are not UTF-8 / JSON / lack a key, instead of stopping")
-    p.add_argument("--parse-special-tokens", action="store_true",
-                   help="treat a literal <|endoftext|> in the text as the end-of-document id (Megatron's "
-                        "HF-based tokenizer does); default: plain text, so scraped text cannot inject it")
-    p.add_argument("--allow-empty", action="store_true",
-                   help="write an empty dataset when the input holds no documents (default: error)")
+    p.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="count and skip lines that are not UTF-8 / JSON / lack a key, instead of stopping",
+    )
+    p.add_argument(
+        "--parse-special-tokens",
+        action="store_true",
+        help="treat a literal <|endoftext|> in the text as the end-of-document id (Megatron's "
+        "HF-based tokenizer does); default: plain text, so scraped text cannot inject it",
+    )
+    p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write an empty dataset when the input holds no documents (default: error)",
+    )
     return p.parse_args(argv)
 
 
@@ -45,10 +50,21 @@ def main(argv=None) -> None:
     if args.workers < 1:
         raise SystemExit(f"error: --workers must be >= 1, got {args.workers}")
     try:
-        preprocess_jsonl(args.input, args.output_prefix, args.tokenizer_type, args.vocab_file,
-                         args.merge_file, args.tokenizer_model, args.json_keys, args.append_eod,
-                         args.workers, args.log_interval, args.skip_bad_lines,
-                         parse_special_tokens=args.parse_special_tokens, allow_empty=args.allow_empty)
+        preprocess_jsonl(
+            args.input,
+            args.output_prefix,
+            args.tokenizer_type,
+            args.vocab_file,
+            args.merge_file,
+            args.tokenizer_model,
+            args.json_keys,
+            args.append_eod,
+            args.workers,
+            args.log_interval,
+            args.skip_bad_lines,
+            parse_special_tokens=args.parse_special_tokens,
+            allow_empty=args.allow_empty,
+        )
     except (PreprocessError, IndexedDatasetError, ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     except KeyboardInterrupt:

@@ -5,13 +5,11 @@ Examples:
     python tools/train_tokenizer.py --input corpus.jsonl --type sentencepiece --vocab-size 8000 \
         --output-dir tok/   # writes tok/tokenizer.model
 """
+
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe, train_sentencepiece  # noqa: E402
+from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe, train_sentencepiece
 
 
 def main(argv=None) -> None:

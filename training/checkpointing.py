@@ -15,21 +15,38 @@ Public API (kept stable for tools/):
     save_model_weights(root, iteration, chunks, state, config_dict) -> iteration folder (weights only)
     save_checkpoint(...) / Checkpointer               the trainer's full save (optimizer, RNG, counters)
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from training.checkpoint import files
-from training.checkpoint.files import (CheckpointError, read_saved_config, read_tracker, resolve_checkpoint,
-                                       FORMAT_VERSION)
+from training.checkpoint.files import (
+    FORMAT_VERSION,
+    CheckpointError,
+    read_saved_config,
+    read_tracker,
+    resolve_checkpoint,
+)
 from training.checkpoint.loader import load_model_weights as _load_model_weights
 from training.checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
 from training.checkpoint.state import optimizer_pieces, param_records, weight_pieces
 
-__all__ = ["CheckpointError", "Checkpointer", "TrainingProgress", "resolve_checkpoint", "read_saved_config",
-           "load_model_weights", "save_model_weights", "save_checkpoint", "read_tracker", "layout_of"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "TrainingProgress",
+    "layout_of",
+    "load_model_weights",
+    "read_saved_config",
+    "read_tracker",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "save_model_weights",
+]
 
 
 @dataclass
@@ -43,9 +60,15 @@ class TrainingProgress:
 
 def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
     """The layout a checkpoint records (informational: loading works at any layout)."""
-    return {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size, "dp": state.dp_size,
-            "world_size": state.world_size, "sequence_parallel": bool(sequence_parallel),
-            "distributed_optimizer": bool(distributed_optimizer)}
+    return {
+        "tp": state.tp_size,
+        "pp": state.pp_size,
+        "vp": state.vp_size,
+        "dp": state.dp_size,
+        "world_size": state.world_size,
+        "sequence_parallel": bool(sequence_parallel),
+        "distributed_optimizer": bool(distributed_optimizer),
+    }
 
 
 def load_model_weights(iter_dir: str, chunks: list, state: Any) -> None:
@@ -63,39 +86,90 @@ def save_model_weights(root: str, iteration: int, chunks: list, state: Any, conf
     os.makedirs(root, exist_ok=True)
     records = param_records(chunks, state, chunks[0].cfg.vocab_size)
     par = config_dict.get("parallel", {})
-    meta = {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0, "skipped_iters": 0,
-            "config": config_dict, "has_optimizer": False, "optimizer": None, "lr_schedule": None,
-            "layout": layout_of(state, par.get("sequence_parallel", False), False)}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": 0,
+        "skipped_iters": 0,
+        "config": config_dict,
+        "has_optimizer": False,
+        "optimizer": None,
+        "lr_schedule": None,
+        "layout": layout_of(state, par.get("sequence_parallel", False), False),
+    }
     job = SaveJob(root, iteration, weight_pieces(records, for_save=True), meta, rng=None)
     return write_checkpoint(job).path
 
 
-def build_save_job(root: str, state: Any, progress: TrainingProgress, chunks: list, optimizer: Any,
-                   lr_schedule: Any, rng_state: dict, config: dict, distributed_optimizer: bool,
-                   keep_last: int = 0, before_tracker: Callable[[], None] = lambda: None) -> SaveJob:
+def build_save_job(
+    root: str,
+    state: Any,
+    progress: TrainingProgress,
+    chunks: list,
+    optimizer: Any,
+    lr_schedule: Any,
+    rng_state: dict,
+    config: dict,
+    distributed_optimizer: bool,
+    keep_last: int = 0,
+    before_tracker: Callable[[], None] = lambda: None,
+) -> SaveJob:
     """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config."""
     records = param_records(chunks, state, chunks[0].cfg.vocab_size)
     tensors = weight_pieces(records, for_save=True)
     tensors.update(optimizer_pieces(records, optimizer, for_save=True))
-    meta = {"format_version": FORMAT_VERSION, "iteration": progress.iteration,
-            "consumed_samples": progress.consumed_samples, "skipped_iters": progress.skipped_iters,
-            "config": config, "has_optimizer": True, "lr_schedule": lr_schedule.state_dict(),
-            "optimizer": {"step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict()},
-            "layout": layout_of(state, config.get("parallel", {}).get("sequence_parallel", False),
-                                distributed_optimizer)}
-    return SaveJob(root, progress.iteration, tensors, meta if state.rank == 0 else None, rng_state,
-                   keep_last=keep_last, before_tracker=before_tracker)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "iteration": progress.iteration,
+        "consumed_samples": progress.consumed_samples,
+        "skipped_iters": progress.skipped_iters,
+        "config": config,
+        "has_optimizer": True,
+        "lr_schedule": lr_schedule.state_dict(),
+        "optimizer": {"step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict()},
+        "layout": layout_of(state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer),
+    }
+    return SaveJob(
+        root,
+        progress.iteration,
+        tensors,
+        meta if state.rank == 0 else None,
+        rng_state,
+        keep_last=keep_last,
+        before_tracker=before_tracker,
+    )
 
 
-def save_checkpoint(root: str, state: Any, progress: TrainingProgress, chunks: list, optimizer: Any,
-                    lr_schedule: Any, rng_state: dict, config: dict, distributed_optimizer: bool,
-                    before_tracker: Callable[[], None] = lambda: None, checkpointer: Optional[Checkpointer] = None,
-                    keep_last: int = 0) -> str:
+def save_checkpoint(
+    root: str,
+    state: Any,
+    progress: TrainingProgress,
+    chunks: list,
+    optimizer: Any,
+    lr_schedule: Any,
+    rng_state: dict,
+    config: dict,
+    distributed_optimizer: bool,
+    before_tracker: Callable[[], None] = lambda: None,
+    checkpointer: Checkpointer | None = None,
+    keep_last: int = 0,
+) -> str:
     """Save (through `checkpointer`: sync or async) the trainer's checkpoint of `progress.iteration`;
     returns the iteration folder it is (or will be, when async) renamed to. Collective."""
     os.makedirs(root, exist_ok=True)
-    job = build_save_job(root, state, progress, chunks, optimizer, lr_schedule, rng_state, config,
-                         distributed_optimizer, keep_last, before_tracker)
+    job = build_save_job(
+        root,
+        state,
+        progress,
+        chunks,
+        optimizer,
+        lr_schedule,
+        rng_state,
+        config,
+        distributed_optimizer,
+        keep_last,
+        before_tracker,
+    )
     if checkpointer is None:
         write_checkpoint(job)
     else:

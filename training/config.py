@@ -5,6 +5,7 @@
 Layout checks (tp, pp, vp, dp, schedule, micro-batches against the model and the world size) live in one
 place, parallel/layout.py's `build_layout`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import yaml
 
@@ -73,17 +74,28 @@ class TrainConfig:
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tracing without code generation)
 
     def validate(self) -> None:
-        for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_interval",
-                    "recompute_num_layers", "max_nonfinite_iters"):
+        for key in (
+            "micro_batch_size",
+            "global_batch_size",
+            "train_iters",
+            "eval_interval",
+            "recompute_num_layers",
+            "max_nonfinite_iters",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
-        for key, choices in (("precision", ("fp32", "bf16", "fp16")), ("recompute", ("none", "selective", "full")),
-                             ("recompute_method", ("uniform", "block")), ("device", ("auto", "cuda", "cpu"))):
+        for key, choices in (
+            ("precision", ("fp32", "bf16", "fp16")),
+            ("recompute", ("none", "selective", "full")),
+            ("recompute_method", ("uniform", "block")),
+            ("device", ("auto", "cuda", "cpu")),
+        ):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"train.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
         if self.compile_backend not in ("inductor", "aot_eager", "eager", "cudagraphs"):
-            raise ConfigError(f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, "
-                              f"eager, cudagraphs")
+            raise ConfigError(
+                f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, eager, cudagraphs"
+            )
         for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
@@ -98,9 +110,9 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     lr_warmup_iters: int = 30
-    lr_decay_iters: Optional[int] = None  # None = train.train_iters
+    lr_decay_iters: int | None = None  # None = train.train_iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
-    initial_loss_scale: float = 2.0 ** 32
+    initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
@@ -115,8 +127,10 @@ class OptimConfig:
         if self.weight_decay < 0:
             raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
         if self.min_loss_scale > self.initial_loss_scale:
-            raise ConfigError(f"optim.min_loss_scale={self.min_loss_scale} is larger than "
-                              f"optim.initial_loss_scale={self.initial_loss_scale}")
+            raise ConfigError(
+                f"optim.min_loss_scale={self.min_loss_scale} is larger than "
+                f"optim.initial_loss_scale={self.initial_loss_scale}"
+            )
         for key in ("loss_scale_window", "hysteresis"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
@@ -134,10 +148,10 @@ class DataConfig:
     data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
     split: str = "969,30,1"
     tokenizer_type: str = "GPT2BPETokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    cache_dir: Optional[str] = None  # index caches; None = next to the data
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    cache_dir: str | None = None  # index caches; None = next to the data
     num_workers: int = 1
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -154,8 +168,9 @@ class DataConfig:
         for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
             setattr(self, key, _expand_home(getattr(self, key)))
         if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
-            raise ConfigError(f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, "
-                              f"SentencePieceTokenizer")
+            raise ConfigError(
+                f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, SentencePieceTokenizer"
+            )
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers={self.num_workers} must be >= 0")
 
@@ -164,11 +179,11 @@ class DataConfig:
 class CheckpointConfig:
     save_interval: int = 0  # 0 = only at the end
     # true: the latest checkpoint under run.dir/checkpoints; a path: a checkpoints folder or one iter_XXXXXXX
-    load: Union[bool, str] = False
+    load: bool | str = False
     save: bool = True
     load_optimizer: bool = True  # false: weights and counters only, fresh optimizer state
     # weights only: iteration 0, fresh optimizer, LR schedule and data order; a path = load that path this way
-    finetune: Union[bool, str] = False
+    finetune: bool | str = False
     async_save: bool = False  # write in a background thread; the loop is blocked only while copying
     keep_last: int = 0  # keep only the newest N checkpoints (0 = all), deleted after a newer one completes
 
@@ -181,8 +196,10 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.load must be true, false or a path")
         if isinstance(self.finetune, str):  # one override: checkpoint.finetune=PATH
             if self.load not in (False, self.finetune):
-                raise ConfigError(f"checkpoint.finetune={self.finetune!r} and checkpoint.load={self.load!r} name "
-                                  f"different checkpoints: set one of them")
+                raise ConfigError(
+                    f"checkpoint.finetune={self.finetune!r} and checkpoint.load={self.load!r} name "
+                    f"different checkpoints: set one of them"
+                )
             self.load, self.finetune = self.finetune, True
         if (self.finetune or not self.load_optimizer) and self.load is False:
             key = "checkpoint.finetune=true" if self.finetune else "checkpoint.load_optimizer=false"
@@ -235,8 +252,10 @@ class Config:
         decay_iters = self.optim.lr_decay_iters or self.train.train_iters
         if self.optim.lr_warmup_iters > decay_iters:
             source = "optim.lr_decay_iters" if self.optim.lr_decay_iters else "train.train_iters"
-            raise ConfigError(f"optim.lr_warmup_iters={self.optim.lr_warmup_iters} is longer than the LR decay "
-                              f"({source}={decay_iters}): lower optim.lr_warmup_iters")
+            raise ConfigError(
+                f"optim.lr_warmup_iters={self.optim.lr_warmup_iters} is longer than the LR decay "
+                f"({source}={decay_iters}): lower optim.lr_warmup_iters"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -340,20 +359,22 @@ def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
 def _read_config_file(path: str) -> dict:
     raw = read_yaml_file(path, "config", ConfigError)
     if raw is None:
-        raise ConfigError(f"config file {path} is empty (no sections): give it at least one section, or leave "
-                          f"out --config to train the defaults")
+        raise ConfigError(
+            f"config file {path} is empty (no sections): give it at least one section, or leave "
+            f"out --config to train the defaults"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
 
 
-def _first_key(message: str) -> Optional[str]:
+def _first_key(message: str) -> str | None:
     """The first `section.key` a ConfigError message names, e.g. 'optim.lr' in 'optim.lr=inf must be ...'."""
     match = re.search(r"\b([a-z_]+\.[a-z_0-9]+)(=|\b)", message)
     return match.group(1) if match else None
 
 
-def load_config(path: Optional[str], overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: str | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (None = defaults), apply overrides, build and validate. An error in the file names the file
     and the key; an error in an override names the override."""
     overrides = overrides or []

@@ -14,11 +14,12 @@ rank, the exit_duration_mins clock, and a batch holding token ids outside the vo
 The non-finite checks need no collective of their own: the loss and the gradient norm are already reduced
 to the same value on every rank.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,9 @@ class Agreement:
 def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, bad_batch: bool) -> Agreement:
     """One MAX all-reduce over the world of [signal, time up, world - rank if this rank's batch is bad]."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if state.is_distributed else (1, 0)
-    flags = torch.tensor([signal_number, int(time_up), world - rank if bad_batch else 0], dtype=torch.int64,
-                         device=device)
+    flags = torch.tensor(
+        [signal_number, int(time_up), world - rank if bad_batch else 0], dtype=torch.int64, device=device
+    )
     if state.is_distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     signal_number, time_up, bad = (int(x) for x in flags.tolist())
@@ -55,7 +57,7 @@ def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, b
 
 
 # ---- token ids ---------------------------------------------------------------------------------------
-def find_bad_token(microbatches: list[dict], vocab_size: int) -> Optional[tuple[int, int, int, int]]:
+def find_bad_token(microbatches: list[dict], vocab_size: int) -> tuple[int, int, int, int] | None:
     """(micro-batch, row, position in the sample, id) of the first id outside [0, vocab_size), else None.
 
     One min/max per tensor on the CPU batch before it moves to the device; the exact position is searched
@@ -75,8 +77,7 @@ def locate_sample_token(dataset: Any, sample: int, position: int) -> tuple[str, 
     GPTDataset or a BlendedDataset of them, read from their index arrays (data/gpt_dataset.py)."""
     if hasattr(dataset, "dataset_index"):  # BlendedDataset: which component, which of its samples
         component = int(dataset.dataset_index[sample])
-        return locate_sample_token(dataset.datasets[component], int(dataset.dataset_sample_index[sample]),
-                                   position)
+        return locate_sample_token(dataset.datasets[component], int(dataset.dataset_sample_index[sample]), position)
     row = int(dataset.shuffle_index[sample])
     doc_pos, offset = (int(x) for x in dataset.sample_index[row])
     last_pos = int(dataset.sample_index[row + 1][0])
@@ -91,16 +92,25 @@ def locate_sample_token(dataset: Any, sample: int, position: int) -> tuple[str, 
     return dataset.indexed.path_prefix, int(dataset.document_index[doc_pos]), offset + position
 
 
-def bad_token_message(found: tuple[int, int, int, int], dataset: Any, first_sample: int, micro_batch_size: int,
-                      dp_size: int, vocab_size: int, split: str) -> str:
+def bad_token_message(
+    found: tuple[int, int, int, int],
+    dataset: Any,
+    first_sample: int,
+    micro_batch_size: int,
+    dp_size: int,
+    vocab_size: int,
+    split: str,
+) -> str:
     """The one line for a bad id. Sample numbering follows data/loader.py's sampler: micro-batch k of a
     step that starts at `first_sample` (+ dp_rank * mbs) holds samples first + k * mbs * dp + [0, mbs)."""
     microbatch, row, position, token = found
     sample = first_sample + microbatch * micro_batch_size * dp_size + row
     prefix, document, offset = locate_sample_token(dataset, sample, position)
-    return (f"token id {token} in document {document} of {prefix} (token {offset} of the document, {split} "
-            f"sample {sample}) is outside the model's vocabulary of {vocab_size} ids (model.vocab_size): the data "
-            f"was tokenized with another tokenizer, or model.vocab_size is too small")
+    return (
+        f"token id {token} in document {document} of {prefix} (token {offset} of the document, {split} "
+        f"sample {sample}) is outside the model's vocabulary of {vocab_size} ids (model.vocab_size): the data "
+        f"was tokenized with another tokenizer, or model.vocab_size is too small"
+    )
 
 
 # ---- non-finite values -------------------------------------------------------------------------------
@@ -127,14 +137,18 @@ class NonFiniteGuard:
             return
         first = iteration - self.count + 1
         if self.dynamic_scale and math.isfinite(result.loss):
-            what = (f"the fp16 loss scale is stuck at its minimum optim.min_loss_scale={self.min_loss_scale:g} "
-                    f"and every step overflows")
+            what = (
+                f"the fp16 loss scale is stuck at its minimum optim.min_loss_scale={self.min_loss_scale:g} "
+                f"and every step overflows"
+            )
         else:
-            what = (f"non-finite loss or gradient norm (last: loss {result.loss}, grad norm {result.grad_norm})")
+            what = f"non-finite loss or gradient norm (last: loss {result.loss}, grad norm {result.grad_norm})"
         raise TrainingStopped(
             f"training diverged: iterations {first}-{iteration} in a row ({self.count}, train.max_nonfinite_iters="
             f"{self.max_consecutive}): {what}; their updates were skipped and no checkpoint was written from "
-            f"them: lower optim.lr or resume from the last checkpoint", EXIT_DIVERGED)
+            f"them: lower optim.lr or resume from the last checkpoint",
+            EXIT_DIVERGED,
+        )
 
 
 def weights_are_finite(chunks: list, state: Any, device: torch.device) -> bool:

@@ -3,13 +3,14 @@ tokenizer files. Writing goes to a folder beside OUT_DIR, renamed into place at 
 leaves no partial OUT_DIR. Reading accepts model.safetensors, a sharded safetensors index or
 pytorch_model.bin (read with weights_only=True).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,8 +32,17 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"--max-shard-size={text!r} is not a size like 5GB, 500MB or 1000000")
     number, unit = float(match.group(1)), match.group(2) or "B"
-    powers = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    powers = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     return int(number * powers[unit])
 
 
@@ -65,8 +75,7 @@ def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[s
         weight_map.update({key: name for key in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(folder, SAFE_INDEX), "w", encoding="utf-8") as handle:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle,
-                  indent=2)
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)
     return names + [SAFE_INDEX]
 
 
@@ -75,12 +84,18 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int, max_leng
     Refuses (ValueError) a tokenizer whose vocabulary size differs from the model's."""
     from data.tokenizers import build_tokenizer
 
-    tokenizer = build_tokenizer(data["tokenizer_type"], vocab_file=data.get("vocab_file"),
-                                merge_file=data.get("merge_file"), tokenizer_model=data.get("tokenizer_model"))
+    tokenizer = build_tokenizer(
+        data["tokenizer_type"],
+        vocab_file=data.get("vocab_file"),
+        merge_file=data.get("merge_file"),
+        tokenizer_model=data.get("tokenizer_model"),
+    )
     if tokenizer.vocab_size != vocab_size:
         source = data.get("vocab_file") or data.get("tokenizer_model")
-        raise ValueError(f"tokenizer {source} has {tokenizer.vocab_size} entries but the model's vocabulary is "
-                         f"model.vocab_size={vocab_size}")
+        raise ValueError(
+            f"tokenizer {source} has {tokenizer.vocab_size} entries but the model's vocabulary is "
+            f"model.vocab_size={vocab_size}"
+        )
     if data["tokenizer_type"] == "GPT2BPETokenizer":
         shutil.copyfile(data["vocab_file"], os.path.join(folder, "vocab.json"))
         shutil.copyfile(data["merge_file"], os.path.join(folder, "merges.txt"))
@@ -95,8 +110,13 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int, max_leng
             special["bos_token"] = sp.id_to_piece(sp.bos_id())
         if sp.unk_id() >= 0:
             special["unk_token"] = sp.id_to_piece(sp.unk_id())
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-                  "legacy": False, **special}
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "legacy": False,
+            **special,
+        }
         ids = {"bos": sp.bos_id() if sp.bos_id() >= 0 else sp.eos_id(), "eos": sp.eos_id()}
     config["model_max_length"] = max_length
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
@@ -155,16 +175,24 @@ def read_weights(folder: str) -> Tensors:
     raise HFFolderError(f"{folder} holds no weights (model.safetensors, {SAFE_INDEX} or pytorch_model.bin)")
 
 
-def tokenizer_section(folder: str) -> Optional[dict[str, Any]]:
+def tokenizer_section(folder: str) -> dict[str, Any] | None:
     """Our data-section tokenizer keys for the tokenizer files of a transformers folder, or None."""
     vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
     if os.path.isfile(vocab) and os.path.isfile(merges):
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges,
-                "tokenizer_model": None}
+        return {
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": vocab,
+            "merge_file": merges,
+            "tokenizer_model": None,
+        }
     model = os.path.join(folder, "tokenizer.model")
     if os.path.isfile(model):
-        return {"tokenizer_type": "SentencePieceTokenizer", "vocab_file": None, "merge_file": None,
-                "tokenizer_model": model}
+        return {
+            "tokenizer_type": "SentencePieceTokenizer",
+            "vocab_file": None,
+            "merge_file": None,
+            "tokenizer_model": model,
+        }
     return None
 
 

@@ -1,12 +1,13 @@
 """Run logging: one rank-aware console logger, the per-interval console line, TensorBoard and metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
-import math
-from typing import Any, Optional
+from typing import Any
 
 LOGGER_NAME = "ptdp"
 
@@ -71,8 +72,10 @@ class MetricsWriter:
                 json.loads(line)
             except json.JSONDecodeError as err:
                 if number == len(lines):
-                    get_logger().warning(f"warning: dropped the torn last line {number} of {self.path} "
-                                         f"({len(line)} bytes, not complete JSON)")
+                    get_logger().warning(
+                        f"warning: dropped the torn last line {number} of {self.path} "
+                        f"({len(line)} bytes, not complete JSON)"
+                    )
                     continue
                 raise ValueError(f"{self.path}:{number}: malformed JSON ({err.msg})") from None
             kept.append(line if line.endswith("\n") else line + "\n")
@@ -88,7 +91,7 @@ class MetricsWriter:
             handle.writelines(kept)
         os.replace(self.path + ".tmp", self.path)
 
-    def set_aside(self) -> Optional[str]:
+    def set_aside(self) -> str | None:
         """A run starting from iteration 0 in a run.dir that already has metrics: move the old file to
         metrics.jsonl.N (first free N) instead of appending a second copy of the iterations. Returns the
         new name, or None when there was nothing to move."""
@@ -135,15 +138,17 @@ def json_safe(record: dict[str, Any]) -> dict[str, Any]:
 
 def format_train_line(record: dict[str, Any], train_iters: int) -> str:
     """The console line of one logging interval."""
-    parts = [f"iter {record['iteration']:>6}/{train_iters}",
-             f"samples {record['consumed_samples']}",
-             f"loss {record['lm_loss']:.4f}",
-             f"lr {record['lr']:.3e}",
-             f"grad norm {record['grad_norm']:.3f}",
-             f"{record['ms_per_iter']:.1f} ms/it",
-             f"{record['tokens_per_sec']:.0f} tok/s",
-             f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
-             f"mem {record['memory_gib']:.2f} GiB"]
+    parts = [
+        f"iter {record['iteration']:>6}/{train_iters}",
+        f"samples {record['consumed_samples']}",
+        f"loss {record['lm_loss']:.4f}",
+        f"lr {record['lr']:.3e}",
+        f"grad norm {record['grad_norm']:.3f}",
+        f"{record['ms_per_iter']:.1f} ms/it",
+        f"{record['tokens_per_sec']:.0f} tok/s",
+        f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
+        f"mem {record['memory_gib']:.2f} GiB",
+    ]
     if record.get("loss_scale", 1.0) != 1.0 or record.get("skipped_iters"):
         parts.append(f"loss scale {record['loss_scale']:.0f}")
     if record.get("skipped_iters"):
@@ -155,13 +160,14 @@ def peak_memory_gib(device_type: str) -> float:
     """Peak memory of this process: allocator peak on GPU, resident-set high-water mark on CPU."""
     if device_type == "cuda":
         import torch
+
         return torch.cuda.max_memory_allocated() / 2**30
     try:
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     except ImportError:
         return 0.0
-
 
 
 class IntervalStats:
@@ -191,14 +197,18 @@ class IntervalStats:
 
     def flush(self, progress: Any) -> dict[str, Any]:
         seconds_per_iter = self.seconds / max(self.iters, 1)
-        record = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                  # The loss of the applied steps; with none applied (every step skipped), of all of them.
-                  "lm_loss": self.loss_sum / self.counted if self.counted else self.all_loss_sum / max(self.iters, 1),
-                  **self.last,
-                  "ms_per_iter": 1000.0 * seconds_per_iter,
-                  "tokens_per_sec": self.tokens_per_iter / seconds_per_iter,
-                  "tflops_per_device": self.flops_per_iter / seconds_per_iter / self.world_size / 1e12,
-                  "memory_gib": peak_memory_gib(self.device_type),
-                  "skipped_iters": self.skipped, "skipped_total": progress.skipped_iters}
+        record = {
+            "iteration": progress.iteration,
+            "consumed_samples": progress.consumed_samples,
+            # The loss of the applied steps; with none applied (every step skipped), of all of them.
+            "lm_loss": self.loss_sum / self.counted if self.counted else self.all_loss_sum / max(self.iters, 1),
+            **self.last,
+            "ms_per_iter": 1000.0 * seconds_per_iter,
+            "tokens_per_sec": self.tokens_per_iter / seconds_per_iter,
+            "tflops_per_device": self.flops_per_iter / seconds_per_iter / self.world_size / 1e12,
+            "memory_gib": peak_memory_gib(self.device_type),
+            "skipped_iters": self.skipped,
+            "skipped_total": progress.skipped_iters,
+        }
         self._reset()
         return record

@@ -6,6 +6,7 @@ warmup_iters reaches max_lr. We keep Megatron's choice so that runs compare step
 step still warms the Adam moments. After warmup the decay ratio runs from 0 at warmup_iters to 1 at
 decay_iters; past decay_iters the lr stays at min_lr ("constant" stays at max_lr).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,15 +26,15 @@ class LRSchedule:
         decay_style: "cosine", "linear" or "constant".
     """
 
-    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
-                 decay_style: str = "cosine"):
+    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str = "cosine"):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"decay_style={decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"min_lr={min_lr} and max_lr={max_lr} need 0 <= min_lr <= max_lr")
         if warmup_iters < 0 or decay_iters < warmup_iters:
-            raise ValueError(f"warmup_iters={warmup_iters} and decay_iters={decay_iters} need "
-                             f"0 <= warmup_iters <= decay_iters")
+            raise ValueError(
+                f"warmup_iters={warmup_iters} and decay_iters={decay_iters} need 0 <= warmup_iters <= decay_iters"
+            )
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.warmup_iters, self.decay_iters = int(warmup_iters), int(decay_iters)
         self.decay_style = decay_style
@@ -55,13 +56,21 @@ class LRSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's settings (numbers and a string: torch.load(weights_only=True)-safe)."""
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_iters": self.warmup_iters,
-                "decay_iters": self.decay_iters, "decay_style": self.decay_style}
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "warmup_iters": self.warmup_iters,
+            "decay_iters": self.decay_iters,
+            "decay_style": self.decay_style,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Take the checkpoint's settings; returns "key: checkpoint != current" lines for the ones that
         differed (for the caller to log), empty when they agreed."""
-        changed = [f"{key}: {state[key]!r} != {getattr(self, key)!r}" for key in self.state_dict()
-                   if key in state and state[key] != getattr(self, key)]
+        changed = [
+            f"{key}: {state[key]!r} != {getattr(self, key)!r}"
+            for key in self.state_dict()
+            if key in state and state[key] != getattr(self, key)
+        ]
         self.__init__(**{key: state.get(key, value) for key, value in self.state_dict().items()})
         return changed

@@ -14,12 +14,13 @@ are concatenated (column-parallel rows, row-parallel columns; SwiGLU fc1 holds [
 Files are unpickled with weights_only=True: argparse.Namespace is the one real class allowed; Megatron's own
 objects (enums in args) become inert placeholders that run no code; any other global is refused by name.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,27 +30,49 @@ from model.hf_mapping import UnsupportedModelError
 Tensors = dict[str, torch.Tensor]
 TRACKER = "latest_checkpointed_iteration.txt"
 ROW_PARALLEL = ("attention.proj.weight", "mlp.fc2.weight")
-COLUMN_PARALLEL = ("attention.qkv.weight", "attention.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
-                   "embedding.word_embeddings.weight", "output_layer.weight")
+COLUMN_PARALLEL = (
+    "attention.qkv.weight",
+    "attention.qkv.bias",
+    "mlp.fc1.weight",
+    "mlp.fc1.bias",
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+)
 # Layer-local names, megatron-core and legacy spellings -> ours.
 LAYER_NAMES = {
-    "input_layernorm": "input_norm", "input_norm": "input_norm", "self_attention.linear_qkv.layer_norm": "input_norm",
-    "self_attention.linear_qkv": "attention.qkv", "self_attention.query_key_value": "attention.qkv",
-    "attention.query_key_value": "attention.qkv", "self_attention.linear_proj": "attention.proj",
-    "self_attention.dense": "attention.proj", "attention.dense": "attention.proj",
-    "pre_mlp_layernorm": "post_attention_norm", "post_attention_layernorm": "post_attention_norm",
-    "post_attention_norm": "post_attention_norm", "mlp.linear_fc1.layer_norm": "post_attention_norm",
-    "mlp.linear_fc1": "mlp.fc1", "mlp.dense_h_to_4h": "mlp.fc1", "mlp.linear_fc2": "mlp.fc2",
-    "mlp.dense_4h_to_h": "mlp.fc2"}
+    "input_layernorm": "input_norm",
+    "input_norm": "input_norm",
+    "self_attention.linear_qkv.layer_norm": "input_norm",
+    "self_attention.linear_qkv": "attention.qkv",
+    "self_attention.query_key_value": "attention.qkv",
+    "attention.query_key_value": "attention.qkv",
+    "self_attention.linear_proj": "attention.proj",
+    "self_attention.dense": "attention.proj",
+    "attention.dense": "attention.proj",
+    "pre_mlp_layernorm": "post_attention_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_attention_norm": "post_attention_norm",
+    "mlp.linear_fc1.layer_norm": "post_attention_norm",
+    "mlp.linear_fc1": "mlp.fc1",
+    "mlp.dense_h_to_4h": "mlp.fc1",
+    "mlp.linear_fc2": "mlp.fc2",
+    "mlp.dense_4h_to_h": "mlp.fc2",
+}
 GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
     "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
-    "decoder.final_layernorm.weight": "final_norm.weight", "decoder.final_layernorm.bias": "final_norm.bias",
-    "encoder.final_layernorm.weight": "final_norm.weight", "encoder.final_layernorm.bias": "final_norm.bias",
-    "encoder.final_norm.weight": "final_norm.weight", "encoder.final_norm.bias": "final_norm.bias",
-    "output_layer.weight": "output_layer.weight"}
-LAYER_KEY = re.compile(r"^(?:decoder|encoder|transformer)\.layers\.(\d+)\.(.+)\.(weight|bias|layer_norm_weight|"
-                       r"layer_norm_bias)$")
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "encoder.final_layernorm.weight": "final_norm.weight",
+    "encoder.final_layernorm.bias": "final_norm.bias",
+    "encoder.final_norm.weight": "final_norm.weight",
+    "encoder.final_norm.bias": "final_norm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+LAYER_KEY = re.compile(
+    r"^(?:decoder|encoder|transformer)\.layers\.(\d+)\.(.+)\.(weight|bias|layer_norm_weight|"
+    r"layer_norm_bias)$"
+)
 
 
 class MegatronObject:
@@ -71,8 +94,10 @@ def load_megatron_file(path: str) -> dict:
         elif name.startswith("megatron."):
             allowed.append((MegatronObject, name))
         else:
-            raise ValueError(f"{path} pickles {name}, which is not on the allow-list (argparse.Namespace, "
-                             "megatron.* as inert placeholders)")
+            raise ValueError(
+                f"{path} pickles {name}, which is not on the allow-list (argparse.Namespace, "
+                "megatron.* as inert placeholders)"
+            )
     with torch.serialization.safe_globals(allowed):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -86,9 +111,9 @@ def find_iteration_dir(root: str) -> str:
         return root
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
-        raise ValueError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER} and not an iter_XXXXXXX "
-                         "folder")
-    text = open(tracker, encoding="utf-8").read().strip()
+        raise ValueError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER} and not an iter_XXXXXXX folder")
+    with open(tracker, encoding="utf-8") as handle:
+        text = handle.read().strip()
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
     if name is None:
         raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
@@ -104,11 +129,14 @@ def rank_files(iter_dir: str) -> dict[tuple[int, int], str]:
             path = os.path.join(iter_dir, name, "model_optim_rng.pt")
             files[(int(match.group(1)), int(match.group(2) or 0))] = path
         elif name.startswith("mp_rank_"):
-            raise UnsupportedModelError(f"{os.path.join(iter_dir, name)}: expert-parallel checkpoints are not "
-                                        "supported")
+            raise UnsupportedModelError(
+                f"{os.path.join(iter_dir, name)}: expert-parallel checkpoints are not supported"
+            )
     if not files:
-        raise ValueError(f"{iter_dir} holds no mp_rank_* folders (a torch_dist checkpoint? convert it to the "
-                         "torch format with Megatron-LM first)")
+        raise ValueError(
+            f"{iter_dir} holds no mp_rank_* folders (a torch_dist checkpoint? convert it to the "
+            "torch format with Megatron-LM first)"
+        )
     return files
 
 
@@ -118,24 +146,36 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     """Megatron options this model does not have, refused by name."""
-    checks = [("rotary_percent", lambda v: v not in (None, 1.0)), ("num_experts", lambda v: v not in (None, 0)),
-              ("apply_residual_connection_post_layernorm", bool), ("qk_layernorm", bool),
-              ("apply_layernorm_1p", bool), ("layernorm_zero_centered_gamma", bool), ("rotary_interleaved", bool),
-              ("openai_gelu", bool), ("squared_relu", bool), ("multi_latent_attention", bool),
-              ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope")),
-              ("normalization", lambda v: v not in (None, "LayerNorm", "RMSNorm"))]
+    checks = [
+        ("rotary_percent", lambda v: v not in (None, 1.0)),
+        ("num_experts", lambda v: v not in (None, 0)),
+        ("apply_residual_connection_post_layernorm", bool),
+        ("qk_layernorm", bool),
+        ("apply_layernorm_1p", bool),
+        ("layernorm_zero_centered_gamma", bool),
+        ("rotary_interleaved", bool),
+        ("openai_gelu", bool),
+        ("squared_relu", bool),
+        ("multi_latent_attention", bool),
+        ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope")),
+        ("normalization", lambda v: v not in (None, "LayerNorm", "RMSNorm")),
+    ]
     for name, bad in checks:
         value = _arg(args, name)
         if value is not None and bad(value):
             raise UnsupportedModelError(f"Megatron option {name}={value!r} is not supported by this model")
     hidden, heads = args.hidden_size, args.num_attention_heads
     if _arg(args, "kv_channels") not in (None, hidden // heads):
-        raise UnsupportedModelError(f"Megatron option kv_channels={args.kv_channels} is not supported "
-                                    f"(needs hidden_size / num_attention_heads = {hidden // heads})")
+        raise UnsupportedModelError(
+            f"Megatron option kv_channels={args.kv_channels} is not supported "
+            f"(needs hidden_size / num_attention_heads = {hidden // heads})"
+        )
     add_bias = _arg(args, "add_bias_linear", True)
     if _arg(args, "add_qkv_bias", add_bias) != add_bias:
-        raise UnsupportedModelError(f"Megatron option add_qkv_bias={args.add_qkv_bias} with add_bias_linear="
-                                    f"{add_bias} is not supported (one bias switch for every linear layer)")
+        raise UnsupportedModelError(
+            f"Megatron option add_qkv_bias={args.add_qkv_bias} with add_bias_linear="
+            f"{add_bias} is not supported (one bias switch for every linear layer)"
+        )
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
@@ -143,18 +183,26 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     _refuse_unsupported(args)
     gqa = _arg(args, "group_query_attention", False)
     return ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if gqa else None, ffn_hidden_size=_arg(args, "ffn_hidden_size"),
-        seq_length=args.seq_length, max_position_embeddings=_arg(args, "max_position_embeddings"),
-        vocab_size=vocab_size, make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if gqa else None,
+        ffn_hidden_size=_arg(args, "ffn_hidden_size"),
+        seq_length=args.seq_length,
+        max_position_embeddings=_arg(args, "max_position_embeddings"),
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
         position_embedding_type="rope" if _arg(args, "position_embedding_type") == "rope" else "learned",
         rotary_base=float(_arg(args, "rotary_base", 10000)),
         normalization="rmsnorm" if _arg(args, "normalization") == "RMSNorm" else "layernorm",
         norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
         activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
         tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
-        add_bias_linear=_arg(args, "add_bias_linear", True), hidden_dropout=_arg(args, "hidden_dropout", 0.1),
-        attention_dropout=_arg(args, "attention_dropout", 0.1), init_std=_arg(args, "init_method_std", 0.02))
+        add_bias_linear=_arg(args, "add_bias_linear", True),
+        hidden_dropout=_arg(args, "hidden_dropout", 0.1),
+        attention_dropout=_arg(args, "attention_dropout", 0.1),
+        init_std=_arg(args, "init_method_std", 0.02),
+    )
 
 
 def flatten(nested: dict, prefix: str = "") -> Tensors:
@@ -210,23 +258,28 @@ def _chunks(payload: dict, path: str) -> list[Tensors]:
     return [flatten(payload[k]) for k in keys]
 
 
-def tokenizer_from_args(args: argparse.Namespace) -> tuple[Optional[dict], Optional[int]]:
+def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | None]:
     """(our data-section tokenizer keys, vocabulary size) when the run's tokenizer files exist, else (None, None)."""
     from data.tokenizers import build_tokenizer
 
     kind = _arg(args, "tokenizer_type")
-    files = {"vocab_file": _arg(args, "vocab_file"), "merge_file": _arg(args, "merge_file"),
-             "tokenizer_model": _arg(args, "tokenizer_model")}
-    ours = {"GPT2BPETokenizer": "GPT2BPETokenizer", "SentencePieceTokenizer": "SentencePieceTokenizer",
-            "GPTSentencePieceTokenizer": "SentencePieceTokenizer"}.get(kind)
+    files = {
+        "vocab_file": _arg(args, "vocab_file"),
+        "merge_file": _arg(args, "merge_file"),
+        "tokenizer_model": _arg(args, "tokenizer_model"),
+    }
+    ours = {
+        "GPT2BPETokenizer": "GPT2BPETokenizer",
+        "SentencePieceTokenizer": "SentencePieceTokenizer",
+        "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
+    }.get(kind)
     if ours is None or not all(os.path.isfile(p) for p in files.values() if p):
         return None, None
     tokenizer = build_tokenizer(ours, **files)
     return {"tokenizer_type": ours, **files}, tokenizer.vocab_size
 
 
-def load_megatron_checkpoint(root: str, vocab_size: Optional[int] = None) -> tuple[ModelConfig, Tensors,
-                                                                                    Optional[dict]]:
+def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[ModelConfig, Tensors, dict | None]:
     """(model config, our global state dict, tokenizer keys or None) of a Megatron-LM torch checkpoint.
 
     vocab_size: the unpadded vocabulary; default: the tokenizer's named in args when its files exist, else
@@ -238,8 +291,10 @@ def load_megatron_checkpoint(root: str, vocab_size: Optional[int] = None) -> tup
     if not isinstance(args, argparse.Namespace):
         raise ValueError(f"{files[min(files)]} holds no Megatron args")
     if first.get("checkpoint_version", 0) < 2.0:
-        raise UnsupportedModelError(f"checkpoint_version={first.get('checkpoint_version')} ([3, np, hn] QKV "
-                                    "order) is not supported; re-save it with Megatron-LM >= 2.0")
+        raise UnsupportedModelError(
+            f"checkpoint_version={first.get('checkpoint_version')} ([3, np, hn] QKV "
+            "order) is not supported; re-save it with Megatron-LM >= 2.0"
+        )
     tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
     if len(files) != tp * pp:
         raise ValueError(f"{iter_dir} misses mp_rank folders: {len(files)} found for tp={tp} x pp={pp}")
@@ -247,7 +302,7 @@ def load_megatron_checkpoint(root: str, vocab_size: Optional[int] = None) -> tup
     vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or args.padded_vocab_size
     cfg = model_config_from_args(args, vocab)
     shards: dict[str, list[torch.Tensor]] = {}
-    for (tp_rank, pp_rank), path in sorted(files.items()):
+    for (_tp_rank, pp_rank), path in sorted(files.items()):
         payload = first if path == files[min(files)] else load_megatron_file(path)
         chunks = _chunks(payload, path)
         per_chunk = cfg.num_layers // (pp * len(chunks))
@@ -261,8 +316,11 @@ def load_megatron_checkpoint(root: str, vocab_size: Optional[int] = None) -> tup
 
 
 def _check_complete(tensors: Tensors, cfg: ModelConfig, iter_dir: str) -> None:
-    missing = [f"layers.{i}.attention.qkv.weight" for i in range(cfg.num_layers)
-               if f"layers.{i}.attention.qkv.weight" not in tensors]
+    missing = [
+        f"layers.{i}.attention.qkv.weight"
+        for i in range(cfg.num_layers)
+        if f"layers.{i}.attention.qkv.weight" not in tensors
+    ]
     for name in ("embedding.word_embeddings.weight", "final_norm.weight"):
         if name not in tensors:
             missing.append(name)

@@ -4,9 +4,8 @@ The global state dict is what a single-process GPTModel holds (`layers.5.mlp.fc1
 padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_checkpoint.py) and generation
 (tools/generate.py) work on it, so that any checkpoint layout is read in one place.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -29,8 +28,9 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
     iter_dir = resolve_checkpoint(path)
     config = read_saved_config(iter_dir)
     state = ParallelState.single()
-    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
-                                dtype=torch.float32)
+    chunks = build_model_chunks(
+        config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32
+    )
     load_model_weights(iter_dir, chunks, state)
     return config, chunks[0].state_dict()
 
@@ -39,8 +39,9 @@ def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors)
     """A weights-only checkpoint of a global state dict under root (loadable at any layout, e.g. with
     checkpoint.finetune=ROOT); returns the iteration folder."""
     state = ParallelState.single()
-    chunks = build_model_chunks(config_from_dict(config).model, state, seed=0, device=torch.device("cpu"),
-                                dtype=torch.float32)
+    chunks = build_model_chunks(
+        config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32
+    )
     chunks[0].load_state_dict(tensors)
     return save_model_weights(root, iteration, chunks, state, config)
 
@@ -48,12 +49,18 @@ def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors)
 def resize_vocab_rows(tensors: Tensors, cfg: ModelConfig, padded_vocab: int) -> Tensors:
     """The vocabulary tables cut to the real vocabulary and zero-padded to `padded_vocab` rows (padding rows
     never score)."""
-    return {name: vocab_rows(t[:cfg.vocab_size], padded_vocab) if name in VOCAB_ROWS else t
-            for name, t in tensors.items()}
+    return {
+        name: vocab_rows(t[: cfg.vocab_size], padded_vocab) if name in VOCAB_ROWS else t for name, t in tensors.items()
+    }
 
 
-def build_model_from_state(cfg: ModelConfig, tensors: Tensors, state: Optional[ParallelState] = None,
-                           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> GPTModel:
+def build_model_from_state(
+    cfg: ModelConfig,
+    tensors: Tensors,
+    state: ParallelState | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> GPTModel:
     """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode."""
     state = state or ParallelState.single()
     model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size))

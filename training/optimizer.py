@@ -10,11 +10,12 @@ One step: unscale (fp16) -> inf/nan check over the world (fp16: skip the step) -
 skip the step, any precision) -> clip -> AdamW -> write the masters back into the model params (distributed:
 all-gather the shards over dp).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,7 @@ from torch import nn
 
 from parallel.comm import all_gather_into
 from parallel.data_parallel import Bucket, DataParallel
-from parallel.grad_utils import (any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm,
-                                 sum_of_squares)
+from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -61,7 +61,7 @@ class DynamicLossScaler:
 
     dynamic = True
 
-    def __init__(self, initial: float = 2.0 ** 32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
+    def __init__(self, initial: float = 2.0**32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
         self.scale, self.min_scale = float(initial), float(min)
         self.window, self.hysteresis = int(window), int(hysteresis)
         self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
@@ -80,8 +80,11 @@ class DynamicLossScaler:
             self.scale *= 2.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -142,9 +145,18 @@ class Optimizer:
 
     distributed = False
 
-    def __init__(self, ddp: DataParallel, state, lr: float, weight_decay: float = 0.01,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, clip_grad: float = 1.0,
-                 loss_scaler: Optional[Any] = None, alias_fp32_params: bool = False):
+    def __init__(
+        self,
+        ddp: DataParallel,
+        state,
+        lr: float,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        clip_grad: float = 1.0,
+        loss_scaler: Any | None = None,
+        alias_fp32_params: bool = False,
+    ):
         self.ddp, self.state = ddp, state
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad = clip_grad
@@ -162,11 +174,20 @@ class Optimizer:
         master = torch.zeros(end - start, dtype=torch.float32, device=grad.device)
         pieces = _pieces(self.ddp, bucket, start, end)
         for param, offset, param_offset, length in pieces:
-            master[offset:offset + length].copy_(param.detach().reshape(-1)[param_offset:param_offset + length])
+            master[offset : offset + length].copy_(param.detach().reshape(-1)[param_offset : param_offset + length])
         tp_rank = self.state.tp_rank
-        return Segment(bucket, start, end, grad, master, torch.zeros_like(master), torch.zeros_like(master),
-                       pieces, decay_runs=_runs(pieces, decays),
-                       norm_runs=_runs(pieces, lambda p: counts_in_grad_norm(p, tp_rank)))
+        return Segment(
+            bucket,
+            start,
+            end,
+            grad,
+            master,
+            torch.zeros_like(master),
+            torch.zeros_like(master),
+            pieces,
+            decay_runs=_runs(pieces, decays),
+            norm_runs=_runs(pieces, lambda p: counts_in_grad_norm(p, tp_rank)),
+        )
 
     def _alias_params(self) -> bool:
         """fp32 plain: make each param a view of its master, so no copy-back and no second fp32 copy."""
@@ -175,7 +196,7 @@ class Optimizer:
             return False
         for seg in self.segments:
             for param, offset, _, length in seg.pieces:
-                param.data = seg.master[offset:offset + length].view(param.shape)
+                param.data = seg.master[offset : offset + length].view(param.shape)
         return True
 
     # ---- the step ---------------------------------------------------------------------------
@@ -194,7 +215,7 @@ class Optimizer:
         return reduce_norm(sum_of_squares(views, device), self._norm_groups())
 
     @torch.no_grad()
-    def step(self, lr: Optional[float] = None) -> StepStats:
+    def step(self, lr: float | None = None) -> StepStats:
         """Unscale, check, clip and apply one AdamW step at `lr` (default: the constructor's lr)."""
         lr = self.lr if lr is None else lr
         scale = self.scaler.scale
@@ -230,8 +251,8 @@ class Optimizer:
                 seg.master[lo:hi].mul_(1.0 - lr * self.weight_decay)
         seg.exp_avg.lerp_(seg.grad, 1.0 - beta1)
         seg.exp_avg_sq.mul_(beta2).addcmul_(seg.grad, seg.grad, value=1.0 - beta2)
-        bias_correction1 = 1.0 - beta1 ** self.step_count
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** self.step_count)
+        bias_correction1 = 1.0 - beta1**self.step_count
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**self.step_count)
         denom = (seg.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
         seg.master.addcdiv_(seg.exp_avg, denom, value=-lr / bias_correction1)
 
@@ -240,7 +261,7 @@ class Optimizer:
             return
         for seg in self.segments:
             for param, offset, _, length in seg.pieces:
-                param.data.copy_(seg.master[offset:offset + length].view(param.shape))
+                param.data.copy_(seg.master[offset : offset + length].view(param.shape))
 
     # ---- state ------------------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -251,11 +272,24 @@ class Optimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (its shards when distributed); tensors, numbers, strings, lists and dicts only."""
-        return {"step": self.step_count, "loss_scaler": self.scaler.state_dict(),
-                "distributed": self.distributed, "dp_size": self.state.dp_size, "dp_rank": self.state.dp_rank,
-                "segments": [{"chunk": seg.bucket.chunk_index, "start": seg.start, "end": seg.end,
-                              "master": seg.master, "exp_avg": seg.exp_avg, "exp_avg_sq": seg.exp_avg_sq}
-                             for seg in self.segments]}
+        return {
+            "step": self.step_count,
+            "loss_scaler": self.scaler.state_dict(),
+            "distributed": self.distributed,
+            "dp_size": self.state.dp_size,
+            "dp_rank": self.state.dp_rank,
+            "segments": [
+                {
+                    "chunk": seg.bucket.chunk_index,
+                    "start": seg.start,
+                    "end": seg.end,
+                    "master": seg.master,
+                    "exp_avg": seg.exp_avg,
+                    "exp_avg_sq": seg.exp_avg_sq,
+                }
+                for seg in self.segments
+            ],
+        }
 
     @torch.no_grad()
     def reset_from_params(self) -> None:
@@ -263,8 +297,9 @@ class Optimizer:
         moments zero, step 0, loss scaler as new."""
         for seg in self.segments:
             for param, offset, param_offset, length in seg.pieces:
-                seg.master[offset:offset + length].copy_(
-                    param.detach().reshape(-1)[param_offset:param_offset + length])
+                seg.master[offset : offset + length].copy_(
+                    param.detach().reshape(-1)[param_offset : param_offset + length]
+                )
             seg.exp_avg.zero_()
             seg.exp_avg_sq.zero_()
         self.step_count = 0
@@ -280,8 +315,10 @@ class Optimizer:
                 raise ValueError(f"optimizer checkpoint has {key}={state[key]}, this run has {mine[key]}")
         ranges = [(s["chunk"], s["start"], s["end"]) for s in state["segments"]]
         if ranges != [(s["chunk"], s["start"], s["end"]) for s in mine["segments"]]:
-            raise ValueError("optimizer checkpoint's buffer layout differs from this model's "
-                             "(model shape, bucket size or parameter order changed)")
+            raise ValueError(
+                "optimizer checkpoint's buffer layout differs from this model's "
+                "(model shape, bucket size or parameter order changed)"
+            )
         for seg, saved in zip(self.segments, state["segments"]):
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(seg, key).copy_(saved[key])
@@ -310,18 +347,27 @@ class DistributedOptimizer(Optimizer):
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
             full = torch.empty(bucket.numel, dtype=dtype, device=seg.master.device)  # [bucket] in param dtype
             shard = bucket.numel // dp_size
-            local = full[dp_rank * shard:(dp_rank + 1) * shard]
+            local = full[dp_rank * shard : (dp_rank + 1) * shard]
             local.copy_(seg.master)
             if dp_size > 1:
                 all_gather_into(full, local, self.state.dp_group)
             for param in bucket.params:
                 where = self.ddp.param_ranges[param]
-                param.data.copy_(full[where.start - bucket.start:where.end - bucket.start].view(param.shape))
+                param.data.copy_(full[where.start - bucket.start : where.end - bucket.start].view(param.shape))
 
 
-def build_optimizer(chunks: list[nn.Module], ddp: DataParallel, state, lr: float, weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    clip_grad: float = 1.0, precision: str = "fp32",
-                    loss_scale_cfg: Optional[dict[str, Any]] = None) -> Optimizer:
+def build_optimizer(
+    chunks: list[nn.Module],
+    ddp: DataParallel,
+    state,
+    lr: float,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    precision: str = "fp32",
+    loss_scale_cfg: dict[str, Any] | None = None,
+) -> Optimizer:
     """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`.
 
     `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
@@ -333,5 +379,14 @@ def build_optimizer(chunks: list[nn.Module], ddp: DataParallel, state, lr: float
         raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
     scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
     cls = DistributedOptimizer if ddp.distributed_optimizer else Optimizer
-    return cls(ddp, state, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, clip_grad=clip_grad,
-               loss_scaler=scaler, alias_fp32_params=precision == "fp32")
+    return cls(
+        ddp,
+        state,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        clip_grad=clip_grad,
+        loss_scaler=scaler,
+        alias_fp32_params=precision == "fp32",
+    )

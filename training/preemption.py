@@ -7,13 +7,14 @@ iteration boundary every rank shares what it got (`training.guards.agree`, one a
 after the same iteration, save a checkpoint of it and exit with `EXIT_PREEMPTED`. A SIGINT that arrives while
 a stop is already pending stops at once (`Interrupted`, no checkpoint), as a second Ctrl-C is expected to.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -26,11 +27,11 @@ class PreemptionHandler:
     """Records the first of SIGTERM / SIGUSR1 / SIGINT; use as a context manager around the run."""
 
     def __init__(self) -> None:
-        self.received: Optional[signal.Signals] = None
+        self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._pid = os.getpid()
 
-    def __enter__(self) -> "PreemptionHandler":
+    def __enter__(self) -> PreemptionHandler:
         # Python allows handlers only in the main thread (tests that drive main() from a thread get none).
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
@@ -51,8 +52,11 @@ class PreemptionHandler:
         if self.received is None:
             self.received = sig
             # os.write, not logging: a handler may run while the logging stream's lock is held.
-            os.write(2, f"received {sig.name}: stopping after this iteration with a checkpoint "
-                        f"(press Ctrl-C again to stop at once)\n".encode())
+            os.write(
+                2,
+                f"received {sig.name}: stopping after this iteration with a checkpoint "
+                f"(press Ctrl-C again to stop at once)\n".encode(),
+            )
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -63,7 +67,7 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def job_start_time(environ: Optional[dict] = None) -> float:
+def job_start_time(environ: dict | None = None) -> float:
     """When this job started, in seconds since the epoch: SLURM_JOB_START_TIME under SLURM, else the start of
     this process (from /proc), else now. exit_duration_mins counts from here, so building the data and the
     model and loading a checkpoint count against the time limit too."""

@@ -7,13 +7,14 @@ crash); on another host, it belongs to this same SLURM job id (a requeued job th
 SLURM never runs two copies of one job at once). A lock from another host that cannot be checked is never
 broken silently: the message says which file to delete once that process is known to be gone.
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import time
-from typing import Optional
 
 LOCK_NAME = "run.lock"
 
@@ -22,7 +23,7 @@ class RunLockError(RuntimeError):
     """run.dir is in use by another live trainer; the message names its pid and host."""
 
 
-def _process_start_ticks(pid: int) -> Optional[int]:
+def _process_start_ticks(pid: int) -> int | None:
     """The start time of process `pid` in clock ticks since boot, or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
@@ -33,8 +34,13 @@ def _process_start_ticks(pid: int) -> Optional[int]:
 
 def _owner_record() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "start_ticks": _process_start_ticks(pid),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "start_ticks": _process_start_ticks(pid),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def holder_is_gone(holder: dict) -> bool:
@@ -52,9 +58,9 @@ class RunLock:
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, LOCK_NAME)
         self.held = False
-        self.broke_stale: Optional[dict] = None  # the dead holder whose lock was replaced, for the log
+        self.broke_stale: dict | None = None  # the dead holder whose lock was replaced, for the log
 
-    def _read_holder(self) -> Optional[dict]:
+    def _read_holder(self) -> dict | None:
         try:
             with open(self.path, encoding="utf-8") as handle:
                 return json.load(handle)
@@ -84,12 +90,11 @@ class RunLock:
                 raise RunLockError(
                     f"run.dir {os.path.dirname(self.path)} is in use by another trainer: pid {holder.get('pid')} "
                     f"on host {holder.get('host')} (since {holder.get('since')}); use another run.dir, or "
-                    f"delete {self.path} if that process is gone")
+                    f"delete {self.path} if that process is gone"
+                )
             self.broke_stale = holder
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass
         raise RunLockError(f"cannot take the run lock {self.path}: other trainers keep starting in this run.dir")
 
     def release(self) -> None:
@@ -102,7 +107,7 @@ class RunLock:
             os.remove(self.path)
 
 
-def take_run_lock(lock: RunLock, rank: int, world_size: int, device) -> Optional[str]:
+def take_run_lock(lock: RunLock, rank: int, world_size: int, device) -> str | None:
     """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce, collective
     over the world). Returns the error ("" on ranks other than 0, which print nothing), or None."""
     error = None

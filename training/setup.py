@@ -1,9 +1,9 @@
 """Start-up pieces of a run: torch.distributed, the device, the data, the model chunks."""
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,8 @@ from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-Dataset = Union[GPTDataset, BlendedDataset]
-DatasetSplits = tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]  # train, valid, test
+Dataset = GPTDataset | BlendedDataset
+DatasetSplits = tuple[Dataset | None, Dataset | None, Dataset | None]  # train, valid, test
 
 
 @dataclass
@@ -31,12 +31,15 @@ class DistEnv:
     device: torch.device
 
 
-def _gpus_allocated(environ) -> Optional[str]:
+def _gpus_allocated(environ) -> str | None:
     """Why this process is expected to have GPUs (the variable that says so), or None."""
     for key in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE"):
         value = environ.get(key, "").strip()
-        allocated = (value.isdigit() and int(value) > 0) if key == "SLURM_GPUS_ON_NODE" else \
-            value not in ("", "-1", "NoDevFiles")
+        allocated = (
+            (value.isdigit() and int(value) > 0)
+            if key == "SLURM_GPUS_ON_NODE"
+            else value not in ("", "-1", "NoDevFiles")
+        )
         if allocated:
             return f"{key}={value}"
     return None
@@ -51,18 +54,22 @@ def check_devices(train: TrainConfig, environ) -> bool:
     if visible == 0:
         expected = "train.device=cuda" if train.device == "cuda" else _gpus_allocated(environ)
         if expected:
-            raise ValueError(f"GPUs were expected ({expected}) but torch sees no CUDA device (torch "
-                             f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}): fix the driver or "
-                             f"the torch build, or set train.device=cpu to train on the CPU")
+            raise ValueError(
+                f"GPUs were expected ({expected}) but torch sees no CUDA device (torch "
+                f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}): fix the driver or "
+                f"the torch build, or set train.device=cpu to train on the CPU"
+            )
         return False
     local_ranks = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
     if local_ranks > visible and not train.allow_gpu_sharing:
-        raise ValueError(f"{local_ranks} ranks on this node but {visible} visible GPU(s): ranks would share "
-                         f"GPUs; start {visible} ranks per node, or set train.allow_gpu_sharing=true")
+        raise ValueError(
+            f"{local_ranks} ranks on this node but {visible} visible GPU(s): ranks would share "
+            f"GPUs; start {visible} ranks per node, or set train.allow_gpu_sharing=true"
+        )
     return True
 
 
-def init_distributed(use_cuda: Optional[bool] = None) -> DistEnv:
+def init_distributed(use_cuda: bool | None = None) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
@@ -116,22 +123,27 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
     """
     train, data = config.train, config.data
     num_samples = (train.train_iters * gbs, train.eval_iters * gbs, 0)
-    options = BuildOptions(extra_token=data.add_extra_token_to_sequence,
-                           drop_last_partial_validation=data.drop_last_partial_validation_sequence,
-                           mid_level_surplus=data.mid_level_dataset_surplus)
+    options = BuildOptions(
+        extra_token=data.add_extra_token_to_sequence,
+        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
+        mid_level_surplus=data.mid_level_dataset_surplus,
+    )
 
     def build():
-        return build_train_valid_test_datasets(data.data_path, data.split, config.model.seq_length, train.seed,
-                                               num_samples, data.cache_dir, options)
+        return build_train_valid_test_datasets(
+            data.data_path, data.split, config.model.seq_length, train.seed, num_samples, data.cache_dir, options
+        )
 
-    datasets: Optional[tuple] = build() if env.rank == 0 else None
+    datasets: tuple | None = build() if env.rank == 0 else None
     barrier(env)
     datasets = datasets if datasets is not None else build()
     for name, dataset, needed in zip(("train", "valid"), datasets, num_samples):
         if needed and (dataset is None or len(dataset) < needed):
             have = 0 if dataset is None else len(dataset)
-            raise ValueError(f"data.data_path: the {name} split gives {have} samples, the run reads {needed} "
-                             f"(data.split={data.split!r}; an unweighted blend holds one epoch: give weights)")
+            raise ValueError(
+                f"data.data_path: the {name} split gives {have} samples, the run reads {needed} "
+                f"(data.split={data.split!r}; an unweighted blend holds one epoch: give weights)"
+            )
     return datasets
 
 
@@ -139,29 +151,51 @@ def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, data) -> 
     """model.vocab_size below the tokenizer's would index past the embedding table: one-line error."""
     if model_vocab_size < tokenizer_vocab_size:
         source = data.vocab_file or data.tokenizer_model or data.tokenizer_type
-        raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({tokenizer_vocab_size} entries in {source})")
+        raise ValueError(
+            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab_size} entries in {source})"
+        )
 
 
-def data_iterator(config: Config, dataset, consumed_samples: int, dp_rank: int, dp_size: int,
-                  eod_id: int, num_workers: Optional[int] = None):
+def data_iterator(
+    config: Config,
+    dataset,
+    consumed_samples: int,
+    dp_rank: int,
+    dp_size: int,
+    eod_id: int,
+    num_workers: int | None = None,
+):
     data = config.data
     return build_data_iterator(
-        dataset, consumed_samples, config.train.micro_batch_size, dp_rank, dp_size,
-        data.num_workers if num_workers is None else num_workers, eod_id, data.eod_mask_loss,
-        data.reset_position_ids, data.reset_attention_mask, data.add_extra_token_to_sequence,
-        worker_init_fn=ignore_stop_signals)
+        dataset,
+        consumed_samples,
+        config.train.micro_batch_size,
+        dp_rank,
+        dp_size,
+        data.num_workers if num_workers is None else num_workers,
+        eod_id,
+        data.eod_mask_loss,
+        data.reset_position_ids,
+        data.reset_attention_mask,
+        data.add_extra_token_to_sequence,
+        worker_init_fn=ignore_stop_signals,
+    )
 
 
 def param_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def log_kernel_choices(chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device,
-                       dtype: torch.dtype, logger) -> None:
+def log_kernel_choices(
+    chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device, dtype: torch.dtype, logger
+) -> None:
     """Log once which fused kernels run on which path (model/kernels) and which SDPA backend attention uses."""
     from model.kernels import KernelSelection
     from model.kernels.attention_backend import sdpa_backend
+
     selection = chunks[0].kernels if chunks else KernelSelection.from_model_config(model_cfg)
-    logger.info(f"{selection.describe(device)}; attention: scaled_dot_product_attention, backend "
-                f"{sdpa_backend(model_cfg, micro_batch_size, tp_size, device, dtype)}")
+    logger.info(
+        f"{selection.describe(device)}; attention: scaled_dot_product_attention, backend "
+        f"{sdpa_backend(model_cfg, micro_batch_size, tp_size, device, dtype)}"
+    )

@@ -4,10 +4,11 @@ The same path serves every layout: the pipeline executor walks this rank's sched
 forward/backward per micro-batch), data parallelism reduces gradients while the last backward runs, then the
 tied-embedding and sequence-parallel gradients are reduced and the optimizer steps.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ class StepContext:
     state: ParallelState
     layout: Layout
     ddp: DataParallel
-    optimizer: Union[Optimizer, DistributedOptimizer]
+    optimizer: Optimizer | DistributedOptimizer
     activation_shape: tuple[int, int, int]  # [s(/tp with sequence parallelism), b, h] between stages
     activation_dtype: torch.dtype
     device: torch.device
@@ -45,10 +46,10 @@ class StepContext:
 
     def __post_init__(self) -> None:
         layout, pp_rank = self.layout, self.state.pp_rank
-        self.train_plan = build_plan(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches,
-                                     layout.vp_size)
-        self.eval_plan = build_plan(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches,
-                                    layout.vp_size, forward_only=True)
+        self.train_plan = build_plan(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches, layout.vp_size)
+        self.eval_plan = build_plan(
+            layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches, layout.vp_size, forward_only=True
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -65,18 +66,20 @@ class StepResult:
 
 
 def _to_device(microbatch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in microbatch.items()}
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in microbatch.items()}
 
 
 def make_forward_fn(num_microbatches: int):
     """forward_fn for the executor: a chunk's output, or on the last chunk the micro-batch loss / m."""
 
     def forward_fn(chunk_index: int, chunk: torch.nn.Module, input_tensor, mb: dict) -> torch.Tensor:
-        output = chunk(input_ids=mb["tokens"] if chunk.pre_process else None,
-                       position_ids=mb["position_ids"], hidden_states=input_tensor,
-                       attention_mask=mb.get("attention_mask"),
-                       labels=mb["labels"] if chunk.post_process else None)
+        output = chunk(
+            input_ids=mb["tokens"] if chunk.pre_process else None,
+            position_ids=mb["position_ids"],
+            hidden_states=input_tensor,
+            attention_mask=mb.get("attention_mask"),
+            labels=mb["labels"] if chunk.post_process else None,
+        )
         if not chunk.post_process:
             return output
         mask = mb["loss_mask"]
@@ -105,8 +108,9 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     return float(total.reshape(()))
 
 
-def train_step(ctx: StepContext, microbatches: list[dict], lr: float,
-               before_update: Optional[Callable[[], None]] = None) -> StepResult:
+def train_step(
+    ctx: StepContext, microbatches: list[dict], lr: float, before_update: Callable[[], None] | None = None
+) -> StepResult:
     """Forward/backward over this rank's micro-batches of the global batch (from `take_microbatches`),
     gradient reduction, clipping and the optimizer step.
     `before_update()` runs just before the step changes any weight (an async checkpoint copy finishes)."""
@@ -114,22 +118,40 @@ def train_step(ctx: StepContext, microbatches: list[dict], lr: float,
         chunk.train()
     microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
     ctx.ddp.zero_grad()
-    result = execute_schedule(ctx.train_plan, ctx.chunks, microbatches, make_forward_fn(ctx.num_microbatches),
-                              ctx.state, ctx.activation_shape, ctx.activation_dtype,
-                              scatter_gather=ctx.scatter_gather, loss_scale=ctx.optimizer.loss_scale,
-                              on_last_backward=ctx.ddp.enable_grad_sync, overlap_p2p_comm=ctx.overlap_p2p_comm)
+    result = execute_schedule(
+        ctx.train_plan,
+        ctx.chunks,
+        microbatches,
+        make_forward_fn(ctx.num_microbatches),
+        ctx.state,
+        ctx.activation_shape,
+        ctx.activation_dtype,
+        scatter_gather=ctx.scatter_gather,
+        loss_scale=ctx.optimizer.loss_scale,
+        on_last_backward=ctx.ddp.enable_grad_sync,
+        overlap_p2p_comm=ctx.overlap_p2p_comm,
+    )
     ctx.ddp.finish_grad_sync()
     finalize_model_grads(ctx.chunks, ctx.state, ctx.ddp)
     if before_update is not None:
         before_update()
     stats = ctx.optimizer.step(lr)
-    return StepResult(loss=_global_mean_loss(result.losses, ctx.state), grad_norm=stats.grad_norm,
-                      skipped=stats.skipped, loss_scale=stats.loss_scale, max_in_flight=result.max_in_flight)
+    return StepResult(
+        loss=_global_mean_loss(result.losses, ctx.state),
+        grad_norm=stats.grad_norm,
+        skipped=stats.skipped,
+        loss_scale=stats.loss_scale,
+        max_in_flight=result.max_in_flight,
+    )
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int,
-             check_batch: Optional[Callable[[list[dict], int], None]] = None) -> float:
+def evaluate(
+    ctx: StepContext,
+    data_iter: Iterator[dict],
+    eval_iters: int,
+    check_batch: Callable[[list[dict], int], None] | None = None,
+) -> float:
     """Mean validation loss over eval_iters global batches (forward only); `check_batch(microbatches, k)`,
     if given, sees the k-th batch on the CPU first (and may raise)."""
     for chunk in ctx.chunks:
@@ -141,9 +163,17 @@ def evaluate(ctx: StepContext, data_iter: Iterator[dict], eval_iters: int,
         if check_batch is not None:
             check_batch(microbatches, batch)
         microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
-        result = execute_schedule(ctx.eval_plan, ctx.chunks, microbatches, forward_fn, ctx.state,
-                                  ctx.activation_shape, ctx.activation_dtype, scatter_gather=ctx.scatter_gather,
-                                  overlap_p2p_comm=ctx.overlap_p2p_comm)
+        result = execute_schedule(
+            ctx.eval_plan,
+            ctx.chunks,
+            microbatches,
+            forward_fn,
+            ctx.state,
+            ctx.activation_shape,
+            ctx.activation_dtype,
+            scatter_gather=ctx.scatter_gather,
+            overlap_p2p_comm=ctx.overlap_p2p_comm,
+        )
         total += _global_mean_loss(result.losses, ctx.state)
     for chunk in ctx.chunks:
         chunk.train()

@@ -17,10 +17,11 @@ model's original code, so the default configuration computes exactly what it com
 Selection: `model.fused_kernels=true` turns every kernel on; `model.fused_kernel_names=[norm, rotary]` then
 keeps only those (KernelSelection.from_config).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ class KernelSelection:
     names: frozenset[str] = frozenset()
 
     @classmethod
-    def from_model_config(cls, cfg) -> "KernelSelection":
+    def from_model_config(cls, cfg) -> KernelSelection:
         """From model.fused_kernels (all on/off) and model.fused_kernel_names (a subset, or None = all)."""
         if not cfg.fused_kernels:
             return cls()
@@ -57,8 +58,10 @@ class KernelSelection:
         path = backend_name(device)
         chosen = ", ".join(name for name in KERNEL_NAMES if name in self.names)
         if path == "torch":
-            return (f"fused kernels: {chosen} on the torch path (no Triton for {torch.device(device).type}; "
-                    f"set TRITON_INTERPRET=1 to run the kernels on CPU): references, chunked cross entropy")
+            return (
+                f"fused kernels: {chosen} on the torch path (no Triton for {torch.device(device).type}; "
+                f"set TRITON_INTERPRET=1 to run the kernels on CPU): references, chunked cross entropy"
+            )
         return f"fused kernels: {chosen} via {path}"
 
 
@@ -67,12 +70,13 @@ def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.
     if not (kernels.uses("norm") and triton_runs(x.device)):
         return module(x)
     from model.kernels import ops
+
     is_rms = isinstance(module, nn.RMSNorm)
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return ops.norm(x, module.weight, None if is_rms else module.bias, eps, is_rms)
 
 
-def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """linear(x) without its bias, and the bias: nn.Linear, or a layer whose forward takes skip_bias_add
     (the tensor-parallel linears of parallel/tp_layers.py)."""
     if isinstance(linear, nn.Linear):
@@ -89,18 +93,26 @@ def linear_activation(fc1: nn.Module, x: torch.Tensor, swiglu: bool, kernels: Ke
     if not triton_runs(y.device):
         return (reference.bias_swiglu if swiglu else reference.bias_gelu)(y, bias)
     from model.kernels import ops
+
     return (ops.bias_swiglu if swiglu else ops.bias_gelu)(y, bias)
 
 
-def bias_dropout_add(y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                     dropout: Callable[[torch.Tensor], torch.Tensor], dropout_p: float, training: bool,
-                     kernels: KernelSelection) -> torch.Tensor:
+def bias_dropout_add(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    dropout: Callable[[torch.Tensor], torch.Tensor],
+    dropout_p: float,
+    training: bool,
+    kernels: KernelSelection,
+) -> torch.Tensor:
     """residual + dropout(y + bias). Fused, the mask is `dropout(ones)`: drawn by the same module (so from the
     same RNG stream, e.g. the tensor-parallel tracker's fork) and the same generator calls as dropout(y + bias),
     hence the same mask; the kernel then adds bias, applies the mask and adds the residual in one pass."""
     if not fuses_bias_dropout_add(kernels, y.device):
         return reference.bias_dropout_add(y, bias, residual, dropout)
     from model.kernels import ops
+
     scaled_mask = dropout(torch.ones_like(y)) if training and dropout_p > 0 else None
     return ops.bias_dropout_add(y, bias, residual, scaled_mask)
 
@@ -110,26 +122,44 @@ def fuses_bias_dropout_add(kernels: KernelSelection, device: torch.device) -> bo
     return kernels.uses("bias_dropout_add") and triton_runs(device)
 
 
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              kernels: KernelSelection) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: KernelSelection
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d]."""
     if not (kernels.uses("rotary") and triton_runs(q.device)):
         return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
     from model.kernels import ops
+
     return ops.rotary_qk(q, k, cos, sin)
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               vocab_start: int, num_valid: int,
-                               reductions: CrossEntropyReductions) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    reductions: CrossEntropyReductions,
+) -> torch.Tensor:
     """Per-token loss [s, b] of hidden [s, b, h] through the output layer weight [V_local, h], chunked."""
-    return _chunked_loss_eager(hidden, weight, labels, vocab_start, num_valid, reductions,
-                               use_triton=triton_runs(hidden.device))
+    return _chunked_loss_eager(
+        hidden, weight, labels, vocab_start, num_valid, reductions, use_triton=triton_runs(hidden.device)
+    )
 
 
 # a Python loop over chunks with injected collectives: run it eagerly even inside a compiled region
 _chunked_loss_eager = torch.compiler.disable(chunked_linear_cross_entropy)
 
 
-__all__ = ["KERNEL_NAMES", "KernelSelection", "CrossEntropyReductions", "norm", "linear_skip_bias",
-           "linear_activation", "fuses_bias_dropout_add", "bias_dropout_add", "rotary_qk", "fused_linear_cross_entropy"]
+__all__ = [
+    "KERNEL_NAMES",
+    "CrossEntropyReductions",
+    "KernelSelection",
+    "bias_dropout_add",
+    "fused_linear_cross_entropy",
+    "fuses_bias_dropout_add",
+    "linear_activation",
+    "linear_skip_bias",
+    "norm",
+    "rotary_qk",
+]

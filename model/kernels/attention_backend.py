@@ -1,5 +1,6 @@
 """Which backend torch's scaled_dot_product_attention picks for the model's attention (attention stays on SDPA:
 flash or memory-efficient on GPUs, the fused flash kernel or the math path on CPU)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,14 @@ from model.config import ModelConfig
 _NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 
-def sdpa_backend(cfg: ModelConfig, micro_batch_size: int, tp_size: int, device: torch.device,
-                 dtype: torch.dtype, training: bool = True) -> str:
+def sdpa_backend(
+    cfg: ModelConfig,
+    micro_batch_size: int,
+    tp_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    training: bool = True,
+) -> str:
     """The backend SDPA dispatches to for this model's attention call (causal, no explicit mask), asked of
     torch's own selector on small probe tensors of the real head shape; 'unknown' if torch cannot say."""
     choose = getattr(torch, "_fused_sdp_choice", None)

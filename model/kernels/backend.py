@@ -1,5 +1,6 @@
 """Where Triton can run: CUDA tensors when triton is installed, CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1, read by Triton when the kernels are defined, so set it before the first use)."""
+
 from __future__ import annotations
 
 import functools

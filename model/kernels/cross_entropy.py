@@ -11,10 +11,12 @@ Backward recomputes each chunk's logits (one more output-layer GEMM, the price o
 them in place into grad_loss * (softmax - onehot), then dhidden_c = grad @ W and dW += grad^T @ hidden_c.
 The per-chunk statistics and the gradient run in Triton where Triton runs, else in torch (same algorithm).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -40,7 +42,7 @@ def default_chunk_tokens(n_tokens: int, hidden: int, vocab_local: int) -> int:
 # ---- per-chunk statistics and gradient: torch version ----------------------------------------------------
 def _mask_padding_(logits: torch.Tensor, num_valid: int) -> None:
     if num_valid < logits.shape[-1]:
-        logits[:, max(num_valid, 0):] = float("-inf")
+        logits[:, max(num_valid, 0) :] = float("-inf")
 
 
 def _owned_target(target: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +51,9 @@ def _owned_target(target: torch.Tensor, vocab_start: int, vocab_local: int) -> t
     return local.clamp(0, vocab_local - 1), owned
 
 
-def _chunk_stats_torch(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                       num_valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_stats_torch(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, num_valid: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [C, V] fp32 (overwritten) -> local max, sum exp(logit - local max), target logit (0 if not owned)."""
     _mask_padding_(logits, num_valid)
     row_max = logits.max(dim=-1).values
@@ -61,8 +64,14 @@ def _chunk_stats_torch(logits: torch.Tensor, target: torch.Tensor, vocab_start: 
     return row_max, sum_exp, target_logit
 
 
-def _chunk_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
-                      vocab_start: int, num_valid: int) -> None:
+def _chunk_grad_torch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+) -> None:
     """In place: logits [C, V] fp32 -> grad_loss * (softmax - onehot(target))."""
     _mask_padding_(logits, num_valid)
     grad = logits.sub_(lse.unsqueeze(-1)).exp_()
@@ -85,11 +94,21 @@ def _blocks(rows: int, vocab_local: int, device: torch.device) -> tuple[int, int
 def _chunk_stats_triton(logits, target, vocab_start, num_valid):
     tk = triton_kernels()
     rows, vocab_local = logits.shape
-    row_max, sum_exp, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32)
-                                      for _ in range(3))
+    row_max, sum_exp, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
     block_r, block_v = _blocks(rows, vocab_local, logits.device)
-    tk.ce_chunk_stats[(-(-rows // block_r),)](logits, target, row_max, sum_exp, target_logit, rows, vocab_start,
-                                             num_valid, V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v)
+    tk.ce_chunk_stats[(-(-rows // block_r),)](
+        logits,
+        target,
+        row_max,
+        sum_exp,
+        target_logit,
+        rows,
+        vocab_start,
+        num_valid,
+        V=vocab_local,
+        BLOCK_R=block_r,
+        BLOCK_V=block_v,
+    )
     return row_max, sum_exp, target_logit
 
 
@@ -97,21 +116,38 @@ def _chunk_grad_triton(logits, target, lse, grad_loss, vocab_start, num_valid):
     tk = triton_kernels()
     rows, vocab_local = logits.shape
     block_r, block_v = _blocks(rows, vocab_local, logits.device)
-    tk.ce_chunk_grad[(-(-rows // block_r),)](logits, target, lse, grad_loss, rows, vocab_start, num_valid,
-                                            V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v)
+    tk.ce_chunk_grad[(-(-rows // block_r),)](
+        logits, target, lse, grad_loss, rows, vocab_start, num_valid, V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v
+    )
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """hidden [s, b, h], weight [V_local, h], labels [s, b] -> per-token loss [s, b] fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_start: int, num_valid: int,
-                reductions: CrossEntropyReductions, chunk_tokens: int, use_triton: bool):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        vocab_start: int,
+        num_valid: int,
+        reductions: CrossEntropyReductions,
+        chunk_tokens: int,
+        use_triton: bool,
+    ):
         hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # [N, h]
         target = labels.reshape(-1).contiguous()
         stats_fn = _chunk_stats_triton if use_triton else _chunk_stats_torch
-        parts = [stats_fn(_chunk_logits(hidden_2d, weight, start, chunk_tokens), target[start:start + chunk_tokens],
-                          vocab_start, num_valid) for start in range(0, target.numel(), chunk_tokens)]
+        parts = [
+            stats_fn(
+                _chunk_logits(hidden_2d, weight, start, chunk_tokens),
+                target[start : start + chunk_tokens],
+                vocab_start,
+                num_valid,
+            )
+            for start in range(0, target.numel(), chunk_tokens)
+        ]
         row_max, sum_exp, target_logit = (torch.cat(column) for column in zip(*parts))
         global_max = reductions.max(row_max.clone())
         # rescale each shard's sum to the global max; a shard with no valid column contributes 0
@@ -129,8 +165,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_fn = _chunk_grad_triton if use_triton else _chunk_grad_torch
         grad_loss = grad_loss.reshape(-1).float().contiguous()
         grad_hidden = torch.empty_like(hidden_2d) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        )
         for start in range(0, target.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(hidden_2d, weight, start, chunk_tokens)
@@ -147,20 +184,28 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def _chunk_logits(hidden_2d: torch.Tensor, weight: torch.Tensor, start: int, chunk_tokens: int) -> torch.Tensor:
     """A fresh contiguous fp32 [C, V_local] tensor of this chunk's logits (safe to overwrite)."""
-    logits = hidden_2d[start:start + chunk_tokens] @ weight.t()
+    logits = hidden_2d[start : start + chunk_tokens] @ weight.t()
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 vocab_start: int = 0, num_valid: Optional[int] = None,
-                                 reductions: CrossEntropyReductions = CrossEntropyReductions(),
-                                 chunk_tokens: Optional[int] = None, use_triton: bool = False) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int = 0,
+    num_valid: int | None = None,
+    reductions: CrossEntropyReductions | None = None,
+    chunk_tokens: int | None = None,
+    use_triton: bool = False,
+) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of logits hidden [s, b, h] @ weight [V_local, h]^T without materialising
     them: this rank holds vocabulary ids [vocab_start, vocab_start + V_local); columns >= num_valid (padding)
     never score; `reductions` combine the shards' statistics (identity on one rank)."""
+    reductions = reductions if reductions is not None else CrossEntropyReductions()
     vocab_local = weight.shape[0]
     num_valid = vocab_local if num_valid is None else min(num_valid, vocab_local)
     n_tokens = labels.numel()
     chunk_tokens = chunk_tokens or default_chunk_tokens(n_tokens, hidden.shape[-1], vocab_local)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, vocab_start, num_valid, reductions,
-                                           chunk_tokens, use_triton)
+    return ChunkedLinearCrossEntropy.apply(
+        hidden, weight, labels, vocab_start, num_valid, reductions, chunk_tokens, use_triton
+    )

@@ -5,9 +5,8 @@ in model/kernels/reference.py do. Call them only where `triton_runs(tensor)` say
 Under torch.compile (train.compile) each fused op is an opaque call (`torch.compiler.disable`): dynamo must not
 trace into Triton's interpreter, and an opaque launch is what is known to work on every Triton version; the
 price is a graph break around each fused op inside a compiled layer."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -18,11 +17,12 @@ _ELEMENTWISE_BLOCK = 1024
 
 def _launch_elementwise(kernel, n_elements: int, *args, **constexprs) -> None:
     tk = triton_kernels()
-    kernel[tk.elementwise_grid(n_elements, _ELEMENTWISE_BLOCK)](*args, n_elements, **constexprs,
-                                                                 BLOCK=_ELEMENTWISE_BLOCK)
+    kernel[tk.elementwise_grid(n_elements, _ELEMENTWISE_BLOCK)](
+        *args, n_elements, **constexprs, BLOCK=_ELEMENTWISE_BLOCK
+    )
 
 
-def _bias_grad(grad: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """Sum of grad [..., n] over every dim but the last, accumulated in fp32, in the bias dtype."""
     if bias is None or not bias.requires_grad:
         return None
@@ -33,11 +33,18 @@ class BiasGeLU(torch.autograd.Function):
     """gelu(y + bias) [..., F]; saves y and bias, recomputes y + bias in backward."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = y.contiguous()
         out = torch.empty_like(y)
-        _launch_elementwise(triton_kernels().bias_gelu_fwd, y.numel(), y, bias if bias is not None else y, out,
-                            N_COLS=y.shape[-1], HAS_BIAS=bias is not None)
+        _launch_elementwise(
+            triton_kernels().bias_gelu_fwd,
+            y.numel(),
+            y,
+            bias if bias is not None else y,
+            out,
+            N_COLS=y.shape[-1],
+            HAS_BIAS=bias is not None,
+        )
         ctx.save_for_backward(y, bias)
         return out
 
@@ -45,9 +52,16 @@ class BiasGeLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         y, bias = ctx.saved_tensors
         grad_y = torch.empty_like(y)
-        _launch_elementwise(triton_kernels().bias_gelu_bwd, y.numel(), grad.contiguous(), y,
-                            bias if bias is not None else y, grad_y, N_COLS=y.shape[-1],
-                            HAS_BIAS=bias is not None)
+        _launch_elementwise(
+            triton_kernels().bias_gelu_bwd,
+            y.numel(),
+            grad.contiguous(),
+            y,
+            bias if bias is not None else y,
+            grad_y,
+            N_COLS=y.shape[-1],
+            HAS_BIAS=bias is not None,
+        )
         return grad_y, _bias_grad(grad_y, bias)
 
 
@@ -55,12 +69,19 @@ class BiasSwiGLU(torch.autograd.Function):
     """silu(gate) * up with [gate, up] = y + bias: y [..., 2F] -> [..., F]."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = y.contiguous()
         ffn = y.shape[-1] // 2
         out = y.new_empty(*y.shape[:-1], ffn)
-        _launch_elementwise(triton_kernels().bias_swiglu_fwd, out.numel(), y, bias if bias is not None else y,
-                            out, F=ffn, HAS_BIAS=bias is not None)
+        _launch_elementwise(
+            triton_kernels().bias_swiglu_fwd,
+            out.numel(),
+            y,
+            bias if bias is not None else y,
+            out,
+            F=ffn,
+            HAS_BIAS=bias is not None,
+        )
         ctx.save_for_backward(y, bias)
         return out
 
@@ -68,9 +89,16 @@ class BiasSwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         y, bias = ctx.saved_tensors
         grad_y = torch.empty_like(y)
-        _launch_elementwise(triton_kernels().bias_swiglu_bwd, grad.numel(), grad.contiguous(), y,
-                            bias if bias is not None else y, grad_y, F=y.shape[-1] // 2,
-                            HAS_BIAS=bias is not None)
+        _launch_elementwise(
+            triton_kernels().bias_swiglu_bwd,
+            grad.numel(),
+            grad.contiguous(),
+            y,
+            bias if bias is not None else y,
+            grad_y,
+            F=y.shape[-1] // 2,
+            HAS_BIAS=bias is not None,
+        )
         return grad_y, _bias_grad(grad_y, bias)
 
 
@@ -78,14 +106,23 @@ class BiasDropoutAdd(torch.autograd.Function):
     """residual + scaled_mask * (y + bias), scaled_mask (0 or 1/(1-p), drawn by the caller) or None."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                scaled_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        ctx, y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, scaled_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         y, residual = y.contiguous(), residual.contiguous()
         out = torch.empty_like(residual)
-        _launch_elementwise(triton_kernels().bias_dropout_add_fwd, y.numel(), y,
-                            bias if bias is not None else y, scaled_mask if scaled_mask is not None else y,
-                            residual, out, N_COLS=y.shape[-1], HAS_BIAS=bias is not None,
-                            HAS_MASK=scaled_mask is not None)
+        _launch_elementwise(
+            triton_kernels().bias_dropout_add_fwd,
+            y.numel(),
+            y,
+            bias if bias is not None else y,
+            scaled_mask if scaled_mask is not None else y,
+            residual,
+            out,
+            N_COLS=y.shape[-1],
+            HAS_BIAS=bias is not None,
+            HAS_MASK=scaled_mask is not None,
+        )
         ctx.save_for_backward(scaled_mask, bias)
         return out
 
@@ -121,8 +158,9 @@ class Norm(torch.autograd.Function):
     """LayerNorm (with or without bias) or RMSNorm over the last dim, statistics in fp32."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                is_rms: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool
+    ) -> torch.Tensor:
         tk = triton_kernels()
         hidden = x.shape[-1]
         x2d = x.reshape(-1, hidden).contiguous()  # [N, h]
@@ -133,8 +171,20 @@ class Norm(torch.autograd.Function):
         block_h = tk.next_power_of_2(hidden)
         block_rows = rows_per_block(block_h, n_rows, x.device)
         tk.norm_fwd[(-(-n_rows // block_rows),)](
-            x2d, weight, bias if bias is not None else weight, y, mean, rstd, n_rows, eps, H=hidden,
-            BLOCK_H=block_h, BLOCK_ROWS=block_rows, IS_RMS=is_rms, HAS_BIAS=bias is not None)
+            x2d,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            mean,
+            rstd,
+            n_rows,
+            eps,
+            H=hidden,
+            BLOCK_H=block_h,
+            BLOCK_ROWS=block_rows,
+            IS_RMS=is_rms,
+            HAS_BIAS=bias is not None,
+        )
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
         return y.view(x.shape)
@@ -150,9 +200,23 @@ class Norm(torch.autograd.Function):
         grad_x = torch.empty_like(x2d)
         dw_part = torch.empty(programs, hidden, device=x2d.device, dtype=torch.float32)
         db_part = torch.empty_like(dw_part) if bias is not None else dw_part
-        tk.norm_bwd[(programs,)](grad.reshape(-1, hidden).contiguous(), x2d, weight, mean, rstd, grad_x, dw_part,
-                                 db_part, n_rows, H=hidden, BLOCK_H=block_h, BLOCK_ROWS=block_rows,
-                                 ITERS=iters, IS_RMS=ctx.is_rms, HAS_BIAS=bias is not None)
+        tk.norm_bwd[(programs,)](
+            grad.reshape(-1, hidden).contiguous(),
+            x2d,
+            weight,
+            mean,
+            rstd,
+            grad_x,
+            dw_part,
+            db_part,
+            n_rows,
+            H=hidden,
+            BLOCK_H=block_h,
+            BLOCK_ROWS=block_rows,
+            ITERS=iters,
+            IS_RMS=ctx.is_rms,
+            HAS_BIAS=bias is not None,
+        )
         grad_bias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         return grad_x.view(grad.shape), dw_part.sum(0).to(weight.dtype), grad_bias, None, None
 
@@ -166,8 +230,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     block_heads, block_half = tk.next_power_of_2(heads), tk.next_power_of_2(dim // 2)
     n_tokens = s * b
     block_t = rows_per_block(block_heads * block_half, n_tokens, x.device)
-    tk.rotary_kernel[(-(-n_tokens // block_t),)](x, cos, sin, out, n_tokens, N_HEADS=heads, D=dim, BLOCK_T=block_t,
-                                                 BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, BACKWARD=backward)
+    tk.rotary_kernel[(-(-n_tokens // block_t),)](
+        x,
+        cos,
+        sin,
+        out,
+        n_tokens,
+        N_HEADS=heads,
+        D=dim,
+        BLOCK_T=block_t,
+        BLOCK_HEADS=block_heads,
+        BLOCK_HALF=block_half,
+        BACKWARD=backward,
+    )
     return out
 
 

@@ -1,31 +1,36 @@
 """Plain-torch references of the fused operations: the semantics each kernel must reproduce, and the path the
 model takes when a kernel is switched off (so the default behaviour is the model's original code)."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-def bias_gelu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu(y + bias), exact (erf) GeLU: [..., F] -> [..., F]."""
     return F.gelu(y if bias is None else y + bias)
 
 
-def bias_swiglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """silu(gate) * up with [gate, up] = y + bias: [..., 2F] -> [..., F]."""
     gate, up = (y if bias is None else y + bias).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def bias_dropout_add(y: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                     dropout: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def bias_dropout_add(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    dropout: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """residual + dropout(y + bias)."""
     return residual + dropout(y if bias is None else y + bias)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
@@ -54,9 +59,11 @@ def mask_vocab_padding(logits: torch.Tensor, num_valid: int) -> torch.Tensor:
     return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         num_valid: Optional[int] = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_valid: int | None = None
+) -> torch.Tensor:
     """Per-token loss [s, b] of the full logits hidden [s, b, h] @ weight [V, h]^T (one process)."""
     logits = F.linear(hidden, weight)
-    return cross_entropy_per_token(mask_vocab_padding(logits, weight.shape[0] if num_valid is None else num_valid),
-                                   labels)
+    return cross_entropy_per_token(
+        mask_vocab_padding(logits, weight.shape[0] if num_valid is None else num_valid), labels
+    )

@@ -7,6 +7,7 @@ Rules these kernels keep so that they run on Triton 3.6 (the GPU machine) and in
 - arithmetic in fp32 after each load (the interpreter's bf16 arithmetic is wrong), stored in the output dtype;
 - tensors are contiguous and row-major; the wrappers in model/kernels/ops.py make them so.
 """
+
 from __future__ import annotations
 
 import triton
@@ -18,8 +19,7 @@ _INV_SQRT_2PI = 0.3989422804014327
 
 # ---- bias + GeLU (exact erf GeLU, as F.gelu) ------------------------------------------------------------
 @triton.jit
-def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -30,8 +30,9 @@ def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIA
 
 
 @triton.jit
-def bias_gelu_bwd(g_ptr, x_ptr, b_ptr, dx_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def bias_gelu_bwd(
+    g_ptr, x_ptr, b_ptr, dx_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -45,8 +46,7 @@ def bias_gelu_bwd(g_ptr, x_ptr, b_ptr, dx_ptr, n_elements, N_COLS: tl.constexpr,
 
 # ---- bias + SwiGLU: y [N, 2F] = [gate, up] -> silu(gate) * up [N, F] ---------------------------------------
 @triton.jit
-def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     row, col = offs // F, offs % F
@@ -60,8 +60,9 @@ def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS
 
 
 @triton.jit
-def bias_swiglu_bwd(g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def bias_swiglu_bwd(
+    g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     row, col = offs // F, offs % F
@@ -71,7 +72,7 @@ def bias_swiglu_bwd(g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HA
         gate += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
         up += tl.load(b_ptr + F + col, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = (1.0 / (1.0 + tl.exp(-gate)))
+    sig = 1.0 / (1.0 + tl.exp(-gate))
     d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = g * gate * sig
     tl.store(dy_ptr + row * 2 * F + col, d_gate.to(dy_ptr.dtype.element_ty), mask=mask)
@@ -80,8 +81,18 @@ def bias_swiglu_bwd(g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HA
 
 # ---- bias + dropout + residual add: out = residual + scaled_mask * (y + bias) ------------------------------
 @triton.jit
-def bias_dropout_add_fwd(y_ptr, b_ptr, mask_ptr, res_ptr, out_ptr, n_elements, N_COLS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+def bias_dropout_add_fwd(
+    y_ptr,
+    b_ptr,
+    mask_ptr,
+    res_ptr,
+    out_ptr,
+    n_elements,
+    N_COLS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -105,8 +116,21 @@ def mul_fwd(a_ptr, b_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
 
 # ---- LayerNorm / RMSNorm over the last dim, BLOCK_ROWS rows per program ------------------------------------
 @triton.jit
-def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-             BLOCK_ROWS: tl.constexpr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+def norm_fwd(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    n_rows,
+    eps,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_mask = rows < n_rows
@@ -128,9 +152,23 @@ def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, eps, H: tl.
 
 
 @triton.jit
-def norm_bwd(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, n_rows,
-             H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr, ITERS: tl.constexpr,
-             IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+def norm_bwd(
+    g_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    n_rows,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    ITERS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """dx for ITERS blocks of BLOCK_ROWS rows, and this program's partial sums of dw (and db) [programs, H]."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
@@ -168,9 +206,19 @@ def norm_bwd(g_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_pa
 
 # ---- rotary embedding (rotate-half layout), all heads of BLOCK_T tokens per program -------------------------
 @triton.jit
-def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_tokens, N_HEADS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BACKWARD: tl.constexpr):
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_tokens,
+    N_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
     """Forward: out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2 (x [T, heads, D], cos/sin [T, D]).
     Backward (the transposed rotation): dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1."""
     HALF: tl.constexpr = D // 2
@@ -199,8 +247,19 @@ def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_tokens, N_HEADS: tl.conste
 
 # ---- cross entropy over one chunk of fp32 logits [C, V_local], BLOCK_R rows per program ---------------------
 @triton.jit
-def ce_chunk_stats(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tlogit_ptr, n_rows, vocab_start, num_valid,
-                   V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def ce_chunk_stats(
+    logits_ptr,
+    target_ptr,
+    max_ptr,
+    sumexp_ptr,
+    tlogit_ptr,
+    n_rows,
+    vocab_start,
+    num_valid,
+    V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Per row: local max over the valid columns (< num_valid), sum of exp(logit - local max), and the target's
     logit when this shard owns the target (else 0). An online max keeps it to one pass over the row."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -227,8 +286,18 @@ def ce_chunk_stats(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tlogit_ptr, n_ro
 
 
 @triton.jit
-def ce_chunk_grad(logits_ptr, target_ptr, lse_ptr, grad_loss_ptr, n_rows, vocab_start, num_valid,
-                  V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def ce_chunk_grad(
+    logits_ptr,
+    target_ptr,
+    lse_ptr,
+    grad_loss_ptr,
+    n_rows,
+    vocab_start,
+    num_valid,
+    V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """In place: logits -> grad_loss * (softmax - onehot(target)); padding columns get 0."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows

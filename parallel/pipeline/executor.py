@@ -9,6 +9,7 @@ backward through the autograd engine directly (`Variable._execution_engine.run_b
 check that the gradient's shape matches the (now tiny) output. Where that engine entry is missing the
 output keeps its data and backward goes through `torch.autograd.backward` (correct, more memory).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,14 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
         return
     # The shape check of torch.autograd.backward would trip on the deallocated output.
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True)
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 @dataclass
@@ -111,10 +118,19 @@ class _Run:
         self.in_flight -= 1
 
 
-def execute_schedule(plan: PipelinePlan, chunks: list[torch.nn.Module], microbatches: list[dict],
-                     forward_fn, state, activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
-                     scatter_gather: bool = False, loss_scale: float = 1.0, on_last_backward=None,
-                     overlap_p2p_comm: bool = False) -> ScheduleResult:
+def execute_schedule(
+    plan: PipelinePlan,
+    chunks: list[torch.nn.Module],
+    microbatches: list[dict],
+    forward_fn,
+    state,
+    activation_shape: tuple[int, ...],
+    activation_dtype: torch.dtype,
+    scatter_gather: bool = False,
+    loss_scale: float = 1.0,
+    on_last_backward=None,
+    overlap_p2p_comm: bool = False,
+) -> ScheduleResult:
     """Run this rank's plan for one iteration; see the module docstring and ScheduleResult.
 
     `forward_fn(chunk_index, chunk, input_tensor | None, microbatch) -> Tensor` returns the chunk output,

@@ -12,11 +12,11 @@ Scatter/gather (paper section 4.1): with tp > 1 and no sequence parallelism ever
 the same activation, so each sends only its 1/tp slice of the flattened tensor and the receiving stage
 all-gathers the slices over its tp group.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -127,8 +127,7 @@ class StageComm:
     flight (overlap): a sent tensor is released when its batch completes.
     """
 
-    def __init__(self, state, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scatter_gather: bool):
+    def __init__(self, state, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, scatter_gather: bool):
         self.state = state
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.numel = math.prod(self.shape)
@@ -140,15 +139,16 @@ class StageComm:
     def put(self, message: Message, tensor: torch.Tensor) -> None:
         """Queue `tensor` (detached) to be sent by the step that posts `message`."""
         if tuple(tensor.shape) != self.shape:
-            raise ValueError(f"pipeline message {message} has shape {tuple(tensor.shape)}, "
-                             f"expected activation_shape {self.shape}")
+            raise ValueError(
+                f"pipeline message {message} has shape {tuple(tensor.shape)}, expected activation_shape {self.shape}"
+            )
         self.outbox[message] = tensor.detach().to(self.dtype).contiguous()
 
     def take(self, message: Message) -> torch.Tensor:
         """The received tensor of `message`, shaped like the activation."""
         return self.inbox.pop(message).view(self.shape)
 
-    def post(self, step: Step) -> Optional[InFlight]:
+    def post(self, step: Step) -> InFlight | None:
         """Post the step's batch without waiting (None when the step has no messages)."""
         if not step.ops:
             return None
@@ -168,7 +168,7 @@ class StageComm:
                 received.append((message, buffer))
         return InFlight(dist.batch_isend_irecv(ops), received, sent)
 
-    def complete(self, in_flight: Optional[InFlight]) -> None:
+    def complete(self, in_flight: InFlight | None) -> None:
         """Wait for a posted batch and hand its received tensors to the inbox (all-gathered over tp when
         scattered). A rank completes its batches in plan order, each before it posts the next."""
         if in_flight is None:

@@ -5,6 +5,7 @@ in the sender's order). That replay costs O(pp * actions) Python work (34 ms at 
 never change during a run, so `StepContext` builds the train plan and the evaluation plan once and the
 executor only walks them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ def _last_backward_indices(actions: list[Action]) -> frozenset[int]:
     return frozenset(last.values())
 
 
-def steps_needing_own_batch(steps: list[Step], actions: list[Action], pp_rank: int, pp_size: int,
-                            vp_size: int) -> frozenset[int]:
+def steps_needing_own_batch(
+    steps: list[Step], actions: list[Action], pp_rank: int, pp_size: int, vp_size: int
+) -> frozenset[int]:
     """Indices of the steps whose action needs a message that the same step receives: only those must wait
     for their batch before computing; any other step's batch can stay in flight meanwhile (overlap)."""
     found = set()
@@ -46,8 +48,9 @@ def steps_needing_own_batch(steps: list[Step], actions: list[Action], pp_rank: i
     return frozenset(found)
 
 
-def build_plan(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1,
-               forward_only: bool = False) -> PipelinePlan:
+def build_plan(
+    schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1, forward_only: bool = False
+) -> PipelinePlan:
     """This rank's plan: every rank's list of `schedule` (or the forward-only order), jointly planned."""
     if forward_only:
         lists = [build_forward_only(pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
@@ -55,5 +58,10 @@ def build_plan(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int,
         lists = [build_schedule(schedule, pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
     actions = lists[pp_rank]
     steps = plan_steps(lists, vp_size)[pp_rank]
-    return PipelinePlan(tuple(actions), tuple(steps), forward_only, _last_backward_indices(actions),
-                        steps_needing_own_batch(steps, actions, pp_rank, pp_size, vp_size))
+    return PipelinePlan(
+        tuple(actions),
+        tuple(steps),
+        forward_only,
+        _last_backward_indices(actions),
+        steps_needing_own_batch(steps, actions, pp_rank, pp_size, vp_size),
+    )

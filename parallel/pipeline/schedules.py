@@ -11,6 +11,7 @@ Virtual stages: with `v` model chunks per rank, chunk `c` on pipeline rank `r` i
 k+1, a backward input-gradient to k-1. Virtual stage 0 takes no activation input; the last one,
 `p*v - 1` (rank p-1, chunk v-1), computes the loss.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,7 @@ class Action:
     chunk: int  # model chunk index on this rank, 0..vp_size-1
 
 
-def build_schedule(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int,
-                   vp_size: int = 1) -> list[Action]:
+def build_schedule(schedule: str, pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int = 1) -> list[Action]:
     """This rank's ordered actions for one training iteration (layout rules checked first).
 
     `schedule` is resolved by parallel/layout.py's rules: "1f1b" with vp > 1 runs interleaved, any

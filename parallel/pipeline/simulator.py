@@ -7,10 +7,11 @@ earlier on the same rank. Communication costs zero. Costs are per whole stage pe
 chunks costs 1/v of it; or `action_cost(pp_rank, action)` gives each action its own cost (the planner's
 per-chunk compute plus the synchronous send of its output).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from parallel.pipeline.p2p import Message, Step, needed_message, plan_steps, produced_message
 from parallel.pipeline.plan import steps_needing_own_batch
@@ -46,9 +47,14 @@ class Timeline:
         return (self.makespan - self.ideal) / self.ideal
 
 
-def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: int,
-                   forward_cost: float = 1.0, backward_cost: float = 2.0,
-                   action_cost: Optional[Callable[[int, Action], float]] = None) -> Timeline:
+def simulate_lists(
+    lists: list[list[Action]],
+    vp_size: int,
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    action_cost: Callable[[int, Action], float] | None = None,
+) -> Timeline:
     """Simulate per-rank action lists; raises RuntimeError if the lists deadlock.
 
     Without `action_cost` a forward costs forward_cost / vp and a backward backward_cost / vp. With it,
@@ -58,8 +64,10 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
     cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
     custom = action_cost is not None
     if not custom:
+
         def action_cost(_rank: int, act: Action) -> float:
             return cost[act.op]
+
     busy = [0.0] * p
     arrived: dict[Message, float] = {}  # message -> time it is available at its destination
     position = [0] * p
@@ -93,8 +101,14 @@ def simulate_lists(lists: list[list[Action]], vp_size: int, num_microbatches: in
     return Timeline(events, p, vp_size, num_microbatches, makespan, ideal)
 
 
-def simulate(schedule: str, pp_size: int, num_microbatches: int, vp_size: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
+def simulate(
+    schedule: str,
+    pp_size: int,
+    num_microbatches: int,
+    vp_size: int = 1,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+) -> Timeline:
     """Build every rank's list for `schedule` and simulate it."""
     lists = [build_schedule(schedule, pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
     return simulate_lists(lists, vp_size, num_microbatches, forward_cost, backward_cost)
@@ -110,8 +124,15 @@ def _counterpart_steps(plans: list[list[Step]]) -> dict[tuple[str, int, int, Mes
     return where
 
 
-def simulate_plans(lists: list[list[Action]], vp_size: int, num_microbatches: int, forward_cost: float = 1.0,
-                   backward_cost: float = 2.0, comm_cost: float = 0.0, overlap: bool = False) -> Timeline:
+def simulate_plans(
+    lists: list[list[Action]],
+    vp_size: int,
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    comm_cost: float = 0.0,
+    overlap: bool = False,
+) -> Timeline:
     """Simulate the executor running the joint communication plan of `lists` (p2p.plan_steps).
 
     A rank posts its step's batch when it has finished the previous step (action and batch); the batch
@@ -135,8 +156,10 @@ def simulate_plans(lists: list[list[Action]], vp_size: int, num_microbatches: in
                 index, step = position[r], plans[r][position[r]]
                 progressed |= index not in posted[r]
                 posted[r][index] = ready[r]
-                peers = [(peer, where[("recv" if kind == "send" else "send", peer, r, message)])
-                         for kind, peer, message in step.ops]
+                peers = [
+                    (peer, where[("recv" if kind == "send" else "send", peer, r, message)])
+                    for kind, peer, message in step.ops
+                ]
                 if any(j not in posted[q] for q, j in peers):
                     break  # a counterpart is not posted yet
                 done = max([ready[r]] + [posted[q][j] for q, j in peers]) + (comm_cost if step.ops else 0.0)
@@ -152,5 +175,4 @@ def simulate_plans(lists: list[list[Action]], vp_size: int, num_microbatches: in
         if not progressed:
             raise RuntimeError("pipeline plan deadlocks")
     makespan = max(e.end for e in events) if events else 0.0
-    return Timeline(events, p, vp_size, num_microbatches, makespan,
-                    num_microbatches * (forward_cost + backward_cost))
+    return Timeline(events, p, vp_size, num_microbatches, makespan, num_microbatches * (forward_cost + backward_cost))

@@ -4,6 +4,7 @@ With p pipeline ranks and v chunks per rank, chunk c on rank r is virtual stage 
 block [k * L/(p*v), (k+1) * L/(p*v)) for k = c*p + r, as in Megatron (8 layers, 2 stages, 2 chunks: rank 0 holds
 layers 0-1 and 4-5). The embedding goes with virtual stage 0, final norm + output layer + loss with the last.
 """
+
 from __future__ import annotations
 
 

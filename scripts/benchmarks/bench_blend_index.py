@@ -5,16 +5,13 @@
 Prints the best of --rounds for each (ours after one warm-up call, which compiles or loads the cached
 machine code; that first call's time is printed too) and whether the arrays are identical.
 """
+
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from data.blend_index import build_blending_indices  # noqa: E402
+from data.blend_index import build_blending_indices
 
 
 def best_of(fn, rounds: int):
@@ -40,8 +37,10 @@ def main() -> None:
     build_blending_indices(weights, 8)
     print(f"first call (compile or load the cached code): {time.perf_counter() - start:.2f} s")
     ours_s, ours_cpu, ours = best_of(lambda: build_blending_indices(weights, args.size), args.rounds)
-    print(f"numba blend index: {args.size} samples, weights {args.weights}: {ours_s:.3f} s wall, "
-          f"{ours_cpu:.3f} s CPU (best of {args.rounds})")
+    print(
+        f"numba blend index: {args.size} samples, weights {args.weights}: {ours_s:.3f} s wall, "
+        f"{ours_cpu:.3f} s CPU (best of {args.rounds})"
+    )
     try:
         from megatron.core.datasets import helpers_cpp
     except ImportError:
@@ -55,8 +54,10 @@ def main() -> None:
 
     theirs_s, theirs_cpu, theirs = best_of(helper, args.rounds)
     same = all(np.array_equal(a, b) for a, b in zip(ours, theirs))
-    print(f"megatron-core helper: {theirs_s:.3f} s wall, {theirs_cpu:.3f} s CPU (best of {args.rounds}); "
-          f"identical arrays: {same}; ours / theirs: {ours_s / theirs_s:.2f} wall, {ours_cpu / theirs_cpu:.2f} CPU")
+    print(
+        f"megatron-core helper: {theirs_s:.3f} s wall, {theirs_cpu:.3f} s CPU (best of {args.rounds}); "
+        f"identical arrays: {same}; ours / theirs: {ours_s / theirs_s:.2f} wall, {ours_cpu / theirs_cpu:.2f} CPU"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ save takes >= 2 s on a disk writing ~100 MB/s with fsync.
 
     python scripts/benchmarks/bench_checkpoint_save.py [--layers 6 --hidden 512 --rounds 3 --dir /tmp/x]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,20 +24,25 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from model.config import ModelConfig  # noqa: E402
-from parallel.data_parallel import DataParallel  # noqa: E402
-from parallel.model_builder import build_model_chunks  # noqa: E402
-from parallel.state import ParallelState  # noqa: E402
-from training.checkpointing import Checkpointer, TrainingProgress, build_save_job  # noqa: E402
-from training.lr_schedule import LRSchedule  # noqa: E402
-from training.optimizer import build_optimizer  # noqa: E402
+from model.config import ModelConfig
+from parallel.data_parallel import DataParallel
+from parallel.model_builder import build_model_chunks
+from parallel.state import ParallelState
+from training.checkpointing import Checkpointer, TrainingProgress, build_save_job
+from training.lr_schedule import LRSchedule
+from training.optimizer import build_optimizer
 
 
 def build(layers: int, hidden: int):
-    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8, seq_length=128,
-                      vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        seq_length=128,
+        vocab_size=8192,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     state = ParallelState.single()
     chunks = build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)
     ddp = DataParallel(chunks, state)
@@ -62,8 +68,17 @@ def step(cfg, chunks, ddp, optimizer, checkpointer=None) -> float:
 def one_save(built, checkpointer: Checkpointer, root: str, iteration: int) -> dict:
     cfg, state, chunks, ddp, optimizer = built
     async_save = checkpointer.async_save
-    job = build_save_job(root, state, TrainingProgress(iteration, 0, 0), chunks, optimizer,
-                         LRSchedule(1e-4, 1e-5, 0, 100), {}, {"model": {}}, False)
+    job = build_save_job(
+        root,
+        state,
+        TrainingProgress(iteration, 0, 0),
+        chunks,
+        optimizer,
+        LRSchedule(1e-4, 1e-5, 0, 100),
+        {},
+        {"model": {}},
+        False,
+    )
     started = time.perf_counter()
     checkpointer.save(job)
     steps = []
@@ -103,12 +118,16 @@ def main() -> int:
     print(f"model: {params / 1e6:.1f} M parameters, checkpoint {log[0].split('(')[1].split(',')[0]}")
     print(f"sync save, loop blocked (best of {args.rounds}):  {sync_best:.2f} s")
     copy = min(float(line.split("copied aside in ")[1].split(" s")[0]) for line in log if "copied aside" in line)
-    print(f"async save, loop blocked (best of {args.rounds}): {async_blocked:.3f} s  "
-          f"({100 * async_blocked / sync_best:.1f}% of sync); copy aside {copy:.2f} s (overlapping forward and "
-          f"backward), background write {async_total:.2f} s")
+    print(
+        f"async save, loop blocked (best of {args.rounds}): {async_blocked:.3f} s  "
+        f"({100 * async_blocked / sync_best:.1f}% of sync); copy aside {copy:.2f} s (overlapping forward and "
+        f"backward), background write {async_total:.2f} s"
+    )
     if during:
-        print(f"training step: {baseline * 1e3:.0f} ms alone, median {sorted(during)[len(during) // 2] * 1e3:.0f} ms "
-              f"while the background write runs ({len(during)} steps)")
+        print(
+            f"training step: {baseline * 1e3:.0f} ms alone, median {sorted(during)[len(during) // 2] * 1e3:.0f} ms "
+            f"while the background write runs ({len(during)} steps)"
+        )
     if not args.dir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

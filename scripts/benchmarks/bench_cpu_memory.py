@@ -13,13 +13,13 @@ for each rank (the table shows rank 0; dp ranks are alike):
 
     python scripts/benchmarks/bench_cpu_memory.py [--iters 2] [--verbose]
 """
+
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -28,15 +28,20 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import pretrain_gpt
+from parallel.layout import layout_from_config
+from training.config import load_config
+from training.setup import init_distributed
 
-import pretrain_gpt  # noqa: E402
-from parallel.layout import layout_from_config  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.setup import init_distributed  # noqa: E402
-
-MODEL = ["model.hidden_size=256", "model.num_layers=8", "model.seq_length=256", "model.num_attention_heads=4",
-         "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "train.micro_batch_size=8"]
+MODEL = [
+    "model.hidden_size=256",
+    "model.num_layers=8",
+    "model.seq_length=256",
+    "model.num_attention_heads=4",
+    "model.hidden_dropout=0.0",
+    "model.attention_dropout=0.0",
+    "train.micro_batch_size=8",
+]
 # (label, dp, overrides): one micro-batch per rank per iteration, so activation memory is comparable.
 CASES = [
     ("dp=1", 1, []),
@@ -80,7 +85,7 @@ class SavedTensorMeter:
     """Peak bytes of tensors autograd saves for backward, once per storage, parameters excluded."""
 
     class _Handle:
-        __slots__ = ("tensor", "__weakref__")
+        __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, params: list[torch.Tensor]):
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -114,8 +119,14 @@ class SavedTensorMeter:
 
 
 def _rank(rank: int, world_size: int, port: int, argv: list[str], verbose: bool, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     if not verbose:
         logging.disable(logging.INFO)
     args = pretrain_gpt.parse_args(argv)
@@ -131,11 +142,21 @@ def _rank(rank: int, world_size: int, port: int, argv: list[str], verbose: bool,
         pretrain_gpt.train(run)
     peak_rss = sampler.stop()
     import resource
-    results.put((rank, {
-        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "train_peak": peak_rss - start_rss,
-        "params": sum(p.numel() * p.element_size() for p in params), "numel": sum(p.numel() for p in params),
-        "grads": run.ctx.ddp.grad_buffer_bytes(), "optimizer": run.ctx.optimizer.state_bytes(),
-        "activations": meter.peak}))
+
+    results.put(
+        (
+            rank,
+            {
+                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "train_peak": peak_rss - start_rss,
+                "params": sum(p.numel() * p.element_size() for p in params),
+                "numel": sum(p.numel() for p in params),
+                "grads": run.ctx.ddp.grad_buffer_bytes(),
+                "optimizer": run.ctx.optimizer.state_bytes(),
+                "activations": meter.peak,
+            },
+        )
+    )
     if world_size > 1:
         torch.distributed.destroy_process_group()
 
@@ -144,15 +165,25 @@ def measure(dp: int, overrides: list[str], iters: int, verbose: bool, tmp: str) 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *MODEL, f"train.global_batch_size={8 * dp}",
-            f"train.train_iters={iters}", "optim.lr_warmup_iters=1", "train.eval_iters=0", "data.num_workers=0",
-            f"data.cache_dir={os.path.join(tmp, 'index-cache')}", "checkpoint.save=false",
-            "logging.tensorboard=false", "logging.log_interval=1", f"run.dir={tempfile.mkdtemp(dir=tmp)}",
-            *overrides]
+    argv = [
+        "--config",
+        pretrain_gpt.DEFAULT_CONFIG,
+        *MODEL,
+        f"train.global_batch_size={8 * dp}",
+        f"train.train_iters={iters}",
+        "optim.lr_warmup_iters=1",
+        "train.eval_iters=0",
+        "data.num_workers=0",
+        f"data.cache_dir={os.path.join(tmp, 'index-cache')}",
+        "checkpoint.save=false",
+        "logging.tensorboard=false",
+        "logging.log_interval=1",
+        f"run.dir={tempfile.mkdtemp(dir=tmp)}",
+        *overrides,
+    ]
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(dp, port, argv, verbose, results), nprocs=dp, join=True,
-                       start_method="fork")
+    mp.start_processes(_rank, args=(dp, port, argv, verbose, results), nprocs=dp, join=True, start_method="fork")
     return dict(results.get() for _ in range(dp))
 
 
@@ -165,21 +196,29 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--verbose", action="store_true", help="keep the trainer's INFO logging")
     args = parser.parse_args()
-    print(f"parent RSS before forking ranks: {mib(rss_bytes())} MiB; model: {' '.join(MODEL)}; "
-          f"{args.iters} iterations, one micro-batch of 8 per rank per iteration, fp32")
-    header = ("| case | maxrss MiB | train peak MiB | params MiB | grads MiB | optimizer MiB | activations MiB "
-              "| seconds |")
+    print(
+        f"parent RSS before forking ranks: {mib(rss_bytes())} MiB; model: {' '.join(MODEL)}; "
+        f"{args.iters} iterations, one micro-batch of 8 per rank per iteration, fp32"
+    )
+    header = (
+        "| case | maxrss MiB | train peak MiB | params MiB | grads MiB | optimizer MiB | activations MiB | seconds |"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, dp, overrides in CASES:
             started = time.time()
             ranks = measure(dp, overrides, args.iters, args.verbose, tmp)
             r0 = ranks[0]
-            rows.append(f"| {label} | {mib(r0['maxrss'])} | {mib(r0['train_peak'])} | {mib(r0['params'])} | "
-                        f"{mib(r0['grads'])} | {mib(r0['optimizer'])} | {mib(r0['activations'])} | "
-                        f"{time.time() - started:.0f} |")
-            others = ", ".join(f"rank {k}: maxrss {mib(v['maxrss'])}, optimizer {mib(v['optimizer'])}"
-                               for k, v in sorted(ranks.items()) if k)
+            rows.append(
+                f"| {label} | {mib(r0['maxrss'])} | {mib(r0['train_peak'])} | {mib(r0['params'])} | "
+                f"{mib(r0['grads'])} | {mib(r0['optimizer'])} | {mib(r0['activations'])} | "
+                f"{time.time() - started:.0f} |"
+            )
+            others = ", ".join(
+                f"rank {k}: maxrss {mib(v['maxrss'])}, optimizer {mib(v['optimizer'])}"
+                for k, v in sorted(ranks.items())
+                if k
+            )
             print(rows[-1] + (f"  ({others})" if others else ""), flush=True)
     print(f"\n{ranks[0]['numel']:,} parameters (rank 0)\n" + header + "\n|" + "---|" * 8 + "\n" + "\n".join(rows))
 

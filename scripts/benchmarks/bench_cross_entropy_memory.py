@@ -12,6 +12,7 @@ glibc and returned on free, so RSS follows the tensors. Default sizes: GPT-2's v
 --path torch (default) runs the chunked algorithm with torch ops (what the model runs on a CPU without Triton);
 --path triton runs the Triton kernels, on CPU in the interpreter (slow at these sizes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,6 @@ import os
 import resource
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -34,8 +33,10 @@ def rss_bytes() -> int:
 
 def _case(args: argparse.Namespace, chunked: bool, queue: mp.Queue) -> None:
     import torch
+
     from model.kernels import reference
     from model.kernels.cross_entropy import chunked_linear_cross_entropy
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     padded = 128 * math.ceil(args.vocab / 128)
     generator = torch.Generator().manual_seed(0)
@@ -45,8 +46,7 @@ def _case(args: argparse.Namespace, chunked: bool, queue: mp.Queue) -> None:
     baseline = rss_bytes()
     started = time.perf_counter()
     if chunked:
-        loss = chunked_linear_cross_entropy(hidden, weight, labels, 0, args.vocab,
-                                            use_triton=args.path == "triton")
+        loss = chunked_linear_cross_entropy(hidden, weight, labels, 0, args.vocab, use_triton=args.path == "triton")
     else:
         loss = reference.linear_cross_entropy(hidden, weight, labels, args.vocab)
     loss.mean().backward()
@@ -77,20 +77,31 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     tokens = args.seq * args.micro_batch
     logits_bytes = tokens * args.vocab * 4
-    print(f"loss of [{args.seq} x {args.micro_batch}] tokens, hidden {args.hidden}, vocabulary {args.vocab}: "
-          f"fp32 logits = {logits_bytes / 2**20:,.1f} MiB")
+    print(
+        f"loss of [{args.seq} x {args.micro_batch}] tokens, hidden {args.hidden}, vocabulary {args.vocab}: "
+        f"fp32 logits = {logits_bytes / 2**20:,.1f} MiB"
+    )
     plain = run_case(args, chunked=False)
     chunked = run_case(args, chunked=True)
-    path = "Triton kernels" + (" (interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "") \
-        if args.path == "triton" else "torch ops (the chunked torch path)"
+    path = (
+        "Triton kernels" + (" (interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+        if args.path == "triton"
+        else "torch ops (the chunked torch path)"
+    )
     print(f"{'case':<44} {'peak MiB':>10} {'seconds':>8} {'mean loss':>10} {'|dW|':>10}")
-    print(f"{'plain: full fp32 logits + F.cross_entropy':<44} {plain[0] / 2**20:>10,.1f} {plain[1]:>8.2f} "
-          f"{plain[2]:>10.5f} {plain[3]:>10.5f}")
-    print(f"{'chunked linear cross entropy':<44} {chunked[0] / 2**20:>10,.1f} {chunked[1]:>8.2f} "
-          f"{chunked[2]:>10.5f} {chunked[3]:>10.5f}")
+    print(
+        f"{'plain: full fp32 logits + F.cross_entropy':<44} {plain[0] / 2**20:>10,.1f} {plain[1]:>8.2f} "
+        f"{plain[2]:>10.5f} {plain[3]:>10.5f}"
+    )
+    print(
+        f"{'chunked linear cross entropy':<44} {chunked[0] / 2**20:>10,.1f} {chunked[1]:>8.2f} "
+        f"{chunked[2]:>10.5f} {chunked[3]:>10.5f}"
+    )
     saved = plain[0] - chunked[0]
-    print(f"chunked path ran on {path}; peak saved {saved / 2**20:,.1f} MiB = {saved / logits_bytes:.2f} x the "
-          f"fp32 logits ({'>=' if saved >= logits_bytes else '<'} 1x)")
+    print(
+        f"chunked path ran on {path}; peak saved {saved / 2**20:,.1f} MiB = {saved / logits_bytes:.2f} x the "
+        f"fp32 logits ({'>=' if saved >= logits_bytes else '<'} 1x)"
+    )
     return 0 if saved >= logits_bytes else 1
 
 

@@ -5,25 +5,28 @@ per token stays nearly flat as the context grows; without it every step re-runs 
 
     python scripts/benchmarks/bench_generate.py [--contexts 32 512] [--tokens 32] [--repeats 3] [--device cpu]
 """
+
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from model.config import ModelConfig  # noqa: E402
-from model.gpt import GPTModel  # noqa: E402
-from model.init import initialize_parameters  # noqa: E402
-from model.kv_cache import KVCache  # noqa: E402
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.init import initialize_parameters
+from model.kv_cache import KVCache
 
 
 def build(args: argparse.Namespace) -> GPTModel:
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                      seq_length=max(args.contexts) + args.tokens, vocab_size=50257, hidden_dropout=0.0,
-                      attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=max(args.contexts) + args.tokens,
+        vocab_size=50257,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=0, device=args.device)
@@ -66,13 +69,17 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     model = build(args)
-    print(f"GPT {args.layers} layers, hidden {args.hidden}, vocab 50257, fp32, {args.device}, "
-          f"{torch.get_num_threads()} threads; best of {args.repeats}", flush=True)
+    print(
+        f"GPT {args.layers} layers, hidden {args.hidden}, vocab 50257, fp32, {args.device}, "
+        f"{torch.get_num_threads()} threads; best of {args.repeats}",
+        flush=True,
+    )
     for context in args.contexts:
         cached = min(ms_per_token(model, context, args.tokens, True, args.device) for _ in range(args.repeats))
         full = min(ms_per_token(model, context, args.tokens, False, args.device) for _ in range(args.repeats))
-        print(f"context {context:5d}: {cached:8.2f} ms/token with the KV cache, {full:8.2f} ms/token without",
-              flush=True)
+        print(
+            f"context {context:5d}: {cached:8.2f} ms/token with the KV cache, {full:8.2f} ms/token without", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -5,18 +5,16 @@ runs the real code path: IndexedDataset -> GPTDataset(...) with cache writing.
 
     python scripts/benchmarks/bench_gpt_index.py [--tokens 1e9] [--seq-length 2048] [--epochs 1]
 """
+
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from data.gpt_dataset import GPTDataset  # noqa: E402
-from data.indexed_dataset import IndexedDataset, write_index  # noqa: E402
+from data.gpt_dataset import GPTDataset
+from data.indexed_dataset import IndexedDataset, write_index
 
 
 def synthetic_corpus(prefix: str, tokens: int, seed: int = 0) -> int:
@@ -48,9 +46,11 @@ def main() -> None:
         start = time.perf_counter()
         GPTDataset(ds, "train", (0, n_docs), args.seq_length, 1234, num_samples, os.path.join(tmp, "c"))
         cached = time.perf_counter() - start
-        print(f"{total / 1e9:.3f}B tokens, {n_docs} documents, seq_length {args.seq_length}, "
-              f"{len(gpt)} samples: indices built and cached in {built:.2f} s; reopened from cache in "
-              f"{cached * 1e3:.1f} ms")
+        print(
+            f"{total / 1e9:.3f}B tokens, {n_docs} documents, seq_length {args.seq_length}, "
+            f"{len(gpt)} samples: indices built and cached in {built:.2f} s; reopened from cache in "
+            f"{cached * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

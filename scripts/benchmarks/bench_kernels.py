@@ -7,29 +7,29 @@
 On CUDA the kernels run compiled; on CPU only under TRITON_INTERPRET=1 (the interpreter: correct, not fast; the
 CPU run checks that the benchmark works, its times mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from model.kernels import ops, reference  # noqa: E402
-from model.kernels.backend import backend_name  # noqa: E402
-from model.kernels.cross_entropy import chunked_linear_cross_entropy  # noqa: E402
+from model.kernels import ops, reference
+from model.kernels.backend import backend_name
+from model.kernels.cross_entropy import chunked_linear_cross_entropy
 
 
 def measure(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> tuple[float, float]:
     """(best ms of forward + backward, peak MiB allocated during one call; NaN off CUDA)."""
+
     def once() -> None:
         out = fn()
         out = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward([o.float().sum() for o in out])
+
     once()
     best = float("inf")
     for _ in range(repeats):
@@ -56,6 +56,7 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
 
     def leaf(*shape, scale=1.0):
         return (scale * torch.randn(*shape, device=device)).to(dtype).requires_grad_()
+
     x, w, bias = leaf(s, b, h), (1 + 0.1 * torch.randn(h, device=device)).to(dtype).requires_grad_(), leaf(h)
     y_ffn, b_ffn = leaf(s, b, ffn), leaf(ffn)
     y_glu, b_glu = leaf(s, b, 2 * ffn), leaf(2 * ffn)
@@ -71,13 +72,18 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         "rms_norm": (lambda: ops.norm(x, w, None, 1e-5, True), lambda: reference.rms_norm(x, w, 1e-5)),
         "bias_gelu": (lambda: ops.bias_gelu(y_ffn, b_ffn), lambda: reference.bias_gelu(y_ffn, b_ffn)),
         "bias_swiglu": (lambda: ops.bias_swiglu(y_glu, b_glu), lambda: reference.bias_swiglu(y_glu, b_glu)),
-        "bias_dropout_add": (lambda: ops.bias_dropout_add(x, bias, residual, None),
-                             lambda: reference.bias_dropout_add(x, bias, residual, lambda t: t)),
-        "rotary_qk": (lambda: ops.rotary_qk(q, k, cos, sin),
-                      lambda: (reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin))),
+        "bias_dropout_add": (
+            lambda: ops.bias_dropout_add(x, bias, residual, None),
+            lambda: reference.bias_dropout_add(x, bias, residual, lambda t: t),
+        ),
+        "rotary_qk": (
+            lambda: ops.rotary_qk(q, k, cos, sin),
+            lambda: (reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)),
+        ),
         "linear_cross_entropy": (
             lambda: chunked_linear_cross_entropy(x, out_w, labels, 0, args.vocab, use_triton=True),
-            lambda: reference.linear_cross_entropy(x, out_w, labels, args.vocab)),
+            lambda: reference.linear_cross_entropy(x, out_w, labels, args.vocab),
+        ),
     }
 
 
@@ -97,14 +103,18 @@ def main() -> int:
         print("no Triton on this device (set TRITON_INTERPRET=1 on a CPU): nothing to measure")
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"kernels via {path} on {name}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}, "
-          f"vocab {args.vocab}; best of {args.repeats}, forward + backward")
+    print(
+        f"kernels via {path} on {name}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}, "
+        f"vocab {args.vocab}; best of {args.repeats}, forward + backward"
+    )
     print(f"{'kernel':<22} {'eager ms':>9} {'fused ms':>9} {'speed-up':>9} {'eager MiB':>10} {'fused MiB':>10}")
     for kernel, (fused, eager) in cases(args, device, dtype).items():
         eager_ms, eager_mib = measure(eager, args.repeats, device)
         fused_ms, fused_mib = measure(fused, args.repeats, device)
-        print(f"{kernel:<22} {eager_ms:>9.3f} {fused_ms:>9.3f} {eager_ms / fused_ms:>8.2f}x "
-              f"{eager_mib:>10.1f} {fused_mib:>10.1f}")
+        print(
+            f"{kernel:<22} {eager_ms:>9.3f} {fused_ms:>9.3f} {eager_ms / fused_ms:>8.2f}x "
+            f"{eager_mib:>10.1f} {fused_mib:>10.1f}"
+        )
     return 0
 
 

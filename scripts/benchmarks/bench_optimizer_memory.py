@@ -7,37 +7,43 @@ to the mixed-precision formula (Megatron / ZeRO-1): 16-bit params 2 + fp32 grads
 
     python scripts/benchmarks/bench_optimizer_memory.py [--layers 4 --hidden 128]
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from model.config import ModelConfig  # noqa: E402
-from model.gpt import GPTModel  # noqa: E402
-from model.init import initialize_parameters  # noqa: E402
-from parallel.data_parallel import DataParallel  # noqa: E402
-from parallel.state import ParallelState  # noqa: E402
-from training.optimizer import build_optimizer  # noqa: E402
+from model.config import ModelConfig
+from model.gpt import GPTModel
+from model.init import initialize_parameters
+from parallel.data_parallel import DataParallel
+from parallel.state import ParallelState
+from training.optimizer import build_optimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _rank(rank: int, world_size: int, port: int, layers: int, hidden: int, distributed: bool,
-          precision: str, results) -> None:
+def _rank(
+    rank: int, world_size: int, port: int, layers: int, hidden: int, distributed: bool, precision: str, results
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     state = ParallelState.create(tp_size=1, pp_size=1)
-    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, seq_length=64,
-                      vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        seq_length=64,
+        vocab_size=1000,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=0, dtype=DTYPES[precision])
@@ -46,8 +52,14 @@ def _rank(rank: int, world_size: int, port: int, layers: int, hidden: int, distr
     optimizer = build_optimizer([model], ddp, state, lr=1e-4, precision=precision)
     if rank == 0:
         params = list(model.parameters())
-        results.put((sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
-                     ddp.grad_buffer_bytes(), optimizer.state_bytes()))
+        results.put(
+            (
+                sum(p.numel() for p in params),
+                sum(p.numel() * p.element_size() for p in params),
+                ddp.grad_buffer_bytes(),
+                optimizer.state_bytes(),
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -59,8 +71,9 @@ def measure(dp: int, layers: int, hidden: int, distributed: bool, precision: str
         port = sock.getsockname()[1]
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(dp, port, layers, hidden, distributed, precision, results), nprocs=dp,
-                       start_method="fork")
+    mp.start_processes(
+        _rank, args=(dp, port, layers, hidden, distributed, precision, results), nprocs=dp, start_method="fork"
+    )
     return results.get()
 
 
@@ -80,8 +93,10 @@ def main() -> None:
                 per_param = (param_b + grad_b + opt_b) / numel
                 size = 4 if precision == "fp32" else 2
                 formula = size + 4 + (12 / dp if distributed else (8 if precision == "fp32" else 12))
-                print(f"| {precision} | {dp} | {'on' if distributed else 'off'} | {numel} | {param_b} | "
-                      f"{grad_b} | {opt_b} | {per_param:.3f} | {formula:.3f} |")
+                print(
+                    f"| {precision} | {dp} | {'on' if distributed else 'off'} | {numel} | {param_b} | "
+                    f"{grad_b} | {opt_b} | {per_param:.3f} | {formula:.3f} |"
+                )
 
 
 if __name__ == "__main__":

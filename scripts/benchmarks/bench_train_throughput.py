@@ -12,6 +12,7 @@ FLOP count, training/flops.py) and MFU = TFLOP/s / --peak-tflops.
 --micro-batch 32,16,8 tries each (largest first) with the first case until one runs without running out of
 memory, then keeps it for every case (global batch = 4 x micro-batch). Overrides are `section.key=value`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_trainer(config: str, overrides: list[str], iters: int, run_dir: str) -> tuple[int, str, list[dict]]:
     """(exit code, output tail, training records) of one trainer run."""
-    argv = [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), "--config", config, *overrides,
-            f"train.train_iters={iters}", "optim.lr_warmup_iters=1", "train.eval_iters=0", "checkpoint.save=false",
-            "logging.log_interval=1", "logging.tensorboard=false", f"run.dir={run_dir}"]
+    argv = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+        "--config",
+        config,
+        *overrides,
+        f"train.train_iters={iters}",
+        "optim.lr_warmup_iters=1",
+        "train.eval_iters=0",
+        "checkpoint.save=false",
+        "logging.log_interval=1",
+        "logging.tensorboard=false",
+        f"run.dir={run_dir}",
+    ]
     proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
     records = []
@@ -41,13 +52,18 @@ def run_trainer(config: str, overrides: list[str], iters: int, run_dir: str) -> 
     return proc.returncode, output[-3000:], records
 
 
-def summarize(records: list[dict], warmup: int, peak_tflops: Optional[float]) -> dict:
+def summarize(records: list[dict], warmup: int, peak_tflops: float | None) -> dict:
     steady = [r for r in records if r["iteration"] > warmup] or records
     ms = statistics.median(r["ms_per_iter"] for r in steady)
     tflops = statistics.median(r["tflops_per_device"] for r in steady)
-    return {"ms": ms, "tokens_per_s": statistics.median(r["tokens_per_sec"] for r in steady), "tflops": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None, "first_ms": records[0]["ms_per_iter"],
-            "loss": records[-1]["lm_loss"]}
+    return {
+        "ms": ms,
+        "tokens_per_s": statistics.median(r["tokens_per_sec"] for r in steady),
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "first_ms": records[0]["ms_per_iter"],
+        "loss": records[-1]["lm_loss"],
+    }
 
 
 def is_out_of_memory(output: str) -> bool:
@@ -58,8 +74,9 @@ def pick_micro_batch(args: argparse.Namespace, candidates: list[int], first_case
     """The largest candidate micro-batch whose run does not run out of memory."""
     for micro in candidates:
         with tempfile.TemporaryDirectory() as run_dir:
-            code, output, _ = run_trainer(args.config, [*args.overrides, *first_case, *batch_overrides(micro)],
-                                          args.warmup + 2, run_dir)
+            code, output, _ = run_trainer(
+                args.config, [*args.overrides, *first_case, *batch_overrides(micro)], args.warmup + 2, run_dir
+            )
         if code == 0:
             return micro
         if not is_out_of_memory(output):
@@ -85,28 +102,39 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     cases = [(k, c) for k in args.kernels.split(",") for c in args.compile.split(",")]
-    as_overrides = {(k, c): [f"model.fused_kernels={'true' if k == 'on' else 'false'}",
-                             f"train.compile={'true' if c == 'on' else 'false'}"] for k, c in cases}
+    as_overrides = {
+        (k, c): [
+            f"model.fused_kernels={'true' if k == 'on' else 'false'}",
+            f"train.compile={'true' if c == 'on' else 'false'}",
+        ]
+        for k, c in cases
+    }
     micro_overrides: list[str] = []
     if args.micro_batch:
         candidates = sorted((int(m) for m in args.micro_batch.split(",")), reverse=True)
         micro = candidates[0] if len(candidates) == 1 else pick_micro_batch(args, candidates, as_overrides[cases[0]])
         micro_overrides = batch_overrides(micro)
         print(f"micro-batch {micro}", flush=True)
-    print(f"{'case':<40} {'ms/iter':>9} {'1st iter ms':>11} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'last loss':>9}", flush=True)
+    print(
+        f"{'case':<40} {'ms/iter':>9} {'1st iter ms':>11} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'last loss':>9}",
+        flush=True,
+    )
     for case in cases:
         with tempfile.TemporaryDirectory() as run_dir:
-            code, output, records = run_trainer(args.config, [*args.overrides, *micro_overrides,
-                                                              *as_overrides[case]], args.iters, run_dir)
+            code, output, records = run_trainer(
+                args.config, [*args.overrides, *micro_overrides, *as_overrides[case]], args.iters, run_dir
+            )
         name = f"{args.label}kernels {case[0]}, compile {case[1]}"
         if code != 0 or not records:
             print(f"{name:<40} FAILED (exit {code}):\n{output}", flush=True)
             return 1
         row = summarize(records, args.warmup, args.peak_tflops)
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
-        print(f"{name:<40} {row['ms']:>9.1f} {row['first_ms']:>11.1f} {row['tokens_per_s']:>10.0f} "
-              f"{row['tflops']:>8.3f} {mfu:>6} {row['loss']:>9.4f}", flush=True)
+        print(
+            f"{name:<40} {row['ms']:>9.1f} {row['first_ms']:>11.1f} {row['tokens_per_s']:>10.0f} "
+            f"{row['tflops']:>8.3f} {mfu:>6} {row['loss']:>9.4f}",
+            flush=True,
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Fixtures shared by the data tests."""
+
 import pytest
 
 from tests.data.helpers import VARIED_TEXTS, load_tool, write_jsonl

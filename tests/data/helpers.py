@@ -1,4 +1,5 @@
 """Shared helpers for the data tests: run a tool's main() in-process, a varied Unicode text set."""
+
 import importlib.util
 import json
 import os
@@ -49,6 +50,18 @@ def write_jsonl(path, texts, key="text") -> str:
 def run_preprocess(tok_files: tuple[str, str], inp: str, prefix: str, *extra: str) -> str:
     """tools/preprocess_data.py with the GPT-2 BPE of `tok_files`; returns the output's data prefix."""
     load_tool("preprocess_data").main(
-        ["--input", inp, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-         "--vocab-file", tok_files[0], "--merge-file", tok_files[1], *extra])
+        [
+            "--input",
+            inp,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            tok_files[0],
+            "--merge-file",
+            tok_files[1],
+            *extra,
+        ]
+    )
     return prefix + "_text_document"

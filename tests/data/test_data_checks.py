@@ -1,4 +1,5 @@
 """One-line errors for malformed indexes, empty datasets / splits / blend components, vocabulary sizes."""
+
 import struct
 import types
 
@@ -55,15 +56,19 @@ def test_empty_dataset_and_empty_split_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match=r"empty: the dataset holds no documents"):
         build_train_valid_test_datasets([empty], "1", 8, 1, (10, 0, 0), None)
     small = make_dataset(tmp_path / "small", [20] * 10)
-    with pytest.raises(ValueError, match=r"small: the valid split is empty: split '98,2,0' gives it documents "
-                                         r"\[10, 10\) of 10"):
+    with pytest.raises(
+        ValueError,
+        match=r"small: the valid split is empty: split '98,2,0' gives it documents "
+        r"\[10, 10\) of 10",
+    ):
         build_train_valid_test_datasets([small], "98,2,0", 8, 1, (10, 5, 0), None)
     zero_tokens = make_dataset(tmp_path / "zero", [0, 0, 5])
     with pytest.raises(ValueError, match=r"zero: train split has 2 documents and no tokens"):
         build_train_valid_test_datasets([zero_tokens], "2,1", 8, 1, (10, 0, 0), None)
     with pytest.raises(ValueError, match=r"small: the valid split is empty"):  # an empty blend component
-        build_train_valid_test_datasets([0.5, make_dataset(tmp_path / "big", [20] * 100), 0.5, small],
-                                        "98,2,0", 8, 1, (10, 5, 0), None)
+        build_train_valid_test_datasets(
+            [0.5, make_dataset(tmp_path / "big", [20] * 100), 0.5, small], "98,2,0", 8, 1, (10, 5, 0), None
+        )
 
 
 def test_split_of_one_token_builds_as_in_megatron(tmp_path):
@@ -74,7 +79,10 @@ def test_split_of_one_token_builds_as_in_megatron(tmp_path):
 
 def test_model_vocab_smaller_than_tokenizer_is_one_line_error():
     data = types.SimpleNamespace(vocab_file="v.json", tokenizer_model=None, tokenizer_type="GPT2BPETokenizer")
-    with pytest.raises(ValueError, match=r"model.vocab_size=100 is smaller than the tokenizer's vocabulary "
-                                         r"\(257 entries in v.json\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.vocab_size=100 is smaller than the tokenizer's vocabulary "
+        r"\(257 entries in v.json\)",
+    ):
         check_vocab_size(100, 257, data)
     check_vocab_size(257, 257, data)

@@ -1,4 +1,5 @@
 """GPT samples against a slow, obviously-correct reference of the rules; splits, caches, blending."""
+
 import os
 
 import numpy as np
@@ -52,7 +53,7 @@ def reference_samples(ds, documents, seq_length, num_samples, seed):
     else:
         order = np.arange(total, dtype=np.uint32)
         rng.shuffle(order)
-    return [stream[j * seq_length: j * seq_length + seq_length + 1] for j in map(int, order)]
+    return [stream[j * seq_length : j * seq_length + seq_length + 1] for j in map(int, order)]
 
 
 def megatron_loop_sample_index(sizes, doc_idx, seq_length, num_samples):

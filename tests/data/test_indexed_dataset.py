@@ -1,4 +1,5 @@
 """MMIDIDX v1 byte for byte against an independent reader/writer written from DATA_FORMATS.md."""
+
 import struct
 
 import numpy as np
@@ -14,19 +15,30 @@ def independent_read(prefix):
     with open(prefix + ".idx", "rb") as f:
         raw = f.read()
     assert raw[:9] == b"MMIDIDX\x00\x00"
-    version, = struct.unpack_from("<Q", raw, 9)
+    (version,) = struct.unpack_from("<Q", raw, 9)
     code = raw[17]
     n, docs = struct.unpack_from("<QQ", raw, 18)
     off = 34
-    lengths = list(struct.unpack_from(f"<{n}i", raw, off)); off += 4 * n
-    pointers = list(struct.unpack_from(f"<{n}q", raw, off)); off += 8 * n
-    doc_idx = list(struct.unpack_from(f"<{docs}q", raw, off)); off += 8 * docs
+    lengths = list(struct.unpack_from(f"<{n}i", raw, off))
+    off += 4 * n
+    pointers = list(struct.unpack_from(f"<{n}q", raw, off))
+    off += 8 * n
+    doc_idx = list(struct.unpack_from(f"<{docs}q", raw, off))
+    off += 8 * docs
     assert off == len(raw), "trailing bytes in .idx"
     data = open(prefix + ".bin", "rb").read()
     itemsize = np.dtype(CODES[code]).itemsize
     seqs = [np.frombuffer(data, CODES[code], count=ln, offset=p).tolist() for ln, p in zip(lengths, pointers)]
-    return dict(version=version, code=code, lengths=lengths, pointers=pointers, doc_idx=doc_idx,
-                seqs=seqs, itemsize=itemsize, bin_size=len(data))
+    return dict(
+        version=version,
+        code=code,
+        lengths=lengths,
+        pointers=pointers,
+        doc_idx=doc_idx,
+        seqs=seqs,
+        itemsize=itemsize,
+        bin_size=len(data),
+    )
 
 
 def independent_write(prefix, seqs, code, doc_idx=None):
@@ -118,18 +130,21 @@ def _corrupt(tmp_path, mutate):
 
 def _patch(path, offset, data):
     raw = bytearray(open(path, "rb").read())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     open(path, "wb").write(bytes(raw))
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda p: _patch(p + ".idx", 0, b"XXIDIDX"), "bad magic"),
-    (lambda p: _patch(p + ".idx", 9, struct.pack("<Q", 2)), "unsupported version 2"),
-    (lambda p: _patch(p + ".idx", 17, bytes([9])), "unknown dtype code 9"),
-    (lambda p: open(p + ".idx", "r+b").truncate(60), "truncated"),
-    (lambda p: open(p + ".idx", "r+b").truncate(20), "truncated header"),
-    (lambda p: open(p + ".bin", "r+b").truncate(6), "bytes, but the index needs"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda p: _patch(p + ".idx", 0, b"XXIDIDX"), "bad magic"),
+        (lambda p: _patch(p + ".idx", 9, struct.pack("<Q", 2)), "unsupported version 2"),
+        (lambda p: _patch(p + ".idx", 17, bytes([9])), "unknown dtype code 9"),
+        (lambda p: open(p + ".idx", "r+b").truncate(60), "truncated"),
+        (lambda p: open(p + ".idx", "r+b").truncate(20), "truncated header"),
+        (lambda p: open(p + ".bin", "r+b").truncate(6), "bytes, but the index needs"),
+    ],
+)
 def test_malformed_files_give_one_line_errors_naming_the_file(tmp_path, mutate, message):
     prefix = _corrupt(tmp_path, mutate)
     with pytest.raises(IndexedDatasetError, match=message) as info:

@@ -1,4 +1,5 @@
 """Sampler resume, dp slicing, batch masks against a loop reference, DataLoader with workers."""
+
 import numpy as np
 import torch
 
@@ -19,8 +20,18 @@ class CountingDataset:
 
 
 def _stream(dataset, consumed, mbs, dp_rank, dp_size, workers=0):
-    it = build_data_iterator(dataset, consumed, mbs, dp_rank, dp_size, workers, eod_id=-1,
-                             eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False)
+    it = build_data_iterator(
+        dataset,
+        consumed,
+        mbs,
+        dp_rank,
+        dp_size,
+        workers,
+        eod_id=-1,
+        eod_mask_loss=False,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+    )
     return [b["tokens"][:, 0].tolist() for b in it]
 
 
@@ -44,8 +55,11 @@ def test_workers_give_the_same_batches_as_in_process():
 
 def test_batch_fields_shapes_and_types():
     ds = CountingDataset(10, 6)
-    batch = next(build_data_iterator(ds, 0, 2, 0, 1, 0, eod_id=3, eod_mask_loss=True,
-                                     reset_position_ids=True, reset_attention_mask=True))
+    batch = next(
+        build_data_iterator(
+            ds, 0, 2, 0, 1, 0, eod_id=3, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True
+        )
+    )
     assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (2, 6)
     assert torch.equal(batch["labels"], batch["tokens"] + 1)
     assert batch["loss_mask"].dtype == torch.float32
@@ -66,9 +80,9 @@ def reference_masks(tokens, eod, eod_mask_loss, reset_pos, reset_attn):
         prev = 0
         for i in (tokens[row] == eod).nonzero().flatten().tolist():
             if reset_attn:
-                attn[row, 0, i + 1:, :i + 1] = False
+                attn[row, 0, i + 1 :, : i + 1] = False
             if reset_pos:
-                pos[row, i + 1:] -= i + 1 - prev
+                pos[row, i + 1 :] -= i + 1 - prev
                 prev = i + 1
     return loss, pos, attn
 

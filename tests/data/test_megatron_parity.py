@@ -6,7 +6,9 @@ sample, the blending index against the compiled helper, and .bin/.idx files read
 missing megatron-core skips these tests; in CI (CI=true) it fails them, so the claim is checked on every
 change.
 """
+
 import os
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -19,18 +21,19 @@ from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import free_port
 
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-    import megatron.core.datasets.gpt_dataset as mcore  # noqa: E402  (CI: a missing install fails)
+    import megatron.core.datasets.gpt_dataset as mcore
 else:
     mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-from megatron.core.datasets import helpers_cpp  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets import indexed_dataset as megatron_indexed  # noqa: E402
+from megatron.core.datasets import helpers_cpp
+from megatron.core.datasets import indexed_dataset as megatron_indexed
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
 
 class _Tokenizer:
     """The fields Megatron's GPTDatasetConfig reads from a tokenizer."""
+
     eod, pad, bos, vocab_size = 0, -1, None, 60000
-    unique_identifiers = {"class": "test tokenizer"}
+    unique_identifiers: ClassVar[dict] = {"class": "test tokenizer"}
 
 
 @pytest.fixture(scope="module")
@@ -51,40 +54,50 @@ def prefixes(tmp_path_factory):
 
 
 # kind, split, seq_length, samples per split, add_extra_token, drop_last_partial_validation, surplus
-CASES = [("single", "969,30,1", 16, [2000, 50, 10], True, True, 0.005),
-         ("single", "98,2,0", 64, [5000, 300, 0], True, True, 0.005),
-         ("blend", "90,10,0", 32, [701, 53, 0], True, True, 0.005),
-         ("blend", "1", 128, [2500, 0, 0], True, True, 0.02),
-         ("unweighted", "90,10,0", 32, [600, 40, 0], True, True, 0.005),
-         ("unweighted", "90,10,0", 64, [10 ** 6, 10 ** 6, 0], True, True, 0.005),  # capped at one epoch
-         ("single", "80,20,0", 16, [3000, 77, 0], False, True, 0.005),
-         ("single", "80,20,0", 24, [300, 77, 0], True, False, 0.005),
-         ("single", "80,20,0", 24, [300, 5000, 0], False, False, 0.005),
-         ("blend", "90,10,0", 16, [900, 70, 0], False, False, 0.005)]
+CASES = [
+    ("single", "969,30,1", 16, [2000, 50, 10], True, True, 0.005),
+    ("single", "98,2,0", 64, [5000, 300, 0], True, True, 0.005),
+    ("blend", "90,10,0", 32, [701, 53, 0], True, True, 0.005),
+    ("blend", "1", 128, [2500, 0, 0], True, True, 0.02),
+    ("unweighted", "90,10,0", 32, [600, 40, 0], True, True, 0.005),
+    ("unweighted", "90,10,0", 64, [10**6, 10**6, 0], True, True, 0.005),  # capped at one epoch
+    ("single", "80,20,0", 16, [3000, 77, 0], False, True, 0.005),
+    ("single", "80,20,0", 24, [300, 77, 0], True, False, 0.005),
+    ("single", "80,20,0", 24, [300, 5000, 0], False, False, 0.005),
+    ("blend", "90,10,0", 16, [900, 70, 0], False, False, 0.005),
+]
 
 
 def _megatron_datasets(tmp_path, kind, prefixes, split, seq_length, num_samples, options: BuildOptions):
     a, b = prefixes
     blend = {"single": ([a], None), "blend": ([a, b], [0.7, 0.3]), "unweighted": ([a, b], None)}[kind]
     config = mcore.GPTDatasetConfig(
-        random_seed=1234, sequence_length=seq_length, blend=blend, split=split,
-        path_to_cache=str(tmp_path / "megatron"), tokenizer=_Tokenizer(), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, mmap_bin_files=True,
+        random_seed=1234,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=str(tmp_path / "megatron"),
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mmap_bin_files=True,
         add_extra_token_to_sequence=options.extra_token,
         drop_last_partial_validation_sequence=options.drop_last_partial_validation,
-        mid_level_dataset_surplus=options.mid_level_surplus)
+        mid_level_dataset_surplus=options.mid_level_surplus,
+    )
     return BlendedMegatronDatasetBuilder(mcore.GPTDataset, num_samples, lambda: True, config).build()
 
 
 @pytest.mark.parametrize("kind,split,seq_length,num_samples,extra,drop_last,surplus", CASES)
-def test_same_samples_as_megatron(prefixes, tmp_path, kind, split, seq_length, num_samples, extra, drop_last,
-                                  surplus):
+def test_same_samples_as_megatron(prefixes, tmp_path, kind, split, seq_length, num_samples, extra, drop_last, surplus):
     a, b = prefixes
     data_path = {"single": [a], "blend": [0.7, a, 0.3, b], "unweighted": [a, b]}[kind]
     options = BuildOptions(extra_token=extra, drop_last_partial_validation=drop_last, mid_level_surplus=surplus)
     theirs = _megatron_datasets(tmp_path, kind, prefixes, split, seq_length, num_samples, options)
-    ours = build_train_valid_test_datasets(data_path, split, seq_length, 1234, tuple(num_samples),
-                                           str(tmp_path / "ours"), options)
+    ours = build_train_valid_test_datasets(
+        data_path, split, seq_length, 1234, tuple(num_samples), str(tmp_path / "ours"), options
+    )
     for t, o, n in zip(theirs, ours, num_samples):
         if n == 0 or o is None:
             continue  # we return None for num_samples 0; Megatron builds one epoch anyway
@@ -110,20 +123,29 @@ def _assert_same_indices(theirs, ours):
 def _assert_same_sample(text, item, extra_token, i):
     """Our sample through our collate against Megatron's tokens / labels / loss mask."""
     from data.loader import collate_samples
+
     batch = collate_samples([{"text": text}], 0, False, False, False, extra_token)
     assert np.array_equal(batch["tokens"][0].numpy(), item["tokens"].numpy()), i
     assert np.array_equal(batch["labels"][0].numpy(), item["labels"].numpy()), i
     assert np.array_equal(batch["loss_mask"][0].numpy(), item["loss_mask"].numpy()), i
 
 
-@pytest.mark.parametrize("weights,size", [([0.5, 0.3, 0.2], 200_000), ([0.7, 0.2, 0.1], 50_000),
-                                          ([1 / 3] * 3, 30_000), ([0.9, 0.09, 0.009, 0.001], 100_000),
-                                          ([0.25, 0.25, 0.5], 4097), ([0.6, 0.4], 10), ([1.0], 7)])
+@pytest.mark.parametrize(
+    "weights,size",
+    [
+        ([0.5, 0.3, 0.2], 200_000),
+        ([0.7, 0.2, 0.1], 50_000),
+        ([1 / 3] * 3, 30_000),
+        ([0.9, 0.09, 0.009, 0.001], 100_000),
+        ([0.25, 0.25, 0.5], 4097),
+        ([0.6, 0.4], 10),
+        ([1.0], 7),
+    ],
+)
 def test_blending_index_equals_compiled_helper(weights, size):
     index = np.zeros(size, dtype=np.int16)
     sample = np.zeros(size, dtype=np.int64)
-    helpers_cpp.build_blending_indices(index, sample, np.array(weights, dtype=np.float64), len(weights), size,
-                                       False)
+    helpers_cpp.build_blending_indices(index, sample, np.array(weights, dtype=np.float64), len(weights), size, False)
     ours_index, ours_sample = build_blending_indices(weights, size)
     assert ours_index.dtype == np.int16 and ours_sample.dtype == np.int64
     np.testing.assert_array_equal(ours_index, index)
@@ -147,11 +169,19 @@ def test_files_read_both_ways(prefixes, tmp_path):
 def test_split_of_one_token_as_megatron(prefixes, tmp_path):
     """A train split holding a single one-token document builds (many epochs) and equals Megatron's."""
     from tests.data.test_gpt_dataset import make_dataset
+
     prefix = make_dataset(tmp_path / "one", [1, 30])
     config = mcore.GPTDatasetConfig(
-        random_seed=1, sequence_length=4, blend=([prefix], None), split="1,1",
-        path_to_cache=str(tmp_path / "megatron"), tokenizer=_Tokenizer(), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False)
+        random_seed=1,
+        sequence_length=4,
+        blend=([prefix], None),
+        split="1,1",
+        path_to_cache=str(tmp_path / "megatron"),
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     theirs = BlendedMegatronDatasetBuilder(mcore.GPTDataset, [6, 0, 0], lambda: True, config).build()[0]
     ours = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), str(tmp_path / "ours"))[0]
     assert len(ours) == len(theirs) == 6

@@ -1,4 +1,5 @@
 """tools/preprocess_data.py and tools/merge_datasets.py: outputs, merge parity, bad lines, atomicity."""
+
 import os
 import subprocess
 import sys
@@ -31,10 +32,11 @@ def test_preprocess_tokens_and_eod(tmp_path, tok_files, workers):
 
 def test_merge_equals_preprocessing_the_concatenation(tmp_path, tok_files):
     halves = VARIED_TEXTS[:9], VARIED_TEXTS[9:]
-    prefixes = [_run(tok_files, write_jsonl(tmp_path / f"p{k}.jsonl", h), str(tmp_path / f"p{k}"),
-                     "--append-eod") for k, h in enumerate(halves)]
-    whole = _run(tok_files, write_jsonl(tmp_path / "all.jsonl", VARIED_TEXTS), str(tmp_path / "all"),
-                 "--append-eod")
+    prefixes = [
+        _run(tok_files, write_jsonl(tmp_path / f"p{k}.jsonl", h), str(tmp_path / f"p{k}"), "--append-eod")
+        for k, h in enumerate(halves)
+    ]
+    whole = _run(tok_files, write_jsonl(tmp_path / "all.jsonl", VARIED_TEXTS), str(tmp_path / "all"), "--append-eod")
     load_tool("merge_datasets").main(["--input", *prefixes, "--output-prefix", str(tmp_path / "merged")])
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -78,14 +80,28 @@ def test_skip_bad_lines_counts_them(tmp_path, tok_files, capsys):
 
 def test_cli_reports_throughput_and_exits_nonzero_on_error(tmp_path, tok_files):
     inp = write_jsonl(tmp_path / "in.jsonl", VARIED_TEXTS)
-    cmd = [sys.executable, "tools/preprocess_data.py", "--input", inp, "--output-prefix",
-           str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tok_files[0],
-           "--merge-file", tok_files[1], "--workers", "2"]
+    cmd = [
+        sys.executable,
+        "tools/preprocess_data.py",
+        "--input",
+        inp,
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        tok_files[0],
+        "--merge-file",
+        tok_files[1],
+        "--workers",
+        "2",
+    ]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "MB/s per worker" in done.stderr
-    missing = subprocess.run(cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], cwd=REPO_ROOT,
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert missing.returncode != 0 and "nope.jsonl" in missing.stderr
 
 

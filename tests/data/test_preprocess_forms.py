@@ -1,4 +1,5 @@
 """tools/preprocess_data.py: Megatron's list-of-strings values, the special-token policy, empty inputs."""
+
 import json
 import os
 

@@ -1,4 +1,5 @@
 """The sample corpus builder, on a tiny stand-in for the standard library (the real one is the default)."""
+
 import os
 
 import pytest
@@ -10,8 +11,13 @@ from data.tokenizers import build_tokenizer
 
 
 def _fake_stdlib(root):
-    files = {"b.py": "print('b')\n", "a.py": "x = 1\n" * 50, "pkg/z.py": "def f():\n    return 'é'\n",
-             "site-packages/thirdparty.py": "nope = True\n", "notes.txt": "not python"}
+    files = {
+        "b.py": "print('b')\n",
+        "a.py": "x = 1\n" * 50,
+        "pkg/z.py": "def f():\n    return 'é'\n",
+        "site-packages/thirdparty.py": "nope = True\n",
+        "notes.txt": "not python",
+    }
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)

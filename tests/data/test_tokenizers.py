@@ -2,6 +2,7 @@
 
 Also: SentencePiece with Megatron's GPT semantics, build_tokenizer's errors.
 """
+
 import os
 
 import pytest
@@ -16,8 +17,20 @@ def bpe_files(tmp_path_factory):
     """vocab.json + merges.txt trained by the tool on the varied texts (repeated, so pairs recur)."""
     tmp = tmp_path_factory.mktemp("bpe")
     corpus = write_jsonl(tmp / "corpus.jsonl", VARIED_TEXTS * 3)
-    load_tool("train_tokenizer").main(["--input", corpus, "--type", "gpt2bpe", "--vocab-size", "700",
-                                       "--min-frequency", "1", "--output-dir", str(tmp / "tok")])
+    load_tool("train_tokenizer").main(
+        [
+            "--input",
+            corpus,
+            "--type",
+            "gpt2bpe",
+            "--vocab-size",
+            "700",
+            "--min-frequency",
+            "1",
+            "--output-dir",
+            str(tmp / "tok"),
+        ]
+    )
     return str(tmp / "tok" / "vocab.json"), str(tmp / "tok" / "merges.txt")
 
 
@@ -69,8 +82,9 @@ def test_unknown_tokenizer_type_is_named():
 
 def test_sentencepiece_tool_and_gpt_semantics(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", VARIED_TEXTS * 20)
-    load_tool("train_tokenizer").main(["--input", corpus, "--type", "sentencepiece", "--vocab-size", "600",
-                                       "--output-dir", str(tmp_path / "sp")])
+    load_tool("train_tokenizer").main(
+        ["--input", corpus, "--type", "sentencepiece", "--vocab-size", "600", "--output-dir", str(tmp_path / "sp")]
+    )
     model = os.path.join(tmp_path, "sp", "tokenizer.model")
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     assert isinstance(tok, SentencePieceTokenizer)

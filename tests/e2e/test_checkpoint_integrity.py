@@ -1,6 +1,7 @@
 """What the trainer does with checkpoints that are damaged, missing their tracker, from another model, from
 another run, or that fail to save: one clear line, exit 2 (bad input) or 1 (a failed save), and nothing of the
 run written, overwritten or deleted (except by keep_last)."""
+
 from __future__ import annotations
 
 import errno
@@ -109,8 +110,18 @@ def test_failed_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_corpus, 
 
 def test_async_save_keep_last_and_lr_schedule_rule(tiny_corpus, tmp_path, log_lines):
     run_dir = str(tmp_path / "run")
-    assert main(tiny_corpus, run_dir, "train.train_iters=4", "train.eval_iters=0", "checkpoint.save_interval=1",
-                "checkpoint.async_save=true", "checkpoint.keep_last=2") == 0
+    assert (
+        main(
+            tiny_corpus,
+            run_dir,
+            "train.train_iters=4",
+            "train.eval_iters=0",
+            "checkpoint.save_interval=1",
+            "checkpoint.async_save=true",
+            "checkpoint.keep_last=2",
+        )
+        == 0
+    )
     root = os.path.join(run_dir, "checkpoints")
     assert files.list_iterations(root) == [3, 4] and files.read_tracker(root) == 4
     saves = [line for line in log_lines if line.startswith("saved checkpoint")]
@@ -122,8 +133,17 @@ def test_async_save_keep_last_and_lr_schedule_rule(tiny_corpus, tmp_path, log_li
     shutil.rmtree(os.path.join(root, "iter_0000006"))
     files.write_trackers(root, 4)
     log_lines.clear()
-    assert main(tiny_corpus, run_dir, "train.train_iters=6", "train.eval_iters=0", "checkpoint.load=true",
-                "optim.override_lr_schedule=true") == 0
+    assert (
+        main(
+            tiny_corpus,
+            run_dir,
+            "train.train_iters=6",
+            "train.eval_iters=0",
+            "checkpoint.load=true",
+            "optim.override_lr_schedule=true",
+        )
+        == 0
+    )
     assert any("LR schedule: decay_iters=6 from this run's config" in line for line in log_lines)
 
 
@@ -135,9 +155,18 @@ def test_finetune_from_another_run_at_another_layout(tiny_corpus, tmp_path, log_
     source = str(tmp_path / "pretrain")
     assert main(tiny_corpus, source, "train.train_iters=2", "train.eval_iters=0") == 0
     target = str(tmp_path / "finetune")
-    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
-            *tiny_train_args(tiny_corpus, target, "train.train_iters=2", "train.eval_iters=0",
-                             "parallel.tp_size=2", f"checkpoint.finetune={source}/checkpoints")]  # one override
+    argv = [
+        "--config",
+        pretrain_gpt.DEFAULT_CONFIG,
+        *tiny_train_args(
+            tiny_corpus,
+            target,
+            "train.train_iters=2",
+            "train.eval_iters=0",
+            "parallel.tp_size=2",
+            f"checkpoint.finetune={source}/checkpoints",
+        ),
+    ]  # one override
     run_ranks(2, _rank_main, argv, timeout=300.0)
     assert [r["iteration"] for r in read_metrics(target)] == [1, 2]
     assert files.read_tracker(os.path.join(target, "checkpoints")) == 2
@@ -148,11 +177,16 @@ def test_finetune_from_another_run_at_another_layout(tiny_corpus, tmp_path, log_
 def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tiny_corpus, tmp_path, mode):
     """Two kills per mode here; scripts/checkpoint_kill_test.py does ten (docs/performance.md)."""
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(pretrain_gpt.__file__), "scripts"))
     import checkpoint_kill_test
 
-    data_args = [f"data.data_path=[{tiny_corpus['data_prefix']}]", f"data.vocab_file={tiny_corpus['vocab_file']}",
-                 f"data.merge_file={tiny_corpus['merge_file']}", "model.make_vocab_size_divisible_by=8"]
+    data_args = [
+        f"data.data_path=[{tiny_corpus['data_prefix']}]",
+        f"data.vocab_file={tiny_corpus['vocab_file']}",
+        f"data.merge_file={tiny_corpus['merge_file']}",
+        "model.make_vocab_size_divisible_by=8",
+    ]
     # The second round starts by resuming the first round's checkpoint in the trainer (load=true).
     result = checkpoint_kill_test.run(2, mode, str(tmp_path), data_args, seed=1, final_resume=False)
     assert result["latest"] >= 2
@@ -161,13 +195,22 @@ def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tiny_corpus, tmp_path,
 def _write_legacy_checkpoint(run, root: str) -> None:
     """Format 1 (per-rank files, as earlier versions wrote them) of a single-process run."""
     import torch
+
     directory = os.path.join(root, f"iter_{run.progress.iteration:07d}", "mp_rank_00_000")
     os.makedirs(directory)
-    torch.save({"iteration": run.progress.iteration, "consumed_samples": run.progress.consumed_samples,
-                "skipped_iters": 0, "config": run.config.to_dict(),
-                "model": [chunk.state_dict() for chunk in run.ctx.chunks],
-                "lr_schedule": run.lr_schedule.state_dict(), "optimizer": run.ctx.optimizer.state_dict(),
-                "layout": {"tp": 1, "pp": 1, "vp": 1}}, os.path.join(directory, "model_optim_rng.pt"))
+    torch.save(
+        {
+            "iteration": run.progress.iteration,
+            "consumed_samples": run.progress.consumed_samples,
+            "skipped_iters": 0,
+            "config": run.config.to_dict(),
+            "model": [chunk.state_dict() for chunk in run.ctx.chunks],
+            "lr_schedule": run.lr_schedule.state_dict(),
+            "optimizer": run.ctx.optimizer.state_dict(),
+            "layout": {"tp": 1, "pp": 1, "vp": 1},
+        },
+        os.path.join(directory, "model_optim_rng.pt"),
+    )
     torch.save({"rng": run.rng_tracker.state_dict(), "optimizer": None}, os.path.join(directory, "dp_rank_000.pt"))
     files.write_trackers(root, run.progress.iteration)
 
@@ -180,8 +223,10 @@ def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lin
     drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")
     whole, legacy = str(tmp_path / "whole"), str(tmp_path / "legacy")
     assert main(tiny_corpus, whole, "train.train_iters=4", *drop) == 0
-    config = load_config(pretrain_gpt.DEFAULT_CONFIG, tiny_train_args(tiny_corpus, legacy, "train.train_iters=2",
-                                                                         *drop, "checkpoint.save=false"))
+    config = load_config(
+        pretrain_gpt.DEFAULT_CONFIG,
+        tiny_train_args(tiny_corpus, legacy, "train.train_iters=2", *drop, "checkpoint.save=false"),
+    )
     run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, 1))
     pretrain_gpt.train(run)
     _write_legacy_checkpoint(run, os.path.join(legacy, "checkpoints"))

@@ -3,6 +3,7 @@
 over the 5 iterations after the resume) and holds, right after loading, exactly the saved Adam state and weights
 in the global view (the resumed run saves a copy before it trains; every tensor of both checkpoints is equal).
 """
+
 from __future__ import annotations
 
 import os
@@ -11,17 +12,22 @@ import pytest
 import torch
 
 import pretrain_gpt
+from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
-from parallel.layout import layout_from_config
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.saver import write_checkpoint
 from training.config import load_config
 from training.setup import init_distributed
 
 MODEL = ("model.num_layers=8", "train.eval_iters=0")
-SAVED_AT = ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=interleaved",
-            "parallel.distributed_optimizer=true")
+SAVED_AT = (
+    "parallel.tp_size=2",
+    "parallel.pp_size=2",
+    "parallel.vp_size=2",
+    "parallel.schedule=interleaved",
+    "parallel.distributed_optimizer=true",
+)
 TARGETS = [
     pytest.param(1, (), id="one-process"),
     pytest.param(4, ("parallel.tp_size=4",), id="tp4"),
@@ -47,8 +53,17 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, world_size))
     pretrain_gpt.resume_if_asked(run)
     assert run.progress.iteration == 5
-    job = build_save_job(copy_root, run.state, run.progress, run.ctx.chunks, run.ctx.optimizer, run.lr_schedule,
-                         run.rng_tracker.state_dict(), config.to_dict(), config.parallel.distributed_optimizer)
+    job = build_save_job(
+        copy_root,
+        run.state,
+        run.progress,
+        run.ctx.chunks,
+        run.ctx.optimizer,
+        run.lr_schedule,
+        run.rng_tracker.state_dict(),
+        config.to_dict(),
+        config.parallel.distributed_optimizer,
+    )
     os.makedirs(copy_root, exist_ok=True)
     write_checkpoint(job, run.checkpointer.group)
     pretrain_gpt.train(run)
@@ -58,8 +73,11 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
 def saved_run(tiny_corpus, tmp_path_factory):
     """The uninterrupted 8-rank run (10 iterations), saving at 5 and 10."""
     run_dir = str(tmp_path_factory.mktemp("saved8"))
-    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
-            *tiny_train_args(tiny_corpus, run_dir, *MODEL, *SAVED_AT, "checkpoint.save_interval=5")]
+    argv = [
+        "--config",
+        pretrain_gpt.DEFAULT_CONFIG,
+        *tiny_train_args(tiny_corpus, run_dir, *MODEL, *SAVED_AT, "checkpoint.save_interval=5"),
+    ]
     run_ranks(8, _train_rank, argv, timeout=600.0)
     return run_dir
 

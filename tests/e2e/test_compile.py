@@ -2,6 +2,7 @@
 process with inductor, and tp2 x pp2 with sequence parallelism, full recompute and the fused kernels with the
 aot_eager backend (dynamo and AOTAutograd tracing through the tp collectives and checkpointing, without the
 minutes of C++ code generation that inductor needs per layer signature on a CPU)."""
+
 from __future__ import annotations
 
 import io
@@ -26,8 +27,9 @@ def _run(corpus, run_dir: str, world_size: int, *extra: str) -> str:
 
 def _assert_same_losses(eager_dir: str, compiled_dir: str) -> None:
     out = io.StringIO()
-    assert compare_runs.main([eager_dir, compiled_dir, "--key", "lm_loss", "--key", "grad_norm"], out=out) == 0, \
+    assert compare_runs.main([eager_dir, compiled_dir, "--key", "lm_loss", "--key", "grad_norm"], out=out) == 0, (
         out.getvalue()
+    )
 
 
 def test_compiled_layers_match_eager_single_process(tiny_corpus, tmp_path):
@@ -37,11 +39,17 @@ def test_compiled_layers_match_eager_single_process(tiny_corpus, tmp_path):
 
 
 def test_compiled_layers_match_eager_tp2_pp2_recompute_kernels(tiny_corpus, tmp_path):
-    layout = ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.sequence_parallel=true",
-              "train.recompute=full", "model.fused_kernels=true")
+    layout = (
+        "parallel.tp_size=2",
+        "parallel.pp_size=2",
+        "parallel.sequence_parallel=true",
+        "train.recompute=full",
+        "model.fused_kernels=true",
+    )
     eager = _run(tiny_corpus, str(tmp_path / "eager"), 4, *layout)
-    compiled = _run(tiny_corpus, str(tmp_path / "compiled"), 4, *layout, "train.compile=true",
-                    "train.compile_backend=aot_eager")
+    compiled = _run(
+        tiny_corpus, str(tmp_path / "compiled"), 4, *layout, "train.compile=true", "train.compile_backend=aot_eager"
+    )
     _assert_same_losses(eager, compiled)
 
 
@@ -53,8 +61,17 @@ def test_compiled_layers_with_selective_and_full_recompute_match_eager():
     from model.config import ModelConfig
     from model.gpt import GPTModel
     from parallel.random import RNGTracker, make_checkpoint_fn
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=50,
-                      make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
+
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        vocab_size=50,
+        make_vocab_size_divisible_by=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     tracker = RNGTracker("cpu")
     tracker.add("model-parallel", 3)
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -4,6 +4,7 @@ Each case runs `pretrain_gpt.main` on forked gloo ranks (tests/conftest.run_rank
 fp32, dropout-0 config and compares every iteration's lm_loss and global grad_norm with a single-process run of
 the same arguments (relative difference <= 1e-5). The single-process references are computed once per module.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import pretrain_gpt
 from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
@@ -19,8 +19,14 @@ from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
 RTOL = 1e-5
 # No evaluation and no checkpoint in the parity runs: they cost time and add nothing to the comparison.
 FAST = ("train.eval_iters=0", "checkpoint.save=false")
-LLAMA = ("model.position_embedding_type=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
-         "model.num_query_groups=2", "model.tie_embeddings=false", "model.add_bias_linear=false")
+LLAMA = (
+    "model.position_embedding_type=rope",
+    "model.normalization=rmsnorm",
+    "model.activation=swiglu",
+    "model.num_query_groups=2",
+    "model.tie_embeddings=false",
+    "model.add_bias_linear=false",
+)
 EIGHT_LAYERS = ("model.num_layers=8",)
 INTERLEAVED = ("parallel.vp_size=2", "parallel.schedule=interleaved")
 
@@ -42,14 +48,17 @@ def train(corpus: dict, run_dir: str, world_size: int, *extra: str) -> list[dict
     return records
 
 
-def assert_matches(records: list[dict], reference: list[dict], keys=("lm_loss", "grad_norm"),
-                   rtol: float = RTOL) -> None:
+def assert_matches(
+    records: list[dict], reference: list[dict], keys=("lm_loss", "grad_norm"), rtol: float = RTOL
+) -> None:
     """Every iteration's value of each key within rtol (relative) of the reference."""
     for key in keys:
         for got, want in zip(records, reference, strict=True):
             diff = abs(got[key] - want[key]) / max(abs(want[key]), 1e-12)
-            assert diff <= rtol, (f"{key} at iteration {got['iteration']}: {got[key]!r} vs single process "
-                                  f"{want[key]!r} (relative difference {diff:.2e} > {rtol:g})")
+            assert diff <= rtol, (
+                f"{key} at iteration {got['iteration']}: {got[key]!r} vs single process "
+                f"{want[key]!r} (relative difference {diff:.2e} > {rtol:g})"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +89,45 @@ LAYOUTS = [
     ("pp2-vp2", 2, (), ("parallel.pp_size=2", *INTERLEAVED)),
     ("pp4-vp2", 4, EIGHT_LAYERS, ("parallel.pp_size=4", *INTERLEAVED)),
     ("tp2-pp2-scatter_gather", 4, (), ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.scatter_gather=true")),
-    ("tp2-pp2-no_scatter_gather", 4, (), ("parallel.tp_size=2", "parallel.pp_size=2",
-                                          "parallel.scatter_gather=false")),
+    ("tp2-pp2-no_scatter_gather", 4, (), ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.scatter_gather=false")),
     ("dp2", 2, (), ()),
     ("dp4", 4, (), ()),
     ("dp2-distopt", 2, (), ("parallel.distributed_optimizer=true",)),
     ("dp4-distopt", 4, (), ("parallel.distributed_optimizer=true",)),
     ("tp2-recompute_full", 2, (), ("parallel.tp_size=2", "train.recompute=full")),
-    ("tp2-sp-recompute_selective", 2, (), ("parallel.tp_size=2", "parallel.sequence_parallel=true",
-                                           "train.recompute=selective")),
+    (
+        "tp2-sp-recompute_selective",
+        2,
+        (),
+        ("parallel.tp_size=2", "parallel.sequence_parallel=true", "train.recompute=selective"),
+    ),
     # tp=2 x pp=2 x dp=2, vp=2, SP, distributed optimizer: test_exact_resume_at_parallel_layout
 ]
 
 
-@pytest.mark.parametrize("world_size,model_overrides,parallel_overrides",
-                         [pytest.param(*case[1:], id=case[0]) for case in LAYOUTS])
-def test_layout_matches_single_process(tiny_corpus, tmp_path, reference, world_size, model_overrides,
-                                       parallel_overrides):
+@pytest.mark.parametrize(
+    "world_size,model_overrides,parallel_overrides", [pytest.param(*case[1:], id=case[0]) for case in LAYOUTS]
+)
+def test_layout_matches_single_process(
+    tiny_corpus, tmp_path, reference, world_size, model_overrides, parallel_overrides
+):
     records = train(tiny_corpus, str(tmp_path / "run"), world_size, *FAST, *model_overrides, *parallel_overrides)
     assert_matches(records, reference(*model_overrides))
 
 
-@pytest.mark.parametrize("recompute", [
-    pytest.param(("train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=2"),
-                 id="full-uniform"),
-    pytest.param(("train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=2"),
-                 id="full-block"),
-    pytest.param(("train.recompute=selective",), id="selective"),
-])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        pytest.param(
+            ("train.recompute=full", "train.recompute_method=uniform", "train.recompute_num_layers=2"),
+            id="full-uniform",
+        ),
+        pytest.param(
+            ("train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=2"), id="full-block"
+        ),
+        pytest.param(("train.recompute=selective",), id="selective"),
+    ],
+)
 def test_recompute_equals_no_recompute(tiny_corpus, tmp_path, reference, recompute):
     records = train(tiny_corpus, str(tmp_path / "run"), 1, *FAST, *recompute)
     assert_matches(records, reference())
@@ -130,8 +150,10 @@ def test_tied_embeddings_identical_after_training_pp2(tiny_corpus, tmp_path, ref
 def test_overlapped_pipeline_communication_is_bitwise(tiny_corpus, tmp_path):
     """parallel.overlap_p2p_comm only moves the waits on pipeline messages: the same numbers, bit for bit."""
     layout = (*FAST, "parallel.tp_size=2", "parallel.pp_size=2", *INTERLEAVED)
-    runs = [train(tiny_corpus, str(tmp_path / f"overlap_{flag}"), 4, *layout, f"parallel.overlap_p2p_comm={flag}")
-            for flag in ("false", "true")]
+    runs = [
+        train(tiny_corpus, str(tmp_path / f"overlap_{flag}"), 4, *layout, f"parallel.overlap_p2p_comm={flag}")
+        for flag in ("false", "true")
+    ]
     for key in ("lm_loss", "grad_norm"):
         assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]]
 
@@ -145,13 +167,22 @@ def test_bf16_tracks_fp32_tp2_dp2(tiny_corpus, tmp_path, reference):
 def test_exact_resume_at_parallel_layout(tiny_corpus, tmp_path, reference):
     """tp=2 x pp=2 x dp=2 with vp=2, SP and the distributed optimizer (8 ranks): parity with one process,
     and 10 iterations straight == 5, exit, resume for 5 more, bitwise."""
-    layout = ("train.eval_iters=0", "parallel.tp_size=2", "parallel.pp_size=2", *INTERLEAVED,
-              "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true")
+    layout = (
+        "train.eval_iters=0",
+        "parallel.tp_size=2",
+        "parallel.pp_size=2",
+        *INTERLEAVED,
+        "parallel.sequence_parallel=true",
+        "parallel.distributed_optimizer=true",
+    )
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     expected = train(tiny_corpus, whole, 8, *layout, "checkpoint.save=false")
     assert_matches(expected, reference())
-    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(tiny_corpus, split, *layout,
-                                                                         "train.exit_interval=5")]
+    argv = [
+        "--config",
+        pretrain_gpt.DEFAULT_CONFIG,
+        *tiny_train_args(tiny_corpus, split, *layout, "train.exit_interval=5"),
+    ]
     run_ranks(8, _rank_main, argv, timeout=240.0)
     assert [r["iteration"] for r in read_metrics(split)] == [1, 2, 3, 4, 5]
     resumed = train(tiny_corpus, split, 8, *layout, "checkpoint.load=true")
@@ -160,12 +191,21 @@ def test_exact_resume_at_parallel_layout(tiny_corpus, tmp_path, reference):
 
 
 INVALID = [
-    pytest.param(2, ("model.num_layers=6", "parallel.pp_size=2", *INTERLEAVED),
-                 ("model.num_layers=6", "2 * 2"), id="layers-not-divisible-by-pp-vp"),
-    pytest.param(2, ("parallel.pp_size=2", *INTERLEAVED, "train.global_batch_size=6"),
-                 ("micro-batches (3", "parallel.pp_size=2"), id="microbatches-not-multiple-of-pp"),
-    pytest.param(3, ("parallel.tp_size=3",), ("model.num_attention_heads=4", "parallel.tp_size=3"),
-                 id="tp-not-dividing-heads"),
+    pytest.param(
+        2,
+        ("model.num_layers=6", "parallel.pp_size=2", *INTERLEAVED),
+        ("model.num_layers=6", "2 * 2"),
+        id="layers-not-divisible-by-pp-vp",
+    ),
+    pytest.param(
+        2,
+        ("parallel.pp_size=2", *INTERLEAVED, "train.global_batch_size=6"),
+        ("micro-batches (3", "parallel.pp_size=2"),
+        id="microbatches-not-multiple-of-pp",
+    ),
+    pytest.param(
+        3, ("parallel.tp_size=3",), ("model.num_attention_heads=4", "parallel.tp_size=3"), id="tp-not-dividing-heads"
+    ),
 ]
 
 
@@ -175,12 +215,22 @@ def test_invalid_layouts_fail_before_any_work(tiny_corpus, tmp_path):
     procs = []
     for index, (world_size, overrides, _) in enumerate(cases):
         run_dir = str(tmp_path / f"run{index}")
-        env = dict(os.environ, WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # an unusable port: joining it would hang or fail
-        cmd = [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-               *tiny_train_args(tiny_corpus, run_dir, *overrides)]
-        procs.append((run_dir, subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)))
+        env = dict(
+            os.environ, WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+        )  # an unusable port: joining it would hang or fail
+        cmd = [
+            sys.executable,
+            os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+            *tiny_train_args(tiny_corpus, run_dir, *overrides),
+        ]
+        procs.append(
+            (
+                run_dir,
+                subprocess.Popen(
+                    cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                ),
+            )
+        )
     for (run_dir, proc), (_, _, expected) in zip(procs, cases):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (proc.returncode, out, err)

@@ -1,5 +1,6 @@
 """Stop signals on one process: SIGTERM / SIGUSR1 / SIGINT save a checkpoint of the current iteration, exit 3,
 and the resumed run's losses equal an uninterrupted run's, bit for bit."""
+
 import os
 import signal
 import subprocess
@@ -18,8 +19,9 @@ STEADY = ("train.train_iters=12", "optim.lr_decay_iters=100", "train.eval_interv
 
 
 def run_main(corpus, run_dir, *extra):
-    return pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *STEADY,
-                                                                                       *extra)])
+    return pretrain_gpt.main(
+        ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *STEADY, *extra)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +71,23 @@ def test_sigterm_to_every_process_of_the_run(tiny_corpus, tmp_path):
     process of the step) or Ctrl-C (the foreground group) deliver it: exit 3, checkpoint of the last
     iteration, and the worker keeps serving batches until then."""
     run_dir = str(tmp_path / "run")
-    args = tiny_train_args(tiny_corpus, run_dir, "train.train_iters=100000", "optim.lr_decay_iters=100",
-                           "train.eval_interval=100000", "train.eval_iters=1", "data.num_workers=1")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *args], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    args = tiny_train_args(
+        tiny_corpus,
+        run_dir,
+        "train.train_iters=100000",
+        "optim.lr_decay_iters=100",
+        "train.eval_interval=100000",
+        "train.eval_iters=1",
+        "data.num_workers=1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("iter ") and "/100000" in line:

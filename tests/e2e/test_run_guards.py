@@ -1,5 +1,6 @@
 """The trainer against hostile input: a diverging lr, token ids outside the vocabulary, a second trainer in the
 same run.dir, a torn metrics.jsonl, a resume that finds no checkpoint."""
+
 import json
 import os
 import subprocess
@@ -29,12 +30,19 @@ def one_error_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_huge_lr_stops_within_a_few_iterations_and_leaves_finite_checkpoints(tiny_corpus, tmp_path, capsys,
-                                                                           precision):
+def test_huge_lr_stops_within_a_few_iterations_and_leaves_finite_checkpoints(tiny_corpus, tmp_path, capsys, precision):
     run_dir = str(tmp_path / "run")
-    code = run_main(tiny_corpus, run_dir, "optim.lr=1e6", "optim.min_lr=0", f"train.precision={precision}",
-                    "train.train_iters=30", "checkpoint.save_interval=1", "optim.initial_loss_scale=4",
-                    "optim.hysteresis=1")
+    code = run_main(
+        tiny_corpus,
+        run_dir,
+        "optim.lr=1e6",
+        "optim.min_lr=0",
+        f"train.precision={precision}",
+        "train.train_iters=30",
+        "checkpoint.save_interval=1",
+        "optim.initial_loss_scale=4",
+        "optim.hysteresis=1",
+    )
     assert code == EXIT_DIVERGED
     line = one_error_line(capsys)
     # fp32/bf16: nan losses in a row; fp16: the 16-bit copy of the weights overflows first, caught at the save.
@@ -61,7 +69,7 @@ def corpus_with_bad_ids(corpus: dict, root: str, bad_id: int, every: int = 97) -
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     for i in range(len(source)):
         tokens = np.array(source[i], dtype=np.int32)
-        tokens[every // 2::every] = bad_id
+        tokens[every // 2 :: every] = bad_id
         builder.add_document(tokens)
     builder.finalize(prefix + ".idx")
     return prefix
@@ -72,13 +80,19 @@ def test_out_of_vocabulary_ids_stop_at_the_first_bad_batch(tiny_corpus, tmp_path
     """Vocabulary 512 padded to 528 (make_vocab_size_divisible_by=48): ids 520 and 600 are both refused."""
     prefix = corpus_with_bad_ids(tiny_corpus, str(tmp_path), bad_id)
     run_dir = str(tmp_path / "run")
-    code = run_main(tiny_corpus, run_dir, f"data.data_path=[{prefix}]", "model.make_vocab_size_divisible_by=48",
-                    "train.eval_iters=0")
+    code = run_main(
+        tiny_corpus,
+        run_dir,
+        f"data.data_path=[{prefix}]",
+        "model.make_vocab_size_divisible_by=48",
+        "train.eval_iters=0",
+    )
     assert code == EXIT_INPUT_ERROR
     line = one_error_line(capsys)
     assert f"token id {bad_id} in document" in line and prefix in line and "model.vocab_size" in line
-    document, offset = (int(x) for x in
-                        line.split("in document ")[1].split(" of ")[0:1] + line.split("(token ")[1].split()[0:1])
+    document, offset = (
+        int(x) for x in line.split("in document ")[1].split(" of ")[0:1] + line.split("(token ")[1].split()[0:1]
+    )
     assert IndexedDataset(prefix)[document][offset] == bad_id  # the line points at the real token
     assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) is None
     assert not read_metrics(run_dir) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else True
@@ -87,10 +101,19 @@ def test_out_of_vocabulary_ids_stop_at_the_first_bad_batch(tiny_corpus, tmp_path
 def test_second_trainer_in_a_live_run_dir_is_refused(tiny_corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
-                               "print('held', flush=True); time.sleep(120)", REPO_ROOT, str(run_dir)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
+            "print('held', flush=True); time.sleep(120)",
+            REPO_ROOT,
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert run_main(tiny_corpus, str(run_dir), "train.train_iters=2") == EXIT_INPUT_ERROR

@@ -6,8 +6,10 @@ any of that cannot be done here. The job is a 2-rank CPU run submitted with --ex
 without an active venv; USR1 goes to the batch shell as `--signal=B:USR1@...` would send it; the job must save,
 requeue itself, resume by itself and end with the same losses as an uninterrupted 2-rank run, bit for bit.
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,8 +51,10 @@ def _install_slurm() -> str | None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return "slurm-wlm is not installed and cannot be installed here (needs root and apt-get)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                 "slurm-wlm"]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm"],
+    ):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if proc.returncode:
             return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-300:]}"
@@ -94,10 +98,8 @@ def slurm(tmp_path_factory):
         yield env
     finally:
         for pid_file in daemons:  # stop exactly the daemons this fixture started
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
 
 
 def make_checkout(root) -> str:
@@ -109,10 +111,11 @@ def make_checkout(root) -> str:
         if name not in ("scripts", ".git"):
             os.symlink(os.path.join(REPO_ROOT, name), checkout / name)
     (checkout / "scripts" / "slurm").mkdir(parents=True)
-    os.symlink(os.path.join(REPO_ROOT, "scripts", "slurm", "pretrain_gpt.sbatch"),
-               checkout / "scripts" / "slurm" / "pretrain_gpt.sbatch")
-    (checkout / "scripts" / "slurm" / "env.sh").write_text(
-        f'export PATH="{os.path.dirname(sys.executable)}:$PATH"\n')
+    os.symlink(
+        os.path.join(REPO_ROOT, "scripts", "slurm", "pretrain_gpt.sbatch"),
+        checkout / "scripts" / "slurm" / "pretrain_gpt.sbatch",
+    )
+    (checkout / "scripts" / "slurm" / "env.sh").write_text(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"\n')
     return str(checkout)
 
 
@@ -138,11 +141,22 @@ def _two_rank_reference(rank: int, world_size: int, argv: list[str]) -> None:
 def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     checkout = make_checkout(tmp_path)
     run_dir = str(tmp_path / "run")
-    args = tiny_train_args(tiny_corpus, run_dir, "train.train_iters=120", "optim.lr_decay_iters=100",
-                           "train.eval_interval=100", "train.eval_iters=1")
-    submit = subprocess.run(["sbatch", "--parsable", "--export=NONE", "--gpus-per-node=0",
-                             "scripts/slurm/pretrain_gpt.sbatch", *args], cwd=checkout, capture_output=True,
-                            text=True, env=slurm, timeout=60)
+    args = tiny_train_args(
+        tiny_corpus,
+        run_dir,
+        "train.train_iters=120",
+        "optim.lr_decay_iters=100",
+        "train.eval_interval=100",
+        "train.eval_iters=1",
+    )
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--export=NONE", "--gpus-per-node=0", "scripts/slurm/pretrain_gpt.sbatch", *args],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env=slurm,
+        timeout=60,
+    )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     log = os.path.join(checkout, f"slurm-{job_id}.out")
@@ -160,8 +174,11 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     # Not in the second the old attempt's credential was revoked, or slurmd refuses the new one as revoked.
     time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30)
-    wait_for(lambda: job_state(slurm, job_id).startswith("COMPLETED"), 420,
-             f"the requeued job to complete ({job_state(slurm, job_id)})")
+    wait_for(
+        lambda: job_state(slurm, job_id).startswith("COMPLETED"),
+        420,
+        f"the requeued job to complete ({job_state(slurm, job_id)})",
+    )
     text = open(log).read()
     assert "attempt 1" in text and "attempt 2" in text and "requeued" in text, text[-3000:]
     assert "stopped by SIGUSR1 after iteration" in text and "resumed from iteration" in text, text[-3000:]
@@ -169,7 +186,21 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     assert [r["iteration"] for r in lines if "lm_loss" in r] == list(range(1, 121))  # no iteration twice
 
     reference = str(tmp_path / "reference")
-    run_ranks(2, _two_rank_reference, ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(
-        tiny_corpus, reference, "train.train_iters=120", "optim.lr_decay_iters=100", "train.eval_interval=100",
-        "train.eval_iters=1")], timeout=300)
+    run_ranks(
+        2,
+        _two_rank_reference,
+        [
+            "--config",
+            pretrain_gpt.DEFAULT_CONFIG,
+            *tiny_train_args(
+                tiny_corpus,
+                reference,
+                "train.train_iters=120",
+                "optim.lr_decay_iters=100",
+                "train.eval_interval=100",
+                "train.eval_iters=1",
+            ),
+        ],
+        timeout=300,
+    )
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == [r["lm_loss"] for r in read_metrics(reference)]

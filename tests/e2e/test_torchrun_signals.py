@@ -2,6 +2,7 @@
 to its ranks), SIGUSR1 to the ranks (what SLURM's `scancel --signal=USR1` does; torchrun itself dies of USR1).
 Every rank stops after the same iteration, a checkpoint of it is saved, the ranks exit 3, and a resumed run's
 losses equal an uninterrupted run's bit for bit."""
+
 import os
 import signal
 import subprocess
@@ -12,13 +13,22 @@ from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from training import checkpointing
 
-LAYOUT = ("parallel.tp_size=2", "parallel.pp_size=2", "train.train_iters=24", "optim.lr_decay_iters=100",
-          "train.eval_interval=1000", "train.eval_iters=1")
+LAYOUT = (
+    "parallel.tp_size=2",
+    "parallel.pp_size=2",
+    "train.train_iters=24",
+    "optim.lr_decay_iters=100",
+    "train.eval_interval=1000",
+    "train.eval_iters=1",
+)
 
 
 def command(corpus, run_dir, *extra):
-    return [*torchrun_command(4), os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-            *tiny_train_args(corpus, run_dir, *LAYOUT, *extra)]
+    return [
+        *torchrun_command(4),
+        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+        *tiny_train_args(corpus, run_dir, *LAYOUT, *extra),
+    ]
 
 
 def children(pid: int) -> list[int]:
@@ -43,12 +53,16 @@ def reference(tiny_corpus, tmp_path_factory):
     return [r["lm_loss"] for r in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "torchrun"), (signal.SIGINT, "torchrun"),
-                                        (signal.SIGUSR1, "ranks")], ids=["TERM-torchrun", "INT-torchrun", "USR1-ranks"])
+@pytest.mark.parametrize(
+    "sig,target",
+    [(signal.SIGTERM, "torchrun"), (signal.SIGINT, "torchrun"), (signal.SIGUSR1, "ranks")],
+    ids=["TERM-torchrun", "INT-torchrun", "USR1-ranks"],
+)
 def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
     run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen(command(tiny_corpus, run_dir), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command(tiny_corpus, run_dir), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         for line in proc.stdout:
             if line.startswith("iter ") and "/24" in line:
@@ -66,7 +80,12 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
     assert proc.returncode == 1
     assert ("exitcode  : 3" in output) if target == "ranks" else (f"got signal: {sig.value}" in output)
     assert [r["iteration"] for r in read_metrics(run_dir)][-1] == saved
-    resumed = subprocess.run(command(tiny_corpus, run_dir, "checkpoint.load=true"), cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        command(tiny_corpus, run_dir, "checkpoint.load=true"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == reference

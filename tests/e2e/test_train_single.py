@@ -1,4 +1,5 @@
 """The trainer on one process: it learns, writes its metrics, resumes exactly, survives a crash mid-save."""
+
 import json
 import os
 
@@ -53,6 +54,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
     def crashing_save(*args, **kwargs):
         def crash():
             raise KeyboardInterrupt("killed between the files and the tracker")
+
         return real_save(*args, **kwargs, before_tracker=crash)
 
     monkeypatch.setattr(pretrain_gpt, "save_checkpoint", crashing_save)
@@ -71,9 +73,13 @@ def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path, capsys):
     config_before = open(os.path.join(run_dir, "config.yaml")).read()
     with open(path, "r+b") as handle:
         handle.truncate(100)
-    code = pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG,
-                              *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true",
-                                               "train.seed=5")])
+    code = pretrain_gpt.main(
+        [
+            "--config",
+            pretrain_gpt.DEFAULT_CONFIG,
+            *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.load=true", "train.seed=5"),
+        ]
+    )
     assert code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and path in error[0] and "truncated" in error[0], error
@@ -95,8 +101,9 @@ def test_fp16_and_bf16_train(tiny_corpus, tmp_path):
     for precision in ("fp32", "bf16", "fp16"):
         run_dir = str(tmp_path / precision)
         # fp16 starts at a loss scale that does not overflow (the default 2**32 skips ~16 steps first).
-        train(tiny_corpus, run_dir, f"train.precision={precision}", "train.train_iters=6",
-              "optim.initial_loss_scale=4096")
+        train(
+            tiny_corpus, run_dir, f"train.precision={precision}", "train.train_iters=6", "optim.initial_loss_scale=4096"
+        )
         records = read_metrics(run_dir)
         assert [r["iteration"] for r in records] == list(range(1, 7))
         runs[precision] = torch.tensor([r["lm_loss"] for r in records])
@@ -109,6 +116,7 @@ def test_fp16_and_bf16_train(tiny_corpus, tmp_path):
 def test_pipeline_plans_are_built_once_per_run(tiny_corpus, tmp_path, monkeypatch):
     """The joint communication plan is built for training and for evaluation once, not per step."""
     from parallel.pipeline import plan
+
     calls = []
     real_plan_steps = plan.plan_steps
 

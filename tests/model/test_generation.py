@@ -1,21 +1,43 @@
 """KV-cache decoding equals the full forward; logits processing equals transformers' processors."""
+
 import pytest
 import torch
 
 from model.config import ModelConfig
-from model.generation import (SamplingConfig, apply_repetition_penalty, apply_top_k, apply_top_p, generate_tokens,
-                              next_token)
+from model.generation import (
+    SamplingConfig,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    generate_tokens,
+    next_token,
+)
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.kv_cache import KVCache
 
-LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
-             tie_embeddings=False, add_bias_linear=False)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="rmsnorm",
+    activation="swiglu",
+    num_query_groups=2,
+    tie_embeddings=False,
+    add_bias_linear=False,
+)
 
 
 def tiny_model(**style) -> GPTModel:
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=40, vocab_size=50,
-                      make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0, **style)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=40,
+        vocab_size=50,
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **style,
+    )
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=3)
@@ -34,7 +56,7 @@ def test_cached_decoding_equals_the_full_forward(style):
         pieces = [model(tokens[:, :12], positions[:, :12], kv_cache=cache)]  # prefill
         pieces.append(model(tokens[:, 12:15], positions[:, 12:15], kv_cache=cache))  # several at once
         for i in range(15, 30):  # one token at a time
-            pieces.append(model(tokens[:, i:i + 1], positions[:, i:i + 1], kv_cache=cache))
+            pieces.append(model(tokens[:, i : i + 1], positions[:, i : i + 1], kv_cache=cache))
     assert cache.length == 30
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
 
@@ -53,8 +75,9 @@ def test_logits_processing_matches_transformers():
     torch.manual_seed(0)
     logits = torch.randn(3, 100) * 3
     seen = torch.randint(0, 100, (3, 7))
-    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.3),
-                               RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()))
+    torch.testing.assert_close(
+        apply_repetition_penalty(logits, seen, 1.3), RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
+    )
     torch.testing.assert_close(apply_top_k(logits, 10), TopKLogitsWarper(10)(seen, logits.clone()))
     for top_p in (0.3, 0.9):
         torch.testing.assert_close(apply_top_p(logits, top_p), TopPLogitsWarper(top_p)(seen, logits.clone()))
@@ -82,4 +105,4 @@ def test_generation_stops_at_eod_and_at_the_position_limit():
     assert len(free) == 37  # 40 positions
     stop = free[5]
     stopped = list(generate_tokens(logits_fn, [1, 2, 3], 100, greedy, stop, torch.device("cpu"), max_length=40))
-    assert stopped == free[:free.index(stop)]
+    assert stopped == free[: free.index(stop)]

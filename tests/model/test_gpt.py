@@ -1,4 +1,5 @@
 """The plain GPT: both styles run, init is layout-independent, Megatron's init and vocabulary padding."""
+
 import math
 
 import pytest
@@ -9,8 +10,14 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
 
-LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
-             tie_embeddings=False, add_bias_linear=False)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="rmsnorm",
+    activation="swiglu",
+    num_query_groups=2,
+    tie_embeddings=False,
+    add_bias_linear=False,
+)
 
 
 def build(cfg, **kwargs):
@@ -23,8 +30,16 @@ def build(cfg, **kwargs):
 
 @pytest.mark.parametrize("style", [{}, LLAMA], ids=["gpt", "llama"])
 def test_forward_backward_shapes(style):
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=300,
-                      hidden_dropout=0.0, attention_dropout=0.0, **style)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=300,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **style,
+    )
     model = build(cfg)
     tokens = torch.randint(0, 300, (3, 16))
     positions = torch.arange(16).expand(3, 16)
@@ -48,8 +63,9 @@ def test_init_is_independent_of_the_cut_and_follows_megatron():
     whole = build(cfg)
     second_half = build(cfg, layer_ids=[2, 3], pre_process=False)
     for name, param in second_half.named_parameters():
-        reference = dict(whole.named_parameters())[name if name != "output_layer.weight"
-                                                   else "embedding.word_embeddings.weight"]
+        reference = dict(whole.named_parameters())[
+            name if name != "output_layer.weight" else "embedding.word_embeddings.weight"
+        ]
         assert torch.equal(param, reference), name
     assert param_info(second_half.output_layer.weight).embedding_copy
     fc2 = whole.layers["0"].mlp.fc2.weight
@@ -64,22 +80,29 @@ def test_tied_output_layer_shares_the_embedding():
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=100)
     model = build(cfg)
     assert model.output_layer.weight is model.embedding.word_embeddings.weight
-    untied = build(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=100,
-                               tie_embeddings=False))
+    untied = build(
+        ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=100, tie_embeddings=False)
+    )
     assert untied.output_layer.weight is not untied.embedding.word_embeddings.weight
 
 
 def test_largest_paper_model_builds_on_meta_without_memory():
-    cfg = ModelConfig(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048,
-                      vocab_size=51200)
+    cfg = ModelConfig(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048, vocab_size=51200)
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 1008.0
 
 
 def test_reset_attention_mask_path_matches_causal_when_one_document():
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=50,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=50,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     model = build(cfg)
     tokens = torch.randint(0, 50, (2, 8))
     positions = torch.arange(8).expand(2, 8)
@@ -93,8 +116,16 @@ def test_reset_masks_make_documents_independent(style):
     logits it gets alone: no attention across the EOD, positions restarted (learned and rotary)."""
     from data.loader import get_batch_masks
 
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=50,
-                      hidden_dropout=0.0, attention_dropout=0.0, **style)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=12,
+        vocab_size=50,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **style,
+    )
     model = build(cfg)
     eod = 0
     first, second = torch.randint(1, 50, (1, 4)), torch.randint(1, 50, (1, 7))

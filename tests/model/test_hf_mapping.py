@@ -1,5 +1,6 @@
 """Our state dict <-> transformers GPT2LMHeadModel / LlamaForCausalLM, checked against transformers itself:
 same logits (fp32, max abs diff <= 1e-4 of the logit range) at tp1, tp2 and pp2, bitwise round trips."""
+
 import os
 import tempfile
 
@@ -8,8 +9,13 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
-from model.hf_mapping import (UnsupportedModelError, from_hf_state_dict, hf_config, model_config_from_hf,
-                              to_hf_state_dict)
+from model.hf_mapping import (
+    UnsupportedModelError,
+    from_hf_state_dict,
+    hf_config,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
 from model.init import initialize_parameters
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
@@ -24,15 +30,34 @@ def random_hf_model(arch: str):
 
     torch.manual_seed(0)
     if arch == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        )
         model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
@@ -86,7 +111,7 @@ def test_import_at_pp2_gives_transformers_logits(arch):
 
 
 def _tp2_logits(rank, world_size, arch, out_dir):
-    hf_model, cfg, ours = imported(arch)
+    _hf_model, cfg, ours = imported(arch)
     state = ParallelState.create(2, 1)
     model = build_model_from_state(cfg, ours, state)
     with torch.no_grad():
@@ -110,13 +135,27 @@ def test_import_at_tp2_gives_transformers_logits(arch):
 def test_export_gives_transformers_the_same_logits(style):
     import transformers
 
-    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=VOCAB,
-                  hidden_dropout=0.0, attention_dropout=0.0, init_std=0.1)
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        vocab_size=VOCAB,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_std=0.1,
+    )
     if style == "gpt2_untied_no_bias":
         kwargs.update(tie_embeddings=False, add_bias_linear=False)
     if style.startswith("llama"):
-        kwargs.update(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu",
-                      num_query_groups=2, rotary_base=500.0, add_bias_linear=True)
+        kwargs.update(
+            position_embedding_type="rope",
+            normalization="rmsnorm",
+            activation="swiglu",
+            num_query_groups=2,
+            rotary_base=500.0,
+            add_bias_linear=True,
+        )
     cfg = ModelConfig(**kwargs)
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
@@ -135,16 +174,23 @@ def test_export_gives_transformers_the_same_logits(style):
 
 def test_unsupported_options_are_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="activation_function='gelu_new'"):
-        model_config_from_hf({"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 8,
-                              "vocab_size": 10})
+        model_config_from_hf(
+            {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 8, "vocab_size": 10}
+        )
     with pytest.raises(UnsupportedModelError, match="model_type='bert'"):
         model_config_from_hf({"model_type": "bert"})
     with pytest.raises(UnsupportedModelError, match="rope_type='linear'"):
-        model_config_from_hf({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
-                              "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+        model_config_from_hf(
+            {
+                "model_type": "llama",
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0},
+            }
+        )
     with pytest.raises(UnsupportedModelError, match="position_embedding_type=rope, normalization=layernorm"):
         hf_config(ModelConfig(position_embedding_type="rope", vocab_size=10), 0, 0)
-    hf_model, cfg, ours = imported("llama")
+    hf_model, cfg, _ours = imported("llama")
     extra = {**hf_model.state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(8)}
     with pytest.raises(UnsupportedModelError, match="q_norm.weight has no counterpart"):
         from_hf_state_dict(cfg, extra)

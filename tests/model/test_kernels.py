@@ -2,6 +2,7 @@
 (hidden not a power of two, sequence 1, vocabulary not a multiple of the block). On CPU the kernels run in
 Triton's interpreter (fp32, tiny shapes: it is slow); on CUDA (scripts/gpu_check.sh) compiled, fp32 and bf16.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not triton_installed(), reason="triton is not in
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     """Max-abs error within 1e-5 of the reference's max-abs (fp32), or a few bf16 ulps (bf16)."""
-    rel = 1e-5 if dtype == torch.float32 else 2 ** -7
+    rel = 1e-5 if dtype == torch.float32 else 2**-7
     scale = expected.float().abs().max().clamp_min(1e-12)
     error = (actual.float() - expected.float()).abs().max()
     assert error <= rel * scale, f"max error {error:.3g} > {rel:g} x {scale:.3g}"
@@ -51,6 +52,7 @@ def test_triton_runs_where_expected():
 @pytest.mark.parametrize("shape,bias", [((3, 2, 37), True), ((1, 2, 50), False)])
 def test_bias_gelu(device, dtype, shape, bias):
     from model.kernels.ops import BiasGeLU
+
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
     check_fn(BiasGeLU.apply, reference.bias_gelu, (y, b), dtype)
@@ -60,6 +62,7 @@ def test_bias_gelu(device, dtype, shape, bias):
 @pytest.mark.parametrize("shape,bias", [((3, 2, 2 * 37), True), ((1, 1, 2 * 24), False)])
 def test_bias_swiglu(device, dtype, shape, bias):
     from model.kernels.ops import BiasSwiGLU
+
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
     check_fn(BiasSwiGLU.apply, reference.bias_swiglu, (y, b), dtype)
@@ -71,6 +74,7 @@ def test_bias_dropout_add(device, dtype, p, bias):
     """The fused op draws its mask through the same dropout module from the same generator state: with one
     seed both give the same result (the mask itself, not only its statistics)."""
     from model import kernels
+
     y = _leaf(3, 1, 45, device=device, dtype=dtype)
     residual = _leaf(3, 1, 45, device=device, dtype=dtype)
     b = _leaf(45, device=device, dtype=dtype) if bias else None
@@ -84,25 +88,39 @@ def test_bias_dropout_add(device, dtype, p, bias):
     def ref(y, b, residual):
         torch.manual_seed(7)
         return reference.bias_dropout_add(y, b, residual, dropout)
+
     check_fn(fused, ref, (y, b, residual), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("kind,shape", [("layernorm", (5, 2, 97)), ("layernorm_nobias", (1, 3, 40)),
-                                        ("rmsnorm", (5, 2, 97)), ("rmsnorm", (1, 1, 64)),
-                                        ("layernorm", (300, 2, 97))])  # 600 rows: several row blocks
+@pytest.mark.parametrize(
+    "kind,shape",
+    [
+        ("layernorm", (5, 2, 97)),
+        ("layernorm_nobias", (1, 3, 40)),
+        ("rmsnorm", (5, 2, 97)),
+        ("rmsnorm", (1, 1, 64)),
+        ("layernorm", (300, 2, 97)),
+    ],
+)  # 600 rows: several row blocks
 def test_norms(device, dtype, kind, shape):
     from model.kernels.ops import Norm
+
     hidden = shape[-1]
     x = _leaf(*shape, device=device, dtype=dtype, scale=3.0)
     w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_()
     if kind == "rmsnorm":
-        check_fn(lambda x, w: Norm.apply(x, w, None, 1e-5, True), lambda x, w: reference.rms_norm(x, w, 1e-5),
-                 (x, w), dtype)
+        check_fn(
+            lambda x, w: Norm.apply(x, w, None, 1e-5, True), lambda x, w: reference.rms_norm(x, w, 1e-5), (x, w), dtype
+        )
         return
     b = _leaf(hidden, device=device, dtype=dtype, scale=0.1) if kind == "layernorm" else None
-    check_fn(lambda x, w, b: Norm.apply(x, w, b, 1e-5, False),
-             lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), (x, w, b), dtype)
+    check_fn(
+        lambda x, w, b: Norm.apply(x, w, b, 1e-5, False),
+        lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
+        (x, w, b),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -110,12 +128,17 @@ def test_norms(device, dtype, kind, shape):
 def test_rotary(device, dtype, s, b, nq, nkv, d):
     from model.gpt import rotary_cos_sin
     from model.kernels.ops import RotaryQK
+
     q = _leaf(s, b, nq, d, device=device, dtype=dtype)
     k = _leaf(s, b, nkv, d, device=device, dtype=dtype)
     positions = torch.randint(0, 50, (b, s), device=device)
     cos, sin = rotary_cos_sin(positions, d, 10000.0, dtype)
-    check_fn(lambda q, k: RotaryQK.apply(q, k, cos, sin),
-             lambda q, k: (reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)), (q, k), dtype)
+    check_fn(
+        lambda q, k: RotaryQK.apply(q, k, cos, sin),
+        lambda q, k: (reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)),
+        (q, k),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -125,9 +148,14 @@ def test_chunked_linear_cross_entropy(device, dtype, use_triton, s, b, h, vocab,
     hidden = _leaf(s, b, h, device=device, dtype=dtype)
     weight = _leaf(vocab, h, device=device, dtype=dtype, scale=0.5)
     labels = torch.randint(0, num_valid, (s, b), device=device)
-    check_fn(lambda hd, w: chunked_linear_cross_entropy(hd, w, labels, 0, num_valid, chunk_tokens=chunk,
-                                                        use_triton=use_triton),
-             lambda hd, w: reference.linear_cross_entropy(hd, w, labels, num_valid), (hidden, weight), dtype)
+    check_fn(
+        lambda hd, w: chunked_linear_cross_entropy(
+            hd, w, labels, 0, num_valid, chunk_tokens=chunk, use_triton=use_triton
+        ),
+        lambda hd, w: reference.linear_cross_entropy(hd, w, labels, num_valid),
+        (hidden, weight),
+        dtype,
+    )
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="CPU model test needs the interpreter")
@@ -135,10 +163,28 @@ def test_model_with_every_kernel_matches_reference():
     """A whole Llama-style and GPT-style model: fused kernels on (interpreter) vs off, loss and gradients."""
     from model.config import ModelConfig
     from model.gpt import GPTModel
-    for style in (dict(), dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu",
-                               add_bias_linear=False, num_query_groups=1)):
-        cfg = ModelConfig(num_layers=1, hidden_size=24, num_attention_heads=2, seq_length=5, vocab_size=61,
-                          make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0, **style)
+
+    for style in (
+        dict(),
+        dict(
+            position_embedding_type="rope",
+            normalization="rmsnorm",
+            activation="swiglu",
+            add_bias_linear=False,
+            num_query_groups=1,
+        ),
+    ):
+        cfg = ModelConfig(
+            num_layers=1,
+            hidden_size=24,
+            num_attention_heads=2,
+            seq_length=5,
+            vocab_size=61,
+            make_vocab_size_divisible_by=16,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **style,
+        )
         fused_cfg = ModelConfig(**{**cfg.__dict__, "fused_kernels": True})
         torch.manual_seed(0)
         plain = GPTModel(cfg, cfg.padded_vocab_size())
@@ -148,8 +194,9 @@ def test_model_with_every_kernel_matches_reference():
         positions = torch.arange(5).expand(2, 5)
         losses = [model(ids, positions, labels=ids.roll(1, 1)) for model in (plain, fused)]
         assert_close(losses[1], losses[0], torch.float32)
-        grads = [torch.autograd.grad(loss.mean(), list(model.parameters())) for loss, model in
-                 zip(losses, (plain, fused))]
+        grads = [
+            torch.autograd.grad(loss.mean(), list(model.parameters())) for loss, model in zip(losses, (plain, fused))
+        ]
         for actual, expected in zip(grads[1], grads[0]):
             assert_close(actual, expected, torch.float32)
 
@@ -157,6 +204,7 @@ def test_model_with_every_kernel_matches_reference():
 def test_kernel_selection_from_config_and_errors():
     from model.config import ModelConfig
     from model.kernels import KERNEL_NAMES, KernelSelection
+
     assert KernelSelection.from_model_config(ModelConfig()).names == frozenset()
     assert KernelSelection.from_model_config(ModelConfig(fused_kernels=True)).names == frozenset(KERNEL_NAMES)
     subset = ModelConfig(fused_kernels=True, fused_kernel_names=["norm", "rotary"])
@@ -174,9 +222,18 @@ def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):
     from model.config import ModelConfig
     from model.gpt import GPTModel
     from model.kernels import KernelSelection
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=4, vocab_size=50,
-                      make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=4,
+        vocab_size=50,
+        make_vocab_size_divisible_by=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     fused_cfg = ModelConfig(**{**cfg.__dict__, "fused_kernels": True})
     assert "on the torch path" in KernelSelection.from_model_config(fused_cfg).describe("cpu")
     torch.manual_seed(0)

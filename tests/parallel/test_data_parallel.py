@@ -6,6 +6,7 @@ Every iteration runs through the trainer's own `training.train_step.train_step` 
 finalize_model_grads, optimizer). The helpers here (tiny model, batches) are also used by
 tests/training/test_optimizer.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,13 +29,21 @@ GLOBAL_BATCH, SEQ = 8, 16
 
 
 def tiny_cfg(num_layers: int = 2) -> ModelConfig:
-    return ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
-                       vocab_size=100, make_vocab_size_divisible_by=64, hidden_dropout=0.0,
-                       attention_dropout=0.0)
+    return ModelConfig(
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        vocab_size=100,
+        make_vocab_size_divisible_by=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
-def tiny_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, layer_ids=None, pre: bool = True,
-               post: bool = True) -> GPTModel:
+def tiny_model(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, layer_ids=None, pre: bool = True, post: bool = True
+) -> GPTModel:
     """A GPT chunk with the layout-independent init (same weights whatever the cut)."""
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size(), layer_ids=layer_ids, pre_process=pre, post_process=post)
@@ -49,32 +58,58 @@ def global_batch(step: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
     mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=gen) > 0.25).float()
     mask[:, 0] = 1.0
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
-            "position_ids": torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)}
+    return {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": mask,
+        "position_ids": torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ),
+    }
 
 
 def micro_batches(batch: dict, dp_rank: int, dp_size: int) -> list[dict]:
     """This dp rank's rows of the global batch, one row per micro-batch."""
     per_rank = GLOBAL_BATCH // dp_size
     rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    return [{k: v[r:r + 1] for k, v in batch.items()} for r in rows]
+    return [{k: v[r : r + 1] for k, v in batch.items()} for r in rows]
 
 
-def step_context(chunks: list[GPTModel], ddp: DataParallel, optimizer, state: ParallelState,
-                 num_microbatches: int) -> StepContext:
+def step_context(
+    chunks: list[GPTModel], ddp: DataParallel, optimizer, state: ParallelState, num_microbatches: int
+) -> StepContext:
     """The trainer's StepContext for a tp = 1 layout of micro-batches of one sequence."""
-    layout = Layout(tp_size=1, pp_size=state.pp_size, vp_size=1, dp_size=state.dp_size,
-                    num_microbatches=num_microbatches, schedule="1f1b")
+    layout = Layout(
+        tp_size=1,
+        pp_size=state.pp_size,
+        vp_size=1,
+        dp_size=state.dp_size,
+        num_microbatches=num_microbatches,
+        schedule="1f1b",
+    )
     dtype = next(chunks[0].parameters()).dtype
-    return StepContext(chunks=chunks, state=state, layout=layout, ddp=ddp, optimizer=optimizer,
-                       activation_shape=(SEQ, 1, chunks[0].cfg.hidden_size), activation_dtype=dtype,
-                       device=torch.device("cpu"), scatter_gather=False)
+    return StepContext(
+        chunks=chunks,
+        state=state,
+        layout=layout,
+        ddp=ddp,
+        optimizer=optimizer,
+        activation_shape=(SEQ, 1, chunks[0].cfg.hidden_size),
+        activation_dtype=dtype,
+        device=torch.device("cpu"),
+        scatter_gather=False,
+    )
 
 
 def run_train_step(ctx: StepContext, micros: list[dict]):
     """One iteration of the real train_step on these micro-batches at the optimizer's lr; its StepResult."""
-    loader_batches = [{"tokens": mb["input_ids"], "labels": mb["labels"], "loss_mask": mb["loss_mask"],
-                       "position_ids": mb["position_ids"]} for mb in micros]
+    loader_batches = [
+        {
+            "tokens": mb["input_ids"],
+            "labels": mb["labels"],
+            "loss_mask": mb["loss_mask"],
+            "position_ids": mb["position_ids"],
+        }
+        for mb in micros
+    ]
     return train_step(ctx, loader_batches, ctx.optimizer.lr)
 
 
@@ -90,12 +125,22 @@ def run_step(model: GPTModel, ddp: DataParallel, optimizer, state: ParallelState
 EPS = 1e-6
 
 
-def build(cfg, state, dtype=torch.float32, distributed=False, precision="fp32", bucket_mb=0.01,
-          loss_scale_cfg=None, lr=1e-2):
+def build(
+    cfg, state, dtype=torch.float32, distributed=False, precision="fp32", bucket_mb=0.01, loss_scale_cfg=None, lr=1e-2
+):
     model = tiny_model(cfg, dtype)
     ddp = DataParallel([model], state, bucket_size_mb=bucket_mb, distributed_optimizer=distributed)
-    optimizer = build_optimizer([model], ddp, state, lr=lr, weight_decay=0.1, clip_grad=1.0, eps=EPS,
-                                precision=precision, loss_scale_cfg=loss_scale_cfg)
+    optimizer = build_optimizer(
+        [model],
+        ddp,
+        state,
+        lr=lr,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        eps=EPS,
+        precision=precision,
+        loss_scale_cfg=loss_scale_cfg,
+    )
     return model, ddp, optimizer
 
 
@@ -111,12 +156,21 @@ def _train_ranks(rank, world_size, out_dir, distributed, precision, steps):
         losses.append(result.loss)
         norms.append(result.grad_norm)
     params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
-    torch.save({"params": params, "losses": losses, "norms": norms, "state_bytes": optimizer.state_bytes(),
-                "grad_bytes": ddp.grad_buffer_bytes()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "params": params,
+            "losses": losses,
+            "norms": norms,
+            "state_bytes": optimizer.state_bytes(),
+            "grad_bytes": ddp.grad_buffer_bytes(),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
-def train_result(tmp_path, dp: int, distributed: bool = False, precision: str = "fp32", steps: int = 3,
-                 rank: int = 0) -> dict:
+def train_result(
+    tmp_path, dp: int, distributed: bool = False, precision: str = "fp32", steps: int = 3, rank: int = 0
+) -> dict:
     out = tmp_path / f"dp{dp}_{distributed}_{precision}"
     out.mkdir(exist_ok=True)
     run_ranks(dp, _train_ranks, str(out), distributed, precision, steps)
@@ -244,8 +298,9 @@ def test_pipeline_tied_embedding_matches_single_process(tmp_path, distributed, r
     merged = {**last["params"], **first["params"]}
     assert_close_params({"params": merged}, reference, 1e-5)
     # Both stages' copies of the tied weight took the same steps.
-    torch.testing.assert_close(last["params"]["output_layer.weight"],
-                               first["params"]["embedding.word_embeddings.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        last["params"]["output_layer.weight"], first["params"]["embedding.word_embeddings.weight"], rtol=0, atol=0
+    )
 
 
 def test_distributed_layout_pads_and_tiles_buckets():

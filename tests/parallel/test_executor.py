@@ -1,5 +1,6 @@
 """The pipeline executor on gloo ranks: parity with one process for every schedule, memory bounds,
 scatter/gather, forward-only evaluation, loss scaling and the output-deallocation trick."""
+
 import pytest
 import torch
 
@@ -32,12 +33,13 @@ def rank_chunks(blocks, pp_size: int, pp_rank: int, vp_size: int) -> list[torch.
     chunks = []
     for c in range(vp_size):
         k = virtual_stage(pp_rank, c, pp_size)
-        chunks.append(torch.nn.Sequential(*blocks[k * per:(k + 1) * per]))
+        chunks.append(torch.nn.Sequential(*blocks[k * per : (k + 1) * per]))
     return chunks
 
 
 def make_forward_fn(num_microbatches: int, outputs=None):
     """Runs a chunk; the last virtual stage returns the loss; sent outputs are recorded in `outputs`."""
+
     def forward_fn(chunk_index, chunk, input_tensor, microbatch):
         # The loss chunk (last virtual stage) is marked by the test with `is_last`.
         x = microbatch["x"] if input_tensor is None else input_tensor
@@ -70,8 +72,9 @@ def run_pipeline(state, schedule: str, m: int, vp: int, forward_only: bool = Fal
         chunks[-1].is_last = True
     outputs = []
     plan = build_plan(schedule, state.pp_size, state.pp_rank, m, vp, forward_only=forward_only)
-    result = execute_schedule(plan, chunks, make_microbatches(m), make_forward_fn(m, outputs),
-                              state, SHAPE, torch.float32, **kwargs)
+    result = execute_schedule(
+        plan, chunks, make_microbatches(m), make_forward_fn(m, outputs), state, SHAPE, torch.float32, **kwargs
+    )
     return result, chunks, outputs
 
 
@@ -80,9 +83,12 @@ def check_parity(state, schedule, m, vp, result, chunks, grad_scale=1.0):
     per = LAYERS // (state.pp_size * vp)
     for c, chunk in enumerate(chunks):
         k = virtual_stage(state.pp_rank, c, state.pp_size)
-        for mine, ref in zip(chunk.parameters(), torch.nn.Sequential(*ref_blocks[k * per:(k + 1) * per]).parameters()):
-            torch.testing.assert_close(mine.grad, ref.grad * grad_scale, rtol=1e-5, atol=1e-7,
-                                       msg=f"{schedule} v{vp} stage {k}")
+        for mine, ref in zip(
+            chunk.parameters(), torch.nn.Sequential(*ref_blocks[k * per : (k + 1) * per]).parameters()
+        ):
+            torch.testing.assert_close(
+                mine.grad, ref.grad * grad_scale, rtol=1e-5, atol=1e-7, msg=f"{schedule} v{vp} stage {k}"
+            )
     if state.is_last_stage:
         torch.testing.assert_close(torch.stack(result.losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-7)
     else:
@@ -156,8 +162,9 @@ def _scatter_gather_body(rank, world_size, m):
             result, chunks, _ = run_pipeline(state, schedule, m, vp, scatter_gather=scatter)
             check_parity(state, schedule, m, vp, result, chunks)
             # Overlap with scatter/gather: the tp all-gather of a received slice waits for its batch.
-            overlapped, overlapped_chunks, _ = run_pipeline(state, schedule, m, vp, scatter_gather=scatter,
-                                                            overlap_p2p_comm=True)
+            overlapped, overlapped_chunks, _ = run_pipeline(
+                state, schedule, m, vp, scatter_gather=scatter, overlap_p2p_comm=True
+            )
             assert_bitwise_equal(result, chunks, overlapped, overlapped_chunks)
             results[(scatter, schedule)] = ([p.grad for c in chunks for p in c.parameters()], result.losses)
     for schedule in ("1f1b", "interleaved"):

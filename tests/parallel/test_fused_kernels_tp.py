@@ -1,6 +1,7 @@
 """The fused kernels under tensor parallelism: the chunked vocabulary-parallel cross entropy against
 vocab_parallel_cross_entropy on 2 ranks, and training with every kernel on vs off at tp2 x pp2 with sequence
 parallelism through the real trainer (Triton's interpreter on CPU, see tests/conftest.py)."""
+
 from __future__ import annotations
 
 import io
@@ -34,13 +35,15 @@ def _vocab_parallel_rank(rank: int, world_size: int, use_triton: bool) -> None:
 
     def run(fused: bool):
         h = hidden.clone().requires_grad_()
-        w = weight_full[start:start + rows].clone().requires_grad_()
+        w = weight_full[start : start + rows].clone().requires_grad_()
         if fused:
-            reductions = CrossEntropyReductions(max=partial(all_reduce, comm=comm, phase="forward",
-                                                            op=dist.ReduceOp.MAX),
-                                                sum=partial(all_reduce, comm=comm, phase="forward"))
-            loss = chunked_linear_cross_entropy(h, w, labels, start, NUM_VALID - start, reductions,
-                                                chunk_tokens=4, use_triton=use_triton)
+            reductions = CrossEntropyReductions(
+                max=partial(all_reduce, comm=comm, phase="forward", op=dist.ReduceOp.MAX),
+                sum=partial(all_reduce, comm=comm, phase="forward"),
+            )
+            loss = chunked_linear_cross_entropy(
+                h, w, labels, start, NUM_VALID - start, reductions, chunk_tokens=4, use_triton=use_triton
+            )
         else:
             logits = reference.mask_vocab_padding(torch.nn.functional.linear(h, w), NUM_VALID - start)
             loss = vocab_parallel_cross_entropy(logits, labels, comm)
@@ -69,14 +72,23 @@ def _train_rank(rank: int, world_size: int, argv: list[str]) -> None:
 def test_training_kernels_on_matches_off_tp2_pp2_sp(tiny_corpus, tmp_path):
     """20 iterations at tp2 x pp2 with sequence parallelism: the same losses (tools/compare_runs.py's
     tolerance) with every fused kernel on as with all off."""
-    layout = ("parallel.tp_size=2", "parallel.pp_size=2", "parallel.sequence_parallel=true",
-              "train.train_iters=20", "train.eval_iters=0", "checkpoint.save=false",
-              "train.micro_batch_size=4")  # 2 micro-batches per iteration: the interpreter pays per launch
+    layout = (
+        "parallel.tp_size=2",
+        "parallel.pp_size=2",
+        "parallel.sequence_parallel=true",
+        "train.train_iters=20",
+        "train.eval_iters=0",
+        "checkpoint.save=false",
+        "train.micro_batch_size=4",
+    )  # 2 micro-batches per iteration: the interpreter pays per launch
     run_dirs = {}
     for fused in ("false", "true"):
         run_dirs[fused] = str(tmp_path / f"fused_{fused}")
-        argv = ["--config", pretrain_gpt.DEFAULT_CONFIG,
-                *tiny_train_args(tiny_corpus, run_dirs[fused], *layout, f"model.fused_kernels={fused}")]
+        argv = [
+            "--config",
+            pretrain_gpt.DEFAULT_CONFIG,
+            *tiny_train_args(tiny_corpus, run_dirs[fused], *layout, f"model.fused_kernels={fused}"),
+        ]
         run_ranks(4, _train_rank, argv, timeout=400.0)
         assert [r["iteration"] for r in read_metrics(run_dirs[fused])] == list(range(1, 21))
     out = io.StringIO()

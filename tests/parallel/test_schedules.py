@@ -1,4 +1,5 @@
 """Schedules tested as data: action lists, their communication plans and their simulated bubbles."""
+
 import itertools
 
 import pytest
@@ -75,25 +76,46 @@ def test_interleaved_warmup(p, m, v):
 def test_interleaved_order_is_megatrons():
     F, B = (lambda i, c: Action("F", i, c)), (lambda i, c: Action("B", i, c))
     assert build_schedule("interleaved", 2, 0, 4, 2) == [
-        F(0, 0), F(1, 0), F(0, 1), F(1, 1),                          # warm-up: 2*(p-r-1) + (v-1)*p = 4
-        F(2, 0), B(0, 1), F(3, 0), B(1, 1), F(2, 1), B(0, 0), F(3, 1), B(1, 0),  # steady 1F1B
-        B(2, 1), B(3, 1), B(2, 0), B(3, 0)]                          # cool-down
+        F(0, 0),
+        F(1, 0),
+        F(0, 1),
+        F(1, 1),  # warm-up: 2*(p-r-1) + (v-1)*p = 4
+        F(2, 0),
+        B(0, 1),
+        F(3, 0),
+        B(1, 1),
+        F(2, 1),
+        B(0, 0),
+        F(3, 1),
+        B(1, 0),  # steady 1F1B
+        B(2, 1),
+        B(3, 1),
+        B(2, 0),
+        B(3, 0),
+    ]  # cool-down
 
 
 def test_virtual_stage_and_single_stage():
     assert [virtual_stage(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
     for schedule in SCHEDULES:
-        assert build_schedule(schedule, 1, 0, 2) == [Action("F", 0, 0), Action("B", 0, 0),
-                                                      Action("F", 1, 0), Action("B", 1, 0)]
+        assert build_schedule(schedule, 1, 0, 2) == [
+            Action("F", 0, 0),
+            Action("B", 0, 0),
+            Action("F", 1, 0),
+            Action("B", 1, 0),
+        ]
 
 
-@pytest.mark.parametrize("args,words", [
-    (("interleaved", 4, 6, 2), ["(6)", "pp_size=4", "4, 8, 12"]),
-    (("gpipe", 4, 8, 2), ["vp_size=2", "interleaved"]),
-    (("interleaved", 1, 4, 2), ["vp_size=2", "pp_size > 1"]),
-    (("zigzag", 4, 8, 1), ["zigzag", "gpipe"]),
-    (("gpipe", 2, 0, 1), ["micro-batches (0)"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("interleaved", 4, 6, 2), ["(6)", "pp_size=4", "4, 8, 12"]),
+        (("gpipe", 4, 8, 2), ["vp_size=2", "interleaved"]),
+        (("interleaved", 1, 4, 2), ["vp_size=2", "pp_size > 1"]),
+        (("zigzag", 4, 8, 1), ["zigzag", "gpipe"]),
+        (("gpipe", 2, 0, 1), ["micro-batches (0)"]),
+    ],
+)
 def test_invalid_layouts_name_the_values(args, words):
     with pytest.raises(LayoutError) as error:
         build_schedule(args[0], args[1], 0, args[2], args[3])
@@ -113,9 +135,11 @@ def strict_rendezvous_completes(plans) -> bool:
     current = [0] * len(plans)
 
     def matched(r: int) -> bool:  # every op of r's current batch has its counterpart in the peer's
-        return all(current[peer] < len(plans[peer]) and
-                   ("recv" if kind == "send" else "send", r, message) in plans[peer][current[peer]].ops
-                   for kind, peer, message in plans[r][current[r]].ops)
+        return all(
+            current[peer] < len(plans[peer])
+            and ("recv" if kind == "send" else "send", r, message) in plans[peer][current[peer]].ops
+            for kind, peer, message in plans[r][current[r]].ops
+        )
 
     while any(current[r] < len(plans[r]) for r in range(len(plans))):
         done = [r for r in range(len(plans)) if current[r] < len(plans[r]) and matched(r)]
@@ -126,8 +150,11 @@ def strict_rendezvous_completes(plans) -> bool:
     return True
 
 
-@pytest.mark.parametrize("schedule,p,m,v", list(layouts(ms=(1, 2, 3, 4, 8))) +
-                         [("forward_only", p, m, v) for p in (1, 2, 3, 4) for m in (1, 3, 4) for v in (1, 2, 3)])
+@pytest.mark.parametrize(
+    "schedule,p,m,v",
+    list(layouts(ms=(1, 2, 3, 4, 8)))
+    + [("forward_only", p, m, v) for p in (1, 2, 3, 4) for m in (1, 3, 4) for v in (1, 2, 3)],
+)
 def test_receivers_post_in_senders_order_and_never_deadlock(schedule, p, m, v):
     lists = all_lists(schedule, p, m, v)
     plans = plan_steps(lists, v)
@@ -160,9 +187,12 @@ def test_simulator_reports_deadlock():
 def test_strict_rendezvous_check_catches_crossed_sends():
     # Both ranks send first and receive later: under NCCL's worst case neither send can complete.
     from parallel.pipeline.p2p import Message, Step
+
     x, y = Message("F", 0, 1), Message("B", 0, 0)
-    crossed = [[Step((("send", 1, x),), 0), Step((("recv", 1, y),), None)],
-               [Step((("send", 0, y),), 0), Step((("recv", 0, x),), None)]]
+    crossed = [
+        [Step((("send", 1, x),), 0), Step((("recv", 1, y),), None)],
+        [Step((("send", 0, y),), 0), Step((("recv", 0, x),), None)],
+    ]
     assert not strict_rendezvous_completes(crossed)
 
 

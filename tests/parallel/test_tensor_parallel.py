@@ -1,4 +1,5 @@
 """Tensor-parallel layers against their serial versions on gloo ranks; size checks; the RNG tracker."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,15 @@ from parallel.grad_utils import finalize_model_grads
 from parallel.layout import LayoutError, check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import (ColumnParallelLinear, CommCounter, RowParallelLinear, VocabParallelEmbedding,
-                                      apply_tensor_parallel, tp_comm, vocab_parallel_cross_entropy)
+from parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    CommCounter,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    tp_comm,
+    vocab_parallel_cross_entropy,
+)
 from tests.conftest import run_ranks
 
 S, B, H, OUT = 8, 2, 12, 16  # sequence, batch, in features, out features (all divisible by 2 and 4)
@@ -51,8 +59,7 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     serial = _serial_linear(H, OUT, bias)
     x, grad_out = _same_random(S, B, H, seed=2), _same_random(S, B, OUT, seed=3)
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
-    layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel,
-                                             num_stacked=num_stacked)
+    layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel, num_stacked=num_stacked)
     shard_out = param_info(layer.weight).shard_fn  # [.., OUT] -> [.., OUT/tp] along dim 0
     x_local = x.chunk(world_size, 0)[rank] if sequence_parallel else x
     x_local = x_local.clone().requires_grad_()
@@ -111,6 +118,7 @@ def test_parallel_layers_match_serial(world_size):
 
 def test_swiglu_shard_keeps_gate_up_pairs():
     from parallel.tp_layers import shard_dim0
+
     full = torch.arange(8.0).view(8, 1)  # gate rows 0..3, up rows 4..7
     local = shard_dim0(full, rank=1, size=2, num_stacked=2)
     assert local.flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
@@ -164,11 +172,14 @@ def _fake_state(tp_size, rank=0):
     return ParallelState(world_size=tp_size, rank=rank, tp_size=tp_size, pp_size=1, dp_size=1)
 
 
-@pytest.mark.parametrize("key, kwargs", [
-    ("num_attention_heads", dict(num_attention_heads=6, hidden_size=48)),
-    ("num_query_groups", dict(num_attention_heads=8, num_query_groups=2, hidden_size=64)),
-    ("ffn_hidden_size", dict(ffn_hidden_size=102)),
-])
+@pytest.mark.parametrize(
+    "key, kwargs",
+    [
+        ("num_attention_heads", dict(num_attention_heads=6, hidden_size=48)),
+        ("num_query_groups", dict(num_attention_heads=8, num_query_groups=2, hidden_size=64)),
+        ("ffn_hidden_size", dict(ffn_hidden_size=102)),
+    ],
+)
 def test_tp_not_dividing_model_fails_clearly(key, kwargs):
     cfg = ModelConfig(vocab_size=64, **kwargs)
     with pytest.raises(LayoutError, match=rf"model\.{key}=\d+ is not divisible by parallel\.tp_size=4"):
@@ -191,8 +202,17 @@ def test_tp_one_returns_model_unchanged():
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
 def test_sharded_init_equals_slice_of_full_init(style):
-    extra = {} if style == "gpt" else dict(num_query_groups=2, activation="swiglu", normalization="rmsnorm",
-                                           position_embedding_type="rope", tie_embeddings=False)
+    extra = (
+        {}
+        if style == "gpt"
+        else dict(
+            num_query_groups=2,
+            activation="swiglu",
+            normalization="rmsnorm",
+            position_embedding_type="rope",
+            tie_embeddings=False,
+        )
+    )
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, **extra)
     full_model = GPTModel(cfg, 64)
     initialize_parameters(full_model, cfg, seed=3)
@@ -256,8 +276,13 @@ def test_rng_tracker_tp_ranks_differ_default_shared():
 
 def _dropout_block(tracker):
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(16, 16), ForkRNG(nn.Dropout(0.5), tracker), nn.Linear(16, 16),
-                         nn.Dropout(0.5), ForkRNG(nn.Dropout(0.3), tracker))
+    return nn.Sequential(
+        nn.Linear(16, 16),
+        ForkRNG(nn.Dropout(0.5), tracker),
+        nn.Linear(16, 16),
+        nn.Dropout(0.5),
+        ForkRNG(nn.Dropout(0.3), tracker),
+    )
 
 
 def test_recompute_replays_tracker_and_default_masks():
@@ -281,8 +306,15 @@ def test_recompute_replays_tracker_and_default_masks():
 def test_gpt_recompute_with_dropout_bitwise_equal():
     """Whole GPT, tp = 1 with tracker-wrapped attention dropout: full and selective recompute give the
     same gradients bit for bit as no recompute."""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
-                      hidden_dropout=0.2, attention_dropout=0.3)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        vocab_size=64,
+        hidden_dropout=0.2,
+        attention_dropout=0.3,
+    )
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(8).expand(2, 8)
     results = []

@@ -4,6 +4,7 @@ Every case runs a small training loop — meta build -> apply_tensor_parallel ->
 tie_weights; fixed token batches; masked mean loss; backward; sequence-parallel grad all-reduce; Adam —
 and compares the per-iteration losses of tp = 2 and 4 (with and without sequence parallelism) to tp = 1.
 """
+
 import json
 
 import pytest
@@ -34,13 +35,28 @@ def _warm_meta_device():
 
 
 def _model_config(style: str, num_query_groups: int = 2, dropout: float = 0.0) -> ModelConfig:
-    common = dict(num_layers=NUM_LAYERS, hidden_size=32, num_attention_heads=8, seq_length=16, vocab_size=50,
-                  make_vocab_size_divisible_by=8, hidden_dropout=dropout, attention_dropout=dropout)
+    common = dict(
+        num_layers=NUM_LAYERS,
+        hidden_size=32,
+        num_attention_heads=8,
+        seq_length=16,
+        vocab_size=50,
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+    )
     if style == "gpt":
         return ModelConfig(**common)  # learned positions, LayerNorm, GeLU, tied, biases
-    return ModelConfig(**common, num_query_groups=num_query_groups, position_embedding_type="rope",
-                       normalization="rmsnorm", activation="swiglu", ffn_hidden_size=64, tie_embeddings=False,
-                       add_bias_linear=False)
+    return ModelConfig(
+        **common,
+        num_query_groups=num_query_groups,
+        position_embedding_type="rope",
+        normalization="rmsnorm",
+        activation="swiglu",
+        ffn_hidden_size=64,
+        tie_embeddings=False,
+        add_bias_linear=False,
+    )
 
 
 def _build(cfg: ModelConfig, state: ParallelState, sequence_parallel: bool, counter=None, tracker=None):
@@ -74,8 +90,9 @@ def _backward_as_trainer(model: GPTModel, state: ParallelState, ddp: DataParalle
     finalize_model_grads([model], state, ddp)
 
 
-def _train(model: GPTModel, cfg: ModelConfig, state: ParallelState, counter=None,
-           sequence_parallel: bool = False) -> list[float]:
+def _train(
+    model: GPTModel, cfg: ModelConfig, state: ParallelState, counter=None, sequence_parallel: bool = False
+) -> list[float]:
     ddp = DataParallel([model], state)
     optimizer = build_optimizer([model], ddp, state, lr=3e-3, weight_decay=0.0, clip_grad=0.0)
     losses = []
@@ -94,17 +111,29 @@ def _train(model: GPTModel, cfg: ModelConfig, state: ParallelState, counter=None
 def _check_counts(counter: CommCounter, tp_size: int, sequence_parallel: bool) -> None:
     """Per transformer layer and micro-batch: 2 all-reduces forward and 2 backward; with sequence
     parallelism 2 all-gathers + 2 reduce-scatters each way and no all-reduce."""
-    layer_counts = {(kind, phase): counter.count(kind, phase) / NUM_LAYERS
-                    for kind in ("all_reduce", "all_gather", "reduce_scatter")
-                    for phase in ("forward", "backward")}
+    layer_counts = {
+        (kind, phase): counter.count(kind, phase) / NUM_LAYERS
+        for kind in ("all_reduce", "all_gather", "reduce_scatter")
+        for phase in ("forward", "backward")
+    }
     if sequence_parallel:
-        expected = {("all_reduce", "forward"): 0, ("all_reduce", "backward"): 0,
-                    ("all_gather", "forward"): 2, ("all_gather", "backward"): 2,
-                    ("reduce_scatter", "forward"): 2, ("reduce_scatter", "backward"): 2}
+        expected = {
+            ("all_reduce", "forward"): 0,
+            ("all_reduce", "backward"): 0,
+            ("all_gather", "forward"): 2,
+            ("all_gather", "backward"): 2,
+            ("reduce_scatter", "forward"): 2,
+            ("reduce_scatter", "backward"): 2,
+        }
     else:
-        expected = {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2,
-                    ("all_gather", "forward"): 0, ("all_gather", "backward"): 0,
-                    ("reduce_scatter", "forward"): 0, ("reduce_scatter", "backward"): 0}
+        expected = {
+            ("all_reduce", "forward"): 2,
+            ("all_reduce", "backward"): 2,
+            ("all_gather", "forward"): 0,
+            ("all_gather", "backward"): 0,
+            ("reduce_scatter", "forward"): 0,
+            ("reduce_scatter", "backward"): 0,
+        }
     assert layer_counts == expected, f"tp={tp_size}: {counter.summary(NUM_LAYERS)}"
     assert counter.count("all_reduce", "forward", scope="loss") == 3  # max, target logit, sum of exp
     counter.reset()
@@ -115,7 +144,7 @@ def _parity_rank(rank, world_size, style, num_query_groups, out_path):
     cfg = _model_config(style, num_query_groups)
     state = ParallelState.create(world_size, 1)
     results = {}
-    for sequence_parallel in ((False, True) if world_size > 1 else (False,)):
+    for sequence_parallel in (False, True) if world_size > 1 else (False,):
         counter = CommCounter() if world_size > 1 else None
         model = _build(cfg, state, sequence_parallel, counter)
         results[str(sequence_parallel)] = _train(model, cfg, state, counter, sequence_parallel)
@@ -124,10 +153,15 @@ def _parity_rank(rank, world_size, style, num_query_groups, out_path):
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("style, tp, num_query_groups", [
-    ("gpt", 2, None), ("gpt", 4, None),
-    ("llama", 2, 2), ("llama", 4, 4),  # GQA: 8 heads in tp query groups (groups must divide by tp)
-])
+@pytest.mark.parametrize(
+    "style, tp, num_query_groups",
+    [
+        ("gpt", 2, None),
+        ("gpt", 4, None),
+        ("llama", 2, 2),
+        ("llama", 4, 4),  # GQA: 8 heads in tp query groups (groups must divide by tp)
+    ],
+)
 def test_tp_gpt_matches_single_process(tmp_path, style, tp, num_query_groups):
     run_ranks(1, _parity_rank, style, num_query_groups, str(tmp_path / "tp1.json"))
     run_ranks(tp, _parity_rank, style, num_query_groups, str(tmp_path / "tp.json"))
@@ -138,7 +172,8 @@ def test_tp_gpt_matches_single_process(tmp_path, style, tp, num_query_groups):
         for iteration, (expected, actual) in enumerate(zip(reference, losses)):
             assert abs(actual - expected) <= 1e-5 * abs(expected), (
                 f"{style} tp={tp} sequence_parallel={sequence_parallel} iteration {iteration}: "
-                f"{actual} vs {expected}\n{reference}\n{losses}")
+                f"{actual} vs {expected}\n{reference}\n{losses}"
+            )
 
 
 def _dropout_rank(rank, world_size):

@@ -1,12 +1,21 @@
 """Each cost term of planner/costs.py on its own, and the cluster spec loader."""
+
 import os
 
 import pytest
 
 from planner.activations import ActivationShape
 from planner.cluster import ClusterError, cluster_from_dict, load_cluster
-from planner.costs import (Hardware, core_attention_seconds, dp_per_node, layer_times, optimizer_seconds,
-                           p2p_seconds, pipeline_crosses_nodes, tp_per_node)
+from planner.costs import (
+    Hardware,
+    core_attention_seconds,
+    dp_per_node,
+    layer_times,
+    optimizer_seconds,
+    p2p_seconds,
+    pipeline_crosses_nodes,
+    tp_per_node,
+)
 from tests.conftest import REPO_ROOT
 from training.config import load_config
 
@@ -18,8 +27,18 @@ def a100(**efficiency):
 
 
 def shape(tp=8, sp=False, b=1):
-    return ActivationShape(seq_length=2048, micro_batch=b, hidden=12288, heads=96, query_groups=96, ffn=49152,
-                           swiglu=False, tp_size=tp, sequence_parallel=sp, value_bytes=2)
+    return ActivationShape(
+        seq_length=2048,
+        micro_batch=b,
+        hidden=12288,
+        heads=96,
+        query_groups=96,
+        ffn=49152,
+        swiglu=False,
+        tp_size=tp,
+        sequence_parallel=sp,
+        value_bytes=2,
+    )
 
 
 def test_cluster_files_load_and_say_what_the_paper_says():
@@ -32,8 +51,11 @@ def test_cluster_files_load_and_say_what_the_paper_says():
 
 
 def test_cluster_errors_name_the_key(tmp_path):
-    raw = {"gpu": {"peak_tflops_bf16": 1, "peak_tflops_fp32": 1, "memory_gib": 1, "hbm_gbs": 1},
-           "node": {"gpus": 8, "nvlink_gbs": 1}, "network": {"links_per_node": 1, "link_gbps": 1}}
+    raw = {
+        "gpu": {"peak_tflops_bf16": 1, "peak_tflops_fp32": 1, "memory_gib": 1, "hbm_gbs": 1},
+        "node": {"gpus": 8, "nvlink_gbs": 1},
+        "network": {"links_per_node": 1, "link_gbps": 1},
+    }
     assert cluster_from_dict(raw).gpus_per_node == 8
     with pytest.raises(ClusterError, match="unknown key gpu.peak_tflop; did you mean gpu.peak_tflops_"):
         cluster_from_dict({**raw, "gpu": {**raw["gpu"], "peak_tflop": 3}})

@@ -1,27 +1,30 @@
 """Parameter counts against the meta-device model, Korthikanti's activation formula, the memory model against
 the optimizer-state formulas and the trainer's measured CPU memory (docs/performance.md)."""
+
 import os
 
 import pytest
 
 from parallel.layout import Layout
 from parallel.pipeline.schedules import build_schedule
-from planner.activations import (ActivationShape, head_activation_bytes, layer_activation_bytes,
-                                 shape_from_config)
+from planner.activations import ActivationShape, head_activation_bytes, layer_activation_bytes, shape_from_config
 from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
 from planner.model_size import rank_params, total_params
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 from training.config import load_config
 
-MIB = 2.0 ** 20
+MIB = 2.0**20
 
 
-@pytest.mark.parametrize("config_name, overrides", [
-    ("gpt_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2"]),
-    ("gpt_tiny.yaml", ["parallel.tp_size=4", "parallel.pp_size=1", "model.tie_embeddings=false"]),
-    ("llama_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2"]),
-])
+@pytest.mark.parametrize(
+    "config_name, overrides",
+    [
+        ("gpt_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2"]),
+        ("gpt_tiny.yaml", ["parallel.tp_size=4", "parallel.pp_size=1", "model.tie_embeddings=false"]),
+        ("llama_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2"]),
+    ],
+)
 def test_rank_params_equal_the_meta_model(config_name, overrides):
     config = load_config(os.path.join(REPO_ROOT, "configs", config_name), overrides + ["model.vocab_size=1000"])
     par = config.parallel
@@ -37,9 +40,19 @@ def test_paper_1t_total():
 
 
 def shape(tp=1, sp=False, attention="materialized", value_bytes=2):
-    return ActivationShape(seq_length=2048, micro_batch=2, hidden=4096, heads=32, query_groups=32, ffn=16384,
-                           swiglu=False, tp_size=tp, sequence_parallel=sp, value_bytes=value_bytes,
-                           attention=attention)
+    return ActivationShape(
+        seq_length=2048,
+        micro_batch=2,
+        hidden=4096,
+        heads=32,
+        query_groups=32,
+        ffn=16384,
+        swiglu=False,
+        tp_size=tp,
+        sequence_parallel=sp,
+        value_bytes=value_bytes,
+        attention=attention,
+    )
 
 
 def test_korthikanti_formulas():
@@ -47,8 +60,7 @@ def test_korthikanti_formulas():
     sbh = s * b * h
     assert layer_activation_bytes(shape(), "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert layer_activation_bytes(shape(tp=8), "none") == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
-    assert layer_activation_bytes(shape(tp=8, sp=True), "none") == pytest.approx(
-        sbh * (34 / 8 + 5 * a * s / (h * 8)))
+    assert layer_activation_bytes(shape(tp=8, sp=True), "none") == pytest.approx(sbh * (34 / 8 + 5 * a * s / (h * 8)))
     assert layer_activation_bytes(shape(tp=8, sp=True), "selective") == pytest.approx(sbh * 34 / 8)
     assert layer_activation_bytes(shape(tp=8), "full") == pytest.approx(2 * sbh)
     assert layer_activation_bytes(shape(tp=8, sp=True), "full") == pytest.approx(2 * sbh / 8)
@@ -87,9 +99,17 @@ MEASURED = [
 
 @pytest.mark.parametrize("overrides, dp, params, grads, optimizer, activations", MEASURED)
 def test_memory_model_agrees_with_the_measured_cpu_figures(overrides, dp, params, grads, optimizer, activations):
-    base = ["model.hidden_size=256", "model.num_layers=8", "model.seq_length=256", "model.num_attention_heads=4",
-            "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "train.micro_batch_size=8",
-            "model.vocab_size=257", f"train.global_batch_size={8 * dp}"]
+    base = [
+        "model.hidden_size=256",
+        "model.num_layers=8",
+        "model.seq_length=256",
+        "model.num_attention_heads=4",
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "train.micro_batch_size=8",
+        "model.vocab_size=257",
+        f"train.global_batch_size={8 * dp}",
+    ]
     config = load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"), base + overrides)
     attention = "materialized" if config.model.attention_dropout > 0 else "flash"
     cpu_shape = shape_from_config(config.model, config.parallel, config.train, attention=attention)

@@ -1,5 +1,6 @@
 """Predictions: the breakdown adds up, the pipeline comes from the simulator, the paper's Table 1 within 15%,
 and the paper's qualitative takeaways (interleaving at small batch, tp beyond a node, micro-batch optimum)."""
+
 import os
 
 import pytest
@@ -27,8 +28,13 @@ def test_breakdown_sums_to_the_iteration_and_json_has_the_keys():
     assert sum(p.breakdown.values()) == pytest.approx(p.iteration_seconds)
     assert all(v >= -1e-9 for v in p.breakdown.values())
     out = p.to_dict()
-    for key in ("tflops_per_gpu", "iteration_seconds", "memory_gib_per_gpu", "breakdown_seconds",
-                "memory_breakdown_gib"):
+    for key in (
+        "tflops_per_gpu",
+        "iteration_seconds",
+        "memory_gib_per_gpu",
+        "breakdown_seconds",
+        "memory_breakdown_gib",
+    ):
         assert key in out
     assert out["tflops_per_gpu"] == pytest.approx(p.flops_per_iteration / p.iteration_seconds / 512 / 1e12)
 
@@ -61,8 +67,13 @@ def test_invalid_layout_is_a_layout_error():
 
 
 def fig13_config(tp, pp, batch=128, vp=1, mb=1):
-    base = paper("145.6b", "model.num_layers=32", "model.hidden_size=20480", "model.num_attention_heads=128",
-                 f"train.global_batch_size={batch}")
+    base = paper(
+        "145.6b",
+        "model.num_layers=32",
+        "model.hidden_size=20480",
+        "model.num_attention_heads=128",
+        f"train.global_batch_size={batch}",
+    )
     return with_layout(base, tp, pp, vp, mb, "full")
 
 
@@ -87,8 +98,9 @@ def test_an_optimal_micro_batch_size_exists():
     # fewer micro-batches to fill the pipeline
     cluster = load_cluster(A100)
     base = paper("145.6b", "model.num_layers=48", "train.global_batch_size=512")
-    tflops = {mb: predict(with_layout(base, 8, 8, 1, mb, "full"), cluster, 64).tflops_per_gpu
-              for mb in (1, 2, 4, 8, 16)}
+    tflops = {
+        mb: predict(with_layout(base, 8, 8, 1, mb, "full"), cluster, 64).tflops_per_gpu for mb in (1, 2, 4, 8, 16)
+    }
     best = max(tflops, key=tflops.get)
     assert best not in (1, 16) and tflops[best] > tflops[1] and tflops[best] > tflops[16]
 

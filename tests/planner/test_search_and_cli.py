@@ -1,18 +1,18 @@
 """--search picks the config's layout or a faster one that fits; the CLI's outputs and errors; calibration."""
+
 import json
 import os
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from planner import calibrate
-from tools.plan import main as plan_main
 from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import search, why_best_wins
 from tests.conftest import REPO_ROOT
+from tools.plan import main as plan_main
 from training.config import load_config
 from training.flops import flops_per_iteration
 
@@ -21,8 +21,9 @@ A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
 def plan(*args):
     """tools/plan.py as users run it (a new process)."""
-    return subprocess.run([sys.executable, "tools/plan.py", "--cluster", A100, *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "tools/plan.py", "--cluster", A100, *args], cwd=REPO_ROOT, capture_output=True, text=True
+    )
 
 
 def plan_here(capsys, *args, cluster=A100):
@@ -46,16 +47,14 @@ def test_search_beats_or_equals_the_paper_layout_and_always_fits():
 
 def test_search_never_picks_a_layout_that_does_not_fit():
     # 145.6B on 64 GPUs of 80 GiB: little room, so most layouts are rejected by the memory model
-    config = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_145.6b.yaml"),
-                         ["train.global_batch_size=64"])
+    config = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_145.6b.yaml"), ["train.global_batch_size=64"])
     result = search(config, load_cluster(A100), 64)
     assert result.fitting < result.considered
     assert result.ranked and all(p.fits for p in result.ranked)
 
 
 def test_cli_json_has_the_promised_keys():
-    out = plan("--config", "configs/paper/gpt_18.4b.yaml", "--gpus", "256", "train.global_batch_size=512",
-               "--json")
+    out = plan("--config", "configs/paper/gpt_18.4b.yaml", "--gpus", "256", "train.global_batch_size=512", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     for key in ("tflops_per_gpu", "iteration_seconds", "memory_gib_per_gpu", "breakdown_seconds"):
@@ -77,9 +76,18 @@ def test_cli_errors_name_the_value(tmp_path, capsys):
 
 
 def test_cli_plots_three_pngs(tmp_path, capsys):
-    code, _, err = plan_here(capsys, "--config", os.path.join(REPO_ROOT, "configs", "paper", "gpt_3.6b.yaml"),
-                             "--gpus", "16", "parallel.tp_size=2", "parallel.pp_size=2",
-                             "train.global_batch_size=64", "--plot", str(tmp_path))
+    code, _, err = plan_here(
+        capsys,
+        "--config",
+        os.path.join(REPO_ROOT, "configs", "paper", "gpt_3.6b.yaml"),
+        "--gpus",
+        "16",
+        "parallel.tp_size=2",
+        "parallel.pp_size=2",
+        "train.global_batch_size=64",
+        "--plot",
+        str(tmp_path),
+    )
     assert code == 0, err
     for name in ("tp_vs_pp.png", "microbatch.png", "interleaving.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
@@ -91,13 +99,28 @@ def write_run(run_dir, config, world, seconds):
     with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
         yaml.safe_dump(config.to_dict(), handle)
     m = config.model
-    flops = flops_per_iteration(config.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
-                                m.padded_vocab_size(config.parallel.tp_size), config.train.recompute == "full")
+    flops = flops_per_iteration(
+        config.train.global_batch_size,
+        m.seq_length,
+        m.num_layers,
+        m.hidden_size,
+        m.padded_vocab_size(config.parallel.tp_size),
+        config.train.recompute == "full",
+    )
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as handle:
         for i, scale in enumerate((3.0, 1.0, 1.01, 0.99)):  # the first interval holds the warm-up
             ms = 1000 * seconds * scale
-            handle.write(json.dumps({"iteration": 10 * (i + 1), "ms_per_iter": ms, "lm_loss": 5.0,
-                                     "tflops_per_device": flops / (ms / 1000) / world / 1e12}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "iteration": 10 * (i + 1),
+                        "ms_per_iter": ms,
+                        "lm_loss": 5.0,
+                        "tflops_per_device": flops / (ms / 1000) / world / 1e12,
+                    }
+                )
+                + "\n"
+            )
         handle.write(json.dumps({"iteration": 40, "val_loss": 4.0}) + "\n")
 
 
@@ -105,10 +128,12 @@ def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
     cluster = load_cluster(A100)
     truth = cluster.with_efficiency(gemm_max=0.5, hbm=0.4)
     runs = []
-    for i, (name, world, overrides) in enumerate([("gpt_1.7b.yaml", 8, []),
-                                                  ("gpt_3.6b.yaml", 16, ["parallel.pp_size=2"])]):
-        config = load_config(os.path.join(REPO_ROOT, "configs", "paper", name),
-                             overrides + ["train.global_batch_size=64"])
+    for i, (name, world, overrides) in enumerate(
+        [("gpt_1.7b.yaml", 8, []), ("gpt_3.6b.yaml", 16, ["parallel.pp_size=2"])]
+    ):
+        config = load_config(
+            os.path.join(REPO_ROOT, "configs", "paper", name), overrides + ["train.global_batch_size=64"]
+        )
         run_dir = str(tmp_path / f"run{i}")
         write_run(run_dir, config, world, predict(config, truth, world).iteration_seconds)
         runs.append(run_dir)

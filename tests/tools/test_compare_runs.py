@@ -1,4 +1,5 @@
 """tools/compare_runs.py: pass within rtol, fail past it naming the iteration, exit 2 on bad input."""
+
 import io
 import json
 import os
@@ -63,8 +64,13 @@ def test_repeatable_key_and_val_loss_are_compared(tmp_path):
 def test_bad_input_exits_2(tmp_path, capsys, case):
     a = write_run(tmp_path / "a", [6.0, 5.5])
     b = tmp_path / "b"
-    fragment = {"missing_dir": "does not exist", "missing_file": "no metrics file",
-                "malformed": "metrics.jsonl:3", "no_common": "no common", "unknown_key": "no common"}[case]
+    fragment = {
+        "missing_dir": "does not exist",
+        "missing_file": "no metrics file",
+        "malformed": "metrics.jsonl:3",
+        "no_common": "no common",
+        "unknown_key": "no common",
+    }[case]
     if case == "missing_file":
         os.makedirs(b)
     elif case == "malformed":

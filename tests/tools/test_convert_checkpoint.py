@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py: export of checkpoints saved at tp2 x pp2 and pp2 x vp2 to transformers (same
 logits, no missing/unexpected keys, AutoTokenizer works), sharding and dtypes, HF -> ours -> HF bitwise,
 consolidate, and bad input (one line, exit 2, no OUT_DIR left)."""
+
 import json
 import os
 import subprocess
@@ -19,10 +20,25 @@ from training.checkpointing import save_model_weights
 from training.config import Config, DataConfig, ParallelConfig
 from training.model_weights import load_global_state
 
-GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
-           attention_dropout=0.0, init_std=0.1)
-LLAMA = dict(GPT, position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
-             tie_embeddings=False, add_bias_linear=False, rotary_base=500.0)
+GPT = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    init_std=0.1,
+)
+LLAMA = dict(
+    GPT,
+    position_embedding_type="rope",
+    normalization="rmsnorm",
+    activation="swiglu",
+    num_query_groups=2,
+    tie_embeddings=False,
+    add_bias_linear=False,
+    rotary_base=500.0,
+)
 SEED = 5
 
 
@@ -38,8 +54,11 @@ def tokenizer_files(tmp_path_factory):
 
 
 def run_config(style: dict, tokenizer: dict, tp=1, pp=1, vp=1, vocab_size=300) -> dict:
-    return Config(model=ModelConfig(vocab_size=vocab_size, **style),
-                  parallel=ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp), data=DataConfig(**tokenizer)).to_dict()
+    return Config(
+        model=ModelConfig(vocab_size=vocab_size, **style),
+        parallel=ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp),
+        data=DataConfig(**tokenizer),
+    ).to_dict()
 
 
 def _save_at_layout(rank, world_size, config, root):
@@ -51,15 +70,19 @@ def _save_at_layout(rank, world_size, config, root):
 
 def reference_model(config: dict):
     """The single-process model every layout builds (init is layout-independent)."""
-    return build_model_chunks(ModelConfig(**config["model"]), ParallelState.single(), SEED, torch.device("cpu"),
-                              torch.float32)[0].eval()
+    return build_model_chunks(
+        ModelConfig(**config["model"]), ParallelState.single(), SEED, torch.device("cpu"), torch.float32
+    )[0].eval()
 
 
 TOKENS = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("style,layout", [("gpt", (2, 2, 1)), ("llama", (2, 2, 1)), ("llama", (1, 2, 2))],
-                         ids=["gpt-tp2pp2", "llama-tp2pp2", "llama-pp2vp2"])
+@pytest.mark.parametrize(
+    "style,layout",
+    [("gpt", (2, 2, 1)), ("llama", (2, 2, 1)), ("llama", (1, 2, 2))],
+    ids=["gpt-tp2pp2", "llama-tp2pp2", "llama-pp2vp2"],
+)
 def test_export_of_a_parallel_checkpoint_gives_our_logits_in_transformers(style, layout, tokenizer_files, tmp_path):
     import transformers
 
@@ -78,9 +101,11 @@ def test_export_of_a_parallel_checkpoint_gives_our_logits_in_transformers(style,
     assert (ours - theirs).abs().max().item() <= 1e-4 * (theirs.max() - theirs.min()).item()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     from data.tokenizers import GPT2BPETokenizer
+
     text = open(os.path.join(sysconfig.get_paths()["stdlib"], "glob.py"), encoding="utf-8").read()[:2000]
-    assert tokenizer.encode(text) == GPT2BPETokenizer(tokenizer_files["vocab_file"],
-                                                      tokenizer_files["merge_file"]).encode(text)
+    assert tokenizer.encode(text) == GPT2BPETokenizer(
+        tokenizer_files["vocab_file"], tokenizer_files["merge_file"]
+    ).encode(text)
 
 
 def save_single(config: dict, root: str) -> None:
@@ -99,8 +124,9 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     index = json.load(open(out / "model.safetensors.index.json"))
     shards = sorted(set(index["weight_map"].values()))
     loaded = [load_file(out / name) for name in shards]
-    assert len(shards) > 3 and all(len(shard) == 1 or sum(t.nbytes for t in shard.values()) <= 100_000
-                                   for shard in loaded)  # a tensor larger than the limit goes alone
+    assert len(shards) > 3 and all(
+        len(shard) == 1 or sum(t.nbytes for t in shard.values()) <= 100_000 for shard in loaded
+    )  # a tensor larger than the limit goes alone
     exported = {k: v for shard in loaded for k, v in shard.items()}
     assert all(v.dtype == torch.bfloat16 for v in exported.values())
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
@@ -113,8 +139,10 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     consolidate(str(tmp_path / "back"), str(tmp_path / "model.pt"))
     whole = torch.load(tmp_path / "model.pt", weights_only=True)
     assert whole["config"]["parallel"]["tp_size"] == 2
-    assert torch.equal(whole["model"]["layers.3.mlp.fc2.weight"], reference_model(config).state_dict()[
-        "layers.3.mlp.fc2.weight"].to(torch.bfloat16).float())
+    assert torch.equal(
+        whole["model"]["layers.3.mlp.fc2.weight"],
+        reference_model(config).state_dict()["layers.3.mlp.fc2.weight"].to(torch.bfloat16).float(),
+    )
 
 
 def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
@@ -122,9 +150,18 @@ def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), tp=2)
     assert "tp_size: 2" in (tmp_path / "ours" / "config.yaml").read_text()
@@ -132,13 +169,15 @@ def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
     # no tokenizer in that folder: to-hf needs one, so compare the global state instead
     _, ours = load_global_state(str(tmp_path / "ours"))
     from model.hf_mapping import model_config_from_hf, to_hf_state_dict
+
     back = to_hf_state_dict(model_config_from_hf(config.to_dict()), ours)
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in back)
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT, capture_output=True, text=True
+    )
 
 
 def assert_refused(result: subprocess.CompletedProcess, message: str, out) -> None:
@@ -149,23 +188,37 @@ def assert_refused(result: subprocess.CompletedProcess, message: str, out) -> No
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_files, tmp_path):
     (tmp_path / "empty").mkdir()
     out = str(tmp_path / "out")
-    assert_refused(run_tool("from-hf", str(tmp_path / "empty"), out),
-                   f"{tmp_path / 'empty'} is not a transformers model folder: no config.json", out)
+    assert_refused(
+        run_tool("from-hf", str(tmp_path / "empty"), out),
+        f"{tmp_path / 'empty'} is not a transformers model folder: no config.json",
+        out,
+    )
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
-    assert_refused(run_tool("from-hf", str(tmp_path / "bert"), out),
-                   "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama", out)
-    assert_refused(run_tool("to-hf", str(tmp_path / "empty"), out),
-                   f"{tmp_path / 'empty'} holds no complete checkpoint (no tracker, no verifying iter_* folder)", out)
+    assert_refused(
+        run_tool("from-hf", str(tmp_path / "bert"), out),
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        out,
+    )
+    assert_refused(
+        run_tool("to-hf", str(tmp_path / "empty"), out),
+        f"{tmp_path / 'empty'} holds no complete checkpoint (no tracker, no verifying iter_* folder)",
+        out,
+    )
     config = run_config(GPT, tokenizer_files)
     save_single(config, str(tmp_path / "ckpt"))
     config["model"]["vocab_size"] = 320  # the model claims more entries than its tokenizer has
     save_single(config, str(tmp_path / "ckpt320"))
-    assert_refused(run_tool("to-hf", str(tmp_path / "ckpt320"), out),
-                   f"tokenizer {tokenizer_files['vocab_file']} has 300 entries but the model's vocabulary is "
-                   "model.vocab_size=320", out)
-    assert_refused(run_tool("from-hf", str(tmp_path / "bert"), out, "--tp", "3"),
-                   "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama", out)
+    assert_refused(
+        run_tool("to-hf", str(tmp_path / "ckpt320"), out),
+        f"tokenizer {tokenizer_files['vocab_file']} has 300 entries but the model's vocabulary is model.vocab_size=320",
+        out,
+    )
+    assert_refused(
+        run_tool("from-hf", str(tmp_path / "bert"), out, "--tp", "3"),
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        out,
+    )
 
 
 def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path):
@@ -179,9 +232,19 @@ def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path):
     prefix = str(tmp_path / "sp")
     sentencepiece.SentencePieceTrainer.train(  # Llama's settings: no normalization, byte fallback
         sentence_iterator=iter([line for text in texts for line in text.splitlines() if line]),
-        model_prefix=prefix, vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=0.9995,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        model_prefix=prefix,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.9995,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     tokenizer = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": prefix + ".model"}
     config = run_config(LLAMA, tokenizer, vocab_size=400)
     save_single(config, str(tmp_path / "ckpt"))

@@ -1,14 +1,14 @@
 """tools/generate.py: greedy output equals transformers' generate(do_sample=False) on the exported model for 50
 new tokens (GPT-2 and Llama style), the same under tensor parallelism (tp2), and the CLI streams the text."""
+
 import argparse
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from model.generation import SamplingConfig, generate_tokens
+from model.generation import generate_tokens
 from parallel.state import ParallelState
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.tools.test_convert_checkpoint import GPT, LLAMA, reference_model, run_config, tokenizer_files  # noqa: F401
@@ -26,11 +26,28 @@ def make_checkpoint(style: dict, tokenizer: dict, root: str) -> None:
 
 
 def greedy_tokens(checkpoint: str, env: DistEnv, max_new_tokens: int = 50) -> list[int]:
-    args = argparse.Namespace(checkpoint=checkpoint, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
-                              repetition_penalty=1.0, max_new_tokens=max_new_tokens, dtype="fp32")
+    args = argparse.Namespace(
+        checkpoint=checkpoint,
+        greedy=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        dtype="fp32",
+    )
     model, cfg, state, tokenizer, sampling = prepare(args, env)
-    return list(generate_tokens(make_logits_fn(model, cfg, state), tokenizer.encode(PROMPT), max_new_tokens, sampling,
-                                tokenizer.eod, env.device, max_length=cfg.max_positions))
+    return list(
+        generate_tokens(
+            make_logits_fn(model, cfg, state),
+            tokenizer.encode(PROMPT),
+            max_new_tokens,
+            sampling,
+            tokenizer.eod,
+            env.device,
+            max_length=cfg.max_positions,
+        )
+    )
 
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
@@ -43,7 +60,7 @@ def test_greedy_equals_transformers_generate(style, tokenizer_files, tmp_path): 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        theirs = hf_model.generate(prompt, do_sample=False, max_new_tokens=50, min_new_tokens=50)[0, prompt.shape[1]:]
+        theirs = hf_model.generate(prompt, do_sample=False, max_new_tokens=50, min_new_tokens=50)[0, prompt.shape[1] :]
     env = DistEnv(1, 0, 0, 1, torch.device("cpu"))
     ours = greedy_tokens(str(tmp_path / "ckpt"), env)
     assert len(ours) == 50 and ours == theirs.tolist()  # (no end-of-document token among them here)
@@ -61,13 +78,32 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
     single = greedy_tokens(str(tmp_path / "ckpt"), DistEnv(1, 0, 0, 1, torch.device("cpu")), 20)
     run_ranks(2, _tp_greedy, str(tmp_path / "ckpt"), str(tmp_path / "tokens.pt"))
     assert torch.load(tmp_path / "tokens.pt") == single
-    result = subprocess.run([sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--greedy",
-                             "--max-new-tokens", "20"], input=PROMPT, cwd=REPO_ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/generate.py",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--greedy",
+            "--max-new-tokens",
+            "20",
+        ],
+        input=PROMPT,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     from data.tokenizers import GPT2BPETokenizer
+
     tokenizer = GPT2BPETokenizer(tokenizer_files["vocab_file"], tokenizer_files["merge_file"])
     assert result.stdout == PROMPT + tokenizer.decode(single) + "\n"
     assert "tokens/s" in result.stderr
-    bad = subprocess.run([sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    bad = subprocess.run(
+        [sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --top-p=0.0 must be in (0, 1]"]

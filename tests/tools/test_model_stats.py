@@ -1,4 +1,5 @@
 """tools/model_stats.py: the paper's Table 1 totals, per-stage counts, FLOPs and errors, on the meta device."""
+
 import os
 import subprocess
 import sys
@@ -10,8 +11,18 @@ from tools.model_stats import count, meta_chunks, report, total_parameters
 from training.config import load_config
 from training.flops import flops_per_iteration
 
-TABLE_1 = {"1.7b": 1.7, "3.6b": 3.6, "7.5b": 7.5, "18.4b": 18.4, "39.1b": 39.1, "76.1b": 76.1,
-           "145.6b": 145.6, "310.1b": 310.1, "529.6b": 529.6, "1t": 1008.0}
+TABLE_1 = {
+    "1.7b": 1.7,
+    "3.6b": 3.6,
+    "7.5b": 7.5,
+    "18.4b": 18.4,
+    "39.1b": 39.1,
+    "76.1b": 76.1,
+    "145.6b": 145.6,
+    "310.1b": 310.1,
+    "529.6b": 529.6,
+    "1t": 1008.0,
+}
 
 
 @pytest.mark.parametrize("name", sorted(TABLE_1))
@@ -35,7 +46,7 @@ def test_stages_and_tp_shards_add_up():
 
 def test_flops_formula_matches_the_paper():
     # 96 B s l h^2 (1 + s/6h + V/16lh) with full recomputation (the paper's equation 3)
-    b, s, l, h, v = 1536, 2048, 48, 8192, 51200
+    b, s, l, h, v = 1536, 2048, 48, 8192, 51200  # noqa: E741 (the paper's l)
     expected = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
     assert flops_per_iteration(b, s, l, h, v, full_recompute=True) == pytest.approx(expected)
     no_recompute = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
@@ -43,9 +54,17 @@ def test_flops_formula_matches_the_paper():
 
 
 def test_cli_prints_and_rejects_bad_input():
-    ok = subprocess.run([sys.executable, "tools/model_stats.py", "--config", "configs/paper/gpt_1t.yaml"],
-                        cwd=REPO_ROOT, capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "tools/model_stats.py", "--config", "configs/paper/gpt_1t.yaml"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and "(1008.0 B)" in ok.stdout and "stage 63" in ok.stdout
-    bad = subprocess.run([sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml"],
-                         cwd=REPO_ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "model.vocab_size" in bad.stderr

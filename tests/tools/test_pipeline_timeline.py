@@ -1,4 +1,5 @@
 """tools/pipeline_timeline.py as users run it: a subprocess printing the bubble line and writing a PNG."""
+
 import os
 import subprocess
 import sys
@@ -13,15 +14,32 @@ def run_tool(*args):
     return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
-@pytest.mark.parametrize("schedule,p,m,v,costs,expected", [
-    ("interleaved", 4, 8, 2, ("1", "2"), 3 / 16),
-    ("1f1b", 4, 8, 1, ("1.5", "2.5"), 3 / 8),
-    ("gpipe", 3, 5, 1, ("2", "1"), 2 / 5),
-])
+@pytest.mark.parametrize(
+    "schedule,p,m,v,costs,expected",
+    [
+        ("interleaved", 4, 8, 2, ("1", "2"), 3 / 16),
+        ("1f1b", 4, 8, 1, ("1.5", "2.5"), 3 / 8),
+        ("gpipe", 3, 5, 1, ("2", "1"), 2 / 5),
+    ],
+)
 def test_prints_bubble_and_writes_png(tmp_path, schedule, p, m, v, costs, expected):
     output = tmp_path / "timeline.png"
-    result = run_tool("--pp", str(p), "--microbatches", str(m), "--vp", str(v), "--schedule", schedule,
-                      "--forward-cost", costs[0], "--backward-cost", costs[1], "--output", str(output))
+    result = run_tool(
+        "--pp",
+        str(p),
+        "--microbatches",
+        str(m),
+        "--vp",
+        str(v),
+        "--schedule",
+        schedule,
+        "--forward-cost",
+        costs[0],
+        "--backward-cost",
+        costs[1],
+        "--output",
+        str(output),
+    )
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("bubble fraction: "))
     assert abs(float(line.split(": ")[1]) - expected) < 1e-9
@@ -29,17 +47,21 @@ def test_prints_bubble_and_writes_png(tmp_path, schedule, p, m, v, costs, expect
 
 
 def test_exact_bubble_line():
-    result = run_tool("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved",
-                      "--output", os.devnull)
+    result = run_tool(
+        "--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved", "--output", os.devnull
+    )
     assert "bubble fraction: 0.1875\n" in result.stdout
 
 
-@pytest.mark.parametrize("args,words", [
-    (("--pp", "4", "--microbatches", "6", "--vp", "2", "--schedule", "interleaved"), "multiple of"),
-    (("--pp", "4", "--microbatches", "8", "--schedule", "zigzag"), "unknown"),
-    (("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "gpipe"), "interleaved"),
-    (("--pp", "1", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved"), "pp_size > 1"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("--pp", "4", "--microbatches", "6", "--vp", "2", "--schedule", "interleaved"), "multiple of"),
+        (("--pp", "4", "--microbatches", "8", "--schedule", "zigzag"), "unknown"),
+        (("--pp", "4", "--microbatches", "8", "--vp", "2", "--schedule", "gpipe"), "interleaved"),
+        (("--pp", "1", "--microbatches", "8", "--vp", "2", "--schedule", "interleaved"), "pp_size > 1"),
+    ],
+)
 def test_invalid_input_exits_2_with_one_line(tmp_path, args, words):
     result = run_tool(*args, "--output", str(tmp_path / "x.png"))
     assert result.returncode == 2

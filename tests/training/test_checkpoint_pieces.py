@@ -1,5 +1,6 @@
 """The global view of local shards: any save layout's pieces reassemble the full tensor and any load layout
 gets exactly its shard back through torch.distributed.checkpoint (one process, layouts emulated)."""
+
 from __future__ import annotations
 
 import random
@@ -23,8 +24,12 @@ def test_flat_range_rects_cover_the_range_exactly():
         rows, cols = rng.randint(1, 7), rng.randint(1, 7)
         start = rng.randint(0, rows * cols)
         end = rng.randint(start, rows * cols)
-        covered = sorted(r * cols + c for r0, r1, c0, c1 in flat_range_rects(rows, cols, start, end)
-                         for r in range(r0, r1) for c in range(c0, c1))
+        covered = sorted(
+            r * cols + c
+            for r0, r1, c0, c1 in flat_range_rects(rows, cols, start, end)
+            for r in range(r0, r1)
+            for c in range(c0, c1)
+        )
         assert covered == list(range(start, end)), (rows, cols, start, end)
 
 
@@ -37,22 +42,26 @@ def _param(full: torch.Tensor, tp_rank: int, tp_size: int, partition_dim: int, s
     else:
         fn = None
     param = nn.Parameter(fn(full).clone() if fn else full.clone())
-    set_param_info(param, tensor_parallel=fn is not None, partition_dim=partition_dim, shard_fn=fn,
-                   full_shape=tuple(full.shape))
+    set_param_info(
+        param, tensor_parallel=fn is not None, partition_dim=partition_dim, shard_fn=fn, full_shape=tuple(full.shape)
+    )
     return param
 
 
-CASES = [("layers.0.mlp.fc1.weight", (16, 3), 0, 2),  # SwiGLU's stacked [gate; up]
-         ("layers.0.attention.proj.weight", (4, 8), 1, 1),
-         ("layers.0.attention.qkv.bias", (12,), 0, 1),
-         ("layers.0.input_norm.weight", (6,), -1, 1),
-         ("embedding.word_embeddings.weight", (16, 3), 0, 1)]  # 16 padded rows, 13 real ones
+CASES = [
+    ("layers.0.mlp.fc1.weight", (16, 3), 0, 2),  # SwiGLU's stacked [gate; up]
+    ("layers.0.attention.proj.weight", (4, 8), 1, 1),
+    ("layers.0.attention.qkv.bias", (12,), 0, 1),
+    ("layers.0.input_norm.weight", (6,), -1, 1),
+    ("embedding.word_embeddings.weight", (16, 3), 0, 1),
+]  # 16 padded rows, 13 real ones
 
 
 @pytest.mark.parametrize("name,shape,partition_dim,stacked", CASES)
 @pytest.mark.parametrize("save_tp,save_dp,load_tp,load_dp", [(2, 2, 4, 1), (4, 3, 1, 2), (1, 1, 2, 3)])
-def test_pieces_reshard_between_tp_and_flat_dp_shards(tmp_path, name, shape, partition_dim, stacked, save_tp,
-                                                      save_dp, load_tp, load_dp):
+def test_pieces_reshard_between_tp_and_flat_dp_shards(
+    tmp_path, name, shape, partition_dim, stacked, save_tp, save_dp, load_tp, load_dp
+):
     vocab = 13
     full = torch.randn(shape)
     stored = full[:vocab] if name.startswith("embedding") else full
@@ -71,6 +80,7 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(tmp_path, name, shape, par
     assert torch.equal(read_global_tensors(iter_dir)[name], stored)
 
     import torch.distributed.checkpoint as dcp
+
     for tp_rank in range(load_tp):
         expected = _param(full, tp_rank, load_tp, partition_dim, stacked).detach()
         target = torch.zeros_like(expected)
@@ -78,10 +88,8 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(tmp_path, name, shape, par
         flat = target.view(-1)
         bounds = [flat.numel() * d // load_dp for d in range(load_dp + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
-            wanted = {name: GlobalPieces(tuple(stored.shape), pieces_of(flat[lo:hi], lo, tuple(target.shape),
-                                                                          blocks))}
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(),
-                     no_dist=True)
+            wanted = {name: GlobalPieces(tuple(stored.shape), pieces_of(flat[lo:hi], lo, tuple(target.shape), blocks))}
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
         if name.startswith("embedding"):  # padding rows are not stored: compare the real vocabulary rows
             keep = max(0, min(target.shape[0], vocab - tp_rank * target.shape[0]))
             expected, target = expected[:keep], target[:keep]

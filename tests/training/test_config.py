@@ -1,4 +1,5 @@
 """Config loading: strict keys with suggestions, types, values, cross-section layout checks."""
+
 import os
 import subprocess
 import sys
@@ -19,9 +20,19 @@ def write(tmp_path, text):
 
 
 def test_defaults_and_overrides(tmp_path):
-    config = load_config(write(tmp_path, "model:\n  num_layers: 4\n"),
-                         ["train.train_iters=7", "optim.lr_warmup_iters=2", "optim.lr=1e-4", "optim.min_lr=1e-5", "parallel.sequence_parallel=true",
-                          "data.data_path=[0.3, a, 0.7, b]", "data.vocab_file=v.json", "data.merge_file=m.txt"])
+    config = load_config(
+        write(tmp_path, "model:\n  num_layers: 4\n"),
+        [
+            "train.train_iters=7",
+            "optim.lr_warmup_iters=2",
+            "optim.lr=1e-4",
+            "optim.min_lr=1e-5",
+            "parallel.sequence_parallel=true",
+            "data.data_path=[0.3, a, 0.7, b]",
+            "data.vocab_file=v.json",
+            "data.merge_file=m.txt",
+        ],
+    )
     assert config.train.train_iters == 7 and config.optim.lr == 1e-4
     assert config.parallel.sequence_parallel is True
     assert config.data.data_path == [0.3, "a", 0.7, "b"]
@@ -29,8 +40,11 @@ def test_defaults_and_overrides(tmp_path):
 
 
 def test_unknown_key_suggests_closest(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key train\.micro_batchsize; did you mean "
-                                          r"train\.micro_batch_size\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key train\.micro_batchsize; did you mean "
+        r"train\.micro_batch_size\?",
+    ):
         load_config(write(tmp_path, "train:\n  micro_batchsize: 4\n"))
     with pytest.raises(ConfigError, match=r"did you mean parallel\.tp_size"):
         load_config(None, ["parallel.tp_sise=2"])
@@ -48,14 +62,19 @@ def test_wrong_type_names_key_and_value(tmp_path):
 
 
 def test_impossible_values(tmp_path):
-    cases = {"train.precision=fp8": r"train\.precision='fp8' is not one of fp32, bf16, fp16",
-             "model.hidden_dropout=1.5": r"model\.hidden_dropout=1\.5",
-             "train.micro_batch_size=0": r"train\.micro_batch_size=0 must be >= 1"}
+    cases = {
+        "train.precision=fp8": r"train\.precision='fp8' is not one of fp32, bf16, fp16",
+        "model.hidden_dropout=1.5": r"model\.hidden_dropout=1\.5",
+        "train.micro_batch_size=0": r"train\.micro_batch_size=0 must be >= 1",
+    }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, [override])
-    with pytest.raises(LayoutError, match=r"model\.num_layers=4 is not divisible by parallel\.pp_size \* "
-                                          r"parallel\.vp_size = 3 \* 1"):
+    with pytest.raises(
+        LayoutError,
+        match=r"model\.num_layers=4 is not divisible by parallel\.pp_size \* "
+        r"parallel\.vp_size = 3 \* 1",
+    ):
         layout(3, "model.num_layers=4", "parallel.pp_size=3")
     with pytest.raises(ConfigError, match=r"model\.hidden_size=100 is not divisible by model\.num_attention_heads=3"):
         load_config(None, ["model.hidden_size=100", "model.num_attention_heads=3"])
@@ -75,40 +94,57 @@ def layout(world_size, *overrides):
 def test_virtual_stages_select_the_interleaved_schedule():
     assert layout(2, "parallel.pp_size=2", "parallel.vp_size=2").schedule == "interleaved"
     assert layout(1, "parallel.schedule=gpipe").schedule == "1f1b"  # one stage: forward, backward per micro-batch
-    with pytest.raises(LayoutError, match=r"parallel\.vp_size=2 needs parallel\.schedule=interleaved .*got "
-                                          r"parallel\.schedule=gpipe"):
+    with pytest.raises(
+        LayoutError,
+        match=r"parallel\.vp_size=2 needs parallel\.schedule=interleaved .*got "
+        r"parallel\.schedule=gpipe",
+    ):
         layout(2, "parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=gpipe")
     with pytest.raises(LayoutError, match=r"parallel\.vp_size=2 needs parallel\.pp_size > 1"):
         layout(1, "parallel.vp_size=2")
 
 
 def test_layout_checks_name_both_numbers():
-    with pytest.raises(LayoutError, match=r"world size 6 is not divisible by parallel\.tp_size \* "
-                                          r"parallel\.pp_size = 2 \* 2"):
+    with pytest.raises(
+        LayoutError,
+        match=r"world size 6 is not divisible by parallel\.tp_size \* "
+        r"parallel\.pp_size = 2 \* 2",
+    ):
         layout(6, "parallel.tp_size=2", "parallel.pp_size=2")
     assert layout(8, "parallel.tp_size=2", "parallel.pp_size=2").dp_size == 2
     with pytest.raises(LayoutError, match=r"model\.num_attention_heads=4 is not divisible by parallel\.tp_size=3"):
         layout(3, "parallel.tp_size=3", "model.num_attention_heads=4")
-    with pytest.raises(LayoutError, match=r"train\.global_batch_size=10 is not divisible by "
-                                          r"train\.micro_batch_size \* dp = 4 \* 1"):
+    with pytest.raises(
+        LayoutError,
+        match=r"train\.global_batch_size=10 is not divisible by "
+        r"train\.micro_batch_size \* dp = 4 \* 1",
+    ):
         layout(1, "train.global_batch_size=10", "train.micro_batch_size=4")
-    with pytest.raises(LayoutError, match=r"multiple of parallel\.pp_size=2: e\.g\. train\.global_batch_size = "
-                                          r"8, 16, 24"):
-        layout(2, "parallel.pp_size=2", "parallel.vp_size=2", "train.global_batch_size=12",
-               "train.micro_batch_size=4")
-    with pytest.raises(LayoutError, match=r"model\.num_layers=4 is not divisible by parallel\.pp_size \* "
-                                          r"parallel\.vp_size = 3 \* 2"):
+    with pytest.raises(
+        LayoutError,
+        match=r"multiple of parallel\.pp_size=2: e\.g\. train\.global_batch_size = "
+        r"8, 16, 24",
+    ):
+        layout(2, "parallel.pp_size=2", "parallel.vp_size=2", "train.global_batch_size=12", "train.micro_batch_size=4")
+    with pytest.raises(
+        LayoutError,
+        match=r"model\.num_layers=4 is not divisible by parallel\.pp_size \* "
+        r"parallel\.vp_size = 3 \* 2",
+    ):
         layout(3, "parallel.pp_size=3", "parallel.vp_size=2")
     with pytest.raises(LayoutError, match=r"parallel\.tp_size=0 must be >= 1"):
         layout(1, "parallel.tp_size=0")
 
 
-@pytest.mark.parametrize("overrides, world_size", [
-    (["parallel.pp_size=4", "parallel.vp_size=2", "parallel.schedule=gpipe"], 4),
-    (["parallel.pp_size=4", "parallel.vp_size=2", "train.global_batch_size=24", "train.micro_batch_size=4"], 4),
-    (["parallel.pp_size=1", "parallel.vp_size=2"], 1),
-    (["parallel.schedule=zigzag", "parallel.pp_size=2"], 2),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size",
+    [
+        (["parallel.pp_size=4", "parallel.vp_size=2", "parallel.schedule=gpipe"], 4),
+        (["parallel.pp_size=4", "parallel.vp_size=2", "train.global_batch_size=24", "train.micro_batch_size=4"], 4),
+        (["parallel.pp_size=1", "parallel.vp_size=2"], 1),
+        (["parallel.schedule=zigzag", "parallel.pp_size=2"], 2),
+    ],
+)
 def test_every_entry_point_gives_the_same_answer(overrides, world_size, tmp_path):
     """The trainer (before any work), tools/model_stats.py, the schedule builder and the pipeline plan all
     go through parallel/layout.py: the same input gives the same error line everywhere."""
@@ -125,18 +161,38 @@ def test_every_entry_point_gives_the_same_answer(overrides, world_size, tmp_path
     assert str(expected.value).startswith(str(from_schedule.value).split(": ")[0])
     assert str(from_plan.value) == str(from_schedule.value)
     env = {**os.environ, "WORLD_SIZE": str(world_size)}
-    trainer = subprocess.run([sys.executable, "pretrain_gpt.py", *overrides, f"run.dir={tmp_path}/run"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, env=env)
-    stats = subprocess.run([sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml",
-                            "model.vocab_size=257", *overrides], cwd=REPO_ROOT, capture_output=True, text=True)
+    trainer = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *overrides, f"run.dir={tmp_path}/run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    stats = subprocess.run(
+        [
+            sys.executable,
+            "tools/model_stats.py",
+            "--config",
+            "configs/gpt_tiny.yaml",
+            "model.vocab_size=257",
+            *overrides,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     for result in (trainer, stats):
         assert result.returncode == 2 and result.stderr.strip() == f"error: {expected.value}", result.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_entry_point_rejects_bad_config_before_any_work(tmp_path):
-    result = subprocess.run([sys.executable, "pretrain_gpt.py", "train.micro_batchsize=3",
-                             f"run.dir={tmp_path}/run"], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "train.micro_batchsize=3", f"run.dir={tmp_path}/run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "did you mean train.micro_batch_size" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -146,7 +202,9 @@ def test_entry_point_rejects_bad_config_before_any_work(tmp_path):
 def test_every_shipped_config_loads():
     """Run configs load as configs; configs/clusters/ holds the planner's cluster specs, loaded by it."""
     import glob
+
     from planner.cluster import load_cluster
+
     clusters = os.path.join(REPO_ROOT, "configs", "clusters")
     paths = glob.glob(os.path.join(REPO_ROOT, "configs", "**", "*.yaml"), recursive=True)
     runs = [path for path in paths if not path.startswith(clusters + os.sep)]
@@ -162,10 +220,12 @@ def test_checkpoint_load_keys():
     assert load_config(None, ["checkpoint.load=/runs/a/checkpoints"]).checkpoint.load == "/runs/a/checkpoints"
     finetune = load_config(None, ["checkpoint.finetune=/runs/a/checkpoints"]).checkpoint  # one override
     assert (finetune.load, finetune.finetune) == ("/runs/a/checkpoints", True)
-    for overrides, message in ((["checkpoint.finetune=true"], "checkpoint.finetune=true needs checkpoint.load"),
-                               (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=false needs"),
-                               (["checkpoint.finetune=/a", "checkpoint.load=/b"], "name different checkpoints"),
-                               (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0")):
+    for overrides, message in (
+        (["checkpoint.finetune=true"], "checkpoint.finetune=true needs checkpoint.load"),
+        (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=false needs"),
+        (["checkpoint.finetune=/a", "checkpoint.load=/b"], "name different checkpoints"),
+        (["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
 
@@ -191,21 +251,24 @@ def test_file_errors_name_the_file_and_the_key(tmp_path):
         load_config(write(tmp_path, "optim:\n  lr: 0.1\n"), ["optim.lr=-1"])
 
 
-@pytest.mark.parametrize("override,message", [
-    ("optim.lr=.inf", r"optim\.lr=inf must be a finite number"),
-    ("optim.lr=.nan", r"optim\.lr=nan must be a finite number"),
-    ("optim.min_lr=-1", r"0 <= min_lr <= lr"),
-    ("optim.adam_eps=-1", r"optim\.adam_eps=-1\.0 must be > 0"),
-    ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
-    ("optim.adam_beta1=1.5", r"optim\.adam_beta1=1\.5 must be in \[0, 1\)"),
-    ("optim.adam_beta2=.nan", r"optim\.adam_beta2=nan must be a finite number"),
-    ("optim.weight_decay=-0.1", r"optim\.weight_decay=-0\.1 must be >= 0"),
-    ("train.clip_grad=-1", r"train\.clip_grad=-1\.0 must be >= 0"),
-    ("train.clip_grad=.inf", r"train\.clip_grad=inf must be a finite number"),
-    ("optim.min_loss_scale=0", r"optim\.min_loss_scale=0\.0 must be > 0"),
-    ("train.max_nonfinite_iters=0", r"train\.max_nonfinite_iters=0 must be >= 1"),
-    ("train.device=tpu", r"train\.device='tpu' is not one of auto, cuda, cpu"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optim.lr=.inf", r"optim\.lr=inf must be a finite number"),
+        ("optim.lr=.nan", r"optim\.lr=nan must be a finite number"),
+        ("optim.min_lr=-1", r"0 <= min_lr <= lr"),
+        ("optim.adam_eps=-1", r"optim\.adam_eps=-1\.0 must be > 0"),
+        ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
+        ("optim.adam_beta1=1.5", r"optim\.adam_beta1=1\.5 must be in \[0, 1\)"),
+        ("optim.adam_beta2=.nan", r"optim\.adam_beta2=nan must be a finite number"),
+        ("optim.weight_decay=-0.1", r"optim\.weight_decay=-0\.1 must be >= 0"),
+        ("train.clip_grad=-1", r"train\.clip_grad=-1\.0 must be >= 0"),
+        ("train.clip_grad=.inf", r"train\.clip_grad=inf must be a finite number"),
+        ("optim.min_loss_scale=0", r"optim\.min_loss_scale=0\.0 must be > 0"),
+        ("train.max_nonfinite_iters=0", r"train\.max_nonfinite_iters=0 must be >= 1"),
+        ("train.device=tpu", r"train\.device='tpu' is not one of auto, cuda, cpu"),
+    ],
+)
 def test_values_that_make_no_sense_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
@@ -214,8 +277,15 @@ def test_values_that_make_no_sense_are_refused(override, message):
 def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.yaml").write_text("train:\n  train_iters: 300\n")
-    config = load_config("~/c.yaml", ["run.dir=~/runs/x", "data.data_path=[0.5, ~/a, 0.5, ~/b]",
-                                      "data.vocab_file=~/v.json", "data.merge_file=~/m.txt"])
+    config = load_config(
+        "~/c.yaml",
+        [
+            "run.dir=~/runs/x",
+            "data.data_path=[0.5, ~/a, 0.5, ~/b]",
+            "data.vocab_file=~/v.json",
+            "data.merge_file=~/m.txt",
+        ],
+    )
     assert config.run.dir == str(tmp_path / "runs" / "x")
     assert config.data.data_path == [0.5, str(tmp_path / "a"), 0.5, str(tmp_path / "b")]
     assert config.data.vocab_file == str(tmp_path / "v.json") and config.train.train_iters == 300

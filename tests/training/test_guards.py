@@ -1,5 +1,6 @@
 """Run guards without a trainer: the run lock, token checks and their location in the data, the non-finite
 counter, metrics.jsonl line safety, device checks."""
+
 import json
 import logging
 import math
@@ -31,11 +32,19 @@ def _dead_pid() -> int:
 
 
 def test_lock_refuses_a_second_trainer_naming_pid_and_host(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
-                               "print('held', flush=True); time.sleep(120)",
-                               os.path.dirname(os.path.dirname(os.path.dirname(__file__))), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
+            "print('held', flush=True); time.sleep(120)",
+            os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         started = time.monotonic()
@@ -134,8 +143,13 @@ def test_metrics_nonfinite_values_are_null_with_a_flag(tmp_path):
     writer = MetricsWriter(str(tmp_path), True, tensorboard=False)
     writer.write({"iteration": 1, "lm_loss": math.nan, "grad_norm": math.inf, "lr": 0.1})
     line = (tmp_path / "metrics.jsonl").read_text()
-    assert json.loads(line) == {"iteration": 1, "lm_loss": None, "grad_norm": None, "lr": 0.1,
-                                "nonfinite": ["lm_loss", "grad_norm"]}
+    assert json.loads(line) == {
+        "iteration": 1,
+        "lm_loss": None,
+        "grad_norm": None,
+        "lr": 0.1,
+        "nonfinite": ["lm_loss", "grad_norm"],
+    }
 
 
 def test_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path):
@@ -196,6 +210,7 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 def test_an_interval_of_skipped_steps_reports_their_loss_not_zero():
     """fp16 skipping every step used to print "loss 0.0000": the loss of the skipped steps is reported."""
     from training.logging import IntervalStats
+
     stats = IntervalStats(1.0, 1, 1, "cpu")
     for loss in (6.0, 8.0):
         stats.add(step(loss=loss, grad_norm=math.nan, skipped=True, loss_scale=1.0), 0.1, 0.01)

@@ -1,4 +1,5 @@
 """LR schedule shapes (Megatron's warmup, cosine / linear / constant decay) and the state round trip."""
+
 import math
 
 import pytest

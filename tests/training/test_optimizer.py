@@ -1,5 +1,6 @@
 """The optimizer: AdamW matches torch.optim.AdamW, bf16 tracks fp32, fp16 skips overflowing steps and
 recovers, the global grad norm counts each element once over tp, state_dict round-trips bitwise."""
+
 from __future__ import annotations
 
 import io
@@ -14,8 +15,7 @@ from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from tests.parallel.test_data_parallel import (EPS, build, global_batch, micro_batches, run_step, tiny_cfg,
-                                               tiny_model)
+from tests.parallel.test_data_parallel import EPS, build, global_batch, micro_batches, run_step, tiny_cfg, tiny_model
 from training.optimizer import DynamicLossScaler, build_optimizer
 
 
@@ -27,8 +27,7 @@ def warm_meta_init() -> None:
 
 def run_steps(model, ddp, optimizer, state, steps: range) -> list:
     cfg = model.cfg
-    return [run_step(model, ddp, optimizer, state, micro_batches(global_batch(s, cfg), 0, 1))[1]
-            for s in steps]
+    return [run_step(model, ddp, optimizer, state, micro_batches(global_batch(s, cfg), 0, 1))[1] for s in steps]
 
 
 def test_adamw_matches_torch():
@@ -38,8 +37,10 @@ def test_adamw_matches_torch():
     optimizer.clip_grad = 0.0  # torch's AdamW does not clip
     ref_model = tiny_model(cfg)
     params = list(ref_model.parameters())
-    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+    ]
     reference = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=EPS, foreach=False)
     for step in range(3):
         batch = global_batch(step, cfg)
@@ -78,38 +79,38 @@ def test_bf16_tracks_fp32(distributed):
 
 def test_fp16_skips_overflow_backs_off_and_recovers():
     cfg, state = tiny_cfg(), ParallelState.single()
-    scale_cfg = dict(initial=2.0 ** 40, min=1.0, window=3, hysteresis=1)
+    scale_cfg = dict(initial=2.0**40, min=1.0, window=3, hysteresis=1)
     model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg, lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     history = []
     for step in range(60):  # 2 micro-batches per step: fp16 matmuls are slow on CPU
         micros = micro_batches(global_batch(step, cfg), 0, 4)
         history.append(run_step(model, ddp, optimizer, state, micros)[1])
-        if not history[0].skipped or len(history) >= 2 and not history[-2].skipped and not history[-1].skipped:
+        if not history[0].skipped or (len(history) >= 2 and not history[-2].skipped and not history[-1].skipped):
             break
-    assert history[0].skipped and history[0].loss_scale == 2.0 ** 40 and math.isnan(history[0].grad_norm)
+    assert history[0].skipped and history[0].loss_scale == 2.0**40 and math.isnan(history[0].grad_norm)
     first_clean = next(i for i, s in enumerate(history) if not s.skipped)
     assert optimizer.step_count == len(history) - first_clean  # skipped steps do not count for Adam
     for previous, current in zip(history, history[1:]):
         if previous.skipped:
             assert current.loss_scale == previous.loss_scale / 2  # hysteresis 1: back off at once
-    assert 2.0 ** 5 <= history[first_clean].loss_scale <= 2.0 ** 30
+    assert 2.0**5 <= history[first_clean].loss_scale <= 2.0**30
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_fp16_skipped_steps_change_nothing_and_scale_grows():
     cfg, state = tiny_cfg(), ParallelState.single()
-    scale_cfg = dict(initial=2.0 ** 40, min=1.0, window=2, hysteresis=1)
+    scale_cfg = dict(initial=2.0**40, min=1.0, window=2, hysteresis=1)
     model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg, lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     stats = run_step(model, ddp, optimizer, state, micro_batches(global_batch(0, cfg), 0, 8))[1]
-    assert stats.skipped and optimizer.loss_scale == 2.0 ** 39 and optimizer.step_count == 0
+    assert stats.skipped and optimizer.loss_scale == 2.0**39 and optimizer.step_count == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(seg.exp_avg.abs().max() == 0 for seg in optimizer.segments)
-    optimizer.scaler.scale = 2.0 ** 8  # jump to a scale that fits, then watch it grow after the window
+    optimizer.scaler.scale = 2.0**8  # jump to a scale that fits, then watch it grow after the window
     for step in range(2):
         assert not run_step(model, ddp, optimizer, state, micro_batches(global_batch(step, cfg), 0, 8))[1].skipped
-    assert optimizer.loss_scale == 2.0 ** 9
+    assert optimizer.loss_scale == 2.0**9
 
 
 def test_fp16_injected_inf_is_skipped():
@@ -164,8 +165,10 @@ def _tp_norm_ranks(rank, world_size, out_dir):
     owned_norm_before = ddp.buffers[0].clone()
     finalize_model_grads([model], state, ddp)
     lo, hi = ddp.owned_param_slice(marked["final_norm.weight"])
-    sp_ratio = (marked["final_norm.weight"].main_grad.view(-1)[lo:hi]
-                / owned_norm_before[ddp.param_ranges[marked["final_norm.weight"]].start + lo:][:hi - lo])
+    sp_ratio = (
+        marked["final_norm.weight"].main_grad.view(-1)[lo:hi]
+        / owned_norm_before[ddp.param_ranges[marked["final_norm.weight"]].start + lo :][: hi - lo]
+    )
     norm = optimizer.grad_norm()
     torch.save({"norm": norm, "sp_ratio": sp_ratio}, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -182,9 +185,12 @@ def test_grad_norm_counts_each_element_once_over_tp(tmp_path):
     grads = dict((name, p.main_grad) for name, p in model.named_parameters())
     full_sq = sum(g.double().pow(2).sum() for g in grads.values())
     assert abs(optimizer.grad_norm() - math.sqrt(full_sq)) <= 1e-5 * math.sqrt(full_sq)
-    expected = math.sqrt(full_sq + grads["layers.0.mlp.fc1.weight"].double().pow(2).sum()
-                         - grads["layers.1.mlp.fc2.weight"].double().pow(2).sum()
-                         + 3 * grads["final_norm.weight"].double().pow(2).sum())  # (2g)^2 = g^2 + 3 g^2
+    expected = math.sqrt(
+        full_sq
+        + grads["layers.0.mlp.fc1.weight"].double().pow(2).sum()
+        - grads["layers.1.mlp.fc2.weight"].double().pow(2).sum()
+        + 3 * grads["final_norm.weight"].double().pow(2).sum()
+    )  # (2g)^2 = g^2 + 3 g^2
     run_ranks(4, _tp_norm_ranks, str(tmp_path))
     for rank in range(4):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -196,8 +202,11 @@ def test_grad_norm_counts_each_element_once_over_tp(tmp_path):
 def test_state_dict_round_trip_is_bitwise(precision, distributed):
     cfg, state = tiny_cfg(), ParallelState.single()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    kwargs = dict(distributed=distributed, precision=precision, loss_scale_cfg=dict(initial=2.0 ** 12)
-                  if precision == "fp16" else None)
+    kwargs = dict(
+        distributed=distributed,
+        precision=precision,
+        loss_scale_cfg=dict(initial=2.0**12) if precision == "fp16" else None,
+    )
     uninterrupted = build(cfg, state, dtype, **kwargs)
     run_steps(*uninterrupted, state, range(4))
     first = build(cfg, state, dtype, **kwargs)

@@ -1,13 +1,14 @@
 """The checkpoint folder on disk: names, trackers, atomic writes, checksums, completeness, clean-up.
 
-    checkpoints/iter_0000100/            one complete checkpoint (renamed into place when complete)
-        .metadata  __<rank>_<n>.distcp   torch.distributed.checkpoint: every tensor under its global name
-        meta.json                        iteration, counters, layout, LR schedule, optimizer scalars, run config
-        rng/rank_00003.pt                each rank's RNG states (layout-specific)
-        checksums.json                   size and CRC-32 of every file above (written last)
-    checkpoints/iter_0000200.tmp.<pid>   a save in progress (pid of rank 0); never loaded
-    checkpoints/latest_checkpointed_iteration.txt, checkpoints/latest   the trackers (written after the rename)
+checkpoints/iter_0000100/            one complete checkpoint (renamed into place when complete)
+    .metadata  __<rank>_<n>.distcp   torch.distributed.checkpoint: every tensor under its global name
+    meta.json                        iteration, counters, layout, LR schedule, optimizer scalars, run config
+    rng/rank_00003.pt                each rank's RNG states (layout-specific)
+    checksums.json                   size and CRC-32 of every file above (written last)
+checkpoints/iter_0000200.tmp.<pid>   a save in progress (pid of rank 0); never loaded
+checkpoints/latest_checkpointed_iteration.txt, checkpoints/latest   the trackers (written after the rename)
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import os
 import re
 import shutil
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ALIAS = "latest"
@@ -65,12 +67,13 @@ def write_json(obj: Any, path: str) -> None:
     atomic_write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", path)
 
 
-def read_tracker(root: str) -> Optional[int]:
+def read_tracker(root: str) -> int | None:
     """The iteration the tracker names, or None without a tracker; CheckpointError if it is unreadable."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read().strip()
     try:
         return int(text)
     except ValueError:
@@ -114,7 +117,7 @@ def read_checksums(iter_dir: str) -> dict[str, dict]:
         raise CheckpointError(f"checkpoint file {path} is corrupt (not the expected JSON)") from None
 
 
-def verify_files(iter_dir: str, names: Optional[list[str]] = None, full: bool = True) -> None:
+def verify_files(iter_dir: str, names: list[str] | None = None, full: bool = True) -> None:
     """Check sizes (and with full=True every byte's CRC-32) against checksums.json; CheckpointError
     naming the first bad file."""
     expected = read_checksums(iter_dir)
@@ -124,8 +127,9 @@ def verify_files(iter_dir: str, names: Optional[list[str]] = None, full: bool = 
             raise CheckpointError(f"checkpoint file {path} is missing")
         size = os.path.getsize(path)
         if size != want["size"]:
-            raise CheckpointError(f"checkpoint file {path} is {size} bytes, {want['size']} were written "
-                                  f"(truncated or torn)")
+            raise CheckpointError(
+                f"checkpoint file {path} is {size} bytes, {want['size']} were written (truncated or torn)"
+            )
         if full and file_crc32(path) != want["crc32"]:
             raise CheckpointError(f"checkpoint file {path} fails its checksum (corrupted on disk)")
 
@@ -143,8 +147,11 @@ def read_meta(iter_dir: str) -> dict:
 
 def is_legacy(iter_dir: str) -> bool:
     """The per-rank format of earlier versions (mp_rank_XX_YYY folders, no meta.json)."""
-    return (not os.path.exists(os.path.join(iter_dir, META)) and os.path.isdir(iter_dir)
-            and any(name.startswith("mp_rank_") for name in os.listdir(iter_dir)))
+    return (
+        not os.path.exists(os.path.join(iter_dir, META))
+        and os.path.isdir(iter_dir)
+        and any(name.startswith("mp_rank_") for name in os.listdir(iter_dir))
+    )
 
 
 def is_complete(iter_dir: str, full: bool = False) -> bool:
@@ -158,8 +165,7 @@ def is_complete(iter_dir: str, full: bool = False) -> bool:
     return os.path.exists(os.path.join(iter_dir, META)) and os.path.exists(os.path.join(iter_dir, DCP_METADATA))
 
 
-def newest_complete(root: str, log: Callable[[str], None], candidates: Optional[list[int]] = None
-                    ) -> Optional[int]:
+def newest_complete(root: str, log: Callable[[str], None], candidates: list[int] | None = None) -> int | None:
     """The newest iteration (of candidates, default all) whose files all verify (others are logged)."""
     for iteration in reversed(list_iterations(root) if candidates is None else candidates):
         directory = os.path.join(root, iter_name(iteration))
@@ -191,8 +197,10 @@ def resolve_checkpoint(path: str) -> str:
         raise CheckpointError(f"{path} holds no complete checkpoint (no tracker, no verifying iter_* folder)")
     directory = os.path.join(path, iter_name(iteration))
     if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint tracker {os.path.join(path, TRACKER)} names iteration {iteration} "
-                              f"but {directory} does not exist")
+        raise CheckpointError(
+            f"checkpoint tracker {os.path.join(path, TRACKER)} names iteration {iteration} "
+            f"but {directory} does not exist"
+        )
     return directory
 
 
@@ -200,6 +208,7 @@ def read_saved_config(iter_dir: str) -> dict:
     """The run config (Config.to_dict() form) saved with the checkpoint in iter_dir."""
     if is_legacy(iter_dir):
         from training.checkpoint.legacy import legacy_config
+
         return legacy_config(iter_dir)
     return read_meta(iter_dir)["config"]
 

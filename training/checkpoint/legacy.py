@@ -7,10 +7,11 @@
 Resume such a checkpoint once at its own layout: the next save writes the layout-free format, which then
 loads at any layout.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -46,7 +47,8 @@ def _check_layout(iter_dir: str, main: dict, state: Any) -> None:
         raise CheckpointError(
             f"checkpoint {iter_dir} is in the per-rank format of earlier versions, saved at layout {layout}; "
             f"this run is {expected}: resume it once at its own layout (the next save writes the layout-free "
-            f"format, which loads at any layout)")
+            f"format, which loads at any layout)"
+        )
 
 
 def load_legacy_weights(iter_dir: str, chunks: list, state: Any) -> dict:
@@ -58,12 +60,14 @@ def load_legacy_weights(iter_dir: str, chunks: list, state: Any) -> dict:
     return main
 
 
-def load_legacy(iter_dir: str, state: Any, chunks: list, optimizer: Optional[Any],
-                distributed_optimizer: bool) -> tuple[dict, dict]:
+def load_legacy(
+    iter_dir: str, state: Any, chunks: list, optimizer: Any | None, distributed_optimizer: bool
+) -> tuple[dict, dict]:
     """Weights, optimizer (unless None) of this rank; returns (main file, per-rank file)."""
     main = load_legacy_weights(iter_dir, chunks, state)
-    per_rank = _load_file(os.path.join(rank_dir(iter_dir, state.tp_rank, state.pp_rank),
-                                       f"dp_rank_{state.dp_rank:03d}.pt"))
+    per_rank = _load_file(
+        os.path.join(rank_dir(iter_dir, state.tp_rank, state.pp_rank), f"dp_rank_{state.dp_rank:03d}.pt")
+    )
     if optimizer is not None:
         try:
             optimizer.load_state_dict(per_rank["optimizer"] if distributed_optimizer else main["optimizer"])

@@ -1,11 +1,12 @@
 """Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
 then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,8 +14,14 @@ import torch.distributed.checkpoint as dcp
 
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
-from training.checkpoint.state import (GlobalPieces, PiecesLoadPlanner, check_against_metadata,
-                                       optimizer_pieces, param_records, weight_pieces)
+from training.checkpoint.state import (
+    GlobalPieces,
+    PiecesLoadPlanner,
+    check_against_metadata,
+    optimizer_pieces,
+    param_records,
+    weight_pieces,
+)
 
 
 def _distributed() -> bool:
@@ -25,8 +32,9 @@ def read_dcp_metadata(iter_dir: str) -> Any:
     try:
         return dcp.FileSystemReader(iter_dir).read_metadata()
     except Exception as err:
-        raise CheckpointError(f"checkpoint file {os.path.join(iter_dir, files.DCP_METADATA)} cannot be read: "
-                              f"{type(err).__name__}") from None
+        raise CheckpointError(
+            f"checkpoint file {os.path.join(iter_dir, files.DCP_METADATA)} cannot be read: {type(err).__name__}"
+        ) from None
 
 
 def verify_share(iter_dir: str, group: Any = None) -> None:
@@ -53,14 +61,20 @@ def load_pieces(iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Any, g
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(),
-                     process_group=group, no_dist=not _distributed())
+            dcp.load(
+                wanted,
+                storage_reader=dcp.FileSystemReader(iter_dir),
+                planner=PiecesLoadPlanner(),
+                process_group=group,
+                no_dist=not _distributed(),
+            )
     except BaseException as err:  # CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         lines = [line for line in str(err).splitlines() if line.strip()]
-        raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {lines[-1] if lines else type(err).__name__}"
-                              ) from None
+        raise CheckpointError(
+            f"checkpoint {iter_dir} cannot be read: {lines[-1] if lines else type(err).__name__}"
+        ) from None
 
 
 def _weight_key(metadata: Any):
@@ -78,6 +92,7 @@ def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = Non
     (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
     if files.is_legacy(iter_dir):
         from training.checkpoint.legacy import load_legacy_weights
+
         load_legacy_weights(iter_dir, chunks, state)
         return
     if verify:
@@ -88,14 +103,19 @@ def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = Non
         load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
 
 
-def load_optimizer_state(iter_dir: str, chunks: list, optimizer: Any, state: Any, metadata: Any,
-                         optim_meta: dict, group: Any = None) -> None:
+def load_optimizer_state(
+    iter_dir: str, chunks: list, optimizer: Any, state: Any, metadata: Any, optim_meta: dict, group: Any = None
+) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
     and loss-scaler state; then the masters are written into the params (collective over dp)."""
     records = param_records(chunks, state, vocab_size_of(chunks))
     stored = metadata.state_dict_metadata
-    wanted = optimizer_pieces(records, optimizer, for_save=False,
-                              master_key=lambda n: f"optim.master.{n}" if f"optim.master.{n}" in stored else n)
+    wanted = optimizer_pieces(
+        records,
+        optimizer,
+        for_save=False,
+        master_key=lambda n: f"optim.master.{n}" if f"optim.master.{n}" in stored else n,
+    )
     with torch.no_grad():
         load_pieces(iter_dir, wanted, metadata, group)
     optimizer.step_count = int(optim_meta["step"])
@@ -103,7 +123,7 @@ def load_optimizer_state(iter_dir: str, chunks: list, optimizer: Any, state: Any
     optimizer._copy_to_params()
 
 
-def load_rng(iter_dir: str, rank: int) -> Optional[dict]:
+def load_rng(iter_dir: str, rank: int) -> dict | None:
     path = os.path.join(iter_dir, "rng", f"rank_{rank:05d}.pt")
     if not os.path.exists(path):
         return None
@@ -113,7 +133,7 @@ def load_rng(iter_dir: str, rank: int) -> Optional[dict]:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {type(err).__name__}") from None
 
 
-def read_global_tensors(iter_dir: str, keys: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Whole global tensors (all keys, or `keys`) of a checkpoint, read in this process alone (tools, tests)."""
     metadata = read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata

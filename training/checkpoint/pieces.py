@@ -9,10 +9,11 @@ local view) pairs and speaks DCP's checkpointable protocol (`__create_write_item
 
 Tensors are 1-D or 2-D here; a 1-D tensor of n elements is handled as an [n, 1] matrix internally.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -32,7 +33,7 @@ class Block:
     row_off: int = 0
     col_off: int = 0
 
-    def intersect(self, r0: int, r1: int, c0: int, c1: int) -> Optional["Block"]:
+    def intersect(self, r0: int, r1: int, c0: int, c1: int) -> Block | None:
         lo_r, hi_r, lo_c, hi_c = max(self.r0, r0), min(self.r1, r1), max(self.c0, c0), min(self.c1, c1)
         if lo_r >= hi_r or lo_c >= hi_c:
             return None
@@ -74,9 +75,16 @@ def tp_blocks(param: torch.Tensor, name: str, tp_rank: int, tp_size: int, vocab_
         # SwiGLU's fc1 is [gate; up] and each half is split (parallel/tp_layers.shard_dim0's num_stacked)
         stacked = getattr(info.shard_fn, "keywords", {}).get("num_stacked", 1)
         block_rows = rows // stacked  # [stacked blocks of rows/stacked] locally, each a slice of a global block
-        blocks = [Block(b * block_rows, (b + 1) * block_rows, 0, cols,
-                        b * block_rows * tp_size + tp_rank * block_rows - b * block_rows)
-                  for b in range(stacked)]
+        blocks = [
+            Block(
+                b * block_rows,
+                (b + 1) * block_rows,
+                0,
+                cols,
+                b * block_rows * tp_size + tp_rank * block_rows - b * block_rows,
+            )
+            for b in range(stacked)
+        ]
     if name in VOCAB_PARAMS:  # the padding rows (a multiple that grows with tp) are not stored
         blocks = [b for b in (blk.intersect(0, vocab_size - blk.row_off, 0, cols) for blk in blocks) if b]
     return blocks
@@ -116,15 +124,23 @@ class GlobalPieces:
         self.pieces = pieces
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape),
-                              properties=TensorProperties.create_from_tensor(tensor), size=self.shape))
-                for offsets, tensor in self.pieces]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape),
+                    properties=TensorProperties.create_from_tensor(tensor),
+                    size=self.shape,
+                ),
+            )
+            for offsets, tensor in self.pieces
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
-                for offsets, tensor in self.pieces]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape) for offsets, tensor in self.pieces
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for offsets, tensor in self.pieces:
@@ -133,8 +149,12 @@ class GlobalPieces:
         raise ValueError(f"no piece of {index.fqn} at offsets {tuple(index.offset)} on this rank")
 
 
-def pieces_of(flat: torch.Tensor, flat_start: int, shape: tuple[int, ...], blocks: list[Block],
-              ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+def pieces_of(
+    flat: torch.Tensor,
+    flat_start: int,
+    shape: tuple[int, ...],
+    blocks: list[Block],
+) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """Pieces of a param-shaped tensor of which `flat` holds the flat elements [flat_start, flat_start +
     flat.numel()) (the whole tensor, or a distributed-optimizer shard), as (global offsets, view of flat)."""
     rows = shape[0]
@@ -148,7 +168,7 @@ def pieces_of(flat: torch.Tensor, flat_start: int, shape: tuple[int, ...], block
             # A part is one partial row or whole rows (blocks span all columns): contiguous in flat.
             begin = part.r0 * cols + part.c0 - flat_start
             n_rows, n_cols = part.r1 - part.r0, part.c1 - part.c0
-            view = flat[begin:begin + n_rows * n_cols].view(n_rows, n_cols)
+            view = flat[begin : begin + n_rows * n_cols].view(n_rows, n_cols)
             offsets = (part.r0 + part.row_off, part.c0 + part.col_off)
             if len(shape) == 1:
                 view, offsets = view.reshape(-1), offsets[:1]

@@ -7,21 +7,34 @@ run's config, and then loading it into the built run.
                               (checkpoint.finetune=PATH: the same from PATH, one override)
     checkpoint.load_optimizer=false   weights and counters; fresh optimizer state (Megatron's --no-load-optim)
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from model.config import ModelConfig
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint.
-STRUCTURAL = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
-              "max_positions", "position_embedding_type", "normalization", "activation", "tie_embeddings",
-              "add_bias_linear")
+STRUCTURAL = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "query_groups",
+    "ffn_size",
+    "vocab_size",
+    "max_positions",
+    "position_embedding_type",
+    "normalization",
+    "activation",
+    "tie_embeddings",
+    "add_bias_linear",
+)
 # ...and those that change what a resumed run computes from the same tensors (a fine-tune may change them).
 RESUME_ONLY = ("seq_length", "rotary_base")
 IGNORED_SECTIONS = ("run", "checkpoint")
@@ -49,8 +62,11 @@ def model_differences(saved: dict, current: dict, keys: tuple[str, ...]) -> list
     for key in keys:
         before, after = _model_value(saved["model"], key), _model_value(current["model"], key)
         if before != after:
-            name = {"query_groups": "num_query_groups", "ffn_size": "ffn_hidden_size",
-                    "max_positions": "max_position_embeddings"}.get(key, key)
+            name = {
+                "query_groups": "num_query_groups",
+                "ffn_size": "ffn_hidden_size",
+                "max_positions": "max_position_embeddings",
+            }.get(key, key)
             out.append(f"model.{name}={before!r} in the checkpoint, {after!r} in this run")
     return out
 
@@ -63,14 +79,14 @@ def other_differences(saved: dict, current: dict) -> list[str]:
             continue
         for key, value in values.items():
             before = saved.get(section, {}).get(key, "<absent>")
-            if before != value and section != "model":
-                out.append(f"{section}.{key}: {before!r} -> {value!r}")
-            elif section == "model" and before != value and key not in STRUCTURAL + RESUME_ONLY:
+            if (before != value and section != "model") or (
+                section == "model" and before != value and key not in STRUCTURAL + RESUME_ONLY
+            ):
                 out.append(f"{section}.{key}: {before!r} -> {value!r}")
     return out
 
 
-def _source(config: Any, run_root: str) -> Optional[str]:
+def _source(config: Any, run_root: str) -> str | None:
     load = config.checkpoint.load
     if load is False or load is None:
         return None
@@ -81,7 +97,7 @@ def _source(config: Any, run_root: str) -> Optional[str]:
     return str(load)
 
 
-def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0: bool) -> Optional[ResumePlan]:
+def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0: bool) -> ResumePlan | None:
     """Resolve checkpoint.load, check the checkpoint against this run's config (model.vocab_size already
     known) and verify its files. Raises CheckpointError before anything of the run is written; None = start
     fresh. Collective when distributed (the verification)."""
@@ -93,21 +109,32 @@ def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0
         if config.checkpoint.load is True:
             log(f"checkpoint.load=true but no checkpoint under {run_root}: starting fresh")
         return None
-    if files.read_tracker(source) is None and not files.ITER_RE.match(os.path.basename(os.path.abspath(source))) \
-            and files.list_iterations(source):
+    if (
+        files.read_tracker(source) is None
+        and not files.ITER_RE.match(os.path.basename(os.path.abspath(source)))
+        and files.list_iterations(source)
+    ):
         log(f"no tracker under {source}: loading the newest checkpoint that verifies")
     iter_dir = files.resolve_checkpoint(source)
     legacy = files.is_legacy(iter_dir)
     meta = _legacy_meta(iter_dir) if legacy else files.read_meta(iter_dir)
     ckpt = config.checkpoint
-    plan = ResumePlan(iter_dir, meta, legacy, weights_only=ckpt.finetune or not ckpt.load_optimizer
-                      or not meta.get("has_optimizer", True), reset_progress=ckpt.finetune)
+    plan = ResumePlan(
+        iter_dir,
+        meta,
+        legacy,
+        weights_only=ckpt.finetune or not ckpt.load_optimizer or not meta.get("has_optimizer", True),
+        reset_progress=ckpt.finetune,
+    )
     if not plan.weights_only and not plan.reset_progress and not meta.get("has_optimizer", True):
-        raise CheckpointError(f"checkpoint {iter_dir} holds weights only: load it with checkpoint.finetune=true "
-                              f"or checkpoint.load_optimizer=false")
+        raise CheckpointError(
+            f"checkpoint {iter_dir} holds weights only: load it with checkpoint.finetune=true "
+            f"or checkpoint.load_optimizer=false"
+        )
     _check_config(plan, config, log)
     if not legacy:
         from training.checkpoint.loader import verify_share
+
         verify_share(iter_dir)  # every byte, the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
     start = 0 if plan.reset_progress else int(meta["iteration"])
@@ -125,8 +152,10 @@ def _check_config(plan: ResumePlan, config: Any, log: Callable[[str], None]) -> 
         log(f"config differs from the checkpoint's: {line}")
     iteration = int(plan.meta["iteration"])
     if not plan.reset_progress and config.train.train_iters < iteration:
-        raise CheckpointError(f"train.train_iters={config.train.train_iters} is below the iteration of checkpoint "
-                              f"{plan.iter_dir} ({iteration}): raise it, or fine-tune with checkpoint.finetune=true")
+        raise CheckpointError(
+            f"train.train_iters={config.train.train_iters} is below the iteration of checkpoint "
+            f"{plan.iter_dir} ({iteration}): raise it, or fine-tune with checkpoint.finetune=true"
+        )
 
 
 def _refuse_overwrite(config: Any, run_root: str, from_root: bool, start: int) -> None:
@@ -137,15 +166,24 @@ def _refuse_overwrite(config: Any, run_root: str, from_root: bool, start: int) -
     if existing:
         raise CheckpointError(
             f"{run_root} already holds checkpoints ({files.iter_name(existing[-1])}) that this run would write "
-            f"over: resume them with checkpoint.load=true, or choose another run.dir")
+            f"over: resume them with checkpoint.load=true, or choose another run.dir"
+        )
 
 
 def _legacy_meta(iter_dir: str) -> dict:
     from training.checkpoint.legacy import legacy_main_file
+
     main = legacy_main_file(iter_dir)
-    return {"iteration": main["iteration"], "consumed_samples": main["consumed_samples"],
-            "skipped_iters": main.get("skipped_iters", 0), "config": main["config"], "has_optimizer": True,
-            "lr_schedule": main["lr_schedule"], "layout": main.get("layout", {}), "format_version": 1}
+    return {
+        "iteration": main["iteration"],
+        "consumed_samples": main["consumed_samples"],
+        "skipped_iters": main.get("skipped_iters", 0),
+        "config": main["config"],
+        "has_optimizer": True,
+        "lr_schedule": main["lr_schedule"],
+        "layout": main.get("layout", {}),
+        "format_version": 1,
+    }
 
 
 def derived_seed(seed: int, iteration: int) -> int:
@@ -153,8 +191,16 @@ def derived_seed(seed: int, iteration: int) -> int:
     return int(hashlib.md5(f"rng/{seed}/{iteration}".encode()).hexdigest()[:8], 16)
 
 
-def load_into_run(plan: ResumePlan, config: Any, state: Any, chunks: list, optimizer: Any, lr_schedule: Any,
-                  rng_tracker: Any, log: Callable[[str], None]) -> tuple[int, int, int]:
+def load_into_run(
+    plan: ResumePlan,
+    config: Any,
+    state: Any,
+    chunks: list,
+    optimizer: Any,
+    lr_schedule: Any,
+    rng_tracker: Any,
+    log: Callable[[str], None],
+) -> tuple[int, int, int]:
     """Load the planned checkpoint into the built run; returns (iteration, consumed_samples, skipped_iters).
     Collective."""
     from training.checkpoint.loader import load_model_weights, load_optimizer_state, read_dcp_metadata
@@ -173,14 +219,19 @@ def load_into_run(plan: ResumePlan, config: Any, state: Any, chunks: list, optim
         return 0, 0, 0
     apply_lr_schedule(meta["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)
     restore_rng(plan, config, state, rng_tracker, log)
-    what = "weights (checkpoint.load_optimizer=false: fresh optimizer state)" if plan.weights_only else \
-        "weights and optimizer state"
-    log(f"loaded {what} of iteration {meta['iteration']} from {plan.iter_dir} (saved at "
-        f"{_describe(meta.get('layout', {}))})")
+    what = (
+        "weights (checkpoint.load_optimizer=false: fresh optimizer state)"
+        if plan.weights_only
+        else "weights and optimizer state"
+    )
+    log(
+        f"loaded {what} of iteration {meta['iteration']} from {plan.iter_dir} (saved at "
+        f"{_describe(meta.get('layout', {}))})"
+    )
     return int(meta["iteration"]), int(meta["consumed_samples"]), int(meta.get("skipped_iters", 0))
 
 
-def apply_lr_schedule(saved: Optional[dict], lr_schedule: Any, override: bool, log: Callable[[str], None]) -> None:
+def apply_lr_schedule(saved: dict | None, lr_schedule: Any, override: bool, log: Callable[[str], None]) -> None:
     """Megatron's rule: the checkpoint's LR schedule wins unless optim.override_lr_schedule=true; every
     difference is logged either way."""
     if not saved:
@@ -189,18 +240,24 @@ def apply_lr_schedule(saved: Optional[dict], lr_schedule: Any, override: bool, l
     changed = [key for key in current if key in saved and saved[key] != current[key]]
     if override:
         for key in changed:
-            log(f"LR schedule: {key}={current[key]!r} from this run's config (checkpoint had {saved[key]!r}; "
-                f"optim.override_lr_schedule=true)")
+            log(
+                f"LR schedule: {key}={current[key]!r} from this run's config (checkpoint had {saved[key]!r}; "
+                f"optim.override_lr_schedule=true)"
+            )
         return
     lr_schedule.load_state_dict(saved)
     for key in changed:
-        log(f"LR schedule: {key}={saved[key]!r} from the checkpoint, not this run's {current[key]!r} "
-            f"(set optim.override_lr_schedule=true to use the config's)")
+        log(
+            f"LR schedule: {key}={saved[key]!r} from the checkpoint, not this run's {current[key]!r} "
+            f"(set optim.override_lr_schedule=true to use the config's)"
+        )
 
 
 def same_layout(saved: dict, state: Any) -> bool:
-    return all(saved.get(key) == value for key, value in
-               (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size)))
+    return all(
+        saved.get(key) == value
+        for key, value in (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
+    )
 
 
 def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log: Callable[[str], None]) -> None:
@@ -217,29 +274,43 @@ def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log
     seed = derived_seed(config.train.seed, int(plan.meta["iteration"]))
     fresh = RNGTracker.seeded(seed, state.tp_rank, state.pp_rank, rng_tracker.device_type)
     rng_tracker.set_states(fresh.get_states())
-    log(f"layout changed ({_describe(layout)} -> tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size} "
+    log(
+        f"layout changed ({_describe(layout)} -> tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size} "
         f"x dp {state.dp_size}): dropout RNG streams restarted from seed {seed} (derived from train.seed and "
-        f"iteration {plan.meta['iteration']})")
+        f"iteration {plan.meta['iteration']})"
+    )
 
 
 def _describe(layout: dict) -> str:
     if not layout:
         return "an unknown layout"
     extras = [name for name in ("sequence_parallel", "distributed_optimizer") if layout.get(name)]
-    return (f"tp {layout.get('tp')} x pp {layout.get('pp')} x vp {layout.get('vp')} x dp {layout.get('dp', '?')}"
-            + (f" ({', '.join(extras)})" if extras else ""))
+    return f"tp {layout.get('tp')} x pp {layout.get('pp')} x vp {layout.get('vp')} x dp {layout.get('dp', '?')}" + (
+        f" ({', '.join(extras)})" if extras else ""
+    )
 
 
-def _load_legacy(plan: ResumePlan, config: Any, state: Any, chunks: list, optimizer: Any, lr_schedule: Any,
-                 rng_tracker: Any, log: Callable[[str], None]) -> tuple[int, int, int]:
+def _load_legacy(
+    plan: ResumePlan,
+    config: Any,
+    state: Any,
+    chunks: list,
+    optimizer: Any,
+    lr_schedule: Any,
+    rng_tracker: Any,
+    log: Callable[[str], None],
+) -> tuple[int, int, int]:
     from training.checkpoint.legacy import load_legacy
 
-    main, per_rank = load_legacy(plan.iter_dir, state, chunks, None if plan.weights_only else optimizer,
-                                 config.parallel.distributed_optimizer)
+    main, per_rank = load_legacy(
+        plan.iter_dir, state, chunks, None if plan.weights_only else optimizer, config.parallel.distributed_optimizer
+    )
     if plan.weights_only:
         optimizer.reset_from_params()
-    log(f"loaded {plan.iter_dir}, a checkpoint in the per-rank format of earlier versions (loads only at its "
-        f"own layout); the next save writes the layout-free format")
+    log(
+        f"loaded {plan.iter_dir}, a checkpoint in the per-rank format of earlier versions (loads only at its "
+        f"own layout); the next save writes the layout-free format"
+    )
     if plan.reset_progress:
         return 0, 0, 0
     apply_lr_schedule(main["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)

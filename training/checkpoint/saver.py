@@ -4,6 +4,7 @@ trackers. `Checkpointer` runs that synchronously or, with async_save, in a backg
 own gloo group: the thread first copies the pieces aside (overlapping the next forward and backward; the loop
 waits for the copy only before its next optimizer step), then writes them.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +32,8 @@ class SaveJob:
     root: str
     iteration: int
     tensors: dict  # key -> GlobalPieces
-    meta: Optional[dict]  # written by rank 0 (meta.json)
-    rng: Optional[dict]  # this rank's RNG states (rng/rank_XXXXX.pt)
+    meta: dict | None  # written by rank 0 (meta.json)
+    rng: dict | None  # this rank's RNG states (rng/rank_XXXXX.pt)
     keep_last: int = 0
     before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
 
@@ -57,7 +59,7 @@ def _all_gather(obj: Any, group: Any) -> list:
     return out
 
 
-def _first_error(statuses: list) -> Optional[str]:
+def _first_error(statuses: list) -> str | None:
     return next((status for status in statuses if isinstance(status, str)), None)
 
 
@@ -88,8 +90,13 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.save(job.tensors, storage_writer=dcp.FileSystemWriter(tmp), planner=PiecesSavePlanner(),
-                         process_group=group, no_dist=world == 1)
+                dcp.save(
+                    job.tensors,
+                    storage_writer=dcp.FileSystemWriter(tmp),
+                    planner=PiecesSavePlanner(),
+                    process_group=group,
+                    no_dist=world == 1,
+                )
         except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -123,7 +130,7 @@ def _own_files(tmp: str, rank: int) -> list[str]:
     return names
 
 
-def _finalize(job: SaveJob, tmp: str, final: str, gathered: list) -> Optional[str]:
+def _finalize(job: SaveJob, tmp: str, final: str, gathered: list) -> str | None:
     """Rank 0, after every rank's files are written and fsynced: checksums, rename, trackers, pruning."""
     try:
         merged = {name: entry for sums in gathered for name, entry in sums.items()}
@@ -153,10 +160,10 @@ class Checkpointer:
         # Own gloo group: object collectives on CPU also under NCCL, and the background thread's collectives
         # never interleave with the training loop's on the default group.
         self.group = dist.new_group(backend="gloo") if distributed else None
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._outcome: dict[str, Any] = {}
-        self._staging: Optional[dict] = None  # async: CPU copies of the pieces, reused from save to save
-        self._staged: Optional[threading.Event] = None  # set once the save in flight has copied the pieces
+        self._staging: dict | None = None  # async: CPU copies of the pieces, reused from save to save
+        self._staged: threading.Event | None = None  # set once the save in flight has copied the pieces
         self._blocked = 0.0  # seconds the loop waited for the save in flight
 
     def save(self, job: SaveJob) -> None:
@@ -169,8 +176,7 @@ class Checkpointer:
             self._report(job, result, time.perf_counter() - started)
             return
         self._outcome, self._staged = {}, threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(job, self._staged), name="checkpoint-save",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(job, self._staged), name="checkpoint-save", daemon=True)
         self._thread.start()
         self._blocked = time.perf_counter() - started
 
@@ -217,5 +223,7 @@ class Checkpointer:
     def _report(self, job: SaveJob, result: SaveResult, blocked: float) -> None:
         size = f"{result.size_bytes / 2**20:.1f} MiB" if result.size_bytes else "size on rank 0"
         mode = f"async, copied aside in {self._outcome['copy_seconds']:.2f} s" if self.async_save else "sync"
-        self.log(f"saved checkpoint {result.path} ({size}, {mode}): written in {result.write_seconds:.2f} s, "
-                 f"training loop blocked {blocked:.3f} s")
+        self.log(
+            f"saved checkpoint {result.path} ({size}, {mode}): written in {result.write_seconds:.2f} s, "
+            f"training loop blocked {blocked:.3f} s"
+        )

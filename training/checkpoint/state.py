@@ -9,10 +9,11 @@ dp, so every dp rank writes a share); with the distributed optimizer each dp ran
 state. The last pipeline stage's copy of a tied embedding is never written (the first stage writes it) but
 is loaded from the same key.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,9 +49,16 @@ def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[
             replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
             writes = replica_writer and len(records) % state.dp_size == state.dp_rank
-            records.append(ParamRecord(name, param, global_shape(param, name, vocab_size),
-                                       tp_blocks(param, name, state.tp_rank, state.tp_size, vocab_size),
-                                       writes, replica_writer))
+            records.append(
+                ParamRecord(
+                    name,
+                    param,
+                    global_shape(param, name, vocab_size),
+                    tp_blocks(param, name, state.tp_rank, state.tp_size, vocab_size),
+                    writes,
+                    replica_writer,
+                )
+            )
     return records
 
 
@@ -70,8 +78,9 @@ def weight_pieces(records: list[ParamRecord], for_save: bool, key_of=lambda name
     return out
 
 
-def optimizer_pieces(records: list[ParamRecord], optimizer: Any, for_save: bool,
-                     master_key=lambda name: f"optim.master.{name}") -> dict[str, GlobalPieces]:
+def optimizer_pieces(
+    records: list[ParamRecord], optimizer: Any, for_save: bool, master_key=lambda name: f"optim.master.{name}"
+) -> dict[str, GlobalPieces]:
     """Adam moments and fp32 masters of this rank's optimizer segments as global pieces. Saving skips the
     master of fp32 weights (it equals the weight) and what another rank writes."""
     by_param = {id(rec.param): rec for rec in records}
@@ -86,26 +95,36 @@ def optimizer_pieces(records: list[ParamRecord], optimizer: Any, for_save: bool,
                 if kind == "master" and for_save and param.dtype == torch.float32:
                     continue
                 key = master_key(rec.name) if kind == "master" else f"optim.{kind}.{rec.name}"
-                flat = getattr(seg, kind)[seg_offset:seg_offset + length]
+                flat = getattr(seg, kind)[seg_offset : seg_offset + length]
                 _add(out, key, rec.shape, pieces_of(flat, param_offset, tuple(param.shape), rec.blocks))
     return out
 
 
-def staged_copy(state_dict: dict[str, GlobalPieces], buffers: Optional[dict[str, GlobalPieces]] = None
-                ) -> dict[str, GlobalPieces]:
+def staged_copy(
+    state_dict: dict[str, GlobalPieces], buffers: dict[str, GlobalPieces] | None = None
+) -> dict[str, GlobalPieces]:
     """The same pieces copied into CPU memory that training does not touch (async save). `buffers`, the
     result of an earlier call with pieces of the same shapes, is reused: no new allocation (page faults cost
     more than the copy), and pinned when the tensors live on a GPU."""
+
     def same_layout(a: GlobalPieces, b: GlobalPieces) -> bool:
         return [(o, t.shape, t.dtype) for o, t in a.pieces] == [(o, t.shape, t.dtype) for o, t in b.pieces]
 
-    if buffers is None or buffers.keys() != state_dict.keys() or not all(
-            same_layout(state_dict[k], buffers[k]) for k in state_dict):
-        buffers = {key: GlobalPieces(tuple(value.shape),
-                                     [(offsets, torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                            pin_memory=tensor.is_cuda))
-                                      for offsets, tensor in value.pieces])
-                   for key, value in state_dict.items()}
+    if (
+        buffers is None
+        or buffers.keys() != state_dict.keys()
+        or not all(same_layout(state_dict[k], buffers[k]) for k in state_dict)
+    ):
+        buffers = {
+            key: GlobalPieces(
+                tuple(value.shape),
+                [
+                    (offsets, torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda))
+                    for offsets, tensor in value.pieces
+                ],
+            )
+            for key, value in state_dict.items()
+        }
     for key, value in state_dict.items():
         for (_, source), (_, target) in zip(value.pieces, buffers[key].pieces):
             target.copy_(source.detach(), non_blocking=source.is_cuda)
@@ -151,9 +170,11 @@ def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Any, iter_
             raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r} (saved from a different model?)")
         saved_shape = tuple(getattr(stored[key], "size", ()))
         if saved_shape != tuple(wanted[key].shape):
-            raise CheckpointError(f"checkpoint {iter_dir}: tensor {key!r} has shape {list(saved_shape)} in the "
-                                  f"checkpoint but {list(wanted[key].shape)} in this model")
+            raise CheckpointError(
+                f"checkpoint {iter_dir}: tensor {key!r} has shape {list(saved_shape)} in the "
+                f"checkpoint but {list(wanted[key].shape)} in this model"
+            )
 
 
-def first_missing(metadata: Any, keys: list[str]) -> Optional[str]:
+def first_missing(metadata: Any, keys: list[str]) -> str | None:
     return next((key for key in keys if key not in metadata.state_dict_metadata), None)
