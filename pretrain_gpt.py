@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from config.schema import Config, ConfigError, load_config
 from data.tokenizers import build_tokenizer
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout, layout_from_config
@@ -31,7 +32,6 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointError, TrainingProgress, save_checkpoint
-from training.config import Config, ConfigError, load_config
 from training.flops import flops_per_iteration
 from training.guards import (
     EXIT_DIVERGED,

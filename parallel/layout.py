@@ -177,5 +177,5 @@ def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layo
 
 
 def layout_from_config(config: Any, world_size: int) -> Layout:
-    """build_layout on a training.config.Config."""
+    """build_layout on a config.schema.Config."""
     return build_layout(config.model, config.parallel, config.train, world_size)

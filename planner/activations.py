@@ -41,7 +41,7 @@ class ActivationShape:
 def shape_from_config(
     model: Any, parallel: Any, train: Any, attention: str = "materialized", micro_batch: int | None = None
 ) -> ActivationShape:
-    """The ActivationShape of a run config (training.config sections)."""
+    """The ActivationShape of a run config (config.schema sections)."""
     return ActivationShape(
         seq_length=model.seq_length,
         micro_batch=micro_batch or train.micro_batch_size,

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from config.schema import ConfigError, load_config
 from planner.cluster import ClusterSpec
 from planner.predict import predict
-from training.config import ConfigError, load_config
 from training.flops import flops_per_iteration
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from training.config import read_yaml_file
+from config.schema import read_yaml_file
 
 
 class ClusterError(ValueError):

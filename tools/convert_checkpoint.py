@@ -27,6 +27,14 @@ import sys
 import torch
 import yaml
 
+from config.schema import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ParallelConfig,
+    TrainConfig,
+    config_from_dict,
+)
 from model.config import ModelConfig
 from model.hf_mapping import (
     UnsupportedModelError,
@@ -36,14 +44,6 @@ from model.hf_mapping import (
     to_hf_state_dict,
 )
 from training.checkpointing import CheckpointError
-from training.config import (
-    Config,
-    ConfigError,
-    DataConfig,
-    ParallelConfig,
-    TrainConfig,
-    config_from_dict,
-)
 from training.hf_folder import (
     DTYPES,
     HF_DTYPE_NAMES,

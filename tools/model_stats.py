@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
 from parallel.layout import layout_from_config
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
@@ -17,7 +18,6 @@ from parallel.state import ParallelState, rank_of
 from parallel.tensor_parallel import apply_tensor_parallel
 from planner.activations import layer_activation_bytes, shape_from_config
 from planner.memory import state_bytes_per_param
-from training.config import Config, ConfigError, load_config
 from training.flops import flops_per_iteration
 
 GIB = 2.0**30

@@ -19,12 +19,12 @@ import sys
 
 import yaml
 
+from config.schema import ConfigError, load_config
 from parallel.layout import LayoutError
 from planner import calibrate
 from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
 from planner.predict import Prediction, predict
 from planner.search import search, why_best_wins
-from training.config import ConfigError, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

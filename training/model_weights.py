@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from config.schema import config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.hf_mapping import vocab_rows
@@ -16,7 +17,6 @@ from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel
 from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
-from training.config import config_from_dict
 
 Tensors = dict[str, torch.Tensor]
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from config.schema import Config, TrainConfig
 from data.blended_dataset import BlendedDataset
 from data.builder import BuildOptions, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import ensure_sample_corpus
-from training.config import Config, TrainConfig
 from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -29,8 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 import pretrain_gpt
+from config.schema import load_config
 from parallel.layout import layout_from_config
-from training.config import load_config
 from training.setup import init_distributed
 
 MODEL = [

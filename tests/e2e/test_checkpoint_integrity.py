@@ -216,8 +216,8 @@ def _write_legacy_checkpoint(run, root: str) -> None:
 
 
 def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
+    from config.schema import load_config
     from parallel.layout import layout_from_config
-    from training.config import load_config
     from training.setup import init_distributed
 
     drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")

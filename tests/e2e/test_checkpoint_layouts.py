@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import pretrain_gpt
+from config.schema import load_config
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.saver import write_checkpoint
-from training.config import load_config
 from training.setup import init_distributed
 
 MODEL = ("model.num_layers=8", "train.eval_iters=0")

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from config.schema import load_config
 from planner.activations import ActivationShape
 from planner.cluster import ClusterError, cluster_from_dict, load_cluster
 from planner.costs import (
@@ -17,7 +18,6 @@ from planner.costs import (
     tp_per_node,
 )
 from tests.conftest import REPO_ROOT
-from training.config import load_config
 
 CLUSTERS = os.path.join(REPO_ROOT, "configs", "clusters")
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from config.schema import load_config
 from parallel.layout import LayoutError
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.simulator import simulate_lists
@@ -13,7 +14,6 @@ from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import with_layout
 from tests.conftest import REPO_ROOT
-from training.config import load_config
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 PAPER = os.path.join(REPO_ROOT, "configs", "paper")

@@ -7,13 +7,13 @@ import sys
 
 import yaml
 
+from config.schema import load_config
 from planner import calibrate
 from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import search, why_best_wins
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
-from training.config import load_config
 from training.flops import flops_per_iteration
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")

@@ -11,13 +11,13 @@ import sysconfig
 import pytest
 import torch
 
+from config.schema import Config, DataConfig, ParallelConfig
 from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from tests.conftest import REPO_ROOT, run_ranks
 from tools.convert_checkpoint import consolidate, from_hf, to_hf
 from training.checkpointing import save_model_weights
-from training.config import Config, DataConfig, ParallelConfig
 from training.model_weights import load_global_state
 
 GPT = dict(

@@ -249,7 +249,7 @@ def test_legacy_names_and_the_cli(megatron_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     config, tensors = load_global_state(str(out))
     assert config["parallel"]["tp_size"] == 2 and config["model"]["num_query_groups"] == 2
-    from training.config import config_from_dict
+    from config.schema import config_from_dict
 
     assert_logits_close(
         our_logits(config_from_dict(config).model, tensors), torch.load(os.path.join(megatron_dir, "llama_logits.pt"))

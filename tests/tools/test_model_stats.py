@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from config.schema import load_config
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, report, total_parameters
-from training.config import load_config
 from training.flops import flops_per_iteration
 
 TABLE_1 = {

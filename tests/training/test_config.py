@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
+from config.schema import ConfigError, load_config
 from parallel.layout import LayoutError, layout_from_config
 from parallel.pipeline.plan import build_plan
 from parallel.pipeline.schedules import build_schedule
 from tests.conftest import REPO_ROOT
-from training.config import ConfigError, load_config
 
 
 def write(tmp_path, text):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from config.schema import TrainConfig
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from training.config import TrainConfig
 from training.guards import NonFiniteGuard, TrainingStopped, find_bad_token, locate_sample_token
 from training.logging import LOGGER_NAME, MetricsWriter
 from training.run_lock import RunLock, RunLockError
