@@ -27,17 +27,18 @@ class LayerKVCache:
         start, s_new = self.length, k.shape[0]
         if start + s_new > self.max_length:
             raise ValueError(f"KV cache holds {self.max_length} tokens; {start} + {s_new} do not fit")
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             self.keys = k.new_empty((self.max_length, *k.shape[1:]))
             self.values = v.new_empty((self.max_length, *v.shape[1:]))
-        self.keys[start : start + s_new] = k
-        self.values[start : start + s_new] = v
+        keys, values = self.keys, self.values
+        keys[start : start + s_new] = k
+        values[start : start + s_new] = v
         self.length = start + s_new
         mask = None
         if start > 0:
             query_pos = torch.arange(start, self.length, device=k.device)[:, None]
             mask = torch.arange(self.length, device=k.device)[None, :] <= query_pos  # [s_new, length]
-        return self.keys[: self.length], self.values[: self.length], mask
+        return keys[: self.length], values[: self.length], mask
 
 
 class KVCache:

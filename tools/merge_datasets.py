@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     p.add_argument("--input-dir", help="same as giving this directory to --input")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
-    prefixes = []
+    prefixes: list[str] = []
     for item in args.input + ([args.input_dir] if args.input_dir else []):
         prefixes += _prefixes_in(item) if os.path.isdir(item) else [item]
     if not prefixes:

@@ -27,6 +27,10 @@ class LRSchedule:
     """
 
     def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str = "cosine"):
+        self._set(max_lr, min_lr, warmup_iters, decay_iters, decay_style)
+
+    def _set(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str) -> None:
+        """Check and take the settings (the constructor, and a checkpoint's settings on load)."""
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"decay_style={decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
@@ -72,5 +76,5 @@ class LRSchedule:
             for key in self.state_dict()
             if key in state and state[key] != getattr(self, key)
         ]
-        self.__init__(**{key: state.get(key, value) for key, value in self.state_dict().items()})
+        self._set(**{key: state.get(key, value) for key, value in self.state_dict().items()})
         return changed
