@@ -205,6 +205,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
 
 def layer_names(arch: str, i: int) -> dict[str, str]:
     """Our layer-i parameter name -> transformers' (for tensors that map one to one, up to a transpose)."""
+    # Two name tables of the same shape, GPT-2's and Llama's: a deliberate twin (data, not logic).
     if arch == "gpt2":
         p, q = f"layers.{i}.", f"transformer.h.{i}."
         return {
