@@ -29,7 +29,7 @@ from parallel.layout import Layout, layout_from_config
 from parallel.model_builder import build_model_chunks, count_parameters
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import CommCounter
+from parallel.tp_mappings import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointError, TrainingProgress, save_checkpoint
 from training.flops import flops_per_iteration

@@ -1,9 +1,10 @@
 """A GPT decoder in plain PyTorch: GPT-2/3 style or Llama style, chosen by ModelConfig.
 
 Activations flow as [s, b, h] (sequence first, as in Megatron) so that sequence parallelism can shard dim 0.
-The model knows nothing of parallelism: `parallel/` swaps its Linear/Embedding modules for sharded ones and
-sets the seams below (`Embedding.scatter_to_sequence_parallel`, `GPTModel.loss_fn`, and for the fused chunked
-loss `GPTModel.head_input_fn` / `GPTModel.loss_reductions`). Norms, MLP activation, rotary, bias-dropout-add
+The model knows nothing of parallelism: `parallel/` swaps its Linear/Embedding modules for sharded ones, and
+what runs differently under tensor parallelism is one typed object handed in at construction
+(`TensorParallelHooks`, model/tp_hooks.py: the sequence-parallel split after the embedding, the vocab-parallel
+loss, and for the fused chunked loss the head's input handling and reductions). Norms, MLP activation, rotary, bias-dropout-add
 and the loss go through model/kernels' dispatch functions (fused kernels when selected). A GPTModel can hold any
 contiguous block of layers with or without the embedding (`pre_process`) and the head (`post_process`), which
 is how pipeline stages and virtual chunks are cut. Layer modules are keyed by their global index, so parameter
@@ -21,11 +22,10 @@ from torch import nn
 
 from model import kernels
 from model.config import ModelConfig
-from model.kernels.reference import apply_rotary, cross_entropy_per_token, mask_vocab_padding
+from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
-from model.param_info import set_param_info
-
-__all__ = ["GPTModel", "TransformerLayer", "apply_rotary", "cross_entropy_per_token", "rotary_cos_sin"]
+from model.param_info import Sharding, param_info, set_param_info
+from model.tp_hooks import TensorParallelHooks, identity
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -164,15 +164,20 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     """Word (+ learned position) embeddings: token ids [b, s] -> hidden [s, b, h]."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        padded_vocab_size: int,
+        scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = identity,
+    ):
         super().__init__()
         self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        mark_vocab_rows(self.word_embeddings.weight, cfg)
         self.position_embeddings = (
             nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding_type == "learned" else None
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        # Seam for sequence parallelism: parallel/ replaces it with a split along s.
-        self.scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.scatter_to_sequence_parallel = scatter_to_sequence_parallel  # split along s under SP
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids)  # [b, s, h]
@@ -182,8 +187,10 @@ class Embedding(nn.Module):
         return self.dropout(x)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+def mark_vocab_rows(weight: torch.Tensor, cfg: ModelConfig) -> None:
+    """A vocabulary table [V_padded, h]: only the first cfg.vocab_size rows are real (the padding grows with
+    tp, so checkpoints and exports hold the real rows only)."""
+    set_param_info(weight, sharding=Sharding(valid_rows=cfg.vocab_size))
 
 
 class GPTModel(nn.Module):
@@ -195,6 +202,7 @@ class GPTModel(nn.Module):
         layer_ids: global indices of the layers this module holds (default: all).
         pre_process: holds the embedding (the first chunk of the first stage).
         post_process: holds final norm, output layer and loss (the last chunk of the last stage).
+        tp_hooks: what runs differently under tensor parallelism (default: one process).
     """
 
     def __init__(
@@ -204,27 +212,25 @@ class GPTModel(nn.Module):
         layer_ids: Sequence[int] | None = None,
         pre_process: bool = True,
         post_process: bool = True,
+        tp_hooks: TensorParallelHooks | None = None,
     ):
         super().__init__()
         self.cfg = cfg
+        self.tp_hooks = tp_hooks or TensorParallelHooks()
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.embedding = Embedding(cfg, padded_vocab_size) if pre_process else None
+        self.embedding = (
+            Embedding(cfg, padded_vocab_size, self.tp_hooks.scatter_to_sequence_parallel) if pre_process else None
+        )
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in layer_ids})
         self.final_norm = build_norm(cfg) if post_process else None
         self.output_layer = None
         if post_process:
             self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
+            mark_vocab_rows(self.output_layer.weight, cfg)
             if cfg.tie_embeddings:
                 self._tie_output_to_embedding()
         self._mark_split_tied_embedding()
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
-        self.vocab_start_index = 0  # first vocabulary id of this rank's logits (set by tensor parallelism)
-        # Seams of the fused linear + cross entropy (set by tensor parallelism): what the output layer does to
-        # its input before the GEMM (sequence-parallel all-gather / tp copy), and the reductions over the
-        # vocabulary shards of the loss statistics.
-        self.head_input_fn: Callable[[torch.Tensor], torch.Tensor] = _identity
-        self.loss_reductions = kernels.CrossEntropyReductions()
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
         self.recompute_layer_ids: set[int] = set()
         self.checkpoint_fn: Callable | None = None
@@ -255,9 +261,14 @@ class GPTModel(nn.Module):
     def _num_valid_vocab(self) -> int:
         """Columns of this rank's logits that are real vocabulary: padded rows (which grow with tp) never
         score, so every tp size trains the same model and the padding rows get no gradient."""
-        return self.cfg.vocab_size - self.vocab_start_index
+        return self.cfg.vocab_size - self._vocab_start_index()
 
-    def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable) -> None:
+    def _vocab_start_index(self) -> int:
+        """First vocabulary id of this rank's logits [s, b, V(/tp)]: where its output-layer shard starts."""
+        weight = self.output_layer.weight
+        return param_info(weight).tp_rank * weight.shape[0]
+
+    def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable | None) -> None:
         """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;
         `block`: the first `num_layers` layers of this chunk), `selective` only the attention core."""
         self.checkpoint_fn = checkpoint_fn
@@ -302,19 +313,20 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = kernels.norm(self.final_norm, x, self.kernels)
+        hooks = self.tp_hooks
         if labels is not None and self.kernels.uses("linear_cross_entropy"):
             return kernels.fused_linear_cross_entropy(
-                self.head_input_fn(x),
+                hooks.head_input(x),
                 self.output_layer.weight,
                 labels.t(),
-                self.vocab_start_index,
+                self._vocab_start_index(),
                 self._num_valid_vocab(),
-                self.loss_reductions,
+                hooks.loss_reductions,
             ).t()  # [b, s]
         logits = mask_vocab_padding(self.output_layer(x), self._num_valid_vocab())  # [s, b, V(/tp)]
         if labels is None:
             return logits.transpose(0, 1)
-        return self.loss_fn(logits, labels.t()).t()  # [b, s]
+        return hooks.loss_fn(logits, labels.t()).t()  # [b, s]
 
 
 def output_projection_names() -> tuple[str, ...]:

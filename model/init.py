@@ -4,7 +4,7 @@
 So any tensor-parallel size and any pipeline cut gets exactly the weights one process gets, whatever order
 ranks build in, and memory peaks at one full weight. Reads the parameter's ParamInfo (model/param_info.py):
 `init_name` (the last stage's copy of a tied embedding seeds from the embedding's name), `full_shape` and
-`shard_fn` (set by parallel/).
+the `sharding` record with the rank's place in its tp group (set by parallel/), which cuts the shard.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def initialize_parameters(
             if id(param) not in replaced:
                 info = param_info(param)
                 full = draw_full_parameter(info.init_name or names[id(param)], full_shape(param), cfg, seed)
-                local = info.shard_fn(full) if info.shard_fn is not None else full
+                local = info.local_shard(full)
                 new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(), requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
                 replaced[id(param)] = new

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -11,8 +11,10 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
+from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel
+from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tp_mappings import CommCounter
 
 
 def build_model_chunks(
@@ -22,24 +24,28 @@ def build_model_chunks(
     device: torch.device,
     dtype: torch.dtype,
     sequence_parallel: bool = False,
-    rng_tracker: Any = None,
-    comm_counter: Any = None,
-    checkpoint_fn: Any = None,
+    rng_tracker: RNGTracker | None = None,
+    comm_counter: CommCounter | None = None,
+    checkpoint_fn: Callable | None = None,
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
     compile_layers: bool = False,
     compile_backend: str = "inductor",
 ) -> list[GPTModel]:
-    """The vp_size chunks of this pipeline rank: built on the meta device, sharded over tp, then each
+    """The vp_size chunks of this pipeline rank: built on the meta device with the tp group's hooks
+    (parallel/tensor_parallel.tensor_parallel_hooks), sharded over tp, then each
     parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
     `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
     chunks = []
+    hooks = tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel)
     for chunk in range(state.vp_size):
         layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk)
         pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk)
         with torch.device("meta"):
-            model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process)
+            model = GPTModel(
+                cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process, tp_hooks=hooks
+            )
         model = apply_tensor_parallel(
             model, state, sequence_parallel, comm_counter=comm_counter, rng_tracker=rng_tracker
         )

@@ -5,21 +5,22 @@
     VocabParallelEmbedding  rows of the table split by vocabulary, lookups outside the shard give 0
     vocab_parallel_cross_entropy  per-token loss from logits [s, b, V/tp] without gathering them
 
-Every parameter they create carries its ParamInfo (model/param_info.py): full_shape, shard_fn,
-tensor_parallel, partition_dim and sequence_parallel, read by model/init.py and the trainer.
+Every parameter they create carries its ParamInfo (model/param_info.py): full_shape, the `Sharding` the layer
+declares (split dim, stacked parts; the real vocabulary rows kept from the model's table), tp_rank / tp_size and
+sequence_parallel, read by model/init.py, the checkpoint and the trainer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.param_info import set_param_info
+from model.param_info import REPLICATED, Sharding, param_info, set_param_info
 from parallel.layout import require_divisible
 from parallel.tp_mappings import (
     TPComm,
@@ -32,38 +33,39 @@ from parallel.tp_mappings import (
 )
 
 
-# ---- shard functions (module level so parameters stay deep-copyable) ------------------------------
-def shard_dim0(full: torch.Tensor, rank: int, size: int, num_stacked: int = 1) -> torch.Tensor:
-    """Rank's slice of dim 0; with num_stacked > 1 dim 0 is [num_stacked blocks] and each block is split
-    (SwiGLU's fc1 [gate; up]: rank r keeps gate_r and up_r, so the local output still chunks in two)."""
-    rest = full.shape[1:]
-    blocks = full.reshape(num_stacked, full.shape[0] // num_stacked, *rest)
-    block_local = blocks.shape[1] // size
-    return blocks.narrow(1, rank * block_local, block_local).reshape(-1, *rest)
-
-
-def shard_dim1(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank's slice of dim 1 (the input dim of a row-parallel weight)."""
-    local = full.shape[1] // size
-    return full.narrow(1, rank * local, local)
-
-
 def _new_param(
-    shape: tuple[int, ...], device, dtype, template: nn.Parameter | None, shard_fn: Callable | None, **info
+    shape: tuple[int, ...],
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    template: nn.Parameter | None,
+    comm: TPComm,
+    split: Sharding,
+    **info: Any,
 ) -> nn.Parameter:
     """A parameter of the local `shape`: the shard of `template`'s value when it has one (not meta),
     else uninitialised (meta build: model/init.py fills it later). Its ParamInfo is the template's
-    (init_name, shared_embedding, ...) with `shard_fn` and the `info` fields set."""
+    (init_name, shared_embedding, the real vocabulary rows, ...) with the layer's split, the rank's place in
+    the tp group and the `info` fields set."""
+    valid_rows = None if template is None else param_info(template).sharding.valid_rows
+    sharding = replace(split, valid_rows=valid_rows)
     if template is not None and not template.is_meta:
-        value = shard_fn(template.detach()) if shard_fn is not None else template.detach()
-        value = value.clone().contiguous()
+        value = sharding.shard(template.detach(), comm.rank, comm.size).clone().contiguous()
     else:
         value = torch.empty(shape, device=device, dtype=dtype)
     param = nn.Parameter(value, requires_grad=True if template is None else template.requires_grad)
     if template is not None:
         param.__dict__.update(template.__dict__)
-    set_param_info(param, **{**dict(sequence_parallel=False), **info, "shard_fn": shard_fn})
+    fields = {"sequence_parallel": False, **info, "sharding": sharding, "tp_rank": comm.rank, "tp_size": comm.size}
+    set_param_info(param, **fields)
     return param
+
+
+def column_parallel_input(x: torch.Tensor, comm: TPComm, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel GEMM: [s/tp, b, in] all-gathered with sequence parallelism (backward:
+    reduce-scatter), else the replicated [s, b, in] entering the tp region (backward: all-reduce)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, comm)
+    return copy_to_tp_region(x, comm)
 
 
 def _check_divisible(what: str, value: int, size: int) -> None:
@@ -100,28 +102,20 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.sequence_parallel, self.gather_output = comm, sequence_parallel, gather_output
         self.in_features, self.out_features = in_features, out_features
         out_local = out_features // comm.size
-        shard = partial(shard_dim0, rank=comm.rank, size=comm.size, num_stacked=num_stacked)
+        split = Sharding(dim=0, parts=num_stacked)
         self.weight = _new_param(
             (out_local, in_features),
             device,
             dtype,
             getattr(template, "weight", None),
-            shard,
+            comm,
+            split,
             full_shape=(out_features, in_features),
-            tensor_parallel=True,
-            partition_dim=0,
         )
         self.bias = None
         if bias:
             self.bias = _new_param(
-                (out_local,),
-                device,
-                dtype,
-                getattr(template, "bias", None),
-                shard,
-                full_shape=(out_features,),
-                tensor_parallel=True,
-                partition_dim=0,
+                (out_local,), device, dtype, getattr(template, "bias", None), comm, split, full_shape=(out_features,)
             )
 
     @classmethod
@@ -138,16 +132,9 @@ class ColumnParallelLinear(nn.Module):
             **kwargs,
         )
 
-    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input as the GEMM sees it: [s/tp, b, in] all-gathered with sequence parallelism (backward:
-        reduce-scatter), else the replicated [s, b, in] entering the tp region (backward: all-reduce)."""
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, self.comm)
-        return copy_to_tp_region(x, self.comm)
-
     def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
         """[s(/tp), b, in] -> [s, b, out/tp]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
-        x = self.gather_input(x)
+        x = column_parallel_input(x, self.comm, self.sequence_parallel)
         if skip_bias_add:
             if self.gather_output:
                 raise ValueError("skip_bias_add with gather_output would return a sharded bias: not supported")
@@ -186,28 +173,25 @@ class RowParallelLinear(nn.Module):
         _check_divisible("input size", in_features, comm.size)
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-        shard = partial(shard_dim1, rank=comm.rank, size=comm.size)
         self.weight = _new_param(
             (out_features, in_features // comm.size),
             device,
             dtype,
             getattr(template, "weight", None),
-            shard,
+            comm,
+            Sharding(dim=1),
             full_shape=(out_features, in_features),
-            tensor_parallel=True,
-            partition_dim=1,
         )
         self.bias = None
-        if bias:
+        if bias:  # replicated, added once after the reduction
             self.bias = _new_param(
                 (out_features,),
                 device,
                 dtype,
                 getattr(template, "bias", None),
-                None,
+                comm,
+                REPLICATED,
                 full_shape=(out_features,),
-                tensor_parallel=False,
-                partition_dim=-1,
                 sequence_parallel=sequence_parallel,
             )
 
@@ -262,16 +246,14 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         rows_local = num_embeddings // comm.size
         self.vocab_start, self.vocab_end = comm.rank * rows_local, (comm.rank + 1) * rows_local
-        shard = partial(shard_dim0, rank=comm.rank, size=comm.size)
         self.weight = _new_param(
             (rows_local, embedding_dim),
             device,
             dtype,
             getattr(template, "weight", None),
-            shard,
+            comm,
+            Sharding(dim=0),
             full_shape=(num_embeddings, embedding_dim),
-            tensor_parallel=True,
-            partition_dim=0,
         )
 
     @classmethod

@@ -35,16 +35,7 @@ from config.schema import (
     TrainConfig,
     config_from_dict,
 )
-from model.config import ModelConfig
-from model.hf_mapping import (
-    UnsupportedModelError,
-    from_hf_state_dict,
-    hf_config,
-    model_config_from_hf,
-    to_hf_state_dict,
-)
-from training.checkpointing import CheckpointError
-from training.hf_folder import (
+from convert.hf_folder import (
     DTYPES,
     HF_DTYPE_NAMES,
     HFFolderError,
@@ -58,7 +49,16 @@ from training.hf_folder import (
     write_tokenizer,
     write_weights,
 )
-from training.model_weights import load_global_state, save_global_state
+from convert.hf_mapping import (
+    UnsupportedModelError,
+    from_hf_state_dict,
+    hf_config,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
+from convert.model_weights import load_global_state, save_global_state
+from model.config import ModelConfig
+from training.checkpointing import CheckpointError
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -169,7 +169,7 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
 
 def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """A Megatron-LM torch-format GPT checkpoint (legacy or megatron-core names, any tp/pp) -> ours."""
-    from training.megatron_checkpoint import load_megatron_checkpoint
+    from convert.megatron import load_megatron_checkpoint
 
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from config.schema import ConfigError, config_from_dict
+from convert.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
+from convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
+from convert.model_weights import build_model_from_state, load_global_state
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
-from model.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
 from training.checkpointing import CheckpointError
-from training.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
-from training.model_weights import build_model_from_state, load_global_state
 from training.setup import init_distributed, param_dtype
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)

@@ -15,7 +15,7 @@ from model.gpt import GPTModel
 from parallel.layout import layout_from_config
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.state import ParallelState, rank_of
-from parallel.tensor_parallel import apply_tensor_parallel
+from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from planner.activations import layer_activation_bytes, shape_from_config
 from planner.memory import state_bytes_per_param
 from training.flops import flops_per_iteration
@@ -35,11 +35,12 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
         vp_size=par.vp_size,
     )
     chunks = []
+    hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
     for chunk in range(par.vp_size):
         layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk)
         pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk)
         with torch.device("meta"):
-            model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post)
+            model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post, tp_hooks=hooks)
             chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))
     return chunks
 

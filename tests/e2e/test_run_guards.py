@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import pretrain_gpt
+from convert.model_weights import load_global_state
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from training import checkpointing
 from training.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
-from training.model_weights import load_global_state
 
 
 def run_main(corpus, run_dir, *extra):

@@ -7,19 +7,19 @@ import tempfile
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.gpt import GPTModel
-from model.hf_mapping import (
+from convert.hf_mapping import (
     UnsupportedModelError,
     from_hf_state_dict,
     hf_config,
     model_config_from_hf,
     to_hf_state_dict,
 )
+from convert.model_weights import build_model_from_state
+from model.config import ModelConfig
+from model.gpt import GPTModel
 from model.init import initialize_parameters
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from training.model_weights import build_model_from_state
 
 VOCAB = 300  # padded to 384 here (and to 512 at tp2 with the default multiple 128)
 

@@ -8,21 +8,20 @@ from torch import nn
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
-from model.param_info import full_shape, param_info
+from model.param_info import Sharding, full_shape, param_info
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import LayoutError, check_tensor_parallel
 from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import (
+from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tp_layers import (
     ColumnParallelLinear,
-    CommCounter,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_tensor_parallel,
-    tp_comm,
     vocab_parallel_cross_entropy,
 )
+from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 
 S, B, H, OUT = 8, 2, 12, 16  # sequence, batch, in features, out features (all divisible by 2 and 4)
@@ -60,7 +59,7 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     x, grad_out = _same_random(S, B, H, seed=2), _same_random(S, B, OUT, seed=3)
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
     layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel, num_stacked=num_stacked)
-    shard_out = param_info(layer.weight).shard_fn  # [.., OUT] -> [.., OUT/tp] along dim 0
+    shard_out = param_info(layer.weight).local_shard  # [.., OUT] -> [.., OUT/tp] along dim 0
     x_local = x.chunk(world_size, 0)[rank] if sequence_parallel else x
     x_local = x_local.clone().requires_grad_()
     y_local = layer(x_local)
@@ -69,8 +68,8 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     _close(x_local.grad, x_grad.chunk(world_size, 0)[rank] if sequence_parallel else x_grad, "column dx")
     _close(layer.weight.grad, shard_out(w_grad), "column dW")
     if bias:
-        _close(layer.bias.grad, param_info(layer.bias).shard_fn(b_grad), "column db")
-    assert param_info(layer.weight).tensor_parallel and param_info(layer.weight).partition_dim == 0
+        _close(layer.bias.grad, param_info(layer.bias).local_shard(b_grad), "column db")
+    assert param_info(layer.weight).tensor_parallel and param_info(layer.weight).sharding.dim == 0
     assert full_shape(layer.weight) == (OUT, H)
 
 
@@ -91,7 +90,7 @@ def _row_case(rank, world_size, sequence_parallel, bias):
     finalize_model_grads([layer], state, ddp)  # sums the partial bias gradient over tp under SP
     _close(y_local, seq_shard(y), "row output")
     _close(x_local.grad, x_grad.chunk(world_size, -1)[rank], "row dx")
-    _close(layer.weight.main_grad, param_info(layer.weight).shard_fn(w_grad), "row dW")
+    _close(layer.weight.main_grad, param_info(layer.weight).local_shard(w_grad), "row dW")
     if bias:
         _close(layer.bias.main_grad, b_grad, "row db")
         info = param_info(layer.bias)
@@ -117,10 +116,8 @@ def test_parallel_layers_match_serial(world_size):
 
 
 def test_swiglu_shard_keeps_gate_up_pairs():
-    from parallel.tp_layers import shard_dim0
-
     full = torch.arange(8.0).view(8, 1)  # gate rows 0..3, up rows 4..7
-    local = shard_dim0(full, rank=1, size=2, num_stacked=2)
+    local = Sharding(dim=0, parts=2).shard(full, rank=1, size=2)
     assert local.flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
 
 
@@ -135,7 +132,7 @@ def _embedding_case(rank, world_size):
     y = layer(ids)
     y.backward(grad_out)
     _close(y, serial(ids).detach(), "embedding output")
-    _close(layer.weight.grad, param_info(layer.weight).shard_fn(serial.weight.grad), "embedding dW")
+    _close(layer.weight.grad, param_info(layer.weight).local_shard(serial.weight.grad), "embedding dW")
 
 
 def _cross_entropy_case(rank, world_size, vocab, padded):
@@ -218,14 +215,15 @@ def test_sharded_init_equals_slice_of_full_init(style):
     initialize_parameters(full_model, cfg, seed=3)
     full = dict(full_model.named_parameters())
     for rank in range(2):
+        state = _fake_state(2, rank)
         with torch.device("meta"):
-            model = GPTModel(cfg, 64)
-        apply_tensor_parallel(model, _fake_state(2, rank), sequence_parallel=True)
+            model = GPTModel(cfg, 64, tp_hooks=tensor_parallel_hooks(tp_comm(state), sequence_parallel=True))
+        apply_tensor_parallel(model, state, sequence_parallel=True)
         initialize_parameters(model, cfg, seed=3)
         model.tie_weights()
         for name, param in model.named_parameters():
             info = param_info(param)
-            expected = info.shard_fn(full[name]) if info.tensor_parallel else full[name]
+            expected = info.local_shard(full[name])
             assert torch.equal(param, expected), name
             partial_grad = "norm." in name or name.endswith(("proj.bias", "fc2.bias"))
             assert info.sequence_parallel == partial_grad, name
@@ -235,13 +233,25 @@ def test_sharded_init_equals_slice_of_full_init(style):
 
 def test_last_stage_tied_copy_keeps_its_attributes():
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    state = _fake_state(2, 1)
     with torch.device("meta"):
-        model = GPTModel(cfg, 64, layer_ids=[1], pre_process=False, post_process=True)
-    apply_tensor_parallel(model, _fake_state(2, 1))
+        model = GPTModel(
+            cfg, 64, layer_ids=[1], pre_process=False, post_process=True, tp_hooks=tensor_parallel_hooks(tp_comm(state))
+        )
+    apply_tensor_parallel(model, state)
     weight = model.output_layer.weight
     info = param_info(weight)
     assert info.init_name == "embedding.word_embeddings.weight" and info.shared_embedding and info.embedding_copy
-    assert info.tensor_parallel and info.partition_dim == 0 and tuple(weight.shape) == (32, 32)
+    assert info.tensor_parallel and info.sharding == Sharding(dim=0, valid_rows=64) and tuple(weight.shape) == (32, 32)
+
+
+def test_model_built_without_tp_hooks_is_refused():
+    """A model built with one-process hooks and sharded over tp would run the serial loss on vocab shards."""
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    with torch.device("meta"):
+        model = GPTModel(cfg, 64)
+    with pytest.raises(ValueError, match=r"hooks for tp_size=1 .* parallel\.tp_size=2"):
+        apply_tensor_parallel(model, _fake_state(2))
 
 
 # ---- RNG tracker ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The whole GPT under tensor (and sequence) parallelism trains exactly like one process.
 
-Every case runs a small training loop — meta build -> apply_tensor_parallel -> initialize_parameters ->
+Every case runs a small training loop — meta build with the tp hooks -> apply_tensor_parallel -> initialize_parameters ->
 tie_weights; fixed token batches; masked mean loss; backward; sequence-parallel grad all-reduce; Adam —
 and compares the per-iteration losses of tp = 2 and 4 (with and without sequence parallelism) to tp = 1.
 """
@@ -18,7 +18,8 @@ from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import CommCounter, apply_tensor_parallel
+from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
 
@@ -62,8 +63,9 @@ def _model_config(style: str, num_query_groups: int = 2, dropout: float = 0.0) -
 def _build(cfg: ModelConfig, state: ParallelState, sequence_parallel: bool, counter=None, tracker=None):
     # Each tp pads the vocabulary as Megatron does (56 rows at tp 1, 64 at tp 2 and 4); the padding rows are
     # masked out of the logits, so every layout still holds the same model.
+    hooks = tensor_parallel_hooks(tp_comm(state, counter), sequence_parallel)
     with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size))
+        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), tp_hooks=hooks)
     model = apply_tensor_parallel(model, state, sequence_parallel, comm_counter=counter, rng_tracker=tracker)
     initialize_parameters(model, cfg, SEED)
     model.tie_weights()

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from config.schema import Config, DataConfig, ParallelConfig
+from convert.model_weights import load_global_state
 from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from tests.conftest import REPO_ROOT, run_ranks
 from tools.convert_checkpoint import consolidate, from_hf, to_hf
 from training.checkpointing import save_model_weights
-from training.model_weights import load_global_state
 
 GPT = dict(
     num_layers=4,
@@ -168,7 +168,7 @@ def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
     original = load_file(tmp_path / "hf" / "model.safetensors")
     # no tokenizer in that folder: to-hf needs one, so compare the global state instead
     _, ours = load_global_state(str(tmp_path / "ours"))
-    from model.hf_mapping import model_config_from_hf, to_hf_state_dict
+    from convert.hf_mapping import model_config_from_hf, to_hf_state_dict
 
     back = to_hf_state_dict(model_config_from_hf(config.to_dict()), ours)
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in back)

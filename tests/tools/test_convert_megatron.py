@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from convert.megatron import load_megatron_checkpoint
+from convert.model_weights import build_model_from_state, load_global_state
 from tests.conftest import REPO_ROOT, run_ranks
-from training.megatron_checkpoint import load_megatron_checkpoint
-from training.model_weights import build_model_from_state, load_global_state
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -4,14 +4,12 @@ gets exactly its shard back through torch.distributed.checkpoint (one process, l
 from __future__ import annotations
 
 import random
-from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from model.param_info import set_param_info
-from parallel.tp_layers import shard_dim0, shard_dim1
+from model.param_info import Sharding, set_param_info
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.pieces import Block, GlobalPieces, flat_range_rects, pieces_of, tp_blocks
 from training.checkpoint.saver import SaveJob, write_checkpoint
@@ -33,43 +31,35 @@ def test_flat_range_rects_cover_the_range_exactly():
         assert covered == list(range(start, end)), (rows, cols, start, end)
 
 
-def _param(full: torch.Tensor, tp_rank: int, tp_size: int, partition_dim: int, stacked: int = 1) -> nn.Parameter:
+def _param(full: torch.Tensor, tp_rank: int, tp_size: int, sharding: Sharding) -> nn.Parameter:
     """A tp shard carrying the ParamInfo the tp layers set."""
-    if partition_dim == 0:
-        fn = partial(shard_dim0, rank=tp_rank, size=tp_size, num_stacked=stacked)
-    elif partition_dim == 1:
-        fn = partial(shard_dim1, rank=tp_rank, size=tp_size)
-    else:
-        fn = None
-    param = nn.Parameter(fn(full).clone() if fn else full.clone())
-    set_param_info(
-        param, tensor_parallel=fn is not None, partition_dim=partition_dim, shard_fn=fn, full_shape=tuple(full.shape)
-    )
+    param = nn.Parameter(sharding.shard(full, tp_rank, tp_size).clone())
+    set_param_info(param, sharding=sharding, tp_rank=tp_rank, tp_size=tp_size, full_shape=tuple(full.shape))
     return param
 
 
+VOCAB = 13
 CASES = [
-    ("layers.0.mlp.fc1.weight", (16, 3), 0, 2),  # SwiGLU's stacked [gate; up]
-    ("layers.0.attention.proj.weight", (4, 8), 1, 1),
-    ("layers.0.attention.qkv.bias", (12,), 0, 1),
-    ("layers.0.input_norm.weight", (6,), -1, 1),
-    ("embedding.word_embeddings.weight", (16, 3), 0, 1),
-]  # 16 padded rows, 13 real ones
+    ("layers.0.mlp.fc1.weight", (16, 3), Sharding(dim=0, parts=2)),  # SwiGLU's stacked [gate; up]
+    ("layers.0.attention.proj.weight", (4, 8), Sharding(dim=1)),
+    ("layers.0.attention.qkv.bias", (12,), Sharding(dim=0)),
+    ("layers.0.input_norm.weight", (6,), Sharding()),
+    ("embedding.word_embeddings.weight", (16, 3), Sharding(dim=0, valid_rows=VOCAB)),  # 16 padded rows
+]
 
 
-@pytest.mark.parametrize("name,shape,partition_dim,stacked", CASES)
+@pytest.mark.parametrize("name,shape,sharding", CASES)
 @pytest.mark.parametrize("save_tp,save_dp,load_tp,load_dp", [(2, 2, 4, 1), (4, 3, 1, 2), (1, 1, 2, 3)])
 def test_pieces_reshard_between_tp_and_flat_dp_shards(
-    tmp_path, name, shape, partition_dim, stacked, save_tp, save_dp, load_tp, load_dp
+    tmp_path, name, shape, sharding, save_tp, save_dp, load_tp, load_dp
 ):
-    vocab = 13
     full = torch.randn(shape)
-    stored = full[:vocab] if name.startswith("embedding") else full
+    stored = full[:VOCAB] if name.startswith("embedding") else full
     pieces = []
     for tp_rank in range(save_tp):  # every tp rank writes, each dp rank its flat shard of the tp shard
-        param = _param(full, tp_rank, save_tp, partition_dim, stacked)
-        blocks = tp_blocks(param, name, tp_rank, save_tp, vocab)
-        if partition_dim == -1 and tp_rank > 0:
+        param = _param(full, tp_rank, save_tp, sharding)
+        blocks = tp_blocks(param)
+        if sharding.dim is None and tp_rank > 0:
             continue  # replicated: tp rank 0 writes
         flat = param.detach().view(-1)
         bounds = [flat.numel() * d // save_dp for d in range(save_dp + 1)]
@@ -82,16 +72,16 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(
     import torch.distributed.checkpoint as dcp
 
     for tp_rank in range(load_tp):
-        expected = _param(full, tp_rank, load_tp, partition_dim, stacked).detach()
+        expected = _param(full, tp_rank, load_tp, sharding).detach()
         target = torch.zeros_like(expected)
-        blocks = tp_blocks(_param(full, tp_rank, load_tp, partition_dim, stacked), name, tp_rank, load_tp, vocab)
+        blocks = tp_blocks(_param(full, tp_rank, load_tp, sharding))
         flat = target.view(-1)
         bounds = [flat.numel() * d // load_dp for d in range(load_dp + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
             wanted = {name: GlobalPieces(tuple(stored.shape), pieces_of(flat[lo:hi], lo, tuple(target.shape), blocks))}
             dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
         if name.startswith("embedding"):  # padding rows are not stored: compare the real vocabulary rows
-            keep = max(0, min(target.shape[0], vocab - tp_rank * target.shape[0]))
+            keep = max(0, min(target.shape[0], VOCAB - tp_rank * target.shape[0]))
             expected, target = expected[:keep], target[:keep]
         assert torch.equal(target, expected), (tp_rank, name)
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from model.param_info import set_param_info
+from model.param_info import Sharding, set_param_info
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.state import ParallelState
@@ -152,7 +152,7 @@ def _tp_norm_ranks(rank, world_size, out_dir):
     cfg = tiny_cfg()
     model = tiny_model(cfg)
     marked = dict(model.named_parameters())
-    set_param_info(marked["layers.0.mlp.fc1.weight"], tensor_parallel=True)
+    set_param_info(marked["layers.0.mlp.fc1.weight"], sharding=Sharding(dim=0), tp_size=2)
     set_param_info(marked["layers.1.mlp.fc2.weight"], embedding_copy=True)
     set_param_info(marked["final_norm.weight"], sequence_parallel=True)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=True)

@@ -2,7 +2,8 @@
 
 A checkpoint stores every tensor under its global name with its global shape (`layers.5.mlp.fc1.weight`,
 [ffn, h]), whatever layout wrote it. A rank holds pieces of those tensors: its tp shard (rows or columns; both
-halves of SwiGLU's stacked fc1; vocabulary rows up to the real vocabulary size, the tp padding is not stored),
+halves of SwiGLU's stacked fc1; vocabulary rows up to the real vocabulary size, the tp padding is not stored;
+all read off the parameter's model/param_info.Sharding),
 and with the distributed optimizer a flat range of it. `GlobalPieces` lists such pieces as (global offsets,
 local view) pairs and speaks DCP's checkpointable protocol (`__create_write_items__`, `__create_chunk_list__`,
 `__get_tensor_shard__`), so torch.distributed.checkpoint writes and reshards them like DTensor shards.
@@ -49,45 +50,20 @@ def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The stored shape: the unsharded one without the vocabulary padding rows (its Sharding's valid rows)."""
+    return param_info(param).sharding.stored_shape(full_shape(param))
 
 
-def global_shape(param: torch.Tensor, name: str, vocab_size: int) -> tuple[int, ...]:
-    """The stored shape: the unsharded one, vocabulary rows cut to the real vocabulary (no tp padding)."""
-    shape = full_shape(param)
-    if name in VOCAB_PARAMS:
-        shape = (vocab_size,) + shape[1:]
-    return shape
-
-
-def tp_blocks(param: torch.Tensor, name: str, tp_rank: int, tp_size: int, vocab_size: int) -> list[Block]:
-    """Where this rank's tp shard of `param` lies in the global tensor, as local-to-global blocks."""
+def tp_blocks(param: torch.Tensor) -> list[Block]:
+    """Where this rank's tp shard of `param` lies in the global tensor, as local-to-global blocks: one per
+    stacked part (SwiGLU's fc1 [gate; up]), padding rows left out (read off the parameter's Sharding)."""
     local = as_matrix(param)
     rows, cols = local.shape
     info = param_info(param)
-    partition_dim = info.partition_dim
-    tensor_parallel = info.tensor_parallel and tp_size > 1
-    if not tensor_parallel:
-        blocks = [Block(0, rows, 0, cols)]
-    elif partition_dim == 1:
-        blocks = [Block(0, rows, 0, cols, 0, tp_rank * cols)]
-    else:
-        # SwiGLU's fc1 is [gate; up] and each half is split (parallel/tp_layers.shard_dim0's num_stacked)
-        stacked = getattr(info.shard_fn, "keywords", {}).get("num_stacked", 1)
-        block_rows = rows // stacked  # [stacked blocks of rows/stacked] locally, each a slice of a global block
-        blocks = [
-            Block(
-                b * block_rows,
-                (b + 1) * block_rows,
-                0,
-                cols,
-                b * block_rows * tp_size + tp_rank * block_rows - b * block_rows,
-            )
-            for b in range(stacked)
-        ]
-    if name in VOCAB_PARAMS:  # the padding rows (a multiple that grows with tp) are not stored
-        blocks = [b for b in (blk.intersect(0, vocab_size - blk.row_off, 0, cols) for blk in blocks) if b]
-    return blocks
+    if info.sharding.axis(info.tp_size) == 1:  # a row-parallel weight: columns split
+        return [Block(0, rows, s.start, s.stop, 0, s.offset) for s in info.spans(cols)]
+    return [Block(s.start, s.stop, 0, cols, s.offset) for s in info.spans(rows)]
 
 
 def flat_range_rects(rows: int, cols: int, start: int, end: int) -> list[tuple[int, int, int, int]]:

@@ -53,8 +53,8 @@ def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[
                 ParamRecord(
                     name,
                     param,
-                    global_shape(param, name, vocab_size),
-                    tp_blocks(param, name, state.tp_rank, state.tp_size, vocab_size),
+                    global_shape(param),
+                    tp_blocks(param),
                     writes,
                     replica_writer,
                 )

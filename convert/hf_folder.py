@@ -79,7 +79,7 @@ def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[s
     return names + [SAFE_INDEX]
 
 
-def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int, max_length: int) -> dict[str, int]:
+def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, max_length: int) -> dict[str, int]:
     """Copy the run's tokenizer files with a tokenizer_config.json for AutoTokenizer; returns bos/eos ids.
     Refuses (ValueError) a tokenizer whose vocabulary size differs from the model's."""
     from data.tokenizers import build_tokenizer
@@ -200,7 +200,7 @@ def sentencepiece_normalizer(model_file: str) -> str:
     """The normalization rule a SentencePiece model applies ('identity', 'nmt_nfkc', ...)."""
     from sentencepiece import sentencepiece_model_pb2
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf class
     with open(model_file, "rb") as handle:
         proto.ParseFromString(handle.read())
     return proto.normalizer_spec.name

@@ -9,7 +9,8 @@ Two key styles: legacy (`model.language_model.encoder.layers.N.self_attention.qu
 nested dicts, QKV rows [np, 3, hn], i.e. [ng, np/ng + 2, hn] with grouped-query attention) and megatron-core
 (`decoder.layers.N.self_attention.linear_qkv.weight`, rows per query group [ng, np/ng + 2, hn]); both are
 our per-group layout. Layer indices are local to a pipeline stage / virtual chunk; tensor-parallel shards
-are concatenated (column-parallel rows, row-parallel columns; SwiGLU fc1 holds [gate_r; up_r] per rank).
+are merged by our own split rule (model/param_info.Sharding per global name: column-parallel rows,
+row-parallel columns, SwiGLU fc1 holding [gate_r; up_r] per rank), which is Megatron's.
 
 Files are unpickled with weights_only=True: argparse.Namespace is the one real class allowed; Megatron's own
 objects (enums in args) become inert placeholders that run no code; any other global is refused by name.
@@ -24,20 +25,14 @@ from typing import Any
 
 import torch
 
+from convert.hf_mapping import UnsupportedModelError
+from convert.model_weights import resize_vocab_rows
 from model.config import ModelConfig
-from model.hf_mapping import UnsupportedModelError
+from model.param_info import Sharding
+from parallel.tensor_parallel import param_shardings
 
 Tensors = dict[str, torch.Tensor]
 TRACKER = "latest_checkpointed_iteration.txt"
-ROW_PARALLEL = ("attention.proj.weight", "mlp.fc2.weight")
-COLUMN_PARALLEL = (
-    "attention.qkv.weight",
-    "attention.qkv.bias",
-    "mlp.fc1.weight",
-    "mlp.fc1.bias",
-    "embedding.word_embeddings.weight",
-    "output_layer.weight",
-)
 # Layer-local names, megatron-core and legacy spellings -> ours.
 LAYER_NAMES = {
     "input_layernorm": "input_norm",
@@ -236,16 +231,11 @@ def rename_chunk(chunk: Tensors, layer_offset: int) -> Tensors:
     return ours
 
 
-def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """The full tensor from its tensor-parallel shards (rank order)."""
-    if len(shards) == 1 or not name.endswith(COLUMN_PARALLEL + ROW_PARALLEL):
-        return shards[0]  # replicated: norms, row-parallel biases, position embeddings
-    if name.endswith(ROW_PARALLEL):
-        return torch.cat(shards, dim=1)
-    if swiglu and ".mlp.fc1." in name:  # rank r holds [gate_r; up_r]
-        halves = [shard.chunk(2, dim=0) for shard in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=0)
+def merge_tp(name: str, shards: list[torch.Tensor], shardings: dict[str, Sharding]) -> torch.Tensor:
+    """The full tensor from its tensor-parallel shards (rank order), split as our model splits it."""
+    if name not in shardings:
+        raise UnsupportedModelError(f"Megatron tensor {name} has no counterpart in this model")
+    return shardings[name].merge(shards)
 
 
 def _chunks(payload: dict, path: str) -> list[Tensors]:
@@ -310,7 +300,8 @@ def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[
             offset = (chunk_index * pp + pp_rank) * per_chunk
             for name, tensor in rename_chunk(chunk, offset).items():
                 shards.setdefault(name, []).append(tensor)
-    tensors = {name: merge_tp(name, parts, cfg.activation == "swiglu") for name, parts in shards.items()}
+    shardings = param_shardings(cfg)
+    tensors = {name: merge_tp(name, parts, shardings) for name, parts in shards.items()}
     _check_complete(tensors, cfg, iter_dir)
     return cfg, _pad_vocab(tensors, cfg), data
 
@@ -330,8 +321,6 @@ def _check_complete(tensors: Tensors, cfg: ModelConfig, iter_dir: str) -> None:
 
 def _pad_vocab(tensors: Tensors, cfg: ModelConfig) -> Tensors:
     """Vocabulary rows cut to the real vocabulary and zero-padded to our padded size (tied: one table)."""
-    from training.model_weights import resize_vocab_rows
-
     tensors = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(1))
     if cfg.tie_embeddings:
         tensors["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]

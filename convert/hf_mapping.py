@@ -8,8 +8,8 @@ ModelConfig.padded_vocab_size(1)). The layouts that differ:
                  Llama: q_proj [n * d, h], k_proj / v_proj [g * d, h] (query head i uses kv head i // hpg)
     mlp.fc1      ours: SwiGLU [gate; up] stacked along rows -> Llama gate_proj, up_proj
     Conv1D       GPT-2's c_attn, c_proj, c_fc weights are the transpose of our Linear weights
-    vocabulary   padded rows dropped on export and added (zeros) on import
-Pure tensors and dicts: the files (config.json, safetensors, tokenizer) are written by training/hf_folder.py.
+    vocabulary   padded rows dropped on export and added (zeros) on import (the tables' Sharding valid rows)
+Pure tensors and dicts: the files (config.json, safetensors, tokenizer) are written by convert/hf_folder.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from model.config import ModelConfig
+from parallel.tensor_parallel import param_shardings
 
 Tensors = dict[str, torch.Tensor]
 
@@ -202,15 +203,9 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, dim=1).reshape(groups * (hpg + 2) * d, *rest).contiguous()
 
 
-def vocab_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first `rows` rows, zero rows appended when the table is shorter."""
-    if weight.shape[0] >= rows:
-        return weight[:rows].contiguous()
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])]).contiguous()
-
-
 def layer_names(arch: str, i: int) -> dict[str, str]:
     """Our layer-i parameter name -> transformers' (for tensors that map one to one, up to a transpose)."""
+    # Two name tables of the same shape, GPT-2's and Llama's: a deliberate twin (data, not logic).
     if arch == "gpt2":
         p, q = f"layers.{i}.", f"transformer.h.{i}."
         return {
@@ -268,6 +263,7 @@ def to_hf_state_dict(cfg: ModelConfig, ours: Tensors) -> Tensors:
     """Our global state dict -> transformers' (padded vocabulary rows dropped; GPT-2 without biases gets
     zero biases, which computes the same; a tied output layer is left to transformers' tying)."""
     arch = hf_architecture(cfg)
+    shardings = param_shardings(cfg)
     hf: Tensors = {}
     for i in range(cfg.num_layers):
         for our, theirs in layer_names(arch, i).items():
@@ -282,8 +278,7 @@ def to_hf_state_dict(cfg: ModelConfig, ours: Tensors) -> Tensors:
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:
             continue
-        tensor = ours[our]
-        hf[theirs] = vocab_rows(tensor, cfg.vocab_size) if "position" not in our and "norm" not in our else tensor
+        hf[theirs] = shardings[our].stored(ours[our])
     if arch == "gpt2":
         hf = {name: (t.t() if _is_conv1d(arch, name) else t) for name, t in hf.items()}
         if not cfg.add_bias_linear:
@@ -342,15 +337,12 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
             if arch == "llama":
                 gate = take(f"model.layers.{i}.mlp.gate_proj.{kind}")
                 ours[f"layers.{i}.mlp.fc1.{kind}"] = torch.cat([gate, take(f"model.layers.{i}.mlp.up_proj.{kind}")])
-    padded = cfg.padded_vocab_size(1)
+    padded, shardings = cfg.padded_vocab_size(1), param_shardings(cfg)
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:
             used.add(theirs)  # transformers may store the tied copy; ours is the embedding itself
             continue
-        tensor = take(theirs)
-        ours[our] = (
-            vocab_rows(tensor, padded) if our in ("embedding.word_embeddings.weight", "output_layer.weight") else tensor
-        )
+        ours[our] = shardings[our].padded(take(theirs), padded)
     if cfg.tie_embeddings:
         ours["output_layer.weight"] = ours["embedding.word_embeddings.weight"]
     left = sorted(set(hf) - used - {n for n in hf if n.endswith((".attn.bias", ".attn.masked_bias"))})

@@ -12,14 +12,12 @@ import torch
 from config.schema import config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
-from model.hf_mapping import vocab_rows
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel
+from parallel.tensor_parallel import apply_tensor_parallel, param_shardings, tensor_parallel_hooks, tp_comm
 from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 
 Tensors = dict[str, torch.Tensor]
-VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def load_global_state(path: str) -> tuple[dict, Tensors]:
@@ -48,10 +46,9 @@ def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors)
 
 def resize_vocab_rows(tensors: Tensors, cfg: ModelConfig, padded_vocab: int) -> Tensors:
     """The vocabulary tables cut to the real vocabulary and zero-padded to `padded_vocab` rows (padding rows
-    never score)."""
-    return {
-        name: vocab_rows(t[: cfg.vocab_size], padded_vocab) if name in VOCAB_ROWS else t for name, t in tensors.items()
-    }
+    never score); which tensors are tables, their Sharding's valid rows say."""
+    shardings = param_shardings(cfg)
+    return {name: shardings[name].padded(t, padded_vocab) for name, t in tensors.items()}
 
 
 def build_model_from_state(
@@ -63,7 +60,7 @@ def build_model_from_state(
 ) -> GPTModel:
     """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode."""
     state = state or ParallelState.single()
-    model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size))
+    model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), tp_hooks=tensor_parallel_hooks(tp_comm(state)))
     model.load_state_dict(resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size)))
     model = apply_tensor_parallel(model, state)
     model.tie_weights()

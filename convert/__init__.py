@@ -1,0 +1,14 @@
+"""Model weights in and out of other formats, all through one global state dict.
+
+The global state dict is what a single-process GPTModel holds (`layers.5.mlp.fc1.weight`, vocabulary rows
+padded to ModelConfig.padded_vocab_size(1)). How each tensor is split over tp and which of its rows are real
+comes from one record per parameter (model/param_info.Sharding, per global name from
+parallel/tensor_parallel.param_shardings), so that trimming, padding and merging agree with the trainer.
+
+    model_weights.py  our checkpoints of any layout <-> the global state dict; a runnable model from it
+    hf_mapping.py     the global state dict <-> transformers' GPT-2 / Llama (names, QKV and SwiGLU layouts)
+    hf_folder.py      transformers folders on disk (config.json, safetensors shards, tokenizer files)
+    megatron.py       Megatron-LM "torch" checkpoints -> the global state dict (tp / pp shards merged)
+
+Used by tools/convert_checkpoint.py and tools/generate.py; nothing in the trainer imports this package.
+"""
