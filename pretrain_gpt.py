@@ -271,7 +271,7 @@ def resume_if_asked(run: Run) -> None:
         run.rng_tracker,
         run.logger.info,
     )
-    run.progress = TrainingProgress(*loaded)
+    run.progress = loaded
     run.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
     run.logger.info(

@@ -19,21 +19,22 @@ import sys
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.loader import read_dcp_metadata
+from training.checkpoint.train_state import read_train_state
 
 
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     """Human-readable lines about the checkpoint in iter_dir."""
     if files.is_legacy(iter_dir):
         return [f"checkpoint {iter_dir}: per-rank format of earlier versions (loads only at its own layout)"]
-    meta = files.read_meta(iter_dir)
+    saved = read_train_state(iter_dir)
     metadata = read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata
-    layout = meta.get("layout", {})
-    model = meta["config"].get("model", {})
+    layout = saved.layout
+    model = saved.config.get("model", {})
     lines = [
         f"checkpoint {iter_dir}",
-        f"  iteration {meta['iteration']}, {meta.get('consumed_samples', 0)} samples consumed, "
-        f"format {meta.get('format_version')}",
+        f"  iteration {saved.iteration}, {saved.progress.consumed_samples} samples consumed, "
+        f"format {saved.format_version}",
         "  saved at tp {tp} x pp {pp} x vp {vp} x dp {dp} (world {world_size}), sequence parallel "
         "{sequence_parallel}, distributed optimizer {distributed_optimizer}".format(
             **{
@@ -42,7 +43,7 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
             }
         ),
         "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
-        f"  optimizer state: {'present' if meta.get('has_optimizer') else 'absent (weights only)'}",
+        f"  optimizer state: {'present' if saved.has_optimizer else 'absent (weights only)'}",
         f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in {len(files.read_checksums(iter_dir))} files",
         f"  tensors: {len(stored)}",
     ]

@@ -6,7 +6,9 @@ parameter in the same global coordinates (`optim.exp_avg.<name>`, `optim.exp_avg
 `optim.master.<name>` for 16-bit weights), also when the distributed optimizer holds it as flat dp shards. Each
 rank writes only what it owns, dp replicas once. A checkpoint therefore loads at any valid (tp, pp, vp, dp,
 distributed optimizer, sequence parallel) layout of the same model. Folder layout: training/checkpoint/files.py.
-Pieces and planners: training/checkpoint/state.py. Saving (sync/async): training/checkpoint/saver.py.
+Pieces: training/checkpoint/state.py; the DCP planners: training/checkpoint/dcp_planners.py; everything else a
+checkpoint holds (counters, LR schedule, layout, config, RNG): training/checkpoint/train_state.py. Saving
+(sync/async): training/checkpoint/saver.py.
 
 Public API (kept stable for tools/):
     resolve_checkpoint(path) -> iteration folder
@@ -18,26 +20,22 @@ Public API (kept stable for tools/):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from training.checkpoint import files
-from training.checkpoint.files import (
-    FORMAT_VERSION,
-    CheckpointError,
-    read_saved_config,
-    read_tracker,
-    resolve_checkpoint,
-)
+from training.checkpoint.files import CheckpointError, read_tracker, resolve_checkpoint
 from training.checkpoint.loader import load_model_weights as _load_model_weights
 from training.checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
 from training.checkpoint.state import optimizer_pieces, param_records, weight_pieces
+from training.checkpoint.train_state import OptimizerScalars, TrainingProgress, TrainState, read_saved_config
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "TrainState",
     "TrainingProgress",
     "layout_of",
     "load_model_weights",
@@ -47,15 +45,6 @@ __all__ = [
     "save_checkpoint",
     "save_model_weights",
 ]
-
-
-@dataclass
-class TrainingProgress:
-    """Counters saved with the model: where the run is."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iters: int = 0
 
 
 def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
@@ -85,19 +74,12 @@ def save_model_weights(root: str, iteration: int, chunks: list, state: Any, conf
     (or `checkpoint.load_optimizer=false`) loads it at any layout. Collective when distributed."""
     os.makedirs(root, exist_ok=True)
     records = param_records(chunks, state, chunks[0].cfg.vocab_size)
-    par = config_dict.get("parallel", {})
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "iteration": iteration,
-        "consumed_samples": 0,
-        "skipped_iters": 0,
-        "config": config_dict,
-        "has_optimizer": False,
-        "optimizer": None,
-        "lr_schedule": None,
-        "layout": layout_of(state, par.get("sequence_parallel", False), False),
-    }
-    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), meta, rng=None)
+    train_state = TrainState(
+        progress=TrainingProgress(iteration),
+        config=config_dict,
+        layout=layout_of(state, config_dict.get("parallel", {}).get("sequence_parallel", False), False),
+    )
+    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), train_state)
     return write_checkpoint(job).path
 
 
@@ -118,26 +100,16 @@ def build_save_job(
     records = param_records(chunks, state, chunks[0].cfg.vocab_size)
     tensors = weight_pieces(records, for_save=True)
     tensors.update(optimizer_pieces(records, optimizer, for_save=True))
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "iteration": progress.iteration,
-        "consumed_samples": progress.consumed_samples,
-        "skipped_iters": progress.skipped_iters,
-        "config": config,
-        "has_optimizer": True,
-        "lr_schedule": lr_schedule.state_dict(),
-        "optimizer": {"step": optimizer.step_count, "loss_scaler": optimizer.scaler.state_dict()},
-        "layout": layout_of(state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer),
-    }
-    return SaveJob(
-        root,
-        progress.iteration,
-        tensors,
-        meta if state.rank == 0 else None,
-        rng_state,
-        keep_last=keep_last,
-        before_tracker=before_tracker,
+    train_state = TrainState(
+        progress=dataclasses.replace(progress),  # a copy: an async save must not see the next iteration's
+        config=config,
+        layout=layout_of(state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer),
+        lr_schedule=lr_schedule.state_dict(),
+        optimizer=OptimizerScalars(optimizer.step_count, optimizer.scaler.state_dict()),
+        has_optimizer=True,
+        rng=rng_state,
     )
+    return SaveJob(root, progress.iteration, tensors, train_state, keep_last=keep_last, before_tracker=before_tracker)
 
 
 def save_checkpoint(

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from model.param_info import Sharding, set_param_info
+from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from training.checkpoint.loader import read_global_tensors
-from training.checkpoint.pieces import Block, GlobalPieces, flat_range_rects, pieces_of, tp_blocks
+from training.checkpoint.pieces import Block, flat_range_rects, pieces_of, tp_blocks
 from training.checkpoint.saver import SaveJob, write_checkpoint
-from training.checkpoint.state import PiecesLoadPlanner
 
 
 def test_flat_range_rects_cover_the_range_exactly():
@@ -65,7 +65,7 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(
         bounds = [flat.numel() * d // save_dp for d in range(save_dp + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
             pieces += pieces_of(flat[lo:hi].clone(), lo, tuple(param.shape), blocks)
-    write_checkpoint(SaveJob(str(tmp_path), 1, {name: GlobalPieces(tuple(stored.shape), pieces)}, {}, None))
+    write_checkpoint(SaveJob(str(tmp_path), 1, {name: GlobalPieces(tuple(stored.shape), pieces)}, None))
     iter_dir = str(tmp_path / "iter_0000001")
     assert torch.equal(read_global_tensors(iter_dir)[name], stored)
 

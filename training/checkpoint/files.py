@@ -204,15 +204,6 @@ def resolve_checkpoint(path: str) -> str:
     return directory
 
 
-def read_saved_config(iter_dir: str) -> dict:
-    """The run config (Config.to_dict() form) saved with the checkpoint in iter_dir."""
-    if is_legacy(iter_dir):
-        from training.checkpoint.legacy import legacy_config
-
-        return legacy_config(iter_dir)
-    return read_meta(iter_dir)["config"]
-
-
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

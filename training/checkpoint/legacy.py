@@ -36,10 +36,6 @@ def legacy_main_file(iter_dir: str, tp_rank: int = 0, pp_rank: int = 0) -> dict:
     return _load_file(os.path.join(rank_dir(iter_dir, tp_rank, pp_rank), "model_optim_rng.pt"))
 
 
-def legacy_config(iter_dir: str) -> dict:
-    return legacy_main_file(iter_dir)["config"]
-
-
 def _check_layout(iter_dir: str, main: dict, state: Any) -> None:
     layout = main.get("layout", {})
     expected = {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}

@@ -13,15 +13,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from training.checkpoint import files
+from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.state import (
-    GlobalPieces,
-    PiecesLoadPlanner,
     check_against_metadata,
     optimizer_pieces,
     param_records,
     weight_pieces,
 )
+from training.checkpoint.train_state import OptimizerScalars, rng_path
 
 
 def _distributed() -> bool:
@@ -104,7 +104,13 @@ def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = Non
 
 
 def load_optimizer_state(
-    iter_dir: str, chunks: list, optimizer: Any, state: Any, metadata: Any, optim_meta: dict, group: Any = None
+    iter_dir: str,
+    chunks: list,
+    optimizer: Any,
+    state: Any,
+    metadata: Any,
+    scalars: OptimizerScalars,
+    group: Any = None,
 ) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
     and loss-scaler state; then the masters are written into the params (collective over dp)."""
@@ -118,13 +124,14 @@ def load_optimizer_state(
     )
     with torch.no_grad():
         load_pieces(iter_dir, wanted, metadata, group)
-    optimizer.step_count = int(optim_meta["step"])
-    optimizer.scaler.load_state_dict(optim_meta["loss_scaler"])
+    optimizer.step_count = scalars.step
+    optimizer.scaler.load_state_dict(scalars.loss_scaler)
     optimizer._copy_to_params()
 
 
 def load_rng(iter_dir: str, rank: int) -> dict | None:
-    path = os.path.join(iter_dir, "rng", f"rank_{rank:05d}.pt")
+    """This rank's saved RNG states (TrainState.rng), None when the checkpoint has none for it."""
+    path = rng_path(iter_dir, rank)
     if not os.path.exists(path):
         return None
     try:

@@ -5,8 +5,8 @@ A checkpoint stores every tensor under its global name with its global shape (`l
 halves of SwiGLU's stacked fc1; vocabulary rows up to the real vocabulary size, the tp padding is not stored;
 all read off the parameter's model/param_info.Sharding),
 and with the distributed optimizer a flat range of it. `GlobalPieces` lists such pieces as (global offsets,
-local view) pairs and speaks DCP's checkpointable protocol (`__create_write_items__`, `__create_chunk_list__`,
-`__get_tensor_shard__`), so torch.distributed.checkpoint writes and reshards them like DTensor shards.
+local view) pairs (`pieces_of`), which training/checkpoint/dcp_planners.py hands to torch.distributed.checkpoint
+to write and reshard like DTensor shards.
 
 Tensors are 1-D or 2-D here; a 1-D tensor of n elements is handled as an [n, 1] matrix internally.
 """
@@ -14,11 +14,8 @@ Tensors are 1-D or 2-D here; a 1-D tensor of n elements is handled as an [n, 1] 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from model.param_info import full_shape, param_info
 
@@ -69,7 +66,7 @@ def tp_blocks(param: torch.Tensor) -> list[Block]:
 def flat_range_rects(rows: int, cols: int, start: int, end: int) -> list[tuple[int, int, int, int]]:
     """The flat element range [start, end) of a row-major [rows, cols] matrix as <= 3 rectangles
     (r0, r1, c0, c1): the tail of the first row, whole middle rows, the head of the last row."""
-    rects = []
+    rects: list[tuple[int, int, int, int]] = []
     if start >= end:
         return rects
     first_row, first_col = divmod(start, cols)
@@ -86,45 +83,6 @@ def flat_range_rects(rows: int, cols: int, start: int, end: int) -> list[tuple[i
     return rects
 
 
-class GlobalPieces:
-    """This rank's pieces of one global tensor: [(global offsets, local view)], for DCP save and load.
-
-    Args:
-        shape: the global shape.
-        pieces: (offsets, tensor) with tensor.ndim == len(shape); tensors are views into the rank's storage,
-            so a load writes straight into them.
-    """
-
-    def __init__(self, shape: tuple[int, ...], pieces: list[tuple[tuple[int, ...], torch.Tensor]]):
-        self.shape = torch.Size(shape)
-        self.pieces = pieces
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape),
-                    properties=TensorProperties.create_from_tensor(tensor),
-                    size=self.shape,
-                ),
-            )
-            for offsets, tensor in self.pieces
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [
-            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape) for offsets, tensor in self.pieces
-        ]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, tensor in self.pieces:
-            if torch.Size(offsets) == index.offset:
-                return tensor
-        raise ValueError(f"no piece of {index.fqn} at offsets {tuple(index.offset)} on this rank")
-
-
 def pieces_of(
     flat: torch.Tensor,
     flat_start: int,
@@ -135,7 +93,7 @@ def pieces_of(
     flat.numel()) (the whole tensor, or a distributed-optimizer shard), as (global offsets, view of flat)."""
     rows = shape[0]
     cols = shape[1] if len(shape) == 2 else 1
-    out = []
+    out: list[tuple[tuple[int, ...], torch.Tensor]] = []
     for rect in flat_range_rects(rows, cols, flat_start, flat_start + flat.numel()):
         for block in blocks:
             part = block.intersect(*rect)
@@ -145,7 +103,7 @@ def pieces_of(
             begin = part.r0 * cols + part.c0 - flat_start
             n_rows, n_cols = part.r1 - part.r0, part.c1 - part.c0
             view = flat[begin : begin + n_rows * n_cols].view(n_rows, n_cols)
-            offsets = (part.r0 + part.row_off, part.c0 + part.col_off)
+            offsets: tuple[int, ...] = (part.r0 + part.row_off, part.c0 + part.col_off)
             if len(shape) == 1:
                 view, offsets = view.reshape(-1), offsets[:1]
             out.append((offsets, view))

@@ -10,6 +10,7 @@ run's config, and then loading it into the built run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 from model.config import ModelConfig
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint.
 STRUCTURAL = (
@@ -45,7 +47,7 @@ class ResumePlan:
     """The checkpoint a run starts from and how."""
 
     iter_dir: str
-    meta: dict  # meta.json (legacy: a reconstruction with the same keys)
+    train_state: TrainState  # its meta.json (format 1: read from its main file)
     legacy: bool
     weights_only: bool  # finetune or load_optimizer=false or a weights-only checkpoint
     reset_progress: bool  # finetune: iteration 0, fresh data order and LR schedule
@@ -117,16 +119,16 @@ def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0
         log(f"no tracker under {source}: loading the newest checkpoint that verifies")
     iter_dir = files.resolve_checkpoint(source)
     legacy = files.is_legacy(iter_dir)
-    meta = _legacy_meta(iter_dir) if legacy else files.read_meta(iter_dir)
+    saved = read_train_state(iter_dir)
     ckpt = config.checkpoint
     plan = ResumePlan(
         iter_dir,
-        meta,
+        saved,
         legacy,
-        weights_only=ckpt.finetune or not ckpt.load_optimizer or not meta.get("has_optimizer", True),
+        weights_only=ckpt.finetune or not ckpt.load_optimizer or not saved.has_optimizer,
         reset_progress=ckpt.finetune,
     )
-    if not plan.weights_only and not plan.reset_progress and not meta.get("has_optimizer", True):
+    if not plan.weights_only and not plan.reset_progress and not saved.has_optimizer:
         raise CheckpointError(
             f"checkpoint {iter_dir} holds weights only: load it with checkpoint.finetune=true "
             f"or checkpoint.load_optimizer=false"
@@ -137,20 +139,20 @@ def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0
 
         verify_share(iter_dir)  # every byte, the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
-    start = 0 if plan.reset_progress else int(meta["iteration"])
+    start = 0 if plan.reset_progress else saved.iteration
     _refuse_overwrite(config, run_root, from_root and not plan.reset_progress, start)
     return plan
 
 
 def _check_config(plan: ResumePlan, config: Any, log: Callable[[str], None]) -> None:
-    saved, current = plan.meta["config"], config.to_dict()
+    saved, current = plan.train_state.config, config.to_dict()
     keys = STRUCTURAL if plan.reset_progress else STRUCTURAL + RESUME_ONLY
     differences = model_differences(saved, current, keys)
     if differences:
         raise CheckpointError(f"checkpoint {plan.iter_dir} does not fit this run: " + "; ".join(differences))
     for line in other_differences(saved, current):
         log(f"config differs from the checkpoint's: {line}")
-    iteration = int(plan.meta["iteration"])
+    iteration = plan.train_state.iteration
     if not plan.reset_progress and config.train.train_iters < iteration:
         raise CheckpointError(
             f"train.train_iters={config.train.train_iters} is below the iteration of checkpoint "
@@ -170,22 +172,6 @@ def _refuse_overwrite(config: Any, run_root: str, from_root: bool, start: int) -
         )
 
 
-def _legacy_meta(iter_dir: str) -> dict:
-    from training.checkpoint.legacy import legacy_main_file
-
-    main = legacy_main_file(iter_dir)
-    return {
-        "iteration": main["iteration"],
-        "consumed_samples": main["consumed_samples"],
-        "skipped_iters": main.get("skipped_iters", 0),
-        "config": main["config"],
-        "has_optimizer": True,
-        "lr_schedule": main["lr_schedule"],
-        "layout": main.get("layout", {}),
-        "format_version": 1,
-    }
-
-
 def derived_seed(seed: int, iteration: int) -> int:
     """The seed dropout streams restart from after a layout change: a function of (seed, iteration) only."""
     return int(hashlib.md5(f"rng/{seed}/{iteration}".encode()).hexdigest()[:8], 16)
@@ -200,35 +186,33 @@ def load_into_run(
     lr_schedule: Any,
     rng_tracker: Any,
     log: Callable[[str], None],
-) -> tuple[int, int, int]:
-    """Load the planned checkpoint into the built run; returns (iteration, consumed_samples, skipped_iters).
-    Collective."""
+) -> TrainingProgress:
+    """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
     from training.checkpoint.loader import load_model_weights, load_optimizer_state, read_dcp_metadata
 
     if plan.legacy:
         return _load_legacy(plan, config, state, chunks, optimizer, lr_schedule, rng_tracker, log)
-    meta = plan.meta  # the files were verified by plan_resume
+    saved = plan.train_state  # the files were verified by plan_resume
     if plan.weights_only:
         load_model_weights(plan.iter_dir, chunks, state, verify=False)
         optimizer.reset_from_params()
     else:
         metadata = read_dcp_metadata(plan.iter_dir)
-        load_optimizer_state(plan.iter_dir, chunks, optimizer, state, metadata, meta["optimizer"])
+        if saved.optimizer is None:
+            raise CheckpointError(f"checkpoint {plan.iter_dir}: meta.json has no optimizer scalars")
+        load_optimizer_state(plan.iter_dir, chunks, optimizer, state, metadata, saved.optimizer)
     if plan.reset_progress:
         log(f"fine-tuning from {plan.iter_dir}: weights loaded; iteration 0, fresh optimizer and data order")
-        return 0, 0, 0
-    apply_lr_schedule(meta["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)
+        return TrainingProgress()
+    apply_lr_schedule(saved.lr_schedule, lr_schedule, config.optim.override_lr_schedule, log)
     restore_rng(plan, config, state, rng_tracker, log)
     what = (
         "weights (checkpoint.load_optimizer=false: fresh optimizer state)"
         if plan.weights_only
         else "weights and optimizer state"
     )
-    log(
-        f"loaded {what} of iteration {meta['iteration']} from {plan.iter_dir} (saved at "
-        f"{_describe(meta.get('layout', {}))})"
-    )
-    return int(meta["iteration"]), int(meta["consumed_samples"]), int(meta.get("skipped_iters", 0))
+    log(f"loaded {what} of iteration {saved.iteration} from {plan.iter_dir} (saved at {_describe(saved.layout)})")
+    return dataclasses.replace(saved.progress)  # the loop advances it
 
 
 def apply_lr_schedule(saved: dict | None, lr_schedule: Any, override: bool, log: Callable[[str], None]) -> None:
@@ -266,18 +250,18 @@ def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log
     from parallel.random import RNGTracker
     from training.checkpoint.loader import load_rng
 
-    layout = plan.meta.get("layout", {})
+    layout = plan.train_state.layout
     saved = load_rng(plan.iter_dir, state.rank) if same_layout(layout, state) else None
     if saved is not None:
         rng_tracker.load_state_dict(saved)
         return
-    seed = derived_seed(config.train.seed, int(plan.meta["iteration"]))
+    seed = derived_seed(config.train.seed, plan.train_state.iteration)
     fresh = RNGTracker.seeded(seed, state.tp_rank, state.pp_rank, rng_tracker.device_type)
     rng_tracker.set_states(fresh.get_states())
     log(
         f"layout changed ({_describe(layout)} -> tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size} "
         f"x dp {state.dp_size}): dropout RNG streams restarted from seed {seed} (derived from train.seed and "
-        f"iteration {plan.meta['iteration']})"
+        f"iteration {plan.train_state.iteration})"
     )
 
 
@@ -299,10 +283,10 @@ def _load_legacy(
     lr_schedule: Any,
     rng_tracker: Any,
     log: Callable[[str], None],
-) -> tuple[int, int, int]:
+) -> TrainingProgress:
     from training.checkpoint.legacy import load_legacy
 
-    main, per_rank = load_legacy(
+    _, per_rank = load_legacy(
         plan.iter_dir, state, chunks, None if plan.weights_only else optimizer, config.parallel.distributed_optimizer
     )
     if plan.weights_only:
@@ -312,7 +296,7 @@ def _load_legacy(
         f"own layout); the next save writes the layout-free format"
     )
     if plan.reset_progress:
-        return 0, 0, 0
-    apply_lr_schedule(main["lr_schedule"], lr_schedule, config.optim.override_lr_schedule, log)
+        return TrainingProgress()
+    apply_lr_schedule(plan.train_state.lr_schedule, lr_schedule, config.optim.override_lr_schedule, log)
     rng_tracker.load_state_dict(per_rank["rng"])
-    return int(main["iteration"]), int(main["consumed_samples"]), int(main.get("skipped_iters", 0))
+    return dataclasses.replace(plan.train_state.progress)

@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from training.checkpoint import files
+from training.checkpoint.dcp_planners import GlobalPieces, PiecesSavePlanner
 from training.checkpoint.files import CheckpointError
-from training.checkpoint.state import PiecesSavePlanner, staged_copy
+from training.checkpoint.state import staged_copy
+from training.checkpoint.train_state import TrainState, rng_path
 
 
 @dataclass
@@ -31,9 +33,8 @@ class SaveJob:
 
     root: str
     iteration: int
-    tensors: dict  # key -> GlobalPieces
-    meta: dict | None  # written by rank 0 (meta.json)
-    rng: dict | None  # this rank's RNG states (rng/rank_XXXXX.pt)
+    tensors: dict[str, GlobalPieces]
+    train_state: TrainState | None  # rank 0 writes its meta.json, every rank its RNG states (when not None)
     keep_last: int = 0
     before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
 
@@ -81,8 +82,8 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
     try:
         if status is None:
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-            if job.rng is not None:
-                torch.save(job.rng, os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+            if job.train_state is not None and job.train_state.rng is not None:
+                torch.save(job.train_state.rng, rng_path(tmp, rank))
     except OSError as err:
         status = f"{tmp}: {_one_line(err)}"
     error = _first_error(_all_gather(status, group))
@@ -104,8 +105,8 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
     sums: Any = {}
     if error is None:
         try:
-            if rank == 0 and job.meta is not None:
-                files.write_json(job.meta, os.path.join(tmp, files.META))
+            if rank == 0 and job.train_state is not None:
+                files.write_json(job.train_state.state_dict(), os.path.join(tmp, files.META))
             sums = files.checksum_files(tmp, _own_files(tmp, rank))
         except OSError as err:
             sums = f"{tmp}: {_one_line(err)}"
@@ -123,8 +124,8 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
 
 def _own_files(tmp: str, rank: int) -> list[str]:
     names = [name for name in os.listdir(tmp) if name.startswith(f"__{rank}_") and name.endswith(".distcp")]
-    if os.path.exists(os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")):
-        names.append(f"rng/rank_{rank:05d}.pt")
+    if os.path.exists(rng_path(tmp, rank)):
+        names.append(os.path.relpath(rng_path(tmp, rank), tmp))
     if rank == 0:
         names += [name for name in (files.DCP_METADATA, files.META) if os.path.exists(os.path.join(tmp, name))]
     return names

@@ -1,5 +1,5 @@
 """What a rank contributes to (and takes from) a checkpoint: its parameters and optimizer state as
-`GlobalPieces` under global keys, and the DCP planners that resolve those pieces.
+`GlobalPieces` under global keys (written and read by the planners of training/checkpoint/dcp_planners.py).
 
 Keys: the model weight under its global name (`layers.5.mlp.fc1.weight`), the optimizer state under
 `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` and, when the weights are not fp32, `optim.master.<name>`
@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from model.param_info import param_info
-from training.checkpoint.pieces import Block, GlobalPieces, global_shape, pieces_of, tp_blocks
+from training.checkpoint.dcp_planners import GlobalPieces
+from training.checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -40,7 +39,7 @@ class ParamRecord:
 
 def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[ParamRecord]:
     """This rank's parameters in chunk order, each once (a tied output layer is the embedding)."""
-    records = []
+    records: list[ParamRecord] = []
     for chunk in chunks:
         for module_name, param in chunk.named_parameters():
             info = param_info(param)
@@ -131,33 +130,6 @@ def staged_copy(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return buffers
-
-
-class PiecesSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that finds the tensor of a write item inside `GlobalPieces`."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, GlobalPieces) else super().lookup_object(index)
-
-
-class PiecesLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that writes each read straight into the `GlobalPieces` views."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
-        # The default set-up runs _init_state_dict, which replaces objects it does not know by None.
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, GlobalPieces) else super().lookup_tensor(index)
 
 
 def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Any, iter_dir: str) -> None:
