@@ -221,7 +221,8 @@ class Optimizer:
         scale = self.scaler.scale
         grads = [seg.grad for seg in self.segments]
         if scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / scale)
+            for grad in grads:  # per tensor: no private torch._foreach_* name (same elementwise product)
+                grad.mul_(1.0 / scale)
         if self.scaler.dynamic:
             world = [dist.group.WORLD] if self.state.is_distributed else []
             device = grads[0].device if grads else "cpu"
@@ -236,7 +237,8 @@ class Optimizer:
             return StepStats(grad_norm=norm, skipped=True, loss_scale=scale)
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0 and grads:
-            torch._foreach_mul_(grads, coefficient)
+            for grad in grads:
+                grad.mul_(coefficient)
         self.step_count += 1
         for seg in self.segments:
             self._adamw(seg, lr)
