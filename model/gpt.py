@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
 from model.param_info import Sharding, param_info, set_param_info
 from model.tp_hooks import TensorParallelHooks, identity
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, b, 1, d]
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -81,7 +84,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.add_bias_linear)
-        self.core = CoreAttention(cfg.attention_dropout)
+        self.core: nn.Module = CoreAttention(cfg.attention_dropout)  # parallel/ may wrap it in its RNG stream
         self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.recompute_core = False
         self.checkpoint_fn: Callable | None = None
@@ -90,10 +93,10 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: tuple | None,
+        rotary: Rotary | None,
         attention_mask: torch.Tensor | None,
         kv_cache: LayerKVCache | None = None,
-    ):
+    ) -> torch.Tensor:
         mixed = self.qkv(x)  # [s, b, groups_local * (hpg + 2) * d]
         s, b = mixed.shape[:2]
         d, hpg = self.head_dim, self.heads_per_group
@@ -101,10 +104,10 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(mixed, [hpg * d, d, d], dim=-1)
         q = q.reshape(s, b, -1, d)  # [s, b, heads_local, d]
         if rotary is not None:
-            q, k = kernels.rotary_qk(q, k, *rotary, self.kernels)
+            q, k = kernels.rotary_qk(q, k, rotary[0], rotary[1], self.kernels)
         if kv_cache is not None:  # incremental decoding: attend over every cached position too
             k, v, attention_mask = kv_cache.update(k, v)
-        if self.recompute_core and self.training:
+        if self.recompute_core and self.training and self.checkpoint_fn is not None:
             context = self.checkpoint_fn(self.core, q, k, v, attention_mask)
         else:
             context = self.core(q, k, v, attention_mask)
@@ -139,17 +142,17 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(cfg)
         self.post_attention_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
-        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.hidden_dropout: nn.Module = nn.Dropout(cfg.hidden_dropout)  # parallel/ may wrap it in its RNG stream
         self.hidden_dropout_p = cfg.hidden_dropout
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
     def forward(
         self,
         x: torch.Tensor,
-        rotary: tuple | None,
+        rotary: Rotary | None,
         attention_mask: torch.Tensor | None,
         kv_cache: LayerKVCache | None = None,
-    ):
+    ) -> torch.Tensor:
         attention_out = self.attention(kernels.norm(self.input_norm, x, self.kernels), rotary, attention_mask, kv_cache)
         x = self._dropout_add(attention_out, None, x)
         mlp_out, mlp_bias = self.mlp(kernels.norm(self.post_attention_norm, x, self.kernels))
@@ -171,12 +174,14 @@ class Embedding(nn.Module):
         scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = identity,
     ):
         super().__init__()
-        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        mark_vocab_rows(self.word_embeddings.weight, cfg)
+        word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        mark_vocab_rows(word_embeddings.weight, cfg)
+        # nn.Embedding here; tensor parallelism swaps in a VocabParallelEmbedding
+        self.word_embeddings: nn.Module = word_embeddings
         self.position_embeddings = (
             nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding_type == "learned" else None
         )
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout: nn.Module = nn.Dropout(cfg.hidden_dropout)  # parallel/ may wrap it in its RNG stream
         self.scatter_to_sequence_parallel = scatter_to_sequence_parallel  # split along s under SP
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -219,12 +224,13 @@ class GPTModel(nn.Module):
         self.tp_hooks = tp_hooks or TensorParallelHooks()
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.embedding = (
+        self.embedding: Embedding | None = (
             Embedding(cfg, padded_vocab_size, self.tp_hooks.scatter_to_sequence_parallel) if pre_process else None
         )
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in layer_ids})
-        self.final_norm = build_norm(cfg) if post_process else None
-        self.output_layer = None
+        self.final_norm: nn.Module | None = build_norm(cfg) if post_process else None
+        # nn.Linear here; tensor parallelism swaps in a ColumnParallelLinear (same weight attribute)
+        self.output_layer: nn.Module | None = None
         if post_process:
             self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
             mark_vocab_rows(self.output_layer.weight, cfg)
@@ -235,15 +241,31 @@ class GPTModel(nn.Module):
         self.recompute_layer_ids: set[int] = set()
         self.checkpoint_fn: Callable | None = None
 
+    def transformer_layers(self) -> list[tuple[int, TransformerLayer]]:
+        """(global layer index, layer) of the layers this chunk holds, in order."""
+        return [(int(layer_id), cast(TransformerLayer, layer)) for layer_id, layer in self.layers.items()]
+
+    def word_embedding_weight(self) -> nn.Parameter:
+        """The word embedding table [V(/tp), h] (the first chunk only)."""
+        if self.embedding is None:
+            raise RuntimeError("only the first pipeline chunk holds the word embeddings")
+        return cast(nn.Parameter, self.embedding.word_embeddings.weight)
+
+    def output_weight(self) -> nn.Parameter:
+        """The output layer's weight [V(/tp), h] (the last chunk only)."""
+        if self.output_layer is None:
+            raise RuntimeError("only the last pipeline chunk holds the output layer")
+        return cast(nn.Parameter, self.output_layer.weight)
+
     def _tie_output_to_embedding(self) -> None:
         if self.pre_process:
-            self.output_layer.weight = self.embedding.word_embeddings.weight
+            cast(nn.Module, self.output_layer).weight = self.word_embedding_weight()
         else:
             # The last stage's own copy: initialised from the same seed as the embedding and kept equal
             # by all-reducing its gradient over the embedding group. `embedding_copy` marks the copy so
             # that the gradient norm counts the tied weight once.
             set_param_info(
-                self.output_layer.weight,
+                self.output_weight(),
                 init_name="embedding.word_embeddings.weight",
                 shared_embedding=True,
                 embedding_copy=True,
@@ -251,21 +273,21 @@ class GPTModel(nn.Module):
 
     def _mark_split_tied_embedding(self) -> None:
         if self.cfg.tie_embeddings and self.pre_process and not self.post_process:
-            set_param_info(self.embedding.word_embeddings.weight, shared_embedding=True)
+            set_param_info(self.word_embedding_weight(), shared_embedding=True)
 
     def tie_weights(self) -> None:
         """Re-tie the output layer to the embedding after parameters were replaced (meta init, tp)."""
         if self.post_process and self.pre_process and self.cfg.tie_embeddings:
-            self.output_layer.weight = self.embedding.word_embeddings.weight
+            cast(nn.Module, self.output_layer).weight = self.word_embedding_weight()
 
     def _num_valid_vocab(self) -> int:
         """Columns of this rank's logits that are real vocabulary: padded rows (which grow with tp) never
         score, so every tp size trains the same model and the padding rows get no gradient."""
-        return self.cfg.vocab_size - self._vocab_start_index()
+        return cast(int, self.cfg.vocab_size) - self._vocab_start_index()
 
     def _vocab_start_index(self) -> int:
         """First vocabulary id of this rank's logits [s, b, V(/tp)]: where its output-layer shard starts."""
-        weight = self.output_layer.weight
+        weight = self.output_weight()
         return param_info(weight).tp_rank * weight.shape[0]
 
     def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable | None) -> None:
@@ -275,7 +297,7 @@ class GPTModel(nn.Module):
         ids = [int(i) for i in self.layers]
         if mode == "full":
             self.recompute_layer_ids = set(ids if method == "uniform" else ids[:num_layers])
-        for layer in self.layers.values():
+        for _, layer in self.transformer_layers():
             layer.attention.recompute_core = mode == "selective"
             layer.attention.checkpoint_fn = checkpoint_fn
 
@@ -284,7 +306,7 @@ class GPTModel(nn.Module):
         The layers share their code, so compile time stays flat in the number of layers. Selective recompute's
         checkpoint (inside the layer) runs eagerly: its context_fn swaps RNG-tracker states, which dynamo cannot
         trace; full recompute checkpoints whole compiled layers from outside and needs nothing."""
-        for layer in self.layers.values():
+        for _, layer in self.transformer_layers():
             if layer.attention.recompute_core and layer.attention.checkpoint_fn is not None:
                 layer.attention.checkpoint_fn = torch.compiler.disable(layer.attention.checkpoint_fn)
             layer.compile(backend=backend)
@@ -301,23 +323,30 @@ class GPTModel(nn.Module):
         """Embedding (first chunk) or hidden_states [s, b, h] in; hidden [s, b, h] out, or on the last chunk
         per-token loss [b, s] when labels [b, s] are given, else logits [b, s, V(/tp)]. With `kv_cache`
         (generation) the tokens continue the cached ones: position_ids start at kv_cache.length."""
-        x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
+        if self.embedding is not None:
+            x = self.embedding(input_ids, position_ids)
+        elif hidden_states is not None:
+            x = hidden_states
+        else:
+            raise ValueError("a chunk without the embedding needs hidden_states")
         rotary = None
         if self.cfg.position_embedding_type == "rope":
+            if position_ids is None:
+                raise ValueError("rotary positions need position_ids")
             rotary = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rotary_base, x.dtype)
-        for layer_id, layer in self.layers.items():
-            if int(layer_id) in self.recompute_layer_ids and self.training:
+        for layer_id, layer in self.transformer_layers():
+            if layer_id in self.recompute_layer_ids and self.training and self.checkpoint_fn is not None:
                 x = self.checkpoint_fn(layer, x, rotary, attention_mask)
             else:
-                x = layer(x, rotary, attention_mask, None if kv_cache is None else kv_cache.layer(int(layer_id)))
-        if not self.post_process:
+                x = layer(x, rotary, attention_mask, None if kv_cache is None else kv_cache.layer(layer_id))
+        if self.final_norm is None or self.output_layer is None:
             return x
         x = kernels.norm(self.final_norm, x, self.kernels)
         hooks = self.tp_hooks
         if labels is not None and self.kernels.uses("linear_cross_entropy"):
             return kernels.fused_linear_cross_entropy(
                 hooks.head_input(x),
-                self.output_layer.weight,
+                self.output_weight(),
                 labels.t(),
                 self._vocab_start_index(),
                 self._num_valid_vocab(),

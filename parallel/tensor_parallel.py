@@ -24,6 +24,7 @@ converters' view, valid at tp = 1 too). `tensor_parallel_hooks` builds what GPTM
 from __future__ import annotations
 
 from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,8 @@ from parallel.tp_layers import (
     vocab_parallel_cross_entropy,
 )
 from parallel.tp_mappings import CommCounter, TPComm, all_reduce, scatter_to_sequence_parallel_region
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 # Which linear of a TransformerLayer becomes which parallel layer.
 LAYER_PLAN: tuple[tuple[str, type[ColumnParallelLinear] | type[RowParallelLinear]], ...] = (
@@ -128,19 +131,26 @@ def apply_tensor_parallel(
 def _shard_modules(model: GPTModel, comm: TPComm, sequence_parallel: bool) -> None:
     """Swap every Linear / Embedding of LAYER_PLAN, the word embedding and the output layer for its parallel
     layer (the parameters' Sharding records come with them)."""
-    for layer in model.layers.values():
+    for _, layer in model.transformer_layers():
         _shard_layer(layer, model.cfg, comm, sequence_parallel)
     if model.embedding is not None:
         embedding = model.embedding
         embedding.word_embeddings = VocabParallelEmbedding.from_embedding(
-            embedding.word_embeddings, comm.with_scope("embedding")
+            _plain(embedding.word_embeddings, nn.Embedding), comm.with_scope("embedding")
         )
     if model.output_layer is not None:  # split by vocabulary: logits stay [s, b, V/tp]
         model.output_layer = ColumnParallelLinear.from_linear(
-            model.output_layer, comm.with_scope("output"), sequence_parallel=sequence_parallel
+            _plain(model.output_layer, nn.Linear), comm.with_scope("output"), sequence_parallel=sequence_parallel
         )
         if model.cfg.tie_embeddings and model.embedding is not None:
-            model.output_layer.weight = model.embedding.word_embeddings.weight
+            model.output_layer.weight = model.word_embedding_weight()
+
+
+def _plain(module: nn.Module, kind: type[ModuleT]) -> ModuleT:
+    """`module` as the plain torch module it must be before sharding (sharding twice is a bug)."""
+    if not isinstance(module, kind):
+        raise TypeError(f"expected a plain {kind.__name__} to shard, got {type(module).__name__}")
+    return module
 
 
 def _shard_layer(layer: nn.Module, cfg: ModelConfig, comm: TPComm, sequence_parallel: bool) -> None:
@@ -167,7 +177,7 @@ def _wrap_dropouts(model: GPTModel, sequence_parallel: bool, rng_tracker: RNGTra
     replicated activations (shared stream) unless sequence parallelism shards them along s."""
     if rng_tracker is None:
         return
-    for layer in model.layers.values():
+    for _, layer in model.transformer_layers():
         layer.attention.core = ForkRNG(layer.attention.core, rng_tracker)
         if sequence_parallel:
             layer.hidden_dropout = ForkRNG(layer.hidden_dropout, rng_tracker)
