@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import ConfigError, load_config
+from model.shape import iteration_flops
 from planner.cluster import ClusterSpec
 from planner.predict import predict
-from training.flops import flops_per_iteration
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {"gemm_max": (0.01, 1.0), "hbm": (0.01, 1.0), "gemm_half_flops": (1e3, 1e13)}
@@ -67,14 +67,8 @@ def load_run(run_dir: str) -> Observation:
     kept = records[1:] if len(records) > 1 else records
     seconds = statistics.median(r["ms_per_iter"] for r in kept) / 1000.0
     model, train = config.model, config.train
-    flops = flops_per_iteration(
-        train.global_batch_size,
-        model.seq_length,
-        model.num_layers,
-        model.hidden_size,
-        model.padded_vocab_size(config.parallel.tp_size),
-        full_recompute=train.recompute == "full",
-    )
+    vocab, chunks = model.padded_vocab_size(config.parallel.tp_size), config.parallel.pp_size * config.parallel.vp_size
+    flops = iteration_flops(model, vocab, train, chunks).with_recompute  # as the trainer's tflops_per_device
     tflops = statistics.median(r["tflops_per_device"] for r in kept)
     world = max(1, round(flops / (seconds * tflops * 1e12))) if tflops > 0 else 1
     return Observation(run_dir, config, world, seconds)
