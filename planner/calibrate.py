@@ -85,6 +85,7 @@ def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[fl
 def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool) -> ClusterSpec:
     """The cluster with constants exp(x) (clamped to BOUNDS); `tied` scales gemm_max and hbm together."""
     eff = cluster.efficiency
+    values: dict[str, Any]  # Efficiency fields by name
     if tied:
         scale = math.exp(x[0])
         values = {"gemm_max": min(1.0, eff.gemm_max * scale), "hbm": min(1.0, eff.hbm * scale)}
@@ -108,11 +109,11 @@ def fit(
     if not observations:
         raise ValueError("calibration needs at least one observation")
     tied = len(observations) == 1
-    keys = ["scale"] if tied else list(keys)[: len(observations)]
-    x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in keys]
+    fitted = ["scale"] if tied else list(keys)[: len(observations)]
+    x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in fitted]
 
     def residuals(point: list[float]) -> np.ndarray:
-        return np.array(log_errors(_with_logs(cluster, keys, point, tied), observations))
+        return np.asarray(log_errors(_with_logs(cluster, fitted, point, tied), observations), dtype=float)
 
     r = residuals(x)
     damping = 1e-2
@@ -135,7 +136,7 @@ def fit(
             progress(f"iteration {step + 1}: squared log error {float(r @ r):.6f}")
         if not accepted:
             break
-    return _with_logs(cluster, keys, x, tied)
+    return _with_logs(cluster, fitted, x, tied)
 
 
 def error_table(cluster: ClusterSpec, observations: list[Observation]) -> list[tuple[str, float, float, float]]:

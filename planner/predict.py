@@ -177,7 +177,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
     events_by_rank: list[list] = [[] for _ in range(p)]
     for event in timeline.events:
         events_by_rank[event.rank].append(event)
-    critical, total, parts = None, -1.0, {}
+    critical, total, parts = 0, -1.0, {}
     for r in range(p):
         rank_parts = _rank_parts(config, layout, hw, costs, lists[r], r, events_by_rank[r])
         rank_total = sum(rank_parts.values())

@@ -1,6 +1,8 @@
 """Each cost term of planner/costs.py on its own, and the cluster spec loader."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -143,3 +145,10 @@ def test_optimizer_step_shrinks_with_the_distributed_optimizer():
     hw = Hardware(a100(), fp32=False, grid=TP8)
     assert optimizer_seconds(10**9, 8, True, hw) < optimizer_seconds(10**9, 8, False, hw)
     assert optimizer_seconds(10**9, 1, False, hw) == pytest.approx(34e9 / (2039e9 * hw.cluster.efficiency.hbm))
+
+
+def test_planner_imports_no_training_code():
+    code = "import sys, planner.calibrate, planner.published, planner.search, planner.plots; "
+    code += "print([m for m in sys.modules if m == 'training' or m.startswith('training.')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
