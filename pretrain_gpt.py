@@ -24,6 +24,7 @@ import yaml
 
 from config.schema import Config, ConfigError, load_config
 from data.tokenizers import build_tokenizer
+from model.shape import IterationFlops, iteration_flops
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout, layout_from_config
 from parallel.model_builder import build_model_chunks, count_parameters
@@ -32,7 +33,6 @@ from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointError, TrainingProgress, save_checkpoint
-from training.flops import flops_per_iteration
 from training.guards import (
     EXIT_DIVERGED,
     EXIT_ERROR,
@@ -48,7 +48,7 @@ from training.guards import (
     find_bad_token,
     weights_are_finite,
 )
-from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger
+from training.logging import IntervalStats, MetricsWriter, format_train_line, get_logger, peak_tflops
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
 from training.preemption import Interrupted, PreemptionHandler, job_start_time
@@ -97,7 +97,7 @@ class Run:
     metrics: MetricsWriter
     logger: logging.Logger
     checkpoint_root: str
-    flops_per_iter: float
+    flops_per_iter: IterationFlops
     resume_plan: ResumePlan | None = None  # the checkpoint to start from; None: start fresh
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
@@ -215,13 +215,8 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
         f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
     )
-    flops = flops_per_iteration(
-        train_cfg.global_batch_size,
-        model_cfg.seq_length,
-        model_cfg.num_layers,
-        model_cfg.hidden_size,
-        model_cfg.padded_vocab_size(state.tp_size),
-        full_recompute=train_cfg.recompute == "full",
+    flops = iteration_flops(
+        model_cfg, model_cfg.padded_vocab_size(state.tp_size), train_cfg, layout.pp_size * layout.vp_size
     )
     return Run(
         config=config,
@@ -403,7 +398,11 @@ def train(run: Run) -> None:
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
     iteration_one = run.progress.iteration + 1
     stats = IntervalStats(
-        run.flops_per_iter, cfg.train.global_batch_size * cfg.model.seq_length, run.env.world_size, run.env.device.type
+        run.flops_per_iter,
+        cfg.train.global_batch_size * cfg.model.seq_length,
+        run.env.world_size,
+        run.env.device.type,
+        peak_tflops(cfg.logging.peak_tflops, run.env.device.type, train_cfg.precision),
     )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
     while run.progress.iteration < train_cfg.train_iters:

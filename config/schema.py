@@ -210,10 +210,13 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
+    peak_tflops: float | None = None  # per GPU, for MFU; None: the known bf16/fp16 peak of the CUDA device
 
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
 
 
 @dataclass

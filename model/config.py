@@ -3,30 +3,53 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+
+def _structural(compared_as: str | None = None) -> dict[str, Any]:
+    """Field metadata of a key that changes the tensors (names or shapes): a checkpoint must match it.
+    `compared_as` names the derived property to compare when the key has a default resolved from others
+    (num_query_groups None and num_query_groups == heads build the same tensors)."""
+    return {"checkpoint": "structural", "compared_as": compared_as}
+
+
+_STRUCTURAL = MappingProxyType(_structural())
+# Keys that change what a resumed run computes from the same tensors (a fine-tune may change them).
+_RESUME_ONLY = MappingProxyType({"checkpoint": "resume_only", "compared_as": None})
+
+
+def checkpoint_keys(kind: str) -> tuple[str, ...]:
+    """The model keys of `kind` ("structural" or "resume_only") as compared against a checkpoint: the field
+    name, or the derived property it resolves to (query_groups, ffn_size, max_positions)."""
+    return tuple(
+        f.metadata.get("compared_as") or f.name for f in fields(ModelConfig) if f.metadata.get("checkpoint") == kind
+    )
 
 
 @dataclass
 class ModelConfig:
     """Hyper-parameters of the GPT decoder; `vocab_size` None means "take it from the tokenizer"."""
 
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None  # grouped-query attention; None = one group per head (MHA)
-    ffn_hidden_size: int | None = None  # None: 4h for GeLU, Llama's 2/3 * 4h rounded to 64 for SwiGLU
-    seq_length: int = 128
-    max_position_embeddings: int | None = None  # None = seq_length
-    vocab_size: int | None = None
+    num_layers: int = field(default=4, metadata=_STRUCTURAL)
+    hidden_size: int = field(default=128, metadata=_STRUCTURAL)
+    num_attention_heads: int = field(default=4, metadata=_STRUCTURAL)
+    # grouped-query attention; None = one group per head (MHA)
+    num_query_groups: int | None = field(default=None, metadata=_structural("query_groups"))
+    # None: 4h for GeLU, Llama's 2/3 * 4h rounded to 64 for SwiGLU
+    ffn_hidden_size: int | None = field(default=None, metadata=_structural("ffn_size"))
+    seq_length: int = field(default=128, metadata=_RESUME_ONLY)
+    max_position_embeddings: int | None = field(default=None, metadata=_structural("max_positions"))  # None = s
+    vocab_size: int | None = field(default=None, metadata=_STRUCTURAL)
     make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned"  # learned | rope
-    rotary_base: float = 10000.0
-    normalization: str = "layernorm"  # layernorm | rmsnorm
+    position_embedding_type: str = field(default="learned", metadata=_STRUCTURAL)  # learned | rope
+    rotary_base: float = field(default=10000.0, metadata=_RESUME_ONLY)
+    normalization: str = field(default="layernorm", metadata=_STRUCTURAL)  # layernorm | rmsnorm
     norm_epsilon: float = 1e-5
-    activation: str = "gelu"  # gelu | swiglu
-    tie_embeddings: bool = True
-    add_bias_linear: bool = True
+    activation: str = field(default="gelu", metadata=_STRUCTURAL)  # gelu | swiglu
+    tie_embeddings: bool = field(default=True, metadata=_STRUCTURAL)
+    add_bias_linear: bool = field(default=True, metadata=_STRUCTURAL)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_std: float = 0.02

@@ -8,18 +8,15 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel.layout import Layout, derive_dp_size
+from parallel.rank_grid import RankGrid
 
 
 @dataclass
 class ParallelState:
     """Ranks and process groups of a tp x dp x pp layout (plus vp model chunks per pipeline rank).
 
-    Rank order follows Megatron-LM: tp varies fastest, then dp, then pp:
-
-        rank = tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
-
-    so the ranks of one tp group are consecutive (one node's NVLink domain on a GPU cluster), a dp group
-    strides by tp_size, and a pp group strides by tp_size * dp_size. The embedding group holds the first and
+    Rank order: parallel/rank_grid.py (Megatron-LM's: tp varies fastest, then dp, then pp), from which
+    every group here is built. The embedding group holds the first and
     last pipeline stage of one (tp_rank, dp_rank) column: with tied embeddings those two stages each keep a
     copy of the word embedding and all-reduce its gradient over this group.
 
@@ -65,15 +62,16 @@ class ParallelState:
         state = cls(
             world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, vp_size=vp_size
         )
-        for ranks in _tp_groups(tp_size, dp_size, pp_size):
+        grid = state.grid
+        for ranks in grid.groups("tp"):
             group = dist.new_group(ranks)
             if rank in ranks:
                 state.tp_group, state.tp_ranks = group, ranks
-        for ranks in _dp_groups(tp_size, dp_size, pp_size):
+        for ranks in grid.groups("dp"):
             group = dist.new_group(ranks)
             if rank in ranks:
                 state.dp_group, state.dp_ranks = group, ranks
-        for ranks in _pp_groups(tp_size, dp_size, pp_size):
+        for ranks in grid.groups("pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
                 state.pp_group, state.pp_ranks = group, ranks
@@ -81,7 +79,7 @@ class ParallelState:
             emb_group = dist.new_group(embedding_ranks)
             if rank in embedding_ranks and pp_size > 1:
                 state.embedding_group = emb_group
-        for ranks in _model_parallel_groups(tp_size, dp_size, pp_size):
+        for ranks in grid.groups("tp", "pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = group
@@ -89,16 +87,21 @@ class ParallelState:
 
     # ---- coordinates --------------------------------------------------------------------------
     @property
+    def grid(self) -> RankGrid:
+        """This layout's rank grid (the rank order)."""
+        return RankGrid.of(self)
+
+    @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp_size
+        return self.grid.coord(self.rank, "tp")
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.dp_size
+        return self.grid.coord(self.rank, "dp")
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.dp_size)
+        return self.grid.coord(self.rank, "pp")
 
     @property
     def is_first_stage(self) -> bool:
@@ -120,24 +123,3 @@ class ParallelState:
     def describe(self) -> str:
         """This rank's coordinates, for the start-up log (the layout itself: `Layout.describe`)."""
         return f"rank {self.rank} is tp_rank {self.tp_rank}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}"
-
-
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp_size: int, dp_size: int) -> int:
-    """Global rank of a (tp, dp, pp) coordinate in Megatron order."""
-    return tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
-
-
-def _tp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
-    return [[rank_of(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
-
-
-def _dp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
-    return [[rank_of(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
-
-
-def _pp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
-    return [[rank_of(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
-
-
-def _model_parallel_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
-    return [sorted(rank_of(t, d, p, tp, dp) for t in range(tp) for p in range(pp)) for d in range(dp)]

@@ -1,7 +1,7 @@
 """Throughput and memory planner for PTD-P layouts (tools/plan.py is its command line).
 
 - `cluster`: cluster specs (GPU, node, network, calibrated efficiency constants) from configs/clusters/*.yaml.
-- `model_size`: parameters per layer, embedding and head on one tp rank, from the model section.
+- parameters and FLOPs come from model/shape.py (the model's shape, declared once).
 - `activations`: activation bytes per layer (the paper's and Korthikanti et al.'s formulas).
 - `memory`: bytes per GPU: params, grads, optimizer state, in-flight activations from the schedule lists.
 - `costs`: time of one layer chunk (GEMMs on an efficiency curve, memory-bound kernels, tp collectives),

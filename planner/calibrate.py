@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import ConfigError, load_config
+from model.shape import iteration_flops
 from planner.cluster import ClusterSpec
 from planner.predict import predict
-from training.flops import flops_per_iteration
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {"gemm_max": (0.01, 1.0), "hbm": (0.01, 1.0), "gemm_half_flops": (1e3, 1e13)}
@@ -67,14 +67,8 @@ def load_run(run_dir: str) -> Observation:
     kept = records[1:] if len(records) > 1 else records
     seconds = statistics.median(r["ms_per_iter"] for r in kept) / 1000.0
     model, train = config.model, config.train
-    flops = flops_per_iteration(
-        train.global_batch_size,
-        model.seq_length,
-        model.num_layers,
-        model.hidden_size,
-        model.padded_vocab_size(config.parallel.tp_size),
-        full_recompute=train.recompute == "full",
-    )
+    vocab, chunks = model.padded_vocab_size(config.parallel.tp_size), config.parallel.pp_size * config.parallel.vp_size
+    flops = iteration_flops(model, vocab, train, chunks).with_recompute  # as the trainer's tflops_per_device
     tflops = statistics.median(r["tflops_per_device"] for r in kept)
     world = max(1, round(flops / (seconds * tflops * 1e12))) if tflops > 0 else 1
     return Observation(run_dir, config, world, seconds)
@@ -91,6 +85,7 @@ def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[fl
 def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool) -> ClusterSpec:
     """The cluster with constants exp(x) (clamped to BOUNDS); `tied` scales gemm_max and hbm together."""
     eff = cluster.efficiency
+    values: dict[str, Any]  # Efficiency fields by name
     if tied:
         scale = math.exp(x[0])
         values = {"gemm_max": min(1.0, eff.gemm_max * scale), "hbm": min(1.0, eff.hbm * scale)}
@@ -114,11 +109,11 @@ def fit(
     if not observations:
         raise ValueError("calibration needs at least one observation")
     tied = len(observations) == 1
-    keys = ["scale"] if tied else list(keys)[: len(observations)]
-    x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in keys]
+    fitted = ["scale"] if tied else list(keys)[: len(observations)]
+    x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in fitted]
 
     def residuals(point: list[float]) -> np.ndarray:
-        return np.array(log_errors(_with_logs(cluster, keys, point, tied), observations))
+        return np.asarray(log_errors(_with_logs(cluster, fitted, point, tied), observations), dtype=float)
 
     r = residuals(x)
     damping = 1e-2
@@ -141,7 +136,7 @@ def fit(
             progress(f"iteration {step + 1}: squared log error {float(r @ r):.6f}")
         if not accepted:
             break
-    return _with_logs(cluster, keys, x, tied)
+    return _with_logs(cluster, fitted, x, tied)
 
 
 def error_table(cluster: ClusterSpec, observations: list[Observation]) -> list[tuple[str, float, float, float]]:

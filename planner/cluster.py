@@ -106,11 +106,12 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
     if not isinstance(raw, dict):
         raise ClusterError(f"{where} must hold a mapping")
     _strict(raw, ["name", "gpu", "node", "network", "efficiency", "calibration"], where, "")
-    sections = {}
+    sections: dict[str, dict] = {}
     for name in ("gpu", "node", "network"):
-        sections[name] = raw.get(name)
-        if not isinstance(sections[name], dict):
+        section = raw.get(name)
+        if not isinstance(section, dict):
             raise ClusterError(f"{where}: section {name} is missing or not a mapping")
+        sections[name] = section
     gpu, node, network = sections["gpu"], sections["node"], sections["network"]
     _strict(gpu, ["model", "peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "hbm_gbs"], where, "gpu.")
     _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib"], where, "node.")

@@ -11,21 +11,31 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
+from model.config import ModelConfig
+from model.shape import attention_matmul_flops, layer_gemm_flops, output_gemm
+from parallel.rank_grid import RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
-from planner.model_size import fc1_width, qkv_width
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """The cluster seen by one run: peak for its precision plus the spec."""
+    """The cluster seen by one run: peak for its precision, the spec, and where the run's ranks sit (the rank
+    grid of its layout, nodes holding `gpus_per_node` consecutive ranks)."""
 
     cluster: ClusterSpec
     fp32: bool
+    grid: RankGrid
+
+    def per_node(self, dim: str) -> int:
+        """Members of a `dim` group ("tp", "dp") that share a node."""
+        return self.grid.per_node(dim, self.cluster.gpus_per_node)
+
+    def crosses_nodes(self, dim: str) -> bool:
+        """Whether some `dim` group (e.g. a pipeline) spans two nodes."""
+        return self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
 
     @property
     def peak_flops(self) -> float:
@@ -68,21 +78,6 @@ class Hardware:
         return max(intra, inter) + steps * eff.latency_us * 1e-6
 
 
-def tp_per_node(tp_size: int, gpus_per_node: int) -> int:
-    """Members of a tp group (consecutive ranks) that share a node."""
-    return math.gcd(tp_size, gpus_per_node)
-
-
-def dp_per_node(tp_size: int, dp_size: int, gpus_per_node: int) -> int:
-    """Members of a dp group (ranks tp apart) that share a node."""
-    return max(1, min(dp_size, gpus_per_node // tp_size)) if tp_size < gpus_per_node else 1
-
-
-def pipeline_crosses_nodes(tp_size: int, dp_size: int, pp_size: int, gpus_per_node: int) -> bool:
-    """Whether pipeline neighbours (ranks tp*dp apart) sit on different nodes."""
-    return tp_size * dp_size * pp_size > gpus_per_node
-
-
 @dataclass(frozen=True)
 class LayerTimes:
     """Seconds of one transformer layer for one micro-batch on one GPU."""
@@ -94,22 +89,10 @@ class LayerTimes:
     tp_backward: float
 
 
-def layer_gemm_flops(shape: ActivationShape, model: Any) -> list[float]:
-    """Forward FLOPs of the four weight GEMMs of one layer on one tp rank."""
-    tokens = shape.seq_length * shape.micro_batch
-    h, t = shape.hidden, shape.tp_size
-    return [
-        2.0 * tokens * h * qkv_width(model) / t,
-        2.0 * tokens * h * h / t,
-        2.0 * tokens * h * fc1_width(model) / t,
-        2.0 * tokens * shape.ffn * h / t,
-    ]
-
-
-def core_attention_seconds(shape: ActivationShape, hw: Hardware) -> float:
+def core_attention_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware) -> float:
     """Forward of softmax(q k^T) v: two batched GEMMs plus, when materialised, softmax and dropout in HBM."""
     s, b, t = shape.seq_length, shape.micro_batch, shape.tp_size
-    flops = 2.0 * s * s * b * shape.hidden / t  # each of q k^T and (scores) v
+    flops = attention_matmul_flops(model, s * b, s, t)  # each of q k^T and (scores) v
     if hw.cluster.efficiency.attention == "flash":
         return 2 * hw.gemm_seconds(flops, s * b)
     scores = shape.heads * s * s * b / t
@@ -134,30 +117,29 @@ def elementwise_bytes(shape: ActivationShape) -> float:
     return (norms + residual) / split + activation
 
 
-def layer_times(shape: ActivationShape, model: Any, hw: Hardware, recompute: str) -> LayerTimes:
+def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recompute: str) -> LayerTimes:
     """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer."""
     rows = shape.seq_length * shape.micro_batch
-    gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(shape, model))
-    core = core_attention_seconds(shape, hw)
+    gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(model, rows, shape.tp_size))
+    core = core_attention_seconds(shape, model, hw)
     other = hw.memory_seconds(elementwise_bytes(shape))
     forward = gemm + core + other
     backward = 2 * forward
     recomputed = forward if recompute == "full" else core if recompute == "selective" else 0.0
     # tp: 2 all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) each way
     t = shape.tp_size
-    per_node = tp_per_node(t, hw.cluster.gpus_per_node)
     one = hw.collective_seconds(
-        "all_reduce", shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes, t, per_node
+        "all_reduce", shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes, t, hw.per_node("tp")
     )
     tp_forward = 2 * one
     tp_backward = 2 * one + (tp_forward if recompute == "full" else 0.0)
     return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward)
 
 
-def head_times(shape: ActivationShape, model: Any, hw: Hardware, padded_vocab: int) -> tuple[float, float]:
+def head_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, padded_vocab: int) -> tuple[float, float]:
     """(forward, backward) seconds of final norm + output layer + vocab-parallel cross entropy."""
     tokens = shape.seq_length * shape.micro_batch
-    flops = 2.0 * tokens * shape.hidden * padded_vocab / shape.tp_size
+    flops = 2.0 * tokens * output_gemm(model, padded_vocab).weights / shape.tp_size
     logits = 4.0 * tokens * padded_vocab / shape.tp_size  # fp32 logits
     forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(
         3 * logits + 4 * shape.value_bytes * tokens * shape.hidden
@@ -177,7 +159,7 @@ def p2p_seconds(shape: ActivationShape, hw: Hardware, inter_node: bool, scatter_
     if shape.sequence_parallel:
         return hw.link_seconds(nbytes / t, inter_node)
     if scatter_gather and t > 1:
-        gather = hw.collective_seconds("all_gather", nbytes, t, tp_per_node(t, hw.cluster.gpus_per_node))
+        gather = hw.collective_seconds("all_gather", nbytes, t, hw.per_node("tp"))
         return hw.link_seconds(nbytes / t, inter_node) + gather
     return hw.link_seconds(nbytes, inter_node)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from model.shape import rank_params
 from parallel.pipeline.schedules import Action, build_schedule
 from planner.activations import (
     ActivationShape,
@@ -20,7 +21,6 @@ from planner.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
-from planner.model_size import rank_params
 
 GIB = 2.0**30
 

@@ -14,26 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model.shape import iteration_flops, rank_params
 from parallel.layout import Layout, build_layout
 from parallel.pipeline.p2p import produced_message
 from parallel.pipeline.schedules import Action, build_schedule
 from parallel.pipeline.simulator import simulate_lists
 from parallel.pipeline.stages import virtual_stage
+from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
-from planner.costs import (
-    Hardware,
-    dp_per_node,
-    head_times,
-    layer_times,
-    optimizer_seconds,
-    p2p_seconds,
-    pipeline_crosses_nodes,
-    tp_per_node,
-)
+from planner.costs import Hardware, head_times, layer_times, optimizer_seconds, p2p_seconds
 from planner.memory import GIB, MemoryEstimate, layout_memory
-from planner.model_size import rank_params
-from training.flops import flops_per_iteration
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
@@ -129,8 +120,7 @@ class _Costs:
         vocab = model.padded_vocab_size(layout.tp_size)
         head_f, head_b = head_times(shape, model, hw, vocab)
         sbh_bytes = shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes
-        tp_node = tp_per_node(layout.tp_size, hw.cluster.gpus_per_node)
-        boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, tp_node)  # embedding / head
+        boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, hw.per_node("tp"))  # embedding / head
         embed = hw.memory_seconds(3 * sbh_bytes)
         last = p * v - 1
         self.forward, self.backward = {}, {}
@@ -143,7 +133,7 @@ class _Costs:
                 compute_f, compute_b, tp_b = compute_f + head_f, compute_b + head_b, tp_b + boundary
             self.forward[stage] = (compute_f, tp_f)
             self.backward[stage] = (compute_b, tp_b)
-        inter = pipeline_crosses_nodes(layout.tp_size, layout.dp_size, p, hw.cluster.gpus_per_node)
+        inter = hw.crosses_nodes("pp")
         self.send = p2p_seconds(shape, hw, inter, bool(config.parallel.scatter_gather)) if p > 1 else 0.0
 
         self._cache: dict[tuple[int, str, int], ActionCost] = {}
@@ -178,7 +168,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
     """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid)."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
-    hw = Hardware(cluster, fp32=train.precision == "fp32")
+    hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout))
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
     costs = _Costs(config, layout, hw, shape)
     p, v, m = layout.pp_size, layout.vp_size, layout.num_microbatches
@@ -187,7 +177,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
     events_by_rank: list[list] = [[] for _ in range(p)]
     for event in timeline.events:
         events_by_rank[event.rank].append(event)
-    critical, total, parts = None, -1.0, {}
+    critical, total, parts = 0, -1.0, {}
     for r in range(p):
         rank_parts = _rank_parts(config, layout, hw, costs, lists[r], r, events_by_rank[r])
         rank_total = sum(rank_parts.values())
@@ -195,14 +185,8 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
             critical, total, parts = r, rank_total, rank_parts
     allowance = cluster.memory_allowance_gib * GIB
     memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
-    flops = flops_per_iteration(
-        train.global_batch_size,
-        model.seq_length,
-        model.num_layers,
-        model.hidden_size,
-        model.padded_vocab_size(layout.tp_size),
-        full_recompute=train.recompute == "full",
-    )
+    vocab = model.padded_vocab_size(layout.tp_size)
+    flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
     recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op == "B")
     return Prediction(
         layout,
@@ -228,8 +212,7 @@ def _rank_parts(
     tp_comm = sum(c.tp_comm for c in spent)
     pp_comm = sum(c.pp_comm for c in spent)
     params = rank_params(model, layout.tp_size, layout.pp_size, layout.vp_size, pp_rank)
-    dp, node = layout.dp_size, hw.cluster.gpus_per_node
-    dp_node = dp_per_node(layout.tp_size, dp, node)
+    dp, dp_node = layout.dp_size, hw.per_node("dp")
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
     dp_seconds = hw.collective_seconds(kind, 4.0 * params, dp, dp_node)
     bucket = hw.collective_seconds(kind, min(4.0 * params, par.grad_bucket_size_mb * 2**20), dp, dp_node)

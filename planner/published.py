@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from config.schema import Config, config_from_dict, load_config
+from model.shape import iteration_flops
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,20 +75,13 @@ TABLE_2_PTDP = [
 def observations(rows: list[PublishedRow]) -> list:
     """Calibration observations (planner.calibrate.Observation) of published rows."""
     from planner.calibrate import Observation
-    from training.flops import flops_per_iteration
 
     result = []
     for row in rows:
-        config = row.config()
-        m = config.model
-        flops = flops_per_iteration(
-            config.train.global_batch_size,
-            m.seq_length,
-            m.num_layers,
-            m.hidden_size,
-            m.padded_vocab_size(config.parallel.tp_size),
-            full_recompute=True,
-        )
+        config = row.config()  # full recomputation: the achieved FLOPs are the paper's equation (3)
+        par = config.parallel
+        vocab = config.model.padded_vocab_size(par.tp_size)
+        flops = iteration_flops(config.model, vocab, config.train, par.pp_size * par.vp_size).with_recompute
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
         result.append(Observation(row.label, config, row.world_size, seconds))
     return result

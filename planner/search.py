@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel.layout import LayoutError, build_layout
+from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
 from planner.costs import Hardware, layer_times
@@ -80,7 +81,8 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
-    layer = layer_times(shape, model, Hardware(cluster, train.precision == "fp32"), train.recompute)
+    hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout))
+    layer = layer_times(shape, model, hw, train.recompute)
     per_microbatch = (model.num_layers // layout.pp_size) * (
         layer.forward + layer.backward + layer.tp_forward + layer.tp_backward
     )

@@ -12,13 +12,14 @@ import torch
 
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
+from model.shape import iteration_flops
 from parallel.layout import layout_from_config
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
-from parallel.state import ParallelState, rank_of
+from parallel.rank_grid import RankGrid
+from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from planner.activations import layer_activation_bytes, shape_from_config
 from planner.memory import state_bytes_per_param
-from training.flops import flops_per_iteration
 
 GIB = 2.0**30
 
@@ -28,7 +29,7 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
     par, model_cfg = config.parallel, config.model
     state = ParallelState(
         world_size=par.tp_size * par.pp_size * dp_size,
-        rank=rank_of(tp_rank, 0, pp_rank, par.tp_size, dp_size),
+        rank=RankGrid.megatron(tp=par.tp_size, dp=dp_size, pp=par.pp_size).rank_of(tp=tp_rank, pp=pp_rank),
         tp_size=par.tp_size,
         pp_size=par.pp_size,
         dp_size=dp_size,
@@ -86,17 +87,12 @@ def report(config: Config, dp_size: int) -> list[str]:
         local = count(chunks)
         busiest = max(busiest, (local, layers))
         lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank ({local / 1e9:.3f} B)")
-    flops = flops_per_iteration(
-        train.global_batch_size,
-        m.seq_length,
-        m.num_layers,
-        m.hidden_size,
-        m.padded_vocab_size(par.tp_size),
-        full_recompute=train.recompute == "full",
-    )
+    flops = iteration_flops(m, m.padded_vocab_size(par.tp_size), train, par.pp_size * par.vp_size)
+    devices = par.tp_size * par.pp_size * dp_size
     lines.append(
-        f"training FLOPs per iteration (batch {train.global_batch_size}): {flops:.4e} "
-        f"({flops / (par.tp_size * par.pp_size * dp_size) / 1e12:.1f} TFLOP per device)"
+        f"training FLOPs per iteration (batch {train.global_batch_size}): {flops.with_recompute:.4e} with "
+        f"recompute {train.recompute} ({flops.with_recompute / devices / 1e12:.1f} TFLOP per device), "
+        f"model FLOPs {flops.model:.4e} (recomputation excluded, for MFU)"
     )
     memory = memory_estimate(config, busiest[0], busiest[1], dp_size)
     lines.append(

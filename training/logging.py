@@ -9,7 +9,26 @@ import os
 import sys
 from typing import Any
 
+from model.shape import IterationFlops
+
 LOGGER_NAME = "ptdp"
+# Dense 16-bit (bf16/fp16) tensor-core peaks per GPU in TFLOP/s, no sparsity (vendors' data sheets), by a
+# substring of the CUDA device name, most specific first ("NVIDIA H100 80GB HBM3" is the SXM part).
+DENSE_16BIT_PEAK_TFLOPS = (
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 SXM", 989.0),
+    ("H100 80GB HBM3", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100", 756.0),  # PCIe
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("RTX 4090", 165.0),
+    ("A10G", 70.0),
+    ("L4", 121.0),
+    ("V100", 125.0),  # fp16 (no bf16)
+)
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -146,9 +165,11 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
         f"grad norm {record['grad_norm']:.3f}",
         f"{record['ms_per_iter']:.1f} ms/it",
         f"{record['tokens_per_sec']:.0f} tok/s",
-        f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
-        f"mem {record['memory_gib']:.2f} GiB",
+        f"{record['tflops_per_device']:.3f} TFLOP/s/dev (paper, recompute incl.)",
     ]
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    parts.append(f"mem {record['memory_gib']:.2f} GiB")
     if record.get("loss_scale", 1.0) != 1.0 or record.get("skipped_iters"):
         parts.append(f"loss scale {record['loss_scale']:.0f}")
     if record.get("skipped_iters"):
@@ -170,11 +191,40 @@ def peak_memory_gib(device_type: str) -> float:
         return 0.0
 
 
-class IntervalStats:
-    """Accumulates the iterations between two console lines and turns them into one metrics record."""
+def peak_tflops(
+    configured: float | None, device_type: str, precision: str, device_name: str | None = None
+) -> float | None:
+    """The peak MFU divides by: logging.peak_tflops when set, else the known dense 16-bit peak of the CUDA
+    device (`device_name`, default: the current one) for bf16/fp16 runs; None (no MFU) on CPU, for fp32 runs
+    and for a GPU not in DENSE_16BIT_PEAK_TFLOPS."""
+    if configured is not None:
+        return configured
+    if device_type != "cuda" or precision == "fp32":
+        return None
+    if device_name is None:
+        import torch
 
-    def __init__(self, flops_per_iter: float, tokens_per_iter: int, world_size: int, device_type: str):
-        self.flops_per_iter, self.tokens_per_iter = flops_per_iter, tokens_per_iter
+        device_name = torch.cuda.get_device_name()
+    return next((peak for name, peak in DENSE_16BIT_PEAK_TFLOPS if name in device_name), None)
+
+
+class IntervalStats:
+    """Accumulates the iterations between two console lines and turns them into one metrics record.
+
+    Two throughput figures, labelled: `tflops_per_device`, the paper's achieved TFLOP/s (the forward that
+    recomputation repeats included, its equation 3), and `model_tflops_per_device` with `mfu`, model FLOPs
+    only (recomputation excluded) over the device's peak, as PaLM defines MFU (None without a peak).
+    """
+
+    def __init__(
+        self,
+        flops: IterationFlops,
+        tokens_per_iter: int,
+        world_size: int,
+        device_type: str,
+        peak_tflops: float | None = None,
+    ):
+        self.flops, self.tokens_per_iter, self.peak_tflops = flops, tokens_per_iter, peak_tflops
         self.world_size, self.device_type = world_size, device_type
         self._reset()
 
@@ -197,6 +247,7 @@ class IntervalStats:
 
     def flush(self, progress: Any) -> dict[str, Any]:
         seconds_per_iter = self.seconds / max(self.iters, 1)
+        model_tflops = self.flops.model / seconds_per_iter / self.world_size / 1e12
         record = {
             "iteration": progress.iteration,
             "consumed_samples": progress.consumed_samples,
@@ -205,7 +256,9 @@ class IntervalStats:
             **self.last,
             "ms_per_iter": 1000.0 * seconds_per_iter,
             "tokens_per_sec": self.tokens_per_iter / seconds_per_iter,
-            "tflops_per_device": self.flops_per_iter / seconds_per_iter / self.world_size / 1e12,
+            "tflops_per_device": self.flops.with_recompute / seconds_per_iter / self.world_size / 1e12,
+            "model_tflops_per_device": model_tflops,
+            "mfu": model_tflops / self.peak_tflops if self.peak_tflops else None,
             "memory_gib": peak_memory_gib(self.device_type),
             "skipped_iters": self.skipped,
             "skipped_total": progress.skipped_iters,

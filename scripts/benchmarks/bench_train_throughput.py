@@ -2,8 +2,9 @@
 
 Each case runs `pretrain_gpt.py` in a fresh process (no compile cache or allocator state carried over) for
 --iters iterations without evaluation or checkpoints, and reads its metrics.jsonl: the median ms/iteration of
-the iterations after --warmup (compilation and allocator warm-up happen there), tokens/s, TFLOP/s (Megatron's
-FLOP count, training/flops.py) and MFU = TFLOP/s / --peak-tflops.
+the iterations after --warmup (compilation and allocator warm-up happen there), tokens/s, the paper's achieved
+TFLOP/s (recomputation included; FLOPs from model/shape.py) and MFU (model FLOPs, recomputation excluded, over
+the peak: --peak-tflops, passed on as logging.peak_tflops, or the trainer's known peak of the GPU).
 
     python scripts/benchmarks/bench_train_throughput.py [--config configs/gpt_tiny.yaml] [--iters 30]
         [--warmup 5] [--kernels off,on] [--compile off,on] [--micro-batch auto|N,N,...] [--peak-tflops T]
@@ -52,15 +53,15 @@ def run_trainer(config: str, overrides: list[str], iters: int, run_dir: str) -> 
     return proc.returncode, output[-3000:], records
 
 
-def summarize(records: list[dict], warmup: int, peak_tflops: float | None) -> dict:
+def summarize(records: list[dict], warmup: int) -> dict:
     steady = [r for r in records if r["iteration"] > warmup] or records
     ms = statistics.median(r["ms_per_iter"] for r in steady)
-    tflops = statistics.median(r["tflops_per_device"] for r in steady)
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]  # None without a known peak
     return {
         "ms": ms,
         "tokens_per_s": statistics.median(r["tokens_per_sec"] for r in steady),
-        "tflops": tflops,
-        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "tflops": statistics.median(r["tflops_per_device"] for r in steady),
+        "mfu": statistics.median(mfus) if mfus else None,
         "first_ms": records[0]["ms_per_iter"],
         "loss": records[-1]["lm_loss"],
     }
@@ -97,7 +98,7 @@ def main() -> int:
     parser.add_argument("--kernels", default="off", help="off, on or off,on")
     parser.add_argument("--compile", default="off,on", help="off, on or off,on")
     parser.add_argument("--micro-batch", default=None, help="N, or N,N,... tried largest first")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU (default: known)")
     parser.add_argument("--label", default="", help="printed in front of each row")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
@@ -109,11 +110,11 @@ def main() -> int:
         ]
         for k, c in cases
     }
-    micro_overrides: list[str] = []
+    micro_overrides: list[str] = [] if args.peak_tflops is None else [f"logging.peak_tflops={args.peak_tflops}"]
     if args.micro_batch:
         candidates = sorted((int(m) for m in args.micro_batch.split(",")), reverse=True)
         micro = candidates[0] if len(candidates) == 1 else pick_micro_batch(args, candidates, as_overrides[cases[0]])
-        micro_overrides = batch_overrides(micro)
+        micro_overrides += batch_overrides(micro)
         print(f"micro-batch {micro}", flush=True)
     print(
         f"{'case':<40} {'ms/iter':>9} {'1st iter ms':>11} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'last loss':>9}",
@@ -128,7 +129,7 @@ def main() -> int:
         if code != 0 or not records:
             print(f"{name:<40} FAILED (exit {code}):\n{output}", flush=True)
             return 1
-        row = summarize(records, args.warmup, args.peak_tflops)
+        row = summarize(records, args.warmup)
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
         print(
             f"{name:<40} {row['ms']:>9.1f} {row['first_ms']:>11.1f} {row['tokens_per_s']:>10.0f} "

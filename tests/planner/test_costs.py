@@ -1,25 +1,26 @@
 """Each cost term of planner/costs.py on its own, and the cluster spec loader."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from config.schema import load_config
+from parallel.rank_grid import RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterError, cluster_from_dict, load_cluster
 from planner.costs import (
     Hardware,
     core_attention_seconds,
-    dp_per_node,
     layer_times,
     optimizer_seconds,
     p2p_seconds,
-    pipeline_crosses_nodes,
-    tp_per_node,
 )
 from tests.conftest import REPO_ROOT
 
 CLUSTERS = os.path.join(REPO_ROOT, "configs", "clusters")
+TP8 = RankGrid.megatron(tp=8, dp=4)  # the layout of shape(): one tp group per node of 8
 
 
 def a100(**efficiency):
@@ -70,17 +71,17 @@ def test_cluster_errors_name_the_key(tmp_path):
 
 
 def test_gemm_efficiency_curve():
-    hw = Hardware(a100(gemm_max=0.8, gemm_half_flops=1e10, gemm_half_rows=0.0), fp32=False)
+    hw = Hardware(a100(gemm_max=0.8, gemm_half_flops=1e10, gemm_half_rows=0.0), fp32=False, grid=TP8)
     at_half = hw.gemm_seconds(1e10, 2048)
     assert 1e10 / at_half / 312e12 == pytest.approx(0.4)  # half of gemm_max at F = gemm_half_flops
     assert 1e14 / hw.gemm_seconds(1e14, 2048) / 312e12 == pytest.approx(0.8, rel=1e-3)  # large GEMMs: gemm_max
-    rows = Hardware(a100(gemm_max=0.8, gemm_half_flops=0.0, gemm_half_rows=256.0), fp32=False)
+    rows = Hardware(a100(gemm_max=0.8, gemm_half_flops=0.0, gemm_half_rows=256.0), fp32=False, grid=TP8)
     assert 1e12 / rows.gemm_seconds(1e12, 256) / 312e12 == pytest.approx(0.4)  # half at gemm_half_rows rows
     assert rows.gemm_seconds(2e12, 4096) < 2 * rows.gemm_seconds(1e12, 2048)  # a bigger micro-batch runs faster
 
 
 def test_memory_and_link_terms():
-    hw = Hardware(a100(hbm=0.5, nvlink=1.0, network=1.0, latency_us=0.0), fp32=False)
+    hw = Hardware(a100(hbm=0.5, nvlink=1.0, network=1.0, latency_us=0.0), fp32=False, grid=TP8)
     assert hw.memory_seconds(2039e9) == pytest.approx(2.0)
     assert hw.link_seconds(25e9, inter_node=True) == pytest.approx(1.0)  # one IB card per GPU
     assert hw.link_seconds(300e9, inter_node=False) == pytest.approx(1.0)  # 600 GB/s both ways
@@ -94,13 +95,30 @@ def test_memory_and_link_terms():
 
 
 def test_group_placement():
-    assert tp_per_node(8, 8) == 8 and tp_per_node(16, 8) == 8 and tp_per_node(2, 8) == 2
-    assert dp_per_node(8, 32, 8) == 1 and dp_per_node(2, 32, 8) == 4 and dp_per_node(1, 2, 8) == 2
-    assert not pipeline_crosses_nodes(2, 1, 4, 8) and pipeline_crosses_nodes(8, 1, 2, 8)
+    def per_node(dim, **sizes):
+        return RankGrid.megatron(**sizes).per_node(dim, 8)
+
+    assert per_node("tp", tp=8, dp=2) == 8 and per_node("tp", tp=16) == 8 and per_node("tp", tp=2, dp=8) == 2
+    assert per_node("dp", tp=8, dp=32) == 1 and per_node("dp", tp=2, dp=32) == 4 and per_node("dp", dp=2) == 2
+    assert not RankGrid.megatron(tp=2, pp=4).crosses_nodes("pp", 8)
+    assert RankGrid.megatron(tp=8, pp=2).crosses_nodes("pp", 8)
+    # a dp group of 3 from rank 6 sits 2 on one node, 1 on the next: 2 share a node
+    assert per_node("dp", dp=3, pp=3) == 2
+
+
+def test_rank_grid_is_megatrons_order():
+    grid = RankGrid.megatron(tp=2, dp=2, pp=2)
+    assert [grid.coord(5, d) for d in ("tp", "dp", "pp")] == [1, 0, 1] and grid.rank_of(tp=1, pp=1) == 5
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.group(6, "tp", "pp") == [2, 3, 6, 7]  # the model-parallel group of dp rank 1
+    with pytest.raises(ValueError, match="'cp'"):
+        RankGrid.megatron(cp=2)
 
 
 def test_scatter_gather_cuts_inter_node_bytes_by_tp():
-    hw = Hardware(a100(latency_us=0.0), fp32=False)
+    hw = Hardware(a100(latency_us=0.0), fp32=False, grid=TP8)
     plain = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=False)
     scattered = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=True)
     nbytes = 2048 * 12288 * 2
@@ -112,11 +130,11 @@ def test_scatter_gather_cuts_inter_node_bytes_by_tp():
 
 def test_recompute_and_tp_terms_of_a_layer():
     model = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_145.6b.yaml")).model
-    hw = Hardware(a100(), fp32=False)
+    hw = Hardware(a100(), fp32=False, grid=TP8)
     none, selective, full = (layer_times(shape(), model, hw, r) for r in ("none", "selective", "full"))
     assert none.backward == pytest.approx(2 * none.forward) and none.recompute == 0
     assert full.backward == pytest.approx(3 * none.forward) and full.recompute == pytest.approx(none.forward)
-    assert selective.recompute == pytest.approx(core_attention_seconds(shape(), hw))
+    assert selective.recompute == pytest.approx(core_attention_seconds(shape(), model, hw))
     assert full.tp_backward == pytest.approx(2 * none.tp_backward)  # the recomputed forward's all-reduces
     assert none.tp_forward == pytest.approx(2 * hw.collective_seconds("all_reduce", 2048 * 12288 * 2, 8, 8))
     # bigger micro-batches run bigger GEMMs: time per sample falls
@@ -124,6 +142,13 @@ def test_recompute_and_tp_terms_of_a_layer():
 
 
 def test_optimizer_step_shrinks_with_the_distributed_optimizer():
-    hw = Hardware(a100(), fp32=False)
+    hw = Hardware(a100(), fp32=False, grid=TP8)
     assert optimizer_seconds(10**9, 8, True, hw) < optimizer_seconds(10**9, 8, False, hw)
     assert optimizer_seconds(10**9, 1, False, hw) == pytest.approx(34e9 / (2039e9 * hw.cluster.efficiency.hbm))
+
+
+def test_planner_imports_no_training_code():
+    code = "import sys, planner.calibrate, planner.published, planner.search, planner.plots; "
+    code += "print([m for m in sys.modules if m == 'training' or m.startswith('training.')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

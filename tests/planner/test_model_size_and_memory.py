@@ -6,11 +6,11 @@ import os
 import pytest
 
 from config.schema import load_config
+from model.shape import rank_params, total_params
 from parallel.layout import Layout
 from parallel.pipeline.schedules import build_schedule
 from planner.activations import ActivationShape, head_activation_bytes, layer_activation_bytes, shape_from_config
 from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
-from planner.model_size import rank_params, total_params
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 

@@ -8,13 +8,13 @@ import sys
 import yaml
 
 from config.schema import load_config
+from model.shape import iteration_flops
 from planner import calibrate
 from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import search, why_best_wins
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
-from training.flops import flops_per_iteration
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
@@ -99,14 +99,7 @@ def write_run(run_dir, config, world, seconds):
     with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
         yaml.safe_dump(config.to_dict(), handle)
     m = config.model
-    flops = flops_per_iteration(
-        config.train.global_batch_size,
-        m.seq_length,
-        m.num_layers,
-        m.hidden_size,
-        m.padded_vocab_size(config.parallel.tp_size),
-        config.train.recompute == "full",
-    )
+    flops = iteration_flops(m, m.padded_vocab_size(config.parallel.tp_size), config.train).with_recompute
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as handle:
         for i, scale in enumerate((3.0, 1.0, 1.01, 0.99)):  # the first interval holds the warm-up
             ms = 1000 * seconds * scale

@@ -209,9 +209,10 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 
 def test_an_interval_of_skipped_steps_reports_their_loss_not_zero():
     """fp16 skipping every step used to print "loss 0.0000": the loss of the skipped steps is reported."""
+    from model.shape import IterationFlops
     from training.logging import IntervalStats
 
-    stats = IntervalStats(1.0, 1, 1, "cpu")
+    stats = IntervalStats(IterationFlops(1.0, 1.0), 1, 1, "cpu")
     for loss in (6.0, 8.0):
         stats.add(step(loss=loss, grad_norm=math.nan, skipped=True, loss_scale=1.0), 0.1, 0.01)
     record = stats.flush(SimpleNamespace(iteration=2, consumed_samples=16, skipped_iters=2))

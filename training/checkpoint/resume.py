@@ -17,28 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from model.config import ModelConfig
+from model.config import ModelConfig, checkpoint_keys
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 
-# Model settings that change the tensors (names or shapes): they must match the checkpoint.
-STRUCTURAL = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "query_groups",
-    "ffn_size",
-    "vocab_size",
-    "max_positions",
-    "position_embedding_type",
-    "normalization",
-    "activation",
-    "tie_embeddings",
-    "add_bias_linear",
-)
-# ...and those that change what a resumed run computes from the same tensors (a fine-tune may change them).
-RESUME_ONLY = ("seq_length", "rotary_base")
+# Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
+# change what a resumed run computes from the same tensors (a fine-tune may change them). Marked on ModelConfig.
+STRUCTURAL = checkpoint_keys("structural")
+RESUME_ONLY = checkpoint_keys("resume_only")
 IGNORED_SECTIONS = ("run", "checkpoint")
 
 

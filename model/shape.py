@@ -1,0 +1,177 @@
+"""The model's shape, declared once: the GEMMs and parameters of a layer, the embedding and the head.
+
+Everything that counts the model derives from here: the trainer's FLOPs per iteration (console, metrics.jsonl,
+TensorBoard), planner/ (GEMM times, parameters per rank) and tools/model_stats.py. It mirrors model/gpt.py;
+tests/model/test_shape.py checks the parameters against the built model and the FLOPs against
+torch.utils.flop_counter on a real forward and backward.
+
+FLOPs are 2 x the multiply-adds of every GEMM, the two batched matmuls of attention (q k^T and scores x v,
+counted over the full s x s as the paper does, although causal attention needs half) included; the backward is
+twice the forward. For the paper's GPT-3 style (GeLU, 4h MLP, one kv head per query head) this gives its
+72 B s l h^2 (1 + s/6h + V/12lh), and with full recomputation of the layers its equation (3),
+96 B s l h^2 (1 + s/6h + V/16lh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One weight GEMM: [tokens, in_features] x [in_features, out_features] (+ bias [out_features]).
+
+    `split` says how tensor parallelism cuts it: "column" splits the output (and the bias), "row" the input
+    (its bias stays whole on every rank), "vocab" the vocabulary rows of the output layer.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    split: str
+
+    @property
+    def weights(self) -> int:
+        """Weight elements, equal to the multiply-adds per token."""
+        return self.in_features * self.out_features
+
+    def params(self, tp_size: int = 1) -> int:
+        """Weight and bias elements on one tp rank."""
+        bias = 0
+        if self.bias:
+            bias = self.out_features // tp_size if self.split == "column" else self.out_features
+        return self.weights // tp_size + bias
+
+
+def layer_gemms(cfg: ModelConfig) -> tuple[Gemm, ...]:
+    """The four weight GEMMs of one transformer layer, in forward order.
+
+    qkv: (heads + 2 * query groups) * head_dim outputs (grouped-query attention shares k and v per group);
+    fc1: 2 * ffn outputs under SwiGLU (gate and up halves), else ffn.
+    """
+    h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.add_bias_linear
+    fc1_out = cfg.ffn_size * (2 if cfg.activation == "swiglu" else 1)
+    return (
+        Gemm("qkv", h, (cfg.num_attention_heads + 2 * cfg.query_groups) * d, bias, "column"),
+        Gemm("proj", cfg.num_attention_heads * d, h, bias, "row"),
+        Gemm("fc1", h, fc1_out, bias, "column"),
+        Gemm("fc2", cfg.ffn_size, h, bias, "row"),
+    )
+
+
+def output_gemm(cfg: ModelConfig, padded_vocab: int) -> Gemm:
+    """The logits GEMM [tokens, h] x [h, V] over the padded vocabulary (every padded column is computed)."""
+    return Gemm("output_layer", cfg.hidden_size, padded_vocab, False, "vocab")
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    """One norm: weight and bias for LayerNorm, weight only for RMSNorm (replicated over tp)."""
+    return 2 * cfg.hidden_size if cfg.normalization == "layernorm" else cfg.hidden_size
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------
+def layer_gemm_flops(cfg: ModelConfig, tokens: float, tp_size: int = 1) -> list[float]:
+    """Forward FLOPs of each weight GEMM of one layer over `tokens` tokens, on one tp rank."""
+    return [2.0 * tokens * gemm.weights / tp_size for gemm in layer_gemms(cfg)]
+
+
+def attention_matmul_flops(cfg: ModelConfig, tokens: float, seq_length: int, tp_size: int = 1) -> float:
+    """Forward FLOPs of ONE of attention's batched matmuls (q k^T or scores x v) of one layer, on one tp rank:
+    per token and head, s dot products of length head_dim (full s^2, as the paper counts)."""
+    return 2.0 * tokens * seq_length * cfg.num_attention_heads * cfg.head_dim / tp_size
+
+
+def layer_forward_flops(cfg: ModelConfig, tokens: float, seq_length: int) -> float:
+    """Forward FLOPs of one whole layer: its four GEMMs and attention's two batched matmuls."""
+    return sum(layer_gemm_flops(cfg, tokens)) + 2 * attention_matmul_flops(cfg, tokens, seq_length)
+
+
+class RecomputeSettings(Protocol):
+    """What the FLOPs need of the train section (config.schema.TrainConfig has these)."""
+
+    global_batch_size: int
+    recompute: str  # none | selective | full
+    recompute_method: str  # uniform | block
+    recompute_num_layers: int
+
+
+@dataclass(frozen=True)
+class IterationFlops:
+    """FLOPs of one training iteration of a global batch.
+
+    `model`: forward + backward (3 x forward), recomputation excluded: MFU's numerator, as PaLM defines it.
+    `with_recompute`: plus the forward that recomputation repeats: the paper's achieved FLOPs (equation 3).
+    """
+
+    model: float
+    with_recompute: float
+
+
+def recomputed_layers(cfg: ModelConfig, train: RecomputeSettings, num_chunks: int) -> int:
+    """Layers whose forward full recomputation repeats: all (`uniform`), or the first recompute_num_layers
+    of each of the `num_chunks` (pp x vp) model chunks (`block`)."""
+    if train.recompute != "full":
+        return 0
+    if train.recompute_method == "uniform":
+        return cfg.num_layers
+    return min(train.recompute_num_layers, cfg.num_layers // num_chunks) * num_chunks
+
+
+def iteration_flops(
+    cfg: ModelConfig, padded_vocab: int, train: RecomputeSettings, num_chunks: int = 1
+) -> IterationFlops:
+    """Training FLOPs of one iteration: 3 x the forward, plus one more forward of what is recomputed (full:
+    the recomputed layers, never the logits; selective: attention's two batched matmuls in every layer)."""
+    s = cfg.seq_length
+    tokens = float(train.global_batch_size * s)
+    layer = layer_forward_flops(cfg, tokens, s)
+    forward = cfg.num_layers * layer + 2.0 * tokens * output_gemm(cfg, padded_vocab).weights
+    if train.recompute == "selective":
+        recomputed = cfg.num_layers * 2 * attention_matmul_flops(cfg, tokens, s)
+    else:
+        recomputed = recomputed_layers(cfg, train, num_chunks) * layer
+    return IterationFlops(model=3.0 * forward, with_recompute=3.0 * forward + recomputed)
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+def layer_params(cfg: ModelConfig, tp_size: int = 1) -> int:
+    """Parameters of one transformer layer on one tp rank: column weights and biases and row weights split,
+    row biases and the two norms replicated."""
+    return sum(gemm.params(tp_size) for gemm in layer_gemms(cfg)) + 2 * norm_params(cfg)
+
+
+def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> int:
+    """Word embedding shard (vocabulary rows split over tp) plus learned position embeddings (replicated;
+    rotary positions have no parameters), held by virtual stage 0."""
+    vocab_local = cfg.padded_vocab_size(tp_size) // tp_size
+    positions = cfg.max_positions * cfg.hidden_size if cfg.position_embedding_type == "learned" else 0
+    return vocab_local * cfg.hidden_size + positions
+
+
+def head_params(cfg: ModelConfig, tp_size: int, holds_embedding: bool) -> int:
+    """Final norm plus the output layer shard on the last virtual stage; a tied output layer on the stage
+    that holds the embedding is the embedding itself (counted there)."""
+    shared = cfg.tie_embeddings and holds_embedding
+    output = 0 if shared else output_gemm(cfg, cfg.padded_vocab_size(tp_size)).params(tp_size)
+    return norm_params(cfg) + output
+
+
+def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, vp_size: int, pp_rank: int) -> int:
+    """Parameters held by one (tp rank, pp rank): its layers, plus the embedding and/or head it holds."""
+    layers = cfg.num_layers // pp_size  # vp chunks of num_layers / (pp * vp) each
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    total = layers * layer_params(cfg, tp_size)
+    if first:
+        total += embedding_params(cfg, tp_size)
+    if last:
+        total += head_params(cfg, tp_size, holds_embedding=first)
+    return total
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """The whole model counted once (tied embedding once), as on one process."""
+    return rank_params(cfg, 1, 1, 1, 0)

@@ -1,0 +1,90 @@
+"""The rank order, declared once: global ranks as a grid of parallel dimensions (no torch).
+
+Megatron-LM's order: tp varies fastest, then dp, then pp,
+
+    rank = tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
+
+so a tp group is consecutive ranks (one node's NVLink domain on a GPU cluster), a dp group strides by tp_size
+and a pp group by tp_size * dp_size. parallel/state.py builds its process groups from this grid and
+planner/costs.py reads from it how many members of a group share a node. A new dimension is one more name in
+MEGATRON_ORDER (context parallelism sits after tp: "tp", "cp", "dp", "pp").
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+MEGATRON_ORDER = ("tp", "dp", "pp")  # fastest-varying first
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Sizes of the parallel dimensions, fastest-varying first; every method is pure arithmetic."""
+
+    dims: tuple[tuple[str, int], ...]  # (name, size)
+
+    @classmethod
+    def megatron(cls, **sizes: int) -> RankGrid:
+        """The grid in MEGATRON_ORDER; a dimension not given has size 1 (`RankGrid.megatron(tp=2, pp=4)`)."""
+        unknown = sorted(set(sizes) - set(MEGATRON_ORDER))
+        if unknown:
+            raise ValueError(f"unknown parallel dimension {unknown[0]!r}: not one of {', '.join(MEGATRON_ORDER)}")
+        return cls(tuple((name, sizes.get(name, 1)) for name in MEGATRON_ORDER))
+
+    @classmethod
+    def of(cls, layout: object) -> RankGrid:
+        """The grid of anything with `<dim>_size` attributes (parallel.layout.Layout, ParallelState); a
+        dimension it does not have has size 1."""
+        return cls(tuple((name, int(getattr(layout, f"{name}_size", 1))) for name in MEGATRON_ORDER))
+
+    @property
+    def world_size(self) -> int:
+        total = 1
+        for _, size in self.dims:
+            total *= size
+        return total
+
+    def size(self, dim: str) -> int:
+        return dict(self.dims)[dim]
+
+    def stride(self, dim: str) -> int:
+        """Distance in rank between neighbours along `dim`: the product of the faster dimensions' sizes."""
+        stride = 1
+        for name, size in self.dims:
+            if name == dim:
+                return stride
+            stride *= size
+        raise KeyError(dim)
+
+    def coord(self, rank: int, dim: str) -> int:
+        """This rank's index along `dim` (its tp_rank, dp_rank, ...)."""
+        return (rank // self.stride(dim)) % self.size(dim)
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at these coordinates (a dimension not given: index 0)."""
+        return sum(coords.get(name, 0) * self.stride(name) for name, _ in self.dims)
+
+    def group(self, rank: int, *dims: str) -> list[int]:
+        """Ranks that differ from `rank` only along `dims` (its tp group for "tp", its model-parallel group
+        for "tp", "pp"), ascending."""
+        base = rank - sum(self.coord(rank, d) * self.stride(d) for d in dims)
+        steps = [[i * self.stride(d) for i in range(self.size(d))] for d in dims]
+        return sorted(base + sum(offsets) for offsets in itertools.product(*steps))
+
+    def groups(self, *dims: str) -> list[list[int]]:
+        """Every group along `dims`, ordered by their first member (the order all ranks create them in)."""
+        others = [(name, size) for name, size in self.dims if name not in dims]
+        offsets = itertools.product(*([i * self.stride(name) for i in range(size)] for name, size in others))
+        return [self.group(first, *dims) for first in sorted(sum(o) for o in offsets)]
+
+    def per_node(self, dim: str, gpus_per_node: int) -> int:
+        """Members of a `dim` group that share a node of `gpus_per_node` consecutive ranks: the fewest any
+        group has on the node of its first member (a ring over the group crosses nodes in blocks this big)."""
+        return min(
+            sum(1 for r in group if r // gpus_per_node == group[0] // gpus_per_node) for group in self.groups(dim)
+        )
+
+    def crosses_nodes(self, dim: str, gpus_per_node: int) -> bool:
+        """Whether some `dim` group has members on two nodes."""
+        return any(group[0] // gpus_per_node != group[-1] // gpus_per_node for group in self.groups(dim))

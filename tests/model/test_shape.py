@@ -1,0 +1,122 @@
+"""model/shape.py: the logged FLOPs against torch's count of a real forward and backward, the paper's formula,
+and the structural keys marked on ModelConfig."""
+
+import functools
+import glob
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+from config.schema import load_config
+from model.config import checkpoint_keys
+from model.gpt import GPTModel
+from model.shape import iteration_flops, recomputed_layers
+from tests.conftest import REPO_ROOT
+from training.logging import IntervalStats
+
+VARIANTS = [
+    ("gpt_tiny.yaml", []),
+    ("llama_tiny.yaml", []),  # SwiGLU, GQA (8 heads, 4 groups), rope, rmsnorm, untied, no biases
+    ("gpt_tiny.yaml", ["model.num_query_groups=2", "model.ffn_hidden_size=200"]),  # GQA, odd ffn
+    ("gpt_tiny.yaml", ["model.tie_embeddings=false"]),
+]
+RECOMPUTE = [
+    ["train.recompute=none"],
+    ["train.recompute=full"],
+    ["train.recompute=full", "train.recompute_method=block", "train.recompute_num_layers=3"],
+    ["train.recompute=selective"],
+]
+
+
+def counted_flops(config) -> float:
+    """torch's count of every matmul of one forward + backward of the global batch (one process).
+
+    The math attention path runs attention as matmuls torch counts (the fused CPU kernel is not counted), and
+    recomputation re-runs the whole checkpointed forward as the paper counts it (torch's early stop would skip
+    the last GEMM of each recomputed region, whose output backward does not need)."""
+    m, train = config.model, config.train
+    model = GPTModel(m, m.padded_vocab_size(1))
+    if train.recompute != "none":
+        fn = functools.partial(checkpoint, use_reentrant=False)
+        model.set_recompute(train.recompute, train.recompute_method, train.recompute_num_layers, fn)
+    b, s = train.global_batch_size, m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(s).expand(b, s)
+    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(False), FlopCounterMode(display=False) as counter:
+        model(tokens, positions, labels=tokens).mean().backward()
+    return float(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE, ids=lambda r: "-".join(x.split("=")[1] for x in r))
+@pytest.mark.parametrize("name, overrides", VARIANTS, ids=lambda v: str(v))
+def test_logged_flops_equal_torchs_count_of_the_matmuls(name, overrides, recompute):
+    batch = ["train.global_batch_size=2", "train.micro_batch_size=2", "model.seq_length=64", "model.vocab_size=1000"]
+    config = load_config(os.path.join(REPO_ROOT, "configs", name), overrides + batch + recompute)
+    m = config.model
+    flops = iteration_flops(m, m.padded_vocab_size(1), config.train)
+    stats = IntervalStats(flops, 2 * 64, world_size=1, device_type="cpu", peak_tflops=1.0)
+    stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0), lr=0.1, seconds=1.0)
+    record = stats.flush(SimpleNamespace(iteration=1, consumed_samples=2, skipped_iters=0))
+    counted = counted_flops(config)
+    assert record["tflops_per_device"] * 1e12 == pytest.approx(counted, rel=0.01)  # the paper's figure
+    if config.train.recompute == "none":
+        assert record["model_tflops_per_device"] * 1e12 == pytest.approx(counted, rel=0.01)
+    else:
+        assert record["model_tflops_per_device"] < record["tflops_per_device"]
+    assert record["mfu"] == pytest.approx(record["model_tflops_per_device"])  # a peak of 1 TFLOP/s
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "paper", "*.yaml"))))
+def test_paper_configs_give_the_papers_formula(path):
+    config = load_config(path)
+    m, par, train = config.model, config.parallel, config.train
+    b, s, l, h = train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size  # noqa: E741 (the paper's l)
+    v = m.padded_vocab_size(par.tp_size)
+    assert train.recompute == "full" and v == 51200
+    flops = iteration_flops(m, v, train, par.pp_size * par.vp_size)
+    # the paper's equation (3) with full recomputation, and 72 B s l h^2 (1 + s/6h + V/12lh) without
+    assert flops.with_recompute == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), 1e-12)
+    assert flops.model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), 1e-12)
+
+
+def test_block_recompute_counts_the_layers_of_every_chunk():
+    config = load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"))  # 8 layers
+    block = SimpleNamespace(recompute="full", recompute_method="block", recompute_num_layers=3)
+    assert recomputed_layers(config.model, block, num_chunks=4) == 2 * 4  # 2 layers per chunk, all of them
+    assert recomputed_layers(config.model, block, num_chunks=2) == 3 * 2
+    assert recomputed_layers(config.model, config.train, num_chunks=2) == 0  # recompute none
+
+
+def test_structural_keys_are_marked_on_the_config():
+    assert set(checkpoint_keys("structural")) == {
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "query_groups",
+        "ffn_size",
+        "vocab_size",
+        "max_positions",
+        "position_embedding_type",
+        "normalization",
+        "activation",
+        "tie_embeddings",
+        "add_bias_linear",
+    }
+    assert checkpoint_keys("resume_only") == ("seq_length", "rotary_base")
+
+
+def test_gemm_count_follows_the_built_model():
+    """The GEMMs of model/shape.py are the Linear layers of one built layer, in order and size."""
+    from model.shape import layer_gemms
+
+    config = load_config(os.path.join(REPO_ROOT, "configs", "llama_tiny.yaml"), ["model.vocab_size=1000"])
+    with torch.device("meta"):
+        layer = GPTModel(config.model, config.model.padded_vocab_size(1), layer_ids=[0]).layers["0"]
+    linears = [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)]
+    shapes = [(g.in_features, g.out_features) for g in layer_gemms(config.model)]
+    assert shapes == [(mod.in_features, mod.out_features) for mod in linears]
