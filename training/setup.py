@@ -17,6 +17,7 @@ from data.sample_corpus import ensure_sample_corpus
 from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config
 
 Dataset = GPTDataset | BlendedDataset
 DatasetSplits = tuple[Dataset | None, Dataset | None, Dataset | None]  # train, valid, test
