@@ -10,14 +10,15 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
 from data.blend_index import build_blending_indices
-from data.gpt_dataset import save_atomic
+from data.gpt_dataset import GPTDataset, TokenSource, save_atomic
 
 
-def normalize_weights(weights) -> list[float]:
+def normalize_weights(weights: Sequence[float | str]) -> list[float]:
     """Weights as floats summing to 1 (numbers or numeric strings accepted)."""
     values = np.array([float(w) for w in weights], dtype=np.float64)
     if (values < 0).any() or values.sum() <= 0:
@@ -32,7 +33,14 @@ class BlendedDataset:
     size, the components' own cache keys) and memory-mapped when present, as the GPT indices are.
     """
 
-    def __init__(self, datasets: list, weights, size: int, cache_dir: str | None = None, surplus: float = 0.005):
+    def __init__(
+        self,
+        datasets: list[GPTDataset],
+        weights: Sequence[float | str],
+        size: int,
+        cache_dir: str | None = None,
+        surplus: float = 0.005,
+    ):
         self.datasets = datasets
         self.weights = normalize_weights(weights)
         self.size = size
@@ -55,7 +63,7 @@ class BlendedDataset:
             self.dataset_index, self.dataset_sample_index = (np.load(p, mmap_mode="r") for p in paths)
         else:
             self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
-            if paths:
+            if cache_dir and paths:
                 self._save(cache_dir, paths)
         for d, dataset in enumerate(datasets):
             needed = int((self.dataset_index == d).sum())
@@ -80,3 +88,8 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> dict:
         d = int(self.dataset_index[i])
         return self.datasets[d][int(self.dataset_sample_index[i])]
+
+    def locate_token(self, sample: int, position: int) -> TokenSource:
+        """Which component's document token `position` of sample `sample` comes from (GPTDataset.locate_token)."""
+        component = self.datasets[int(self.dataset_index[sample])]
+        return component.locate_token(int(self.dataset_sample_index[sample]), position)

@@ -58,7 +58,7 @@ def parse_data_path(data_path: list) -> tuple[list[float] | None, list[str]]:
         raise ValueError(
             f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected in {data_path}"
         )
-    return normalize_weights(parsed), data_path[1::2]
+    return normalize_weights([w for w in parsed if w is not None]), data_path[1::2]  # none is None here
 
 
 def _as_number(text: str) -> float | None:
@@ -94,7 +94,7 @@ def _build_single(prefix: str, split: str, seq_length: int, seed: int, num_sampl
     # numel_low_level_dataset = len(sequence_lengths). document_count would overrun when a document is empty.
     if len(indexed) == 0:
         raise ValueError(f"{prefix}: the dataset holds no documents")
-    datasets = []
+    datasets: list[GPTDataset | None] = []
     for name, bounds, n in zip(SPLIT_NAMES, parse_split(split), num_samples):
         if bounds is None or n == 0:
             datasets.append(None)
@@ -139,7 +139,7 @@ def build_train_valid_test_datasets(
         _build_single(prefix, split, seq_length, seed, sizes, cache_dir, options)
         for prefix, sizes in zip(prefixes, asked)
     ]
-    blended = []
+    blended: list[BlendedDataset | None] = []
     for k, n in enumerate(num_samples):
         parts = [component[k] for component in per_component]
         if not n or all(p is None for p in parts):

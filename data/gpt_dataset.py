@@ -39,6 +39,15 @@ class SampleOptions:
 PAD_ID = -1  # Megatron's _PAD_TOKEN_ID when the tokenizer has no pad token
 
 
+@dataclass(frozen=True)
+class TokenSource:
+    """Where one token of a sample was read from (`locate_token`): for messages that name the bad input."""
+
+    path_prefix: str  # the .bin/.idx prefix
+    document: int  # document index in that file
+    offset: int  # token offset inside the document
+
+
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int = 1) -> int:
     """Smallest E with E * tokens_per_epoch >= num_samples * seq_length + extra (1 when num_samples is None)."""
     if num_samples is None:
@@ -254,3 +263,19 @@ class GPTDataset:
         if missing > 0:  # the kept partial last sample
             text = np.concatenate((text, np.full(missing, PAD_ID, dtype=np.int64)))
         return {"text": text}
+
+    def locate_token(self, sample: int, position: int) -> TokenSource:
+        """Which document (and token of it) token `position` of sample `sample` comes from, read from the
+        index arrays exactly as `__getitem__` reads the tokens."""
+        row = int(self.shuffle_index[sample])
+        doc_pos, offset = (int(x) for x in self.sample_index[row])
+        last_pos = int(self.sample_index[row + 1][0])
+        sizes = self.indexed.sequence_lengths
+        while doc_pos < last_pos:  # walk the documents the sample spans until `position` falls inside one
+            document = int(self.document_index[doc_pos])
+            available = int(sizes[document]) - offset
+            if position < available:
+                break
+            position -= available
+            doc_pos, offset = doc_pos + 1, 0
+        return TokenSource(self.indexed.path_prefix, int(self.document_index[doc_pos]), offset + position)

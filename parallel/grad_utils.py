@@ -15,7 +15,7 @@ every rank of a group reduces the same elements.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def _unique_params(chunks: Iterable[nn.Module], flag: str) -> list[nn.Parameter]
     return found
 
 
-def finalize_model_grads(chunks: list[nn.Module], state, ddp: DataParallel) -> None:
+def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel) -> None:
     """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from model.shape import rank_params
-from parallel.pipeline.schedules import Action, build_schedule
+from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from planner.activations import (
     ActivationShape,
     attention_score_bytes,
@@ -42,11 +42,14 @@ def peak_in_flight_bytes(actions: list[Action], chunk_bytes: list[float]) -> flo
     """
     live = peak = 0.0
     for action in actions:
-        if action.op == "F":
-            live += chunk_bytes[action.chunk]
-            peak = max(peak, live)
-        else:
-            live -= chunk_bytes[action.chunk]
+        match action.op:
+            case Op.FORWARD:
+                live += chunk_bytes[action.chunk]
+                peak = max(peak, live)
+            case Op.BACKWARD:
+                live -= chunk_bytes[action.chunk]
+            case _:
+                unhandled_op(action.op)
     return peak
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from model.shape import iteration_flops, rank_params
 from parallel.layout import Layout, build_layout
 from parallel.pipeline.p2p import produced_message
-from parallel.pipeline.schedules import Action, build_schedule
+from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.simulator import simulate_lists
 from parallel.pipeline.stages import virtual_stage
 from parallel.rank_grid import RankGrid
@@ -136,7 +136,7 @@ class _Costs:
         inter = hw.crosses_nodes("pp")
         self.send = p2p_seconds(shape, hw, inter, bool(config.parallel.scatter_gather)) if p > 1 else 0.0
 
-        self._cache: dict[tuple[int, str, int], ActionCost] = {}
+        self._cache: dict[tuple[int, Op, int], ActionCost] = {}
 
     def of(self, pp_rank: int, action: Action) -> ActionCost:
         """The cost of `action` on pipeline rank `pp_rank` (the same for every micro-batch)."""
@@ -145,7 +145,13 @@ class _Costs:
         if cost is None:
             p, v = self.layout.pp_size, self.layout.vp_size
             stage = virtual_stage(pp_rank, action.chunk, p)
-            compute, tp = (self.forward if action.op == "F" else self.backward)[stage]
+            match action.op:
+                case Op.FORWARD:
+                    compute, tp = self.forward[stage]
+                case Op.BACKWARD:
+                    compute, tp = self.backward[stage]
+                case _:
+                    unhandled_op(action.op)
             sends = p > 1 and produced_message(action, pp_rank, p, v) is not None
             cost = self._cache[key] = ActionCost(compute, tp, self.send if sends else 0.0)
         return cost
@@ -158,8 +164,13 @@ def _dp_exposed(events: list, dp_seconds: float, bucket_seconds: float) -> float
         return 0.0
     last_backward: dict[int, float] = {}
     for event in events:
-        if event.action.op == "B":
-            last_backward[event.action.chunk] = event.start
+        match event.action.op:
+            case Op.FORWARD:
+                pass
+            case Op.BACKWARD:
+                last_backward[event.action.chunk] = event.start
+            case _:
+                unhandled_op(event.action.op)
     window = max(e.end for e in events) - min(last_backward.values())
     return max(min(bucket_seconds, dp_seconds), dp_seconds - window)
 
@@ -187,7 +198,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
     memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
     vocab = model.padded_vocab_size(layout.tp_size)
     flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
-    recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op == "B")
+    recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op is Op.BACKWARD)
     return Prediction(
         layout,
         train.micro_batch_size,

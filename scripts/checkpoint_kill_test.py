@@ -5,9 +5,9 @@ verifies (every byte) and loads.
     python scripts/checkpoint_kill_test.py --kills 10 --mode async
 
 Each round resumes the same run (checkpoint.load=true, a save every iteration), waits for training to be under
-way, sends SIGKILL after a random delay, then: the tracker's checkpoint must pass tools/checkpoint_info.py's
---verify and every tensor must read back; a save folder left by the killed process (*.tmp.<pid>) is removed by
-the next round's start. Prints how many kills landed while a save was in progress. Exit 1 on any failure.
+way, sends SIGKILL after a random delay, then: the tracker's checkpoint must pass the checksum verification
+(every file's size and CRC-32, training/checkpoint/files.py) and every tensor must read back; a save folder left
+by the killed process (*.tmp.<pid>) is removed by the next round's start. Prints how many kills landed while a save was in progress. Exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from tools import checkpoint_info  # noqa: E402
+from data.sample_corpus import build_tiny_corpus  # noqa: E402
 from training.checkpoint import files  # noqa: E402
 from training.checkpoint.loader import read_global_tensors  # noqa: E402
 
@@ -68,8 +68,8 @@ def check_latest(root: str) -> int:
     iter_dir = files.resolve_checkpoint(root)
     if iteration is not None and not iter_dir.endswith(files.iter_name(iteration)):
         raise AssertionError(f"tracker names {iteration} but {iter_dir} is the latest complete checkpoint")
-    checkpoint_info.verify(iter_dir)
-    tensors = read_global_tensors(iter_dir)
+    files.verify_files(iter_dir)  # every byte against checksums.json
+    tensors = read_global_tensors(iter_dir)  # every stored extent is inside its file
     if not tensors:
         raise AssertionError(f"{iter_dir} holds no tensors")
     return int(files.read_meta(iter_dir)["iteration"])
@@ -134,8 +134,6 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt_kill_")
-    from tests.conftest import build_tiny_corpus  # the tests' small real corpus and tokenizer
-
     corpus = build_tiny_corpus(os.path.join(workdir, "corpus"))
     data_args = [
         f"data.data_path=[{corpus['data_prefix']}]",

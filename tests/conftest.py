@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from data.sample_corpus import build_tiny_corpus
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
@@ -91,34 +93,6 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
 def ranks():
     """Fixture form of `run_ranks` for tests that prefer injection."""
     return run_ranks
-
-
-def build_tiny_corpus(root: str, num_files: int = 60) -> dict:
-    """A small real corpus (the first stdlib modules, sorted), a 512-token BPE and its .bin/.idx."""
-    import json
-    import sysconfig
-
-    from data.preprocess import preprocess_jsonl
-    from data.tokenizer_training import train_gpt2_bpe
-
-    stdlib = sysconfig.get_paths()["stdlib"]
-    names = sorted(n for n in os.listdir(stdlib) if n.endswith(".py"))[:num_files]
-    texts = [open(os.path.join(stdlib, n), encoding="utf-8").read() for n in names]
-    os.makedirs(root, exist_ok=True)
-    jsonl = os.path.join(root, "corpus.jsonl")
-    with open(jsonl, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    vocab, merges = train_gpt2_bpe(texts, 512, root)
-    preprocess_jsonl(
-        jsonl,
-        os.path.join(root, "tiny"),
-        "GPT2BPETokenizer",
-        vocab_file=vocab,
-        merge_file=merges,
-        append_eod=True,
-        log=lambda msg: None,
-    )
-    return {"data_prefix": os.path.join(root, "tiny_text_document"), "vocab_file": vocab, "merge_file": merges}
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
 from parallel.layout import SCHEDULES, check_schedule
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
 from parallel.pipeline.simulator import Timeline, simulate, simulate_plans
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
@@ -45,11 +45,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def box_colour(microbatch: int, chunk: int, op: str, num_microbatches: int):
+def op_style(op: Op) -> tuple[float, str]:
+    """(shade, label font weight) of an action's box: backward boxes darker, their labels bold."""
+    match op:
+        case Op.FORWARD:
+            return 1.0, "normal"
+        case Op.BACKWARD:
+            return 0.75, "bold"
+        case _:
+            unhandled_op(op)
+
+
+def box_colour(microbatch: int, chunk: int, op: Op, num_microbatches: int) -> tuple[float, ...]:
     """Colour by micro-batch; backward darker than forward; later chunks paler."""
     palette = plt.get_cmap("tab10" if num_microbatches <= 10 else "tab20")
     red, green, blue = to_rgb(palette(microbatch % palette.N))
-    shade = 0.75 if op == "B" else 1.0  # darken backward boxes
+    shade = op_style(op)[0]
     pale = 0.3 * chunk / max(1, chunk + 1)  # blend later chunks towards white
     return tuple(min(1.0, c * shade * (1 - pale) + pale) for c in (red, green, blue))
 
@@ -70,11 +81,11 @@ def draw(timeline: Timeline, schedule: str, path: str, note: str = "") -> None:
             edgecolor="black",
             linewidth=0.6,
         )
-        weight = "bold" if action.op == "B" else "normal"
+        weight = op_style(action.op)[1]
         ax.text(
             (event.start + event.end) / 2,
             event.rank,
-            f"{action.op}{action.microbatch + 1}",
+            f"{action.op.value}{action.microbatch + 1}",
             ha="center",
             va="center",
             fontsize=7,

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data.blended_dataset import BlendedDataset
+from data.gpt_dataset import GPTDataset
+
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
@@ -52,8 +55,8 @@ def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, b
     )
     if state.is_distributed:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    signal_number, time_up, bad = (int(x) for x in flags.tolist())
-    return Agreement(signal_number, bool(time_up), world - bad if bad else -1)
+    signal_number, time_up_flag, bad = (int(x) for x in flags.tolist())
+    return Agreement(signal_number, bool(time_up_flag), world - bad if bad else -1)
 
 
 # ---- token ids ---------------------------------------------------------------------------------------
@@ -72,29 +75,9 @@ def find_bad_token(microbatches: list[dict], vocab_size: int) -> tuple[int, int,
     return None
 
 
-def locate_sample_token(dataset: Any, sample: int, position: int) -> tuple[str, int, int]:
-    """(data prefix, document index, offset in the document) of token `position` of sample `sample` of a
-    GPTDataset or a BlendedDataset of them, read from their index arrays (data/gpt_dataset.py)."""
-    if hasattr(dataset, "dataset_index"):  # BlendedDataset: which component, which of its samples
-        component = int(dataset.dataset_index[sample])
-        return locate_sample_token(dataset.datasets[component], int(dataset.dataset_sample_index[sample]), position)
-    row = int(dataset.shuffle_index[sample])
-    doc_pos, offset = (int(x) for x in dataset.sample_index[row])
-    last_pos = int(dataset.sample_index[row + 1][0])
-    sizes = dataset.indexed.sequence_lengths
-    while doc_pos < last_pos:  # walk the documents the sample spans until `position` falls inside one
-        document = int(dataset.document_index[doc_pos])
-        available = int(sizes[document]) - offset
-        if position < available:
-            break
-        position -= available
-        doc_pos, offset = doc_pos + 1, 0
-    return dataset.indexed.path_prefix, int(dataset.document_index[doc_pos]), offset + position
-
-
 def bad_token_message(
     found: tuple[int, int, int, int],
-    dataset: Any,
+    dataset: GPTDataset | BlendedDataset,
     first_sample: int,
     micro_batch_size: int,
     dp_size: int,
@@ -105,9 +88,10 @@ def bad_token_message(
     step that starts at `first_sample` (+ dp_rank * mbs) holds samples first + k * mbs * dp + [0, mbs)."""
     microbatch, row, position, token = found
     sample = first_sample + microbatch * micro_batch_size * dp_size + row
-    prefix, document, offset = locate_sample_token(dataset, sample, position)
+    source = dataset.locate_token(sample, position)
     return (
-        f"token id {token} in document {document} of {prefix} (token {offset} of the document, {split} "
+        f"token id {token} in document {source.document} of {source.path_prefix} (token {source.offset} of the "
+        f"document, {split} "
         f"sample {sample}) is outside the model's vocabulary of {vocab_size} ids (model.vocab_size): the data "
         f"was tokenized with another tokenizer, or model.vocab_size is too small"
     )

@@ -14,7 +14,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from training.run_lock import process_start_ticks
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -67,7 +70,7 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def job_start_time(environ: dict | None = None) -> float:
+def job_start_time(environ: Mapping[str, str] | None = None) -> float:
     """When this job started, in seconds since the epoch: SLURM_JOB_START_TIME under SLURM, else the start of
     this process (from /proc), else now. exit_duration_mins counts from here, so building the data and the
     model and loading a checkpoint count against the time limit too."""
@@ -75,10 +78,10 @@ def job_start_time(environ: dict | None = None) -> float:
     slurm_start = environ.get("SLURM_JOB_START_TIME", "")
     if slurm_start.isdigit():
         return float(slurm_start)
+    start_ticks = process_start_ticks(os.getpid())
+    if start_ticks is None:
+        return time.time()
     try:
-        with open("/proc/self/stat", encoding="ascii") as handle:
-            # Field 22 (after the parenthesised command name) is the start time in clock ticks since boot.
-            start_ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/stat", encoding="ascii") as handle:
             boot = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
         return boot + start_ticks / os.sysconf("SC_CLK_TCK")

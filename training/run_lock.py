@@ -15,6 +15,10 @@ import json
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch only for the annotation: the lock itself is plain Python
+    import torch
 
 LOCK_NAME = "run.lock"
 
@@ -23,10 +27,12 @@ class RunLockError(RuntimeError):
     """run.dir is in use by another live trainer; the message names its pid and host."""
 
 
-def _process_start_ticks(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot, or None if there is no such process."""
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot, or None if there is no such process (or no
+    /proc). The one reader of /proc/<pid>/stat: the lock's owner record and the job clock (preemption.py)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            # Field 22 (after the parenthesised command name, which may hold spaces) is the start time.
             return int(handle.read().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
@@ -37,7 +43,7 @@ def _owner_record() -> dict:
     return {
         "host": socket.gethostname(),
         "pid": pid,
-        "start_ticks": _process_start_ticks(pid),
+        "start_ticks": process_start_ticks(pid),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -48,7 +54,7 @@ def holder_is_gone(holder: dict) -> bool:
     if holder.get("host") != socket.gethostname():
         job = os.environ.get("SLURM_JOB_ID")
         return bool(job) and holder.get("slurm_job_id") == job
-    ticks = _process_start_ticks(int(holder.get("pid", -1)))
+    ticks = process_start_ticks(int(holder.get("pid", -1)))
     return ticks is None or (holder.get("start_ticks") is not None and ticks != holder["start_ticks"])
 
 
@@ -107,7 +113,7 @@ class RunLock:
             os.remove(self.path)
 
 
-def take_run_lock(lock: RunLock, rank: int, world_size: int, device) -> str | None:
+def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.device) -> str | None:
     """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce, collective
     over the world). Returns the error ("" on ranks other than 0, which print nothing), or None."""
     error = None

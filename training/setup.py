@@ -17,6 +17,7 @@ from data.sample_corpus import ensure_sample_corpus
 from training.preemption import ignore_stop_signals
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config
 
 Dataset = GPTDataset | BlendedDataset
 DatasetSplits = tuple[Dataset | None, Dataset | None, Dataset | None]  # train, valid, test
@@ -88,8 +89,10 @@ def init_distributed(use_cuda: bool | None = None) -> DistEnv:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world_size, 1)))
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
     return DistEnv(world_size, rank, local_rank, local_world_size, device)
 
 

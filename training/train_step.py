@@ -17,7 +17,7 @@ from model.gpt import GPTModel
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
-from parallel.pipeline.executor import execute_schedule
+from parallel.pipeline.executor import ForwardFn, Microbatch, execute_schedule
 from parallel.pipeline.plan import PipelinePlan, build_plan
 from parallel.state import ParallelState
 from training.optimizer import DistributedOptimizer, Optimizer
@@ -65,14 +65,16 @@ class StepResult:
     max_in_flight: int
 
 
-def _to_device(microbatch: dict, device: torch.device) -> dict:
+def _to_device(microbatch: Microbatch, device: torch.device) -> Microbatch:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in microbatch.items()}
 
 
-def make_forward_fn(num_microbatches: int):
+def make_forward_fn(num_microbatches: int) -> ForwardFn:
     """forward_fn for the executor: a chunk's output, or on the last chunk the micro-batch loss / m."""
 
-    def forward_fn(chunk_index: int, chunk: torch.nn.Module, input_tensor, mb: dict) -> torch.Tensor:
+    def forward_fn(
+        chunk_index: int, chunk: torch.nn.Module, input_tensor: torch.Tensor | None, mb: Microbatch, /
+    ) -> torch.Tensor:
         output = chunk(
             input_ids=mb["tokens"] if chunk.pre_process else None,
             position_ids=mb["position_ids"],

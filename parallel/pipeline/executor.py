@@ -13,13 +13,33 @@ output keeps its data and backward goes through `torch.autograd.backward` (corre
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from parallel.pipeline.p2p import StageComm, needed_message, produced_message
 from parallel.pipeline.plan import PipelinePlan
-from parallel.pipeline.schedules import Action
+from parallel.pipeline.schedules import Action, Op, unhandled_op
+from parallel.state import ParallelState
+
+# One micro-batch as the data loader yields it (tensors by name, data/loader.py collate_samples); the executor
+# only hands it to the forward_fn, which knows the keys.
+Microbatch = dict[str, Any]
+
+
+class ForwardFn(Protocol):
+    """The model-specific part of a forward, called by the executor for each forward action.
+
+    Returns the chunk's output ([s, b, h], sent to the next virtual stage), or on the last virtual stage the
+    scalar loss of the micro-batch, already divided by the number of micro-batches. `input_tensor` is None on
+    virtual stage 0 (the chunk embeds the micro-batch's tokens).
+    """
+
+    def __call__(
+        self, chunk_index: int, chunk: torch.nn.Module, input_tensor: torch.Tensor | None, microbatch: Microbatch, /
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -65,15 +85,16 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 class _Run:
     """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
 
-    chunks: list[torch.nn.Module]
-    microbatches: list[dict]
-    forward_fn: object
-    state: object
+    chunks: Sequence[torch.nn.Module]
+    microbatches: list[Microbatch]
+    forward_fn: ForwardFn
+    state: ParallelState
     comm: StageComm
     loss_scale: float
     forward_only: bool
-    held: dict = field(default_factory=dict)  # (micro-batch, chunk) -> (input, output) awaiting backward
-    losses: dict = field(default_factory=dict)  # micro-batch -> detached loss
+    # (micro-batch, chunk) -> (input, output) awaiting backward
+    held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> detached loss
     in_flight: int = 0
     max_in_flight: int = 0
 
@@ -120,21 +141,20 @@ class _Run:
 
 def execute_schedule(
     plan: PipelinePlan,
-    chunks: list[torch.nn.Module],
-    microbatches: list[dict],
-    forward_fn,
-    state,
+    chunks: Sequence[torch.nn.Module],
+    microbatches: list[Microbatch],
+    forward_fn: ForwardFn,
+    state: ParallelState,
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,
     scatter_gather: bool = False,
     loss_scale: float = 1.0,
-    on_last_backward=None,
+    on_last_backward: Callable[[int], None] | None = None,
     overlap_p2p_comm: bool = False,
 ) -> ScheduleResult:
     """Run this rank's plan for one iteration; see the module docstring and ScheduleResult.
 
-    `forward_fn(chunk_index, chunk, input_tensor | None, microbatch) -> Tensor` returns the chunk output,
-    or on the last virtual stage the scalar loss (already divided by the number of micro-batches).
+    `forward_fn` (ForwardFn) returns the chunk output, or on the last virtual stage the scalar loss.
     A forward-only plan (evaluation) runs under no_grad and holds nothing for backward.
     `on_last_backward(chunk_index)` is called just before the last backward of each chunk.
     With `overlap_p2p_comm` a step's batch stays in flight while the step's action computes, unless the
@@ -157,12 +177,15 @@ def execute_schedule(
                 comm.complete(in_flight)
                 in_flight = None
             action = plan.actions[step.compute]
-            if action.op == "F":
-                run.forward(action)
-                continue
-            if on_last_backward is not None and step.compute in plan.last_backward_indices:
-                on_last_backward(action.chunk)
-            run.backward(action)
+            match action.op:
+                case Op.FORWARD:
+                    run.forward(action)
+                case Op.BACKWARD:
+                    if on_last_backward is not None and step.compute in plan.last_backward_indices:
+                        on_last_backward(action.chunk)
+                    run.backward(action)
+                case _:
+                    unhandled_op(action.op)
         comm.complete(in_flight)
     comm.finish()
     losses = [run.losses[i] for i in sorted(run.losses)]

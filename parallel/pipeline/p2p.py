@@ -21,15 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.schedules import Action
+from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.stages import last_virtual_stage, virtual_stage
+from parallel.state import ParallelState
 
 
 @dataclass(frozen=True)
 class Message:
-    """One tensor sent between virtual stages: an activation ("F") or an input-gradient ("B")."""
+    """One tensor sent between virtual stages: an activation (sent by a forward) or an input-gradient (sent by
+    a backward)."""
 
-    kind: str  # "F" (activation, forward direction) or "B" (gradient, backward direction)
+    kind: Op  # the op that sends it: FORWARD (activation, to stage + 1) or BACKWARD (gradient, to stage - 1)
     microbatch: int
     stage: int  # the receiving virtual stage
 
@@ -37,25 +39,33 @@ class Message:
 def needed_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -> tuple[int, Message] | None:
     """(source pp rank, message) that `action` must receive first, or None."""
     stage = virtual_stage(pp_rank, action.chunk, pp_size)
-    if action.op == "F":
-        if stage == 0:
-            return None
-        return (stage - 1) % pp_size, Message("F", action.microbatch, stage)
-    if stage == last_virtual_stage(pp_size, vp_size):
-        return None  # the loss stage starts backward from its own loss
-    return (stage + 1) % pp_size, Message("B", action.microbatch, stage)
+    match action.op:
+        case Op.FORWARD:
+            if stage == 0:
+                return None
+            return (stage - 1) % pp_size, Message(Op.FORWARD, action.microbatch, stage)
+        case Op.BACKWARD:
+            if stage == last_virtual_stage(pp_size, vp_size):
+                return None  # the loss stage starts backward from its own loss
+            return (stage + 1) % pp_size, Message(Op.BACKWARD, action.microbatch, stage)
+        case _:
+            unhandled_op(action.op)
 
 
 def produced_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -> tuple[int, Message] | None:
     """(destination pp rank, message) that `action` sends when done, or None."""
     stage = virtual_stage(pp_rank, action.chunk, pp_size)
-    if action.op == "F":
-        if stage == last_virtual_stage(pp_size, vp_size):
-            return None
-        return (stage + 1) % pp_size, Message("F", action.microbatch, stage + 1)
-    if stage == 0:
-        return None
-    return (stage - 1) % pp_size, Message("B", action.microbatch, stage - 1)
+    match action.op:
+        case Op.FORWARD:
+            if stage == last_virtual_stage(pp_size, vp_size):
+                return None
+            return (stage + 1) % pp_size, Message(Op.FORWARD, action.microbatch, stage + 1)
+        case Op.BACKWARD:
+            if stage == 0:
+                return None
+            return (stage - 1) % pp_size, Message(Op.BACKWARD, action.microbatch, stage - 1)
+        case _:
+            unhandled_op(action.op)
 
 
 @dataclass(frozen=True)
@@ -79,12 +89,13 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
         receive (pp = 2 included, where both directions of a pair carry traffic).
     """
     pp_size = len(lists)
-    position, pending = [0] * pp_size, [[] for _ in range(pp_size)]
-    arrived = [set() for _ in range(pp_size)]
+    position = [0] * pp_size
+    pending: list[list[tuple[int, Message]]] = [[] for _ in range(pp_size)]
+    arrived: list[set[Message]] = [set() for _ in range(pp_size)]
     plans: list[list[Step]] = [[] for _ in range(pp_size)]
     # The last round posts the sends of the last actions (no compute left).
     while any(pending) or any(position[r] < len(lists[r]) for r in range(pp_size)):
-        ops = [[] for _ in range(pp_size)]
+        ops: list[list[tuple[str, int, Message]]] = [[] for _ in range(pp_size)]
         for src in range(pp_size):  # post every pending send with its receive
             for dst, message in pending[src]:
                 ops[src].append(("send", dst, message))
@@ -114,7 +125,7 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
 class InFlight:
     """A posted batch: its works, the receive buffers to hand over, the sent tensors kept alive until done."""
 
-    works: list
+    works: list[dist.Work]
     received: list[tuple[Message, torch.Tensor]]
     sent: list[torch.Tensor]
 
@@ -127,7 +138,14 @@ class StageComm:
     flight (overlap): a sent tensor is released when its batch completes.
     """
 
-    def __init__(self, state, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, scatter_gather: bool):
+    def __init__(
+        self,
+        state: ParallelState,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        scatter_gather: bool,
+    ):
         self.state = state
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.numel = math.prod(self.shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.pipeline.p2p import Step, needed_message, plan_steps
-from parallel.pipeline.schedules import Action, build_forward_only, build_schedule
+from parallel.pipeline.schedules import Action, Op, build_forward_only, build_schedule, unhandled_op
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,16 @@ class PipelinePlan:
 
 
 def _last_backward_indices(actions: list[Action]) -> frozenset[int]:
-    last = {}
+    """Index of each chunk's last backward: the action that completes the chunk's weight gradients."""
+    last: dict[int, int] = {}
     for index, action in enumerate(actions):
-        if action.op == "B":
-            last[action.chunk] = index
+        match action.op:
+            case Op.FORWARD:
+                pass
+            case Op.BACKWARD:
+                last[action.chunk] = index
+            case _:
+                unhandled_op(action.op)
     return frozenset(last.values())
 
 
@@ -38,7 +44,7 @@ def steps_needing_own_batch(
 ) -> frozenset[int]:
     """Indices of the steps whose action needs a message that the same step receives: only those must wait
     for their batch before computing; any other step's batch can stay in flight meanwhile (overlap)."""
-    found = set()
+    found: set[int] = set()
     for index, step in enumerate(steps):
         if step.compute is None:
             continue

@@ -15,15 +15,32 @@ k+1, a backward input-gradient to k-1. Virtual stage 0 takes no activation input
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import NoReturn
 
 from parallel.layout import check_schedule
 
 
+class Op(Enum):
+    """What an action computes. Every reader dispatches on all members (`match`, with `unhandled_op` as the
+    `case _:`), so a new kind of action (e.g. a deferred weight gradient) fails mypy and, at run time, fails
+    loudly wherever it is not handled yet."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+def unhandled_op(op: NoReturn) -> NoReturn:
+    """The `case _:` of a dispatch on Op: mypy proves it unreachable when every member has a case (the contract
+    of typing.assert_never, which Python 3.10 lacks); a member that has none raises here."""
+    raise ValueError(f"pipeline action kind {op!r} is not handled here")
+
+
 @dataclass(frozen=True)
 class Action:
-    """One unit of pipeline work on one rank: forward ("F") or backward ("B") of a micro-batch on a chunk."""
+    """One unit of pipeline work on one rank: forward or backward of a micro-batch on a chunk."""
 
-    op: str  # "F" (forward) or "B" (backward)
+    op: Op
     microbatch: int
     chunk: int  # model chunk index on this rank, 0..vp_size-1
 
@@ -50,24 +67,24 @@ def build_forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vp_siz
     Deadlock-free: every rank walks (micro-batch, chunk) in the same lexicographic order and each
     forward depends only on a forward of the same micro-batch at a lower virtual stage.
     """
-    return [Action("F", i, c) for i in range(num_microbatches) for c in range(vp_size)]
+    return [Action(Op.FORWARD, i, c) for i in range(num_microbatches) for c in range(vp_size)]
 
 
 def _gpipe(m: int) -> list[Action]:
     """GPipe: all forwards, then all backwards (in micro-batch order); holds m micro-batches."""
-    return [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
+    return [Action(Op.FORWARD, i, 0) for i in range(m)] + [Action(Op.BACKWARD, i, 0) for i in range(m)]
 
 
 def _one_f_one_b(p: int, r: int, m: int) -> list[Action]:
     """PipeDream-Flush (1F1B): at most p - r micro-batches in flight on rank r."""
     warmup = min(p - r - 1, m)
     # Warm-up: fill the pipeline below this rank.
-    actions = [Action("F", i, 0) for i in range(warmup)]
+    actions = [Action(Op.FORWARD, i, 0) for i in range(warmup)]
     # Steady state: one forward, then the backward of the oldest micro-batch in flight.
     for i in range(m - warmup):
-        actions += [Action("F", warmup + i, 0), Action("B", i, 0)]
+        actions += [Action(Op.FORWARD, warmup + i, 0), Action(Op.BACKWARD, i, 0)]
     # Cool-down: drain the backwards left.
-    actions += [Action("B", i, 0) for i in range(m - warmup, m)]
+    actions += [Action(Op.BACKWARD, i, 0) for i in range(m - warmup, m)]
     return actions
 
 
@@ -80,16 +97,17 @@ def _interleaved(p: int, r: int, m: int, v: int) -> list[Action]:
     total = m * v
     warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
 
-    def action(op: str, k: int) -> Action:
-        group_chunk = (k // p) % v
-        chunk = group_chunk if op == "F" else v - 1 - group_chunk
-        return Action(op, (k // (p * v)) * p + k % p, chunk)
+    def forward(k: int) -> Action:
+        return Action(Op.FORWARD, (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def backward(k: int) -> Action:
+        return Action(Op.BACKWARD, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     # Warm-up: forwards until this rank's first backward can start.
-    actions = [action("F", k) for k in range(warmup)]
+    actions = [forward(k) for k in range(warmup)]
     # Steady state: forward of virtual micro-batch warmup + i, then backward of i.
     for i in range(total - warmup):
-        actions += [action("F", warmup + i), action("B", i)]
+        actions += [forward(warmup + i), backward(i)]
     # Cool-down: the remaining backwards.
-    actions += [action("B", k) for k in range(total - warmup, total)]
+    actions += [backward(k) for k in range(total - warmup, total)]
     return actions

@@ -15,8 +15,19 @@ from dataclasses import dataclass
 
 from parallel.pipeline.p2p import Message, Step, needed_message, plan_steps, produced_message
 from parallel.pipeline.plan import steps_needing_own_batch
-from parallel.pipeline.schedules import Action, build_schedule
+from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import virtual_stage
+
+
+def stage_cost(op: Op, forward_cost: float, backward_cost: float, vp_size: int) -> float:
+    """The cost of one action of kind `op` on one of vp_size chunks (costs are per whole stage)."""
+    match op:
+        case Op.FORWARD:
+            return forward_cost / vp_size
+        case Op.BACKWARD:
+            return backward_cost / vp_size
+        case _:
+            unhandled_op(op)
 
 
 @dataclass(frozen=True)
@@ -61,12 +72,12 @@ def simulate_lists(
     each action on pipeline rank r costs action_cost(r, action), and `ideal` is the busiest rank's total.
     """
     p = len(lists)
-    cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
     custom = action_cost is not None
-    if not custom:
 
-        def action_cost(_rank: int, act: Action) -> float:
-            return cost[act.op]
+    def cost_of(rank: int, act: Action) -> float:
+        if action_cost is not None:
+            return action_cost(rank, act)
+        return stage_cost(act.op, forward_cost, backward_cost, vp_size)
 
     busy = [0.0] * p
     arrived: dict[Message, float] = {}  # message -> time it is available at its destination
@@ -83,7 +94,7 @@ def simulate_lists(
                 if need is not None and need[1] not in arrived:
                     break
                 start = max(free_at[r], arrived[need[1]] if need is not None else 0.0)
-                duration = action_cost(r, action)
+                duration = cost_of(r, action)
                 end = start + duration
                 busy[r] += duration
                 out = produced_message(action, r, p, vp_size)
@@ -116,7 +127,7 @@ def simulate(
 
 def _counterpart_steps(plans: list[list[Step]]) -> dict[tuple[str, int, int, Message], int]:
     """(op kind, rank, peer, message) -> index of the step of `rank` that posts that op."""
-    where = {}
+    where: dict[tuple[str, int, int, Message], int] = {}
     for rank, steps in enumerate(plans):
         for index, step in enumerate(steps):
             for kind, peer, message in step.ops:
@@ -145,7 +156,6 @@ def simulate_plans(
     plans = plan_steps(lists, vp_size)
     own = [steps_needing_own_batch(plans[r], lists[r], r, p, vp_size) for r in range(p)]
     where = _counterpart_steps(plans)
-    cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
     posted: list[dict[int, float]] = [{} for _ in range(p)]
     position, ready = [0] * p, [0.0] * p  # next step of each rank; when it can post that step's batch
     events: list[Event] = []
@@ -167,7 +177,7 @@ def simulate_plans(
                 if step.compute is not None:
                     action = lists[r][step.compute]
                     start = done if not overlap or index in own[r] else ready[r]
-                    end = start + cost[action.op]
+                    end = start + stage_cost(action.op, forward_cost, backward_cost, vp_size)
                     events.append(Event(r, action, virtual_stage(r, action.chunk, p), start, end))
                 ready[r] = max(end, done)
                 position[r] += 1

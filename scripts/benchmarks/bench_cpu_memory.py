@@ -1,7 +1,7 @@
 """CPU memory per rank of the real trainer: dp and the distributed optimizer, and each recompute mode.
 
-Runs `pretrain_gpt`'s own build_run + train on forked gloo ranks (configs/gpt_tiny.yaml on the sample corpus,
-enlarged so that differences stand out of the Python/torch baseline) for a few iterations per case and prints,
+Runs the trainer's own build_run + train (training/run.py, training/loop.py) on forked gloo ranks
+(configs/gpt_tiny.yaml on the sample corpus, enlarged so that differences stand out of the Python/torch baseline) for a few iterations per case and prints,
 for each rank (the table shows rank 0; dp ranks are alike):
   - maxrss: the process's resident-set high-water mark (ru_maxrss; a forked rank starts from the parent's
     ~torch-import RSS, the same in every case),
@@ -28,10 +28,11 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
-import pretrain_gpt
 from config.schema import load_config
 from parallel.layout import layout_from_config
-from training.setup import init_distributed
+from training.loop import train
+from training.run import build_run
+from training.setup import DEFAULT_CONFIG, init_distributed
 
 MODEL = [
     "model.hidden_size=256",
@@ -118,7 +119,7 @@ class SavedTensorMeter:
         return packed.tensor if isinstance(packed, SavedTensorMeter._Handle) else packed
 
 
-def _rank(rank: int, world_size: int, port: int, argv: list[str], verbose: bool, results) -> None:
+def _rank(rank: int, world_size: int, port: int, overrides: list[str], verbose: bool, results) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -129,17 +130,16 @@ def _rank(rank: int, world_size: int, port: int, argv: list[str], verbose: bool,
     )
     if not verbose:
         logging.disable(logging.INFO)
-    args = pretrain_gpt.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = load_config(DEFAULT_CONFIG, overrides)
     layout = layout_from_config(config, world_size)
-    run = pretrain_gpt.build_run(config, init_distributed(), layout)
+    run = build_run(config, init_distributed(), layout)
     params = [p for chunk in run.ctx.chunks for p in chunk.parameters()]
     meter = SavedTensorMeter(params)
     start_rss = rss_bytes()
     sampler = RSSSampler()
     sampler.start()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        pretrain_gpt.train(run)
+        train(run)
     peak_rss = sampler.stop()
     import resource
 
@@ -165,9 +165,7 @@ def measure(dp: int, overrides: list[str], iters: int, verbose: bool, tmp: str) 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = [
-        "--config",
-        pretrain_gpt.DEFAULT_CONFIG,
+    all_overrides = [  # on configs/gpt_tiny.yaml (DEFAULT_CONFIG)
         *MODEL,
         f"train.global_batch_size={8 * dp}",
         f"train.train_iters={iters}",
@@ -183,7 +181,9 @@ def measure(dp: int, overrides: list[str], iters: int, verbose: bool, tmp: str) 
     ]
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(dp, port, argv, verbose, results), nprocs=dp, join=True, start_method="fork")
+    mp.start_processes(
+        _rank, args=(dp, port, all_overrides, verbose, results), nprocs=dp, join=True, start_method="fork"
+    )
     return dict(results.get() for _ in range(dp))
 
 

@@ -218,6 +218,8 @@ def _write_legacy_checkpoint(run, root: str) -> None:
 def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
     from config.schema import load_config
     from parallel.layout import layout_from_config
+    from training.loop import train
+    from training.run import build_run
     from training.setup import init_distributed
 
     drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")
@@ -227,8 +229,8 @@ def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lin
         pretrain_gpt.DEFAULT_CONFIG,
         tiny_train_args(tiny_corpus, legacy, "train.train_iters=2", *drop, "checkpoint.save=false"),
     )
-    run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, 1))
-    pretrain_gpt.train(run)
+    run = build_run(config, init_distributed(), layout_from_config(config, 1))
+    train(run)
     _write_legacy_checkpoint(run, os.path.join(legacy, "checkpoints"))
     assert main(tiny_corpus, legacy, "train.train_iters=4", *drop, "checkpoint.load=true") == 0
     assert any("per-rank format of earlier versions" in line for line in log_lines)

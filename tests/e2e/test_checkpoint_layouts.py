@@ -18,6 +18,8 @@ from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
 from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.saver import write_checkpoint
+from training.loop import train
+from training.run import build_run, resume_if_asked
 from training.setup import init_distributed
 
 MODEL = ("model.num_layers=8", "train.eval_iters=0")
@@ -50,8 +52,8 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     if world_size == 1:
         os.environ["LOCAL_WORLD_SIZE"] = str(os.cpu_count() or 1)
     config = load_config(pretrain_gpt.DEFAULT_CONFIG, overrides)
-    run = pretrain_gpt.build_run(config, init_distributed(), layout_from_config(config, world_size))
-    pretrain_gpt.resume_if_asked(run)
+    run = build_run(config, init_distributed(), layout_from_config(config, world_size))
+    resume_if_asked(run)
     assert run.progress.iteration == 5
     job = build_save_job(
         copy_root,
@@ -66,7 +68,7 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     )
     os.makedirs(copy_root, exist_ok=True)
     write_checkpoint(job, run.checkpointer.group)
-    pretrain_gpt.train(run)
+    train(run)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 import pretrain_gpt
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
-from training import checkpointing
+from training import checkpointing, loop
 from training.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 # A schedule that does not depend on train_iters, so a run of any length has the same LR at each iteration.
@@ -33,7 +33,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 def signal_at(monkeypatch, iteration: int, *signals: signal.Signals) -> None:
     """Deliver `signals` to this process right after `iteration` finishes (a real kill(2), real handler)."""
-    real_after_step = pretrain_gpt.after_step
+    real_after_step = loop.after_step
 
     def after_step(run, *args):
         real_after_step(run, *args)
@@ -41,7 +41,7 @@ def signal_at(monkeypatch, iteration: int, *signals: signal.Signals) -> None:
             for sig in signals:
                 os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(pretrain_gpt, "after_step", after_step)
+    monkeypatch.setattr(loop, "after_step", after_step)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)

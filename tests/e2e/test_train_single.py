@@ -8,7 +8,7 @@ import torch
 
 import pretrain_gpt
 from tests.conftest import read_metrics, tiny_train_args
-from training import checkpointing
+from training import checkpointing, loop
 
 
 def train(corpus, run_dir, *extra):
@@ -57,7 +57,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
 
         return real_save(*args, **kwargs, before_tracker=crash)
 
-    monkeypatch.setattr(pretrain_gpt, "save_checkpoint", crashing_save)
+    monkeypatch.setattr(loop, "save_checkpoint", crashing_save)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_corpus, run_dir, "train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.load=true")
     assert checkpointing.read_tracker(root) == 4  # the half-written iteration 6 is not the one that loads

@@ -7,7 +7,7 @@ import pytest
 
 from config.schema import load_config
 from parallel.layout import LayoutError
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.schedules import Op, build_schedule
 from parallel.pipeline.simulator import simulate_lists
 from planner import published
 from planner.cluster import load_cluster
@@ -108,8 +108,10 @@ def test_an_optimal_micro_batch_size_exists():
 def test_simulator_takes_per_action_costs():
     lists = [build_schedule("1f1b", 4, r, 8) for r in range(4)]
     default = simulate_lists(lists, 1, 8, 1.0, 2.0)
-    same = simulate_lists(lists, 1, 8, action_cost=lambda r, a: 1.0 if a.op == "F" else 2.0)
+    same = simulate_lists(lists, 1, 8, action_cost=lambda r, a: 1.0 if a.op is Op.FORWARD else 2.0)
     assert same.makespan == default.makespan and same.ideal == default.ideal == 24.0
     # a slow last stage (the loss head) stretches the whole pipeline, and `ideal` is the busiest rank
-    slow = simulate_lists(lists, 1, 8, action_cost=lambda r, a: (1.0 if a.op == "F" else 2.0) * (2 if r == 3 else 1))
+    slow = simulate_lists(
+        lists, 1, 8, action_cost=lambda r, a: (1.0 if a.op is Op.FORWARD else 2.0) * (2 if r == 3 else 1)
+    )
     assert slow.ideal == 48.0 and slow.makespan >= 48.0 + 3 * 3.0

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from config.schema import TrainConfig
-from data.gpt_dataset import GPTDataset
+from data.blended_dataset import BlendedDataset
+from data.gpt_dataset import GPTDataset, TokenSource
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from training.guards import NonFiniteGuard, TrainingStopped, find_bad_token, locate_sample_token
+from training.guards import NonFiniteGuard, TrainingStopped, find_bad_token
 from training.logging import LOGGER_NAME, MetricsWriter
 from training.run_lock import RunLock, RunLockError
 from training.setup import check_devices
@@ -94,6 +95,7 @@ def test_bad_token_is_found_and_located_in_its_document(tmp_path):
     docs = [list(range(10, 17)), [20, 21, 22], list(range(30, 41))]
     docs[2][5] = 999  # document 2, offset 5
     dataset = _dataset(tmp_path, docs)
+    blend = BlendedDataset([dataset], [1.0], len(dataset))  # one component: blend sample i is sample i
     for sample in range(len(dataset)):
         text = torch.from_numpy(dataset[sample]["text"]).unsqueeze(0)  # [1, s + 1]
         mb = {"tokens": text[:, :-1], "labels": text[:, 1:]}
@@ -103,7 +105,8 @@ def test_bad_token_is_found_and_located_in_its_document(tmp_path):
             continue
         _, row, position, token = found
         assert (row, token) == (0, 999)
-        assert locate_sample_token(dataset, sample, position) == (str(tmp_path / "docs"), 2, 5)
+        expected = TokenSource(str(tmp_path / "docs"), 2, 5)
+        assert dataset.locate_token(sample, position) == blend.locate_token(sample, position) == expected
 
 
 def test_last_label_and_negative_ids_are_checked():

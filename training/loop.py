@@ -1,0 +1,271 @@
+"""The training loop and its policy: one happy path (step, log, evaluate, save) with the guards as named calls.
+
+    iteration_boundary   every rank agrees on stop signals, the clock and this batch's token ids (guards.agree)
+    train_step           forward/backward over the pipeline, gradient reduction, optimizer step
+    after_step           counters, the console line and metrics.jsonl
+    NonFiniteGuard       too many non-finite iterations in a row stop the run (exit 4)
+    evaluate_and_save    validation at eval_interval, checkpoints at save_interval / exit_interval / the end
+
+`run_training` builds the run (training/run.py), resumes it if asked, trains, and maps every way a run ends to
+its exit code (training/guards.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from config.schema import Config
+from parallel.layout import Layout
+from parallel.pipeline.executor import Microbatch
+from training.checkpointing import CheckpointError, save_checkpoint
+from training.guards import (
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INPUT_ERROR,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    Agreement,
+    NonFiniteGuard,
+    TrainingStopped,
+    agree,
+    bad_token_message,
+    find_bad_token,
+    weights_are_finite,
+)
+from training.logging import IntervalStats, format_train_line, peak_tflops
+from training.preemption import PreemptionHandler, job_start_time
+from training.run import Run, build_run, resume_if_asked
+from training.setup import Dataset, DistEnv, barrier, data_iterator
+from training.train_step import StepResult, evaluate, take_microbatches, train_step
+
+
+def save(run: Run) -> None:
+    """Checkpoint the current iteration (sync, or copied aside and written in the background with async_save);
+    the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
+    if run.checkpointer is None or run.last_saved == run.progress.iteration:
+        return
+    ctx = run.ctx
+    if not weights_are_finite(ctx.chunks, run.state, run.env.device):
+        raise TrainingStopped(
+            f"training diverged: the weights after iteration {run.progress.iteration} are not "
+            f"finite, so no checkpoint was written; the last one on disk is iteration "
+            f"{run.last_saved}: lower optim.lr and resume from it",
+            EXIT_DIVERGED,
+        )
+    save_checkpoint(
+        run.checkpoint_root,
+        run.state,
+        run.progress,
+        ctx.chunks,
+        ctx.optimizer,
+        run.lr_schedule,
+        run.rng_tracker.state_dict(),
+        run.config.to_dict(),
+        run.config.parallel.distributed_optimizer,
+        checkpointer=run.checkpointer,
+        keep_last=run.config.checkpoint.keep_last,
+    )
+    run.last_saved = run.progress.iteration
+
+
+def check_tokens(
+    run: Run,
+    microbatches: list[Microbatch],
+    dataset: Dataset | None,
+    first_sample: int,
+    split: str,
+    signal_number: int = 0,
+    time_up: bool = False,
+) -> Agreement:
+    """The per-iteration agreement (training.guards.agree): stop signals, the clock and this batch's token
+    ids against model.vocab_size. A bad id anywhere stops every rank; the lowest rank that holds it says
+    which document of which dataset it came from."""
+    vocab_size, state, mbs = run.vocab_size, run.state, run.config.train.micro_batch_size
+    found = find_bad_token(microbatches, vocab_size)
+    verdict = agree(state, run.env.device, signal_number, time_up, found is not None)
+    if verdict.bad_token_rank >= 0:
+        message = ""
+        if found is not None and dataset is not None:  # this rank's samples start dp_rank * mbs into a batch
+            message = bad_token_message(
+                found, dataset, first_sample + state.dp_rank * mbs, mbs, state.dp_size, vocab_size, split
+            )
+        raise TrainingStopped(message, EXIT_INPUT_ERROR, reporting_rank=verdict.bad_token_rank)
+    return verdict
+
+
+def run_evaluation(run: Run) -> None:
+    """Validation loss and perplexity on the first eval_iters global batches of the valid split."""
+    train_cfg, state = run.config.train, run.state
+    if run.datasets[1] is None or train_cfg.eval_iters == 0:
+        return
+    # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
+    valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id, num_workers=0)
+
+    def check(microbatches: list[Microbatch], batch: int) -> None:
+        check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
+
+    val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
+    val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
+    run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
+    run.metrics.write({"iteration": run.progress.iteration, "val_loss": val_loss, "val_ppl": val_ppl})
+
+
+def iteration_boundary(run: Run, microbatches: list[Microbatch], job_start: float) -> bool:
+    """Before each step, one agreement of all ranks: a bad token id stops the run (exit 2); a stop signal
+    saves the last finished iteration and stops it (exit 3); exit_duration_mins (counted from the job's
+    start) saves and ends it (exit 0, returns True)."""
+    train_cfg = run.config.train
+    received = run.preemption.received if run.preemption is not None else None
+    over = bool(train_cfg.exit_duration_mins) and (time.time() - job_start) / 60.0 >= train_cfg.exit_duration_mins
+    verdict = check_tokens(
+        run, microbatches, run.datasets[0], run.progress.consumed_samples, "train", int(received or 0), over
+    )
+    if verdict.signal_number:
+        save(run)
+        name = signal.Signals(verdict.signal_number).name
+        raise TrainingStopped(
+            f"stopped by {name} after iteration {run.progress.iteration} with a checkpoint of it "
+            f"under {run.checkpoint_root}: run again with checkpoint.load=true to continue",
+            EXIT_PREEMPTED,
+        )
+    if verdict.time_up:
+        save(run)
+        run.logger.info(
+            f"train.exit_duration_mins={train_cfg.exit_duration_mins} reached after iteration "
+            f"{run.progress.iteration} (counted from the job's start): checkpoint saved"
+        )
+    return verdict.time_up
+
+
+def after_step(run: Run, stats: IntervalStats, result: StepResult, lr: float, seconds: float) -> None:
+    """Counters, the console line and metrics.jsonl for one finished iteration."""
+    cfg, progress = run.config, run.progress
+    progress.iteration += 1
+    progress.consumed_samples += cfg.train.global_batch_size
+    progress.skipped_iters += int(result.skipped)
+    stats.add(result, lr, seconds)
+    if progress.iteration % cfg.logging.log_interval == 0:
+        record = stats.flush(progress)
+        run.logger.info(format_train_line(record, cfg.train.train_iters))
+        run.metrics.write(record)
+
+
+def train(run: Run) -> None:
+    """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
+    cfg, train_cfg, state = run.config, run.config.train, run.state
+    job_start = job_start_time()
+    train_iter = data_iterator(
+        cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank, state.dp_size, run.eod_id
+    )
+    if run.progress.iteration == 0:
+        run_evaluation(run)
+    run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
+    iteration_one = run.progress.iteration + 1
+    stats = IntervalStats(
+        run.flops_per_iter,
+        cfg.train.global_batch_size * cfg.model.seq_length,
+        run.env.world_size,
+        run.env.device.type,
+        peak_tflops(cfg.logging.peak_tflops, run.env.device.type, cfg.train.precision),
+    )
+    nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
+    while run.progress.iteration < train_cfg.train_iters:
+        microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
+        if iteration_boundary(run, microbatches, job_start):
+            break
+        lr = run.lr_schedule.lr(run.progress.iteration)
+        started = time.perf_counter()
+        result = train_step(
+            run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
+        )
+        if run.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        after_step(run, stats, result, lr, time.perf_counter() - started)
+        if run.checkpointer is not None:
+            run.checkpointer.poll()  # report a finished background save promptly
+        if run.progress.iteration == iteration_one:
+            first_iteration_notes(run, started)
+        nonfinite.check(result, run.progress.iteration)
+        if evaluate_and_save(run):
+            break
+    finish(run)
+
+
+def first_iteration_notes(run: Run, started: float) -> None:
+    """After the first iteration of this process: how long compiling took (train.compile) and, with tp > 1,
+    the tensor-parallel collectives that iteration ran."""
+    train_cfg, state, iteration = run.config.train, run.state, run.progress.iteration
+    if train_cfg.compile:
+        run.logger.info(
+            f"train.compile: iteration {iteration} took {time.perf_counter() - started:.1f} s, "
+            f"compiling the transformer layers included (regional, once per layer code)"
+        )
+    if state.tp_size > 1:
+        layers = sum(len(chunk.layers) for chunk in run.ctx.chunks)
+        run.logger.info(
+            f"tensor-parallel collectives of iteration {iteration} on rank {state.rank}:\n"
+            + run.comm_counter.summary(layers, run.ctx.num_microbatches)
+        )
+
+
+def evaluate_and_save(run: Run) -> bool:
+    """After an iteration: validation at eval_interval and at the end; a checkpoint at save_interval, at the end
+    and at exit_interval. Returns True when exit_interval ends the run here."""
+    train_cfg, progress = run.config.train, run.progress
+    if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
+        run_evaluation(run)
+    stop = bool(train_cfg.exit_interval and progress.iteration % train_cfg.exit_interval == 0)
+    interval = run.config.checkpoint.save_interval
+    if stop or progress.iteration == train_cfg.train_iters or (interval and progress.iteration % interval == 0):
+        save(run)
+    if stop:
+        run.logger.info(f"exit condition reached after iteration {progress.iteration}")
+    return stop
+
+
+def finish(run: Run) -> None:
+    """The end of a run that was not stopped: the last save completes, metrics are closed, ranks meet."""
+    if run.checkpointer is not None:
+        run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
+    run.metrics.close()
+    barrier(run.env)
+    run.logger.info(
+        f"done. metrics: {os.path.join(run.config.run.dir, 'metrics.jsonl')} | TensorBoard: "
+        f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}"
+    )
+
+
+def run_training(config: Config, env: DistEnv, layout: Layout, preemption: PreemptionHandler) -> int:
+    """Build, resume, train; returns the exit code (training.guards)."""
+    try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
+        run = build_run(config, env, layout)
+        run.preemption = preemption
+        resume_if_asked(run)
+    except (ValueError, OSError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    try:
+        try:
+            train(run)
+        except TrainingStopped:
+            if run.checkpointer is not None:
+                run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first
+            raise
+    except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+        run.metrics.close()
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except TrainingStopped as stop:
+        run.metrics.close()
+        if env.rank == stop.reporting_rank:
+            if stop.exit_code == EXIT_PREEMPTED:
+                run.logger.info(str(stop))
+            else:
+                print(f"error: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    return EXIT_OK

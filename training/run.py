@@ -1,0 +1,266 @@
+"""Building a run: everything the training loop touches, made once from the config (`build_run`), and the
+checkpoint it starts from (`resume_if_asked`).
+
+Order matters for a clean failure: the tokenizer, the checkpoint to resume and the datasets are checked before
+anything is written, so a start with bad input leaves no run folder behind (see `prepare_data`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from config.schema import Config
+from data.tokenizers import build_tokenizer
+from model.gpt import GPTModel
+from model.shape import IterationFlops, iteration_flops
+from parallel.data_parallel import DataParallel
+from parallel.layout import Layout
+from parallel.model_builder import build_model_chunks, count_parameters
+from parallel.random import RNGTracker, make_checkpoint_fn
+from parallel.state import ParallelState
+from parallel.tp_mappings import CommCounter
+from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
+from training.checkpointing import Checkpointer, TrainingProgress
+from training.logging import MetricsWriter, get_logger
+from training.lr_schedule import LRSchedule
+from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from training.preemption import PreemptionHandler
+from training.setup import (
+    DatasetSplits,
+    DistEnv,
+    build_datasets,
+    check_vocab_size,
+    log_kernel_choices,
+    param_dtype,
+    resolve_sample_data,
+)
+from training.train_step import StepContext
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by `build_run`."""
+
+    config: Config
+    env: DistEnv
+    layout: Layout
+    state: ParallelState
+    ctx: StepContext
+    lr_schedule: LRSchedule
+    rng_tracker: RNGTracker
+    comm_counter: CommCounter
+    datasets: DatasetSplits  # train, valid, test (valid/test may be None)
+    eod_id: int
+    progress: TrainingProgress
+    metrics: MetricsWriter
+    logger: logging.Logger
+    checkpoint_root: str
+    flops_per_iter: IterationFlops
+    resume_plan: ResumePlan | None = None  # the checkpoint to start from; None: start fresh
+    checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
+    preemption: PreemptionHandler | None = None
+    last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
+
+    @property
+    def vocab_size(self) -> int:
+        """model.vocab_size: the tokenizer's when the config left it unset (filled in by `prepare_data`)."""
+        size = self.config.model.vocab_size
+        if size is None:
+            raise ValueError("model.vocab_size is unset: build the run with build_run, which fills it in")
+        return size
+
+
+def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
+    """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
+    and verified before anything is written) and datasets; then the resolved config is saved.
+    Returns the end-of-document id, the datasets and the resume plan."""
+    resolve_sample_data(config, env, logger)
+    data = config.data
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+    )
+    if config.model.vocab_size is None:
+        config.model.vocab_size = tokenizer.vocab_size
+    check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
+    resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
+    datasets = build_datasets(config, env, config.train.global_batch_size)
+    if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
+        os.makedirs(config.run.dir, exist_ok=True)
+        with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
+            yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
+        logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+    return tokenizer.eod, datasets, resume_plan
+
+
+def build_optimizer_and_schedule(
+    config: Config, chunks: list[torch.nn.Module], state: ParallelState
+) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
+    """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
+    par, train_cfg, optim = config.parallel, config.train, config.optim
+    ddp = DataParallel(
+        chunks,
+        state,
+        bucket_size_mb=par.grad_bucket_size_mb,
+        distributed_optimizer=par.distributed_optimizer,
+        grad_dtype=torch.float32,
+    )
+    optimizer = build_optimizer(
+        chunks,
+        ddp,
+        state,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+        clip_grad=train_cfg.clip_grad,
+        precision=train_cfg.precision,
+        loss_scale_cfg=dict(
+            initial=optim.initial_loss_scale,
+            min=optim.min_loss_scale,
+            window=optim.loss_scale_window,
+            hysteresis=optim.hysteresis,
+        ),
+    )
+    lr_schedule = LRSchedule(
+        optim.lr,
+        optim.min_lr,
+        optim.lr_warmup_iters,
+        optim.lr_decay_iters or train_cfg.train_iters,
+        optim.lr_decay_style,
+    )
+    return ddp, optimizer, lr_schedule
+
+
+def build_chunks(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    state: ParallelState,
+    rng_tracker: RNGTracker,
+    comm: CommCounter,
+    logger: logging.Logger,
+) -> list[GPTModel]:
+    """This rank's model chunks (its virtual pipeline stages, tp-sharded), in the run's parameter dtype."""
+    train_cfg, model_cfg = config.train, config.model
+    dtype = param_dtype(train_cfg.precision)
+    chunks = build_model_chunks(
+        model_cfg,
+        state,
+        train_cfg.seed,
+        env.device,
+        dtype,
+        layout.sequence_parallel,
+        rng_tracker=rng_tracker,
+        comm_counter=comm,
+        checkpoint_fn=make_checkpoint_fn(rng_tracker),
+        recompute=train_cfg.recompute,
+        recompute_method=train_cfg.recompute_method,
+        recompute_num_layers=train_cfg.recompute_num_layers,
+        compile_layers=train_cfg.compile,
+        compile_backend=train_cfg.compile_backend,
+    )
+    log_kernel_choices(
+        chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)
+    )
+    return chunks
+
+
+def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+    par, train_cfg, model_cfg = config.parallel, config.train, config.model
+    logger = get_logger(env.rank)
+    state = ParallelState.from_layout(layout)
+    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    eod_id, datasets, resume_plan = prepare_data(config, env, logger)
+    dtype = param_dtype(train_cfg.precision)
+    rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
+    comm_counter = CommCounter()
+    chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
+    # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
+    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state)
+    seq_local = model_cfg.seq_length // (layout.tp_size if layout.sequence_parallel else 1)
+    ctx = StepContext(
+        chunks=chunks,
+        state=state,
+        layout=layout,
+        ddp=ddp,
+        optimizer=optimizer,
+        activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
+        activation_dtype=dtype,
+        device=env.device,
+        scatter_gather=par.scatter_gather and not layout.sequence_parallel,
+        overlap_p2p_comm=par.overlap_p2p_comm,
+    )
+    params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
+    logger.info(
+        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
+        f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
+        f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
+    )
+    flops = iteration_flops(
+        model_cfg, model_cfg.padded_vocab_size(state.tp_size), train_cfg, layout.pp_size * layout.vp_size
+    )
+    return Run(
+        config=config,
+        env=env,
+        layout=layout,
+        state=state,
+        ctx=ctx,
+        lr_schedule=lr_schedule,
+        rng_tracker=rng_tracker,
+        comm_counter=comm_counter,
+        datasets=datasets,
+        eod_id=eod_id,
+        progress=TrainingProgress(),
+        metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard),
+        logger=logger,
+        checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
+        flops_per_iter=flops,
+        resume_plan=resume_plan,
+        checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
+    )
+
+
+def _all_reduce_int(value: int, group: dist.ProcessGroup | None, state: ParallelState) -> int:
+    if not state.is_distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, group=group)
+    return int(tensor.item())
+
+
+def resume_if_asked(run: Run) -> None:
+    """Load the checkpoint planned at start-up (checkpoint.load: true, a checkpoints folder or one
+    iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false), at any layout."""
+    if run.resume_plan is None:  # iteration 0: an old metrics.jsonl here belongs to an earlier attempt
+        moved = run.metrics.set_aside()
+        if moved:
+            run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
+        return
+    ctx = run.ctx
+    loaded = load_into_run(
+        run.resume_plan,
+        run.config,
+        run.state,
+        ctx.chunks,
+        ctx.optimizer,
+        run.lr_schedule,
+        run.rng_tracker,
+        run.logger.info,
+    )
+    run.progress = loaded
+    run.last_saved = run.progress.iteration
+    run.metrics.truncate_after(run.progress.iteration)
+    run.logger.info(
+        f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "
+        f"{run.progress.iteration} ({run.progress.consumed_samples} samples consumed)"
+    )
