@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     created_dir = not os.path.exists(config.run.dir)
     lock = RunLock(config.run.dir)
     with PreemptionHandler() as preemption:  # from here on a signal stops at an iteration boundary
-        env = init_distributed(use_cuda)
+        env = init_distributed(use_cuda, config.train.num_threads)
         try:
             error = take_run_lock(lock, env.rank, env.world_size, env.device)
             if error is not None:

@@ -72,6 +72,7 @@ class TrainConfig:
     allow_gpu_sharing: bool = False  # more local ranks than visible GPUs is an error unless this is true
     compile: bool = False  # torch.compile each transformer layer (regional compilation)
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tracing without code generation)
+    num_threads: int = 0  # intra-op threads per rank; 0: OMP_NUM_THREADS, else usable cores / local ranks
 
     def validate(self) -> None:
         for key in (
@@ -96,7 +97,7 @@ class TrainConfig:
             raise ConfigError(
                 f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, eager, cudagraphs"
             )
-        for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad"):
+        for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad", "num_threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
 

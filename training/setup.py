@@ -15,6 +15,7 @@ from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import ensure_sample_corpus
 from training.preemption import ignore_stop_signals
+from training.threads import log_thread_plan, set_threads
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config
@@ -70,11 +71,12 @@ def check_devices(train: TrainConfig, environ) -> bool:
     return True
 
 
-def init_distributed(use_cuda: bool | None = None) -> DistEnv:
+def init_distributed(use_cuda: bool | None = None, num_threads: int = 0) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
-    `use_cuda` (from `check_devices`) defaults to whether CUDA is available.
+    `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
+    train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -85,8 +87,7 @@ def init_distributed(use_cuda: bool | None = None) -> DistEnv:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Ranks on one CPU share its cores: give each an equal slice instead of every rank taking them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world_size, 1)))
+    log_thread_plan(set_threads(num_threads, local_world_size), rank, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once

@@ -81,7 +81,7 @@ def _chunk_grad_torch(
 
 
 # ---- the same in Triton ----------------------------------------------------------------------------------
-def _blocks(rows: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
+def ce_blocks(rows: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_R rows, BLOCK_V columns) per program step. Compiled: one row, 1024 columns per step keep three
     fp32 accumulators in registers. Interpreter: its cost is per program and loop trip, so large blocks."""
     tk = triton_kernels()
@@ -95,7 +95,7 @@ def _chunk_stats_triton(logits, target, vocab_start, num_valid):
     tk = triton_kernels()
     rows, vocab_local = logits.shape
     row_max, sum_exp, target_logit = (torch.empty(rows, device=logits.device, dtype=torch.float32) for _ in range(3))
-    block_r, block_v = _blocks(rows, vocab_local, logits.device)
+    block_r, block_v = ce_blocks(rows, vocab_local, logits.device)
     tk.ce_chunk_stats[(-(-rows // block_r),)](
         logits,
         target,
@@ -115,7 +115,7 @@ def _chunk_stats_triton(logits, target, vocab_start, num_valid):
 def _chunk_grad_triton(logits, target, lse, grad_loss, vocab_start, num_valid):
     tk = triton_kernels()
     rows, vocab_local = logits.shape
-    block_r, block_v = _blocks(rows, vocab_local, logits.device)
+    block_r, block_v = ce_blocks(rows, vocab_local, logits.device)
     tk.ce_chunk_grad[(-(-rows // block_r),)](
         logits, target, lse, grad_loss, rows, vocab_start, num_valid, V=vocab_local, BLOCK_R=block_r, BLOCK_V=block_v
     )

@@ -12,14 +12,12 @@ import torch
 
 from model.kernels.backend import triton_kernels
 
-_ELEMENTWISE_BLOCK = 1024
+ELEMENTWISE_BLOCK = 1024  # elements per program of the elementwise kernels (model/kernels/aot.py compiles it)
 
 
 def _launch_elementwise(kernel, n_elements: int, *args, **constexprs) -> None:
     tk = triton_kernels()
-    kernel[tk.elementwise_grid(n_elements, _ELEMENTWISE_BLOCK)](
-        *args, n_elements, **constexprs, BLOCK=_ELEMENTWISE_BLOCK
-    )
+    kernel[tk.elementwise_grid(n_elements, ELEMENTWISE_BLOCK)](*args, n_elements, **constexprs, BLOCK=ELEMENTWISE_BLOCK)
 
 
 def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -145,6 +143,12 @@ def rows_per_block(block_cols: int, n_rows: int, device: torch.device) -> int:
     return tk.next_power_of_2(max(1, min(n_rows, budget // block_cols)))
 
 
+def warps_for(elements: int) -> int:
+    """Warps of a program that holds `elements` numbers per live tensor: about 16 per thread (norm_bwd keeps
+    five such tensors in registers; model/kernels/aot.py checks for spills), between 4 and 16 warps."""
+    return min(16, max(4, elements // 512))
+
+
 def _backward_programs(n_rows: int, block_rows: int, device: torch.device) -> tuple[int, int]:
     """(programs, row blocks per program) of the norm backward: enough programs to fill the device (SMs x 4)
     and few partial dw rows to sum."""
@@ -184,6 +188,7 @@ class Norm(torch.autograd.Function):
             BLOCK_ROWS=block_rows,
             IS_RMS=is_rms,
             HAS_BIAS=bias is not None,
+            num_warps=warps_for(block_h * block_rows),
         )
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
@@ -216,6 +221,7 @@ class Norm(torch.autograd.Function):
             ITERS=iters,
             IS_RMS=ctx.is_rms,
             HAS_BIAS=bias is not None,
+            num_warps=warps_for(block_h * block_rows),
         )
         grad_bias = db_part.sum(0).to(bias.dtype) if bias is not None else None
         return grad_x.view(grad.shape), dw_part.sum(0).to(weight.dtype), grad_bias, None, None
@@ -242,6 +248,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
         BLOCK_HEADS=block_heads,
         BLOCK_HALF=block_half,
         BACKWARD=backward,
+        num_warps=warps_for(block_t * block_heads * block_half),
     )
     return out
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+_SQRT1_2 = tl.constexpr(0.7071067811865476)  # a plain global compiles only in the interpreter
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 # ---- bias + GeLU (exact erf GeLU, as F.gelu) ------------------------------------------------------------
