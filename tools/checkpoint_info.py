@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.loader import read_dcp_metadata
@@ -50,6 +52,9 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     if show_tensors or len(stored) <= 40:
         for key in sorted(stored):
             entry = stored[key]
+            if not isinstance(entry, TensorStorageMetadata):
+                lines.append(f"    {key}  (bytes)")
+                continue
             lines.append(f"    {key}  {list(entry.size)}  {str(entry.properties.dtype).replace('torch.', '')}")
     return lines
 

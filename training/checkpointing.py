@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
+from torch import nn
+
+from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError, read_tracker, resolve_checkpoint
 from training.checkpoint.loader import load_model_weights as _load_model_weights
+from training.checkpoint.parts import CheckpointParts
 from training.checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
 from training.checkpoint.state import optimizer_pieces, param_records, weight_pieces
 from training.checkpoint.train_state import OptimizerScalars, TrainingProgress, TrainState, read_saved_config
 
 __all__ = [
     "CheckpointError",
+    "CheckpointParts",
     "Checkpointer",
     "TrainState",
     "TrainingProgress",
@@ -47,7 +51,7 @@ __all__ = [
 ]
 
 
-def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
+def layout_of(state: ParallelState, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
     """The layout a checkpoint records (informational: loading works at any layout)."""
     return {
         "tp": state.tp_size,
@@ -60,7 +64,7 @@ def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer
     }
 
 
-def load_model_weights(iter_dir: str, chunks: list, state: Any) -> None:
+def load_model_weights(iter_dir: str, chunks: Sequence[nn.Module], state: ParallelState) -> None:
     """Load only the model weights of the checkpoint in `iter_dir` (see resolve_checkpoint) into this rank's
     `chunks` at any layout; collective when distributed. Every file this rank is dealt is checksum-verified.
     CheckpointError (one line) names a bad file, a missing tensor, or the first tensor whose global shape
@@ -68,12 +72,14 @@ def load_model_weights(iter_dir: str, chunks: list, state: Any) -> None:
     _load_model_weights(iter_dir, chunks, state)
 
 
-def save_model_weights(root: str, iteration: int, chunks: list, state: Any, config_dict: dict) -> str:
+def save_model_weights(
+    root: str, iteration: int, chunks: Sequence[nn.Module], state: ParallelState, config_dict: dict
+) -> str:
     """Write a weights-only checkpoint (no optimizer state, no RNG) of `chunks` as root/iter_XXXXXXX and
     update root's trackers; returns the iteration folder. `checkpoint.load=ROOT checkpoint.finetune=true`
     (or `checkpoint.load_optimizer=false`) loads it at any layout. Collective when distributed."""
     os.makedirs(root, exist_ok=True)
-    records = param_records(chunks, state, chunks[0].cfg.vocab_size)
+    records = param_records(chunks, state)
     train_state = TrainState(
         progress=TrainingProgress(iteration),
         config=config_dict,
@@ -85,41 +91,36 @@ def save_model_weights(root: str, iteration: int, chunks: list, state: Any, conf
 
 def build_save_job(
     root: str,
-    state: Any,
+    parts: CheckpointParts,
     progress: TrainingProgress,
-    chunks: list,
-    optimizer: Any,
-    lr_schedule: Any,
-    rng_state: dict,
     config: dict,
     distributed_optimizer: bool,
     keep_last: int = 0,
     before_tracker: Callable[[], None] = lambda: None,
 ) -> SaveJob:
     """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config."""
-    records = param_records(chunks, state, chunks[0].cfg.vocab_size)
+    records = param_records(parts.chunks, parts.state)
     tensors = weight_pieces(records, for_save=True)
-    tensors.update(optimizer_pieces(records, optimizer, for_save=True))
+    tensors.update(optimizer_pieces(records, parts.optimizer, for_save=True))
+    optimizer = parts.optimizer
     train_state = TrainState(
         progress=dataclasses.replace(progress),  # a copy: an async save must not see the next iteration's
         config=config,
-        layout=layout_of(state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer),
-        lr_schedule=lr_schedule.state_dict(),
+        layout=layout_of(
+            parts.state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer
+        ),
+        lr_schedule=parts.lr_schedule.state_dict(),
         optimizer=OptimizerScalars(optimizer.step_count, optimizer.scaler.state_dict()),
         has_optimizer=True,
-        rng=rng_state,
+        rng=parts.rng_tracker.state_dict(),
     )
     return SaveJob(root, progress.iteration, tensors, train_state, keep_last=keep_last, before_tracker=before_tracker)
 
 
 def save_checkpoint(
     root: str,
-    state: Any,
+    parts: CheckpointParts,
     progress: TrainingProgress,
-    chunks: list,
-    optimizer: Any,
-    lr_schedule: Any,
-    rng_state: dict,
     config: dict,
     distributed_optimizer: bool,
     before_tracker: Callable[[], None] = lambda: None,
@@ -129,19 +130,7 @@ def save_checkpoint(
     """Save (through `checkpointer`: sync or async) the trainer's checkpoint of `progress.iteration`;
     returns the iteration folder it is (or will be, when async) renamed to. Collective."""
     os.makedirs(root, exist_ok=True)
-    job = build_save_job(
-        root,
-        state,
-        progress,
-        chunks,
-        optimizer,
-        lr_schedule,
-        rng_state,
-        config,
-        distributed_optimizer,
-        keep_last,
-        before_tracker,
-    )
+    job = build_save_job(root, parts, progress, config, distributed_optimizer, keep_last, before_tracker)
     if checkpointer is None:
         write_checkpoint(job)
     else:

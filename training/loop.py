@@ -59,12 +59,8 @@ def save(run: Run) -> None:
         )
     save_checkpoint(
         run.checkpoint_root,
-        run.state,
+        run.checkpoint_parts(),
         run.progress,
-        ctx.chunks,
-        ctx.optimizer,
-        run.lr_schedule,
-        run.rng_tracker.state_dict(),
         run.config.to_dict(),
         run.config.parallel.distributed_optimizer,
         checkpointer=run.checkpointer,

@@ -242,7 +242,7 @@ class Optimizer:
         self.step_count += 1
         for seg in self.segments:
             self._adamw(seg, lr)
-        self._copy_to_params()
+        self.copy_to_params()
         return StepStats(grad_norm=norm, skipped=False, loss_scale=scale)
 
     def _adamw(self, seg: Segment, lr: float) -> None:
@@ -258,7 +258,8 @@ class Optimizer:
         denom = (seg.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
         seg.master.addcdiv_(seg.exp_avg, denom, value=-lr / bias_correction1)
 
-    def _copy_to_params(self) -> None:
+    def copy_to_params(self) -> None:
+        """Write the fp32 masters into the (16-bit) model parameters (after a step or a checkpoint load)."""
         if self.aliased:
             return
         for seg in self.segments:
@@ -326,7 +327,7 @@ class Optimizer:
                 getattr(seg, key).copy_(saved[key])
         self.step_count = int(state["step"])
         self.scaler.load_state_dict(state["loss_scaler"])
-        self._copy_to_params()
+        self.copy_to_params()
 
 
 class DistributedOptimizer(Optimizer):
@@ -341,7 +342,7 @@ class DistributedOptimizer(Optimizer):
     def _norm_groups(self) -> list[Any]:
         return [self.state.model_parallel_group, self.state.dp_group] if self.state.is_distributed else []
 
-    def _copy_to_params(self) -> None:
+    def copy_to_params(self) -> None:
         dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
         for seg in self.segments:
             bucket = seg.bucket

@@ -26,7 +26,7 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
-from training.checkpointing import Checkpointer, TrainingProgress
+from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
@@ -74,6 +74,11 @@ class Run:
         if size is None:
             raise ValueError("model.vocab_size is unset: build the run with build_run, which fills it in")
         return size
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """What this run's checkpoints are written from and loaded into."""
+        ctx = self.ctx
+        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker)
 
 
 def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
@@ -246,17 +251,7 @@ def resume_if_asked(run: Run) -> None:
         if moved:
             run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
         return
-    ctx = run.ctx
-    loaded = load_into_run(
-        run.resume_plan,
-        run.config,
-        run.state,
-        ctx.chunks,
-        ctx.optimizer,
-        run.lr_schedule,
-        run.rng_tracker,
-        run.logger.info,
-    )
+    loaded = load_into_run(run.resume_plan, run.config, run.checkpoint_parts(), run.logger.info)
     run.progress = loaded
     run.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)

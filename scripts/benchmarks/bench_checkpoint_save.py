@@ -27,8 +27,9 @@ import torch
 from model.config import ModelConfig
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
+from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.checkpointing import Checkpointer, TrainingProgress, build_save_job
+from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress, build_save_job
 from training.lr_schedule import LRSchedule
 from training.optimizer import build_optimizer
 
@@ -68,17 +69,10 @@ def step(cfg, chunks, ddp, optimizer, checkpointer=None) -> float:
 def one_save(built, checkpointer: Checkpointer, root: str, iteration: int) -> dict:
     cfg, state, chunks, ddp, optimizer = built
     async_save = checkpointer.async_save
-    job = build_save_job(
-        root,
-        state,
-        TrainingProgress(iteration, 0, 0),
-        chunks,
-        optimizer,
-        LRSchedule(1e-4, 1e-5, 0, 100),
-        {},
-        {"model": {}},
-        False,
+    parts = CheckpointParts(
+        state, chunks, optimizer, LRSchedule(1e-4, 1e-5, 0, 100), RNGTracker.seeded(1234, 0, 0, torch.device("cpu"))
     )
+    job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, False)
     started = time.perf_counter()
     checkpointer.save(job)
     steps = []

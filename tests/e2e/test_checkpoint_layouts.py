@@ -56,15 +56,7 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     resume_if_asked(run)
     assert run.progress.iteration == 5
     job = build_save_job(
-        copy_root,
-        run.state,
-        run.progress,
-        run.ctx.chunks,
-        run.ctx.optimizer,
-        run.lr_schedule,
-        run.rng_tracker.state_dict(),
-        config.to_dict(),
-        config.parallel.distributed_optimizer,
+        copy_root, run.checkpoint_parts(), run.progress, config.to_dict(), config.parallel.distributed_optimizer
     )
     os.makedirs(copy_root, exist_ok=True)
     write_checkpoint(job, run.checkpointer.group)

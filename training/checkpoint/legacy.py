@@ -11,11 +11,14 @@ loads at any layout.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
+from parallel.state import ParallelState
 from training.checkpoint.files import CheckpointError
+from training.optimizer import Optimizer
 
 
 def rank_dir(iter_dir: str, tp_rank: int, pp_rank: int) -> str:
@@ -36,7 +39,7 @@ def legacy_main_file(iter_dir: str, tp_rank: int = 0, pp_rank: int = 0) -> dict:
     return _load_file(os.path.join(rank_dir(iter_dir, tp_rank, pp_rank), "model_optim_rng.pt"))
 
 
-def _check_layout(iter_dir: str, main: dict, state: Any) -> None:
+def _check_layout(iter_dir: str, main: dict, state: ParallelState) -> None:
     layout = main.get("layout", {})
     expected = {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}
     if layout != expected:
@@ -47,7 +50,7 @@ def _check_layout(iter_dir: str, main: dict, state: Any) -> None:
         )
 
 
-def load_legacy_weights(iter_dir: str, chunks: list, state: Any) -> dict:
+def load_legacy_weights(iter_dir: str, chunks: Sequence[nn.Module], state: ParallelState) -> dict:
     """Model weights of this rank from a format-1 checkpoint at its own layout; returns the main file."""
     main = legacy_main_file(iter_dir, state.tp_rank, state.pp_rank)
     _check_layout(iter_dir, main, state)
@@ -57,7 +60,11 @@ def load_legacy_weights(iter_dir: str, chunks: list, state: Any) -> dict:
 
 
 def load_legacy(
-    iter_dir: str, state: Any, chunks: list, optimizer: Any | None, distributed_optimizer: bool
+    iter_dir: str,
+    state: ParallelState,
+    chunks: Sequence[nn.Module],
+    optimizer: Optimizer | None,
+    distributed_optimizer: bool,
 ) -> tuple[dict, dict]:
     """Weights, optimizer (unless None) of this rank; returns (main file, per-rank file)."""
     main = load_legacy_weights(iter_dir, chunks, state)

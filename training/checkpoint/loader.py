@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from training.checkpoint.files import CheckpointError
@@ -22,13 +25,14 @@ from training.checkpoint.state import (
     weight_pieces,
 )
 from training.checkpoint.train_state import OptimizerScalars, rng_path
+from training.optimizer import Optimizer
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def read_dcp_metadata(iter_dir: str) -> Any:
+def read_dcp_metadata(iter_dir: str) -> Metadata:
     try:
         return dcp.FileSystemReader(iter_dir).read_metadata()
     except Exception as err:
@@ -37,7 +41,7 @@ def read_dcp_metadata(iter_dir: str) -> Any:
         ) from None
 
 
-def verify_share(iter_dir: str, group: Any = None) -> None:
+def verify_share(iter_dir: str, group: dist.ProcessGroup | None = None) -> None:
     """Every file's size and CRC-32, the files dealt over the ranks; CheckpointError on every rank, naming
     the first bad file, if any rank found one."""
     names = sorted(files.read_checksums(iter_dir))
@@ -48,14 +52,16 @@ def verify_share(iter_dir: str, group: Any = None) -> None:
     except CheckpointError as err:
         error = str(err)
     if world > 1:
-        gathered = [None] * world
+        gathered: list[str | None] = [None] * world
         dist.all_gather_object(gathered, error, group=group)
         error = next((e for e in gathered if e), None)
     if error:
         raise CheckpointError(error)
 
 
-def load_pieces(iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Any, group: Any = None) -> None:
+def load_pieces(
+    iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Metadata, group: dist.ProcessGroup | None = None
+) -> None:
     """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
     check_against_metadata(wanted, metadata, iter_dir)
     try:
@@ -77,17 +83,19 @@ def load_pieces(iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Any, g
         ) from None
 
 
-def _weight_key(metadata: Any):
+def _weight_key(metadata: Metadata) -> Callable[[str], str]:
     """Weights come from the fp32 master when the checkpoint has one (16-bit runs), else the weight."""
     stored = metadata.state_dict_metadata
     return lambda name: f"optim.master.{name}" if f"optim.master.{name}" in stored else name
 
 
-def vocab_size_of(chunks: list) -> int:
-    return chunks[0].cfg.vocab_size
-
-
-def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = None, verify: bool = True) -> None:
+def load_model_weights(
+    iter_dir: str,
+    chunks: Sequence[nn.Module],
+    state: ParallelState,
+    group: dist.ProcessGroup | None = None,
+    verify: bool = True,
+) -> None:
     """Load only the model weights of the checkpoint in iter_dir into this rank's chunks, at any layout
     (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
     if files.is_legacy(iter_dir):
@@ -98,23 +106,23 @@ def load_model_weights(iter_dir: str, chunks: list, state: Any, group: Any = Non
     if verify:
         verify_share(iter_dir, group)
     metadata = read_dcp_metadata(iter_dir)
-    records = param_records(chunks, state, vocab_size_of(chunks))
+    records = param_records(chunks, state)
     with torch.no_grad():
         load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
 
 
 def load_optimizer_state(
     iter_dir: str,
-    chunks: list,
-    optimizer: Any,
-    state: Any,
-    metadata: Any,
+    chunks: Sequence[nn.Module],
+    optimizer: Optimizer,
+    state: ParallelState,
+    metadata: Metadata,
     scalars: OptimizerScalars,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
     and loss-scaler state; then the masters are written into the params (collective over dp)."""
-    records = param_records(chunks, state, vocab_size_of(chunks))
+    records = param_records(chunks, state)
     stored = metadata.state_dict_metadata
     wanted = optimizer_pieces(
         records,
@@ -126,7 +134,7 @@ def load_optimizer_state(
         load_pieces(iter_dir, wanted, metadata, group)
     optimizer.step_count = scalars.step
     optimizer.scaler.load_state_dict(scalars.loss_scaler)
-    optimizer._copy_to_params()
+    optimizer.copy_to_params()
 
 
 def load_rng(iter_dir: str, rank: int) -> dict | None:
@@ -149,8 +157,8 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
         if key not in stored:
             raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r}")
         entry = stored[key]
-        if not hasattr(entry, "size"):
-            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            continue  # bytes entries (none are written today)
         tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         out[key] = tensor
         wanted[key] = GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])

@@ -17,10 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
+from parallel.random import RNGTracker
+from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.parts import CheckpointParts
 from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
+from training.lr_schedule import LRSchedule
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
 # change what a resumed run computes from the same tensors (a fine-tune may change them). Marked on ModelConfig.
@@ -75,7 +80,7 @@ def other_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
-def _source(config: Any, run_root: str) -> str | None:
+def _source(config: Config, run_root: str) -> str | None:
     load = config.checkpoint.load
     if load is False or load is None:
         return None
@@ -86,7 +91,7 @@ def _source(config: Any, run_root: str) -> str | None:
     return str(load)
 
 
-def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0: bool) -> ResumePlan | None:
+def plan_resume(config: Config, run_root: str, log: Callable[[str], None], is_rank0: bool) -> ResumePlan | None:
     """Resolve checkpoint.load, check the checkpoint against this run's config (model.vocab_size already
     known) and verify its files. Raises CheckpointError before anything of the run is written; None = start
     fresh. Collective when distributed (the verification)."""
@@ -112,8 +117,9 @@ def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0
         iter_dir,
         saved,
         legacy,
-        weights_only=ckpt.finetune or not ckpt.load_optimizer or not saved.has_optimizer,
-        reset_progress=ckpt.finetune,
+        # checkpoint.finetune is true or a path (the source, resolved by _source): either means fine-tune
+        weights_only=bool(ckpt.finetune) or not ckpt.load_optimizer or not saved.has_optimizer,
+        reset_progress=bool(ckpt.finetune),
     )
     if not plan.weights_only and not plan.reset_progress and not saved.has_optimizer:
         raise CheckpointError(
@@ -131,7 +137,7 @@ def plan_resume(config: Any, run_root: str, log: Callable[[str], None], is_rank0
     return plan
 
 
-def _check_config(plan: ResumePlan, config: Any, log: Callable[[str], None]) -> None:
+def _check_config(plan: ResumePlan, config: Config, log: Callable[[str], None]) -> None:
     saved, current = plan.train_state.config, config.to_dict()
     keys = STRUCTURAL if plan.reset_progress else STRUCTURAL + RESUME_ONLY
     differences = model_differences(saved, current, keys)
@@ -147,7 +153,7 @@ def _check_config(plan: ResumePlan, config: Any, log: Callable[[str], None]) -> 
         )
 
 
-def _refuse_overwrite(config: Any, run_root: str, from_root: bool, start: int) -> None:
+def _refuse_overwrite(config: Config, run_root: str, from_root: bool, start: int) -> None:
     """A run that did not resume from run_root must not write over the checkpoints it holds."""
     if not config.checkpoint.save:
         return
@@ -165,20 +171,14 @@ def derived_seed(seed: int, iteration: int) -> int:
 
 
 def load_into_run(
-    plan: ResumePlan,
-    config: Any,
-    state: Any,
-    chunks: list,
-    optimizer: Any,
-    lr_schedule: Any,
-    rng_tracker: Any,
-    log: Callable[[str], None],
+    plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
     """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
     from training.checkpoint.loader import load_model_weights, load_optimizer_state, read_dcp_metadata
 
     if plan.legacy:
-        return _load_legacy(plan, config, state, chunks, optimizer, lr_schedule, rng_tracker, log)
+        return _load_legacy(plan, config, parts, log)
+    state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
     saved = plan.train_state  # the files were verified by plan_resume
     if plan.weights_only:
         load_model_weights(plan.iter_dir, chunks, state, verify=False)
@@ -191,8 +191,8 @@ def load_into_run(
     if plan.reset_progress:
         log(f"fine-tuning from {plan.iter_dir}: weights loaded; iteration 0, fresh optimizer and data order")
         return TrainingProgress()
-    apply_lr_schedule(saved.lr_schedule, lr_schedule, config.optim.override_lr_schedule, log)
-    restore_rng(plan, config, state, rng_tracker, log)
+    apply_lr_schedule(saved.lr_schedule, parts.lr_schedule, config.optim.override_lr_schedule, log)
+    restore_rng(plan, config, state, parts.rng_tracker, log)
     what = (
         "weights (checkpoint.load_optimizer=false: fresh optimizer state)"
         if plan.weights_only
@@ -202,7 +202,7 @@ def load_into_run(
     return dataclasses.replace(saved.progress)  # the loop advances it
 
 
-def apply_lr_schedule(saved: dict | None, lr_schedule: Any, override: bool, log: Callable[[str], None]) -> None:
+def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: bool, log: Callable[[str], None]) -> None:
     """Megatron's rule: the checkpoint's LR schedule wins unless optim.override_lr_schedule=true; every
     difference is logged either way."""
     if not saved:
@@ -224,17 +224,18 @@ def apply_lr_schedule(saved: dict | None, lr_schedule: Any, override: bool, log:
         )
 
 
-def same_layout(saved: dict, state: Any) -> bool:
+def same_layout(saved: dict, state: ParallelState) -> bool:
     return all(
         saved.get(key) == value
         for key, value in (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
     )
 
 
-def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log: Callable[[str], None]) -> None:
+def restore_rng(
+    plan: ResumePlan, config: Config, state: ParallelState, rng_tracker: RNGTracker, log: Callable[[str], None]
+) -> None:
     """Same layout: each rank continues its own saved streams (bitwise resume). Another layout: the streams
     are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed, iteration)."""
-    from parallel.random import RNGTracker
     from training.checkpoint.loader import load_rng
 
     layout = plan.train_state.layout
@@ -262,17 +263,11 @@ def _describe(layout: dict) -> str:
 
 
 def _load_legacy(
-    plan: ResumePlan,
-    config: Any,
-    state: Any,
-    chunks: list,
-    optimizer: Any,
-    lr_schedule: Any,
-    rng_tracker: Any,
-    log: Callable[[str], None],
+    plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
     from training.checkpoint.legacy import load_legacy
 
+    state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
     _, per_rank = load_legacy(
         plan.iter_dir, state, chunks, None if plan.weights_only else optimizer, config.parallel.distributed_optimizer
     )
@@ -284,6 +279,6 @@ def _load_legacy(
     )
     if plan.reset_progress:
         return TrainingProgress()
-    apply_lr_schedule(plan.train_state.lr_schedule, lr_schedule, config.optim.override_lr_schedule, log)
-    rng_tracker.load_state_dict(per_rank["rng"])
+    apply_lr_schedule(plan.train_state.lr_schedule, parts.lr_schedule, config.optim.override_lr_schedule, log)
+    parts.rng_tracker.load_state_dict(per_rank["rng"])
     return dataclasses.replace(plan.train_state.progress)

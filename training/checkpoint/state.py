@@ -12,15 +12,18 @@ is loaded from the same key.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 
 from model.param_info import param_info
+from parallel.state import ParallelState
 from training.checkpoint.dcp_planners import GlobalPieces
 from training.checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
+from training.optimizer import Optimizer
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -37,7 +40,7 @@ class ParamRecord:
     replica_writer: bool  # among tp replicas and tied copies, this rank is the one that may write
 
 
-def param_records(chunks: list[nn.Module], state: Any, vocab_size: int) -> list[ParamRecord]:
+def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[ParamRecord]:
     """This rank's parameters in chunk order, each once (a tied output layer is the embedding)."""
     records: list[ParamRecord] = []
     for chunk in chunks:
@@ -78,7 +81,10 @@ def weight_pieces(records: list[ParamRecord], for_save: bool, key_of=lambda name
 
 
 def optimizer_pieces(
-    records: list[ParamRecord], optimizer: Any, for_save: bool, master_key=lambda name: f"optim.master.{name}"
+    records: list[ParamRecord],
+    optimizer: Optimizer,
+    for_save: bool,
+    master_key: Callable[[str], str] = lambda name: f"optim.master.{name}",
 ) -> dict[str, GlobalPieces]:
     """Adam moments and fp32 masters of this rank's optimizer segments as global pieces. Saving skips the
     master of fp32 weights (it equals the weight) and what another rank writes."""
@@ -132,7 +138,7 @@ def staged_copy(
     return buffers
 
 
-def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Any, iter_dir: str) -> None:
+def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Metadata, iter_dir: str) -> None:
     """Every key present with the expected global shape; else CheckpointError naming the first tensor."""
     from training.checkpoint.files import CheckpointError
 
@@ -148,5 +154,5 @@ def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Any, iter_
             )
 
 
-def first_missing(metadata: Any, keys: list[str]) -> str | None:
+def first_missing(metadata: Metadata, keys: list[str]) -> str | None:
     return next((key for key in keys if key not in metadata.state_dict_metadata), None)
