@@ -129,7 +129,7 @@ def prepare(args: argparse.Namespace, env):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    env = init_distributed()
+    env = init_distributed(announce_threads=False)  # stdout is the generated text
     try:
         try:
             model, cfg, state, tokenizer, sampling = prepare(args, env)

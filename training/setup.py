@@ -71,12 +71,13 @@ def check_devices(train: TrainConfig, environ) -> bool:
     return True
 
 
-def init_distributed(use_cuda: bool | None = None, num_threads: int = 0) -> DistEnv:
+def init_distributed(use_cuda: bool | None = None, num_threads: int = 0, announce_threads: bool = True) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
     `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
-    train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py).
+    train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py);
+    `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -87,7 +88,9 @@ def init_distributed(use_cuda: bool | None = None, num_threads: int = 0) -> Dist
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    log_thread_plan(set_threads(num_threads, local_world_size), rank, local_rank)
+    plan = set_threads(num_threads, local_world_size)
+    if announce_threads:
+        log_thread_plan(plan, rank, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
