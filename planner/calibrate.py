@@ -25,7 +25,15 @@ from planner.cluster import ClusterSpec
 from planner.predict import predict
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
-BOUNDS = {"gemm_max": (0.01, 1.0), "hbm": (0.01, 1.0), "gemm_half_flops": (1e3, 1e13)}
+BOUNDS = {
+    "gemm_max": (0.01, 1.0),
+    "hbm": (0.01, 1.0),
+    "gemm_half_flops": (1e3, 1e13),
+    "gemm_half_rows": (1.0, 1e6),
+    "nvlink": (0.01, 1.0),
+    "network": (0.01, 1.0),
+    "latency_us": (0.1, 1e3),
+}
 
 
 @dataclass

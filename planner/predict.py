@@ -175,6 +175,20 @@ def _dp_exposed(events: list, dp_seconds: float, bucket_seconds: float) -> float
     return max(min(bucket_seconds, dp_seconds), dp_seconds - window)
 
 
+def memory_of(config: Any, layout: Layout, cluster: ClusterSpec, shape: Any) -> MemoryEstimate:
+    """The busiest rank's memory with the cluster's allowance and allocator overhead."""
+    allowance = cluster.memory_allowance_gib * GIB
+    return layout_memory(
+        config.model,
+        layout,
+        config.train,
+        config.parallel.distributed_optimizer,
+        shape,
+        allowance,
+        cluster.activation_overhead,
+    )
+
+
 def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
     """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid)."""
     model, par, train = config.model, config.parallel, config.train
@@ -194,8 +208,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
         rank_total = sum(rank_parts.values())
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
-    allowance = cluster.memory_allowance_gib * GIB
-    memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
+    memory = memory_of(config, layout, cluster, shape)
     vocab = model.padded_vocab_size(layout.tp_size)
     flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
     recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op is Op.BACKWARD)
