@@ -75,6 +75,7 @@ class ClusterSpec:
     # the caching allocator's fragmentation (and saved tensors Korthikanti's count misses), as a fraction of
     # the kept activations: it grows with them, so a fixed allowance cannot hold it (Figure 17, see memory.py)
     activation_overhead: float = 0.0
+    cores_per_node: int = 0  # CPU nodes: cores the node's single-threaded ranks share (0: one device per rank)
     efficiency: Efficiency = field(default_factory=Efficiency)
     calibration: str = ""  # where the efficiency constants come from
 
@@ -117,7 +118,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         sections[name] = section
     gpu, node, network = sections["gpu"], sections["node"], sections["network"]
     _strict(gpu, ["model", "peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "hbm_gbs"], where, "gpu.")
-    _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib", "activation_overhead"], where, "node.")
+    _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib", "activation_overhead", "cores"], where, "node.")
     _strict(network, ["links_per_node", "link_gbps"], where, "network.")
     gpus = node.get("gpus")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -144,6 +145,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         network_gbs_per_gpu=network_gbs,
         memory_allowance_gib=float(node.get("memory_allowance_gib", 3.0)),
         activation_overhead=float(node.get("activation_overhead", 0.0)),
+        cores_per_node=int(node.get("cores", 0)),
         efficiency=efficiency,
         calibration=str(raw.get("calibration", "")),
     )
