@@ -32,7 +32,8 @@ BOUNDS = {
     "gemm_half_rows": (1.0, 1e6),
     "nvlink": (0.01, 1.0),
     "network": (0.01, 1.0),
-    "latency_us": (0.1, 1e3),
+    "latency_us": (0.1, 1e5),
+    "cores_available": (0.05, 1.0),
 }
 
 
@@ -129,8 +130,8 @@ def fit(
         jacobian = np.empty((len(r), len(x)))
         for j in range(len(x)):
             probe = list(x)
-            probe[j] += 0.05
-            jacobian[:, j] = (residuals(probe) - r) / 0.05
+            probe[j] -= 0.05  # backward differences: constants often start at their upper bound (1.0)
+            jacobian[:, j] = (r - residuals(probe)) / 0.05
         accepted = False
         while damping < 1e6 and not accepted:
             normal = jacobian.T @ jacobian + damping * np.eye(len(x))

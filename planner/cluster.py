@@ -42,14 +42,16 @@ class Efficiency:
     nvlink: float = 0.75
     network: float = 0.8
     latency_us: float = 10.0
+    cores_available: float = 1.0  # CPU nodes: the share of node.cores the run really gets (a shared machine)
     attention: str = "materialized"
 
     def validate(self, where: str) -> None:
-        for key in ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us"):
+        numbers = ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us")
+        for key in (*numbers, "cores_available"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ClusterError(f"{where}: efficiency.{key}={value!r} must be a number (write 2.5e+10, not 2.5e10)")
-        for key in ("gemm_max", "hbm", "nvlink", "network"):
+        for key in ("gemm_max", "hbm", "nvlink", "network", "cores_available"):
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
@@ -75,7 +77,7 @@ class ClusterSpec:
     # the caching allocator's fragmentation (and saved tensors Korthikanti's count misses), as a fraction of
     # the kept activations: it grows with them, so a fixed allowance cannot hold it (Figure 17, see memory.py)
     activation_overhead: float = 0.0
-    cores_per_node: int = 0  # CPU nodes: cores the node's single-threaded ranks share (0: one device per rank)
+    cores_per_node: float = 0.0  # CPU nodes: cores the node's single-threaded ranks share (0: one device per rank)
     efficiency: Efficiency = field(default_factory=Efficiency)
     calibration: str = ""  # where the efficiency constants come from
 
@@ -145,7 +147,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         network_gbs_per_gpu=network_gbs,
         memory_allowance_gib=float(node.get("memory_allowance_gib", 3.0)),
         activation_overhead=float(node.get("activation_overhead", 0.0)),
-        cores_per_node=int(node.get("cores", 0)),
+        cores_per_node=float(node.get("cores", 0)),
         efficiency=efficiency,
         calibration=str(raw.get("calibration", "")),
     )

@@ -39,9 +39,9 @@ class Hardware:
 
     @property
     def device_share(self) -> float:
-        """The part of a device one rank gets: 1 on GPUs; on a CPU node whose `cores` are shared by more
-        single-threaded ranks than there are cores, cores / ranks on the node."""
-        cores = self.cluster.cores_per_node
+        """The part of a device one rank gets: 1 on GPUs; on a CPU node whose `cores` (times the share the
+        run really gets, `cores_available`) are shared by more single-threaded ranks, cores / ranks."""
+        cores = self.cluster.cores_per_node * self.cluster.efficiency.cores_available
         ranks = min(self.grid.world_size, self.cluster.gpus_per_node)
         return 1.0 if cores <= 0 else min(1.0, cores / ranks)
 

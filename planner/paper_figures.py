@@ -57,8 +57,7 @@ class Setting:
                 f"train.recompute={self.recompute}",
             ],
         )
-        if self.vp is None or self.vp > 1:
-            base = with_paper_schedule(base, self.gpus, vp=self.vp)
+        base = with_paper_schedule(base, self.gpus, vp=self.vp)  # the paper's software: 2021 Megatron-LM
         parallel = dataclasses.replace(base.parallel, scatter_gather=self.scatter_gather)
         return dataclasses.replace(base, parallel=parallel)
 

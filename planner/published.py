@@ -6,7 +6,8 @@ activation recomputation, micro-batch 1, the interleaved schedule with scatter/g
 not give the number of chunks: `paper_vp` SETS it (not fitted) to the smallest v > 1 that divides the layers
 per pipeline stage (the least interleaving the text allows; 2 for most rows, 3 for 15 or 3 layers per
 stage), and Megatron's interleaved schedule of 2021 needed the micro-batches to be a multiple of p, which
-every row satisfies. Rows without a pipeline (p = 1) run plain. The figures' points are in
+every row satisfies. Rows without a pipeline (p = 1) run plain. The data-parallel all-reduce of 2021 was not
+overlapped with the backward (one bucket of every gradient here). The figures' points are in
 planner/paper_figures.py.
 """
 
@@ -59,6 +60,9 @@ class PublishedRow:
         )
 
 
+PAPER_GRAD_BUCKET_MB = 1e9  # larger than any model's gradients: the reduction is never overlapped
+
+
 def paper_vp(layers_per_stage: int) -> int:
     """The chunks per pipeline rank the planner assumes for the paper's interleaved runs: the smallest v > 1
     dividing the layers per stage (1 when the stage holds one layer)."""
@@ -79,7 +83,11 @@ def with_paper_schedule(config: Config, world_size: int | None = None, vp: int |
     if p == 1:
         chunks = 1
     schedule = "interleaved" if chunks > 1 else "1f1b"
-    parallel = dataclasses.replace(par, vp_size=chunks, schedule=schedule, scatter_gather=True)
+    # Megatron-LM of 2021 (local DDP) all-reduced its one contiguous gradient buffer after the pipeline
+    # flush, overlapping nothing: one bucket as large as every gradient is exactly that in the planner
+    parallel = dataclasses.replace(
+        par, vp_size=chunks, schedule=schedule, scatter_gather=True, grad_bucket_size_mb=PAPER_GRAD_BUCKET_MB
+    )
     return dataclasses.replace(config, parallel=parallel)
 
 

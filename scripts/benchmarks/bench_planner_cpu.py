@@ -23,8 +23,14 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
+from config.schema import load_config  # noqa: E402
 from planner import calibrate  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
+from training.setup import DEFAULT_CONFIG  # noqa: E402
+
+# compute; the share of the 2 cores the run gets on the shared machine (pp2 against 1 process tells it);
+# gloo's cost per collective call (tp2 tells it)
+FIT_KEYS = ("gemm_max", "cores_available", "latency_us")
 
 MODEL = [
     "model.num_layers=8",
@@ -92,26 +98,40 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--cluster", default=os.path.join(REPO_ROOT, "configs", "clusters", "cpu_2core.yaml"))
-    parser.add_argument("--json", help="also write the measured and predicted figures here")
+    parser.add_argument("--save", help="write the measured ms/iteration of every layout here (JSON)")
+    parser.add_argument("--load", help="skip measuring: read the ms/iteration --save wrote and fit again")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        fit_on = [best_observation(*case, args, tmp) for case in CALIBRATE]
-        held = [best_observation(*case, args, tmp) for case in HELD_OUT]
-    fitted = calibrate.fit(load_cluster(args.cluster), fit_on, keys=("gemm_max", "hbm", "latency_us"))
+    if args.load:
+        fit_on, held = recorded(args.load)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            fit_on = [best_observation(*case, args, tmp) for case in CALIBRATE]
+            held = [best_observation(*case, args, tmp) for case in HELD_OUT]
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as handle:
+            json.dump({o.label: o.measured_seconds * 1e3 for o in fit_on + held}, handle, indent=1)
+    fitted = calibrate.fit(load_cluster(args.cluster), fit_on, keys=FIT_KEYS)
     rows = calibrate.error_table(fitted, fit_on + held)
-    eff = fitted.efficiency
-    print(
-        f"fitted on {len(fit_on)} layouts: gemm_max {eff.gemm_max:.3f}, hbm {eff.hbm:.3f}, latency {eff.latency_us:.0f} us"
-    )
+    values = ", ".join(f"{k} {getattr(fitted.efficiency, k):.3g}" for k in FIT_KEYS)
+    print(f"fitted on {len(fit_on)} layouts: {values}")
     print(f"| layout | ranks | role | measured ms/iter (best of {args.rounds}) | predicted | error |")
     print("|---|---|---|---|---|---|")
     for (label, measured, predicted, error), obs in zip(rows, fit_on + held):
         role = "fitted" if obs in fit_on else "held out"
         print(f"| {label} | {obs.world_size} | {role} | {measured * 1e3:.0f} | {predicted * 1e3:.0f} | {error:+.1%} |")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump([{"layout": r[0], "measured_s": r[1], "predicted_s": r[2]} for r in rows], handle)
     return 0
+
+
+def recorded(path: str) -> tuple[list, list]:
+    """Observations from a --save file (configs rebuilt as the runs had them; the sample corpus's 257)."""
+    with open(path, encoding="utf-8") as handle:
+        measured = json.load(handle)
+
+    def observation(label: str, ranks: int, overrides: list[str]):
+        config = load_config(DEFAULT_CONFIG, [*MODEL, *overrides, "model.vocab_size=257"])
+        return calibrate.Observation(label, config, ranks, measured[label] / 1e3)
+
+    return [observation(*c) for c in CALIBRATE], [observation(*c) for c in HELD_OUT]
 
 
 if __name__ == "__main__":

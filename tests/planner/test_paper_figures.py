@@ -13,11 +13,19 @@ from planner.cluster import load_cluster
 from tests.conftest import REPO_ROOT
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
-CHECKED = ("11", "12", "13", "14", "15", "17", "18")  # the acceptance's figures plus 11 and 17's ratios
+# Figure 7 (one GPU, micro-batch 1 -> 8: ~1.3x read off the plot) is predicted at ~1.07x: the GEMM curve's
+# row term (gemm_half_rows, set from Figure 16) is too flat for one GPU's small GEMMs; a known miss.
+KNOWN_MISSES = {("7", "micro-batch 1 -> 8, one GPU")}
+
+
+def _marked(effect):
+    if (effect.figure, effect.name) in KNOWN_MISSES:
+        return pytest.param(effect, marks=pytest.mark.xfail(strict=True, reason="known miss, see KNOWN_MISSES"))
+    return effect
 
 
 @pytest.mark.parametrize(
-    "effect", [e for e in paper_figures.EFFECTS if e.figure in CHECKED], ids=lambda e: f"fig{e.figure}: {e.name}"
+    "effect", [_marked(e) for e in paper_figures.EFFECTS], ids=lambda e: f"fig{e.figure}: {e.name}"
 )
 def test_published_effect_direction_and_size(effect):
     predicted = paper_figures.predicted_ratio(effect, load_cluster(A100))
