@@ -22,7 +22,7 @@ from typing import Any
 from config.schema import ConfigError, load_config
 from model.shape import iteration_flops
 from planner.cluster import ClusterSpec
-from planner.predict import predict
+from planner.predict import TRAINER, Software, predict
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {
@@ -45,6 +45,7 @@ class Observation:
     config: Any
     world_size: int
     measured_seconds: float
+    software: Software = TRAINER  # how the measured run's software reduces gradients
 
 
 def _training_records(path: str) -> list[dict]:
@@ -84,7 +85,7 @@ def load_run(run_dir: str) -> Observation:
 
 
 def predicted_seconds(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:
-    return [predict(o.config, cluster, o.world_size).iteration_seconds for o in observations]
+    return [predict(o.config, cluster, o.world_size, o.software).iteration_seconds for o in observations]
 
 
 def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:

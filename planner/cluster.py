@@ -31,6 +31,7 @@ class Efficiency:
     micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
     collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
+    `cores_available` (CPU nodes only): the share of the node's cores the run really gets.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
     (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
     """

@@ -2,7 +2,8 @@
 
 The fit runs every Table 1 row at the paper's schedule (published.with_paper_schedule: interleaved with
 scatter/gather, the chunks set by `published.paper_vp`, the gradient all-reduce not overlapped). Free
-parameters (FIT_KEYS): the GEMM curve's `gemm_max` and `gemm_half_flops`. The others cannot be told apart
+parameters (FIT_KEYS): the GEMM curve's `gemm_max` and `gemm_half_flops`, each only where the fitted rows
+can see it (`identifiable_keys`), else left at its prior (START). The others cannot be told apart
 by Table 1 and are fixed priors (FIXED): every row with a pipeline has t = 8 inside a node (nvlink), the
 memory-bound share only changes with h as the GEMM curve does (hbm), and fitted freely `network` ran to
 its bound on rows 1-5 (1.0) and to 0.40 on rows 6-10, which then missed rows 3-4 by 14%: the halves cannot
@@ -16,6 +17,7 @@ The report: in-sample errors of the fit on all ten rows, then the two halves (fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ from planner import calibrate, published
 from planner.cluster import ClusterSpec
 
 FIT_KEYS = ("gemm_max", "gemm_half_flops")
+START = {"gemm_max": 0.8, "gemm_half_flops": 2.0e9}  # priors: where every fit starts, kept if not identifiable
+SENSITIVITY = 0.01  # a key is fitted only if scaling it by e^-0.5 moves some fitted row by 1% or more
 FIXED = {"hbm": 0.85, "nvlink": 0.75, "network": 0.92, "latency_us": 10.0}
 
 
@@ -44,14 +48,29 @@ def tflops_errors(cluster: ClusterSpec, observations: list) -> dict[str, float]:
     }
 
 
+def identifiable_keys(cluster: ClusterSpec, observations: list) -> tuple[str, ...]:
+    """The FIT_KEYS these observations can tell (the others stay at the cluster's value): rows 6-10 alone
+    cannot see gemm_half_flops (their GEMMs are 50-500x larger), and fitted anyway it drifts."""
+    base = calibrate.log_errors(cluster, observations)
+    keys = []
+    for key in FIT_KEYS:
+        probe = cluster.with_efficiency(**{key: getattr(cluster.efficiency, key) * math.exp(-0.5)})
+        moved = max(abs(a - b) for a, b in zip(calibrate.log_errors(probe, observations), base))
+        if moved >= SENSITIVITY or key == FIT_KEYS[0]:
+            keys.append(key)
+    return tuple(keys)
+
+
 def fit_rows(
     cluster: ClusterSpec, rows: list, name: str, progress: Callable[[str], None] | None = None
 ) -> tuple[ClusterSpec, FitResult]:
     """Fit FIT_KEYS to `rows` (published rows) from the FIXED priors; errors on Table 1 and Table 2."""
-    start = cluster.with_efficiency(**FIXED)
-    fitted = calibrate.fit(start, published.observations(rows), keys=FIT_KEYS, iterations=6, progress=progress)
+    start = cluster.with_efficiency(**FIXED, **START)
+    observations = published.observations(rows)
+    keys = identifiable_keys(start, observations)
+    fitted = calibrate.fit(start, observations, keys=keys, iterations=6, progress=progress)
     checked = published.observations(published.TABLE_1)
-    constants = {k: float(getattr(fitted.efficiency, k)) for k in FIT_KEYS}
+    constants = {k: float(getattr(fitted.efficiency, k)) for k in keys}
     return fitted, FitResult(name, [r.label for r in rows], constants, tflops_errors(fitted, checked))
 
 

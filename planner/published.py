@@ -7,7 +7,7 @@ not give the number of chunks: `paper_vp` SETS it (not fitted) to the smallest v
 per pipeline stage (the least interleaving the text allows; 2 for most rows, 3 for 15 or 3 layers per
 stage), and Megatron's interleaved schedule of 2021 needed the micro-batches to be a multiple of p, which
 every row satisfies. Rows without a pipeline (p = 1) run plain. The data-parallel all-reduce of 2021 was not
-overlapped with the backward (one bucket of every gradient here). The figures' points are in
+overlapped with the backward and ran in 16 bits (PAPER_SOFTWARE). The figures' points are in
 planner/paper_figures.py.
 """
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from config.schema import Config, config_from_dict, load_config
 from model.shape import iteration_flops
+from planner.predict import Software
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +61,9 @@ class PublishedRow:
         )
 
 
-PAPER_GRAD_BUCKET_MB = 1e9  # larger than any model's gradients: the reduction is never overlapped
+# Megatron-LM of 2021 (local DDP, fp16 mixed precision): the gradients are reduced in 16 bits (it kept fp32
+# gradients only for bf16) as one contiguous buffer after the pipeline flush, overlapping nothing
+PAPER_SOFTWARE = Software(grad_reduce_bytes=2.0, overlap_grad_reduce=False)
 
 
 def paper_vp(layers_per_stage: int) -> int:
@@ -83,11 +86,7 @@ def with_paper_schedule(config: Config, world_size: int | None = None, vp: int |
     if p == 1:
         chunks = 1
     schedule = "interleaved" if chunks > 1 else "1f1b"
-    # Megatron-LM of 2021 (local DDP) all-reduced its one contiguous gradient buffer after the pipeline
-    # flush, overlapping nothing: one bucket as large as every gradient is exactly that in the planner
-    parallel = dataclasses.replace(
-        par, vp_size=chunks, schedule=schedule, scatter_gather=True, grad_bucket_size_mb=PAPER_GRAD_BUCKET_MB
-    )
+    parallel = dataclasses.replace(par, vp_size=chunks, schedule=schedule, scatter_gather=True)
     return dataclasses.replace(config, parallel=parallel)
 
 
@@ -125,5 +124,5 @@ def observations(rows: list[PublishedRow]) -> list:
         vocab = config.model.padded_vocab_size(par.tp_size)
         flops = iteration_flops(config.model, vocab, config.train, par.pp_size * par.vp_size).with_recompute
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
-        result.append(Observation(row.label, config, row.world_size, seconds))
+        result.append(Observation(row.label, config, row.world_size, seconds, PAPER_SOFTWARE))
     return result

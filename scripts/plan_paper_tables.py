@@ -29,7 +29,7 @@ def table(cluster, rows, title: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        p = predict(row.config(), cluster, row.world_size)
+        p = predict(row.config(), cluster, row.world_size, published.PAPER_SOFTWARE)
         lay, frac = p.layout, {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
         percent = f" ({row.percent_of_peak:.0f}%)" if row.percent_of_peak else ""
         lines.append(
