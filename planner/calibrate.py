@@ -33,7 +33,7 @@ BOUNDS = {
     "nvlink": (0.01, 1.0),
     "network": (0.01, 1.0),
     "latency_us": (0.1, 1e5),
-    "cores_available": (0.05, 1.0),
+    "competing_processes": (0.01, 100.0),
 }
 
 

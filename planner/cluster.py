@@ -31,7 +31,7 @@ class Efficiency:
     micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
     collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
-    `cores_available` (CPU nodes only): the share of the node's cores the run really gets.
+    `competing_processes` (CPU nodes only): other busy processes the scheduler shares the cores with.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
     (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
     """
@@ -43,21 +43,21 @@ class Efficiency:
     nvlink: float = 0.75
     network: float = 0.8
     latency_us: float = 10.0
-    cores_available: float = 1.0  # CPU nodes: the share of node.cores the run really gets (a shared machine)
+    competing_processes: float = 0.0  # CPU nodes: other busy processes sharing node.cores (a shared machine)
     attention: str = "materialized"
 
     def validate(self, where: str) -> None:
         numbers = ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us")
-        for key in (*numbers, "cores_available"):
+        for key in (*numbers, "competing_processes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ClusterError(f"{where}: efficiency.{key}={value!r} must be a number (write 2.5e+10, not 2.5e10)")
-        for key in ("gemm_max", "hbm", "nvlink", "network", "cores_available"):
+        for key in ("gemm_max", "hbm", "nvlink", "network"):
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
-        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us) < 0:
-            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows and latency_us must be >= 0")
+        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us, self.competing_processes) < 0:
+            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows, latency_us must be >= 0")
         if self.attention not in ("materialized", "flash"):
             raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
 

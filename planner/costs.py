@@ -39,11 +39,12 @@ class Hardware:
 
     @property
     def device_share(self) -> float:
-        """The part of a device one rank gets: 1 on GPUs; on a CPU node whose `cores` (times the share the
-        run really gets, `cores_available`) are shared by more single-threaded ranks, cores / ranks."""
-        cores = self.cluster.cores_per_node * self.cluster.efficiency.cores_available
+        """The part of a device one rank gets: 1 on GPUs; on a CPU node whose `cores` are shared by more
+        single-threaded busy processes (the ranks plus `competing_processes`), cores / processes: the
+        scheduler's fair share."""
+        cores = self.cluster.cores_per_node
         ranks = min(self.grid.world_size, self.cluster.gpus_per_node)
-        return 1.0 if cores <= 0 else min(1.0, cores / ranks)
+        return 1.0 if cores <= 0 else min(1.0, cores / (ranks + self.cluster.efficiency.competing_processes))
 
     @property
     def peak_flops(self) -> float:

@@ -28,9 +28,9 @@ from planner import calibrate  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
 from training.setup import DEFAULT_CONFIG  # noqa: E402
 
-# compute; the share of the 2 cores the run gets on the shared machine (pp2 against 1 process tells it);
+# compute; the other busy processes the scheduler shares the 2 cores with (pp2 against 1 process tells it);
 # gloo's cost per collective call (tp2 tells it)
-FIT_KEYS = ("gemm_max", "cores_available", "latency_us")
+FIT_KEYS = ("gemm_max", "competing_processes", "latency_us")
 
 MODEL = [
     "model.num_layers=8",
@@ -114,7 +114,8 @@ def main() -> int:
     rows = calibrate.error_table(fitted, fit_on + held)
     values = ", ".join(f"{k} {getattr(fitted.efficiency, k):.3g}" for k in FIT_KEYS)
     print(f"fitted on {len(fit_on)} layouts: {values}")
-    print(f"| layout | ranks | role | measured ms/iter (best of {args.rounds}) | predicted | error |")
+    rounds = "recorded" if args.load else f"best of {args.rounds}"
+    print(f"| layout | ranks | role | measured ms/iter ({rounds}) | predicted | error |")
     print("|---|---|---|---|---|---|")
     for (label, measured, predicted, error), obs in zip(rows, fit_on + held):
         role = "fitted" if obs in fit_on else "held out"
