@@ -31,7 +31,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # recomputation, tp within a node, at most 3 chunks per rank, no sequence parallelism or distributed optimizer.
 # Outside it a prediction is an extrapolation: ranked by a conservative estimate, its time times
 # (1 + IN_DOMAIN_ERROR + OUT_OF_DOMAIN_ERROR per dimension outside).
-IN_DOMAIN_ERROR = 0.08  # the acceptance bound of the leave-half-out error on Table 1
+IN_DOMAIN_ERROR = 0.08  # the leave-half-out error on Table 1: worst row 7.5% (fit_report)
 OUT_OF_DOMAIN_ERROR = 0.15  # per dimension: Figures 7 and 16 (micro-batch), 17 (recompute) agree to ~15-25%
 
 

