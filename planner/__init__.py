@@ -8,5 +8,8 @@
   pipeline messages, data-parallel reduction and the optimizer step.
 - `predict`: one layout -> iteration time, TFLOP/s per GPU, memory and breakdown; the pipeline part is the
   schedule simulator (parallel/pipeline/simulator.py) run over the real action lists with these costs.
-- `search`, `calibrate`, `plots`: ranking layouts, fitting the efficiency constants to runs, the sweeps.
+- `search`, `calibrate`, `plots`: ranking layouts (extrapolations marked, ranked conservatively), fitting the
+  efficiency constants to runs, the sweeps.
+- `published`, `paper_figures`, `fit_report`: the paper's Tables 1-2 at its schedule, its figures' effects as
+  held-out checks, and the fit report (in-sample and leave-half-out errors).
 """

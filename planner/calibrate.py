@@ -22,10 +22,19 @@ from typing import Any
 from config.schema import ConfigError, load_config
 from model.shape import iteration_flops
 from planner.cluster import ClusterSpec
-from planner.predict import predict
+from planner.predict import TRAINER, Software, predict
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
-BOUNDS = {"gemm_max": (0.01, 1.0), "hbm": (0.01, 1.0), "gemm_half_flops": (1e3, 1e13)}
+BOUNDS = {
+    "gemm_max": (0.01, 1.0),
+    "hbm": (0.01, 1.0),
+    "gemm_half_flops": (1e3, 1e13),
+    "gemm_half_rows": (1.0, 1e6),
+    "nvlink": (0.01, 1.0),
+    "network": (0.01, 1.0),
+    "latency_us": (0.1, 1e5),
+    "competing_processes": (0.01, 100.0),
+}
 
 
 @dataclass
@@ -36,6 +45,7 @@ class Observation:
     config: Any
     world_size: int
     measured_seconds: float
+    software: Software = TRAINER  # how the measured run's software reduces gradients
 
 
 def _training_records(path: str) -> list[dict]:
@@ -75,7 +85,7 @@ def load_run(run_dir: str) -> Observation:
 
 
 def predicted_seconds(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:
-    return [predict(o.config, cluster, o.world_size).iteration_seconds for o in observations]
+    return [predict(o.config, cluster, o.world_size, o.software).iteration_seconds for o in observations]
 
 
 def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:
@@ -121,8 +131,8 @@ def fit(
         jacobian = np.empty((len(r), len(x)))
         for j in range(len(x)):
             probe = list(x)
-            probe[j] += 0.05
-            jacobian[:, j] = (residuals(probe) - r) / 0.05
+            probe[j] -= 0.05  # backward differences: constants often start at their upper bound (1.0)
+            jacobian[:, j] = (r - residuals(probe)) / 0.05
         accepted = False
         while damping < 1e6 and not accepted:
             normal = jacobian.T @ jacobian + damping * np.eye(len(x))

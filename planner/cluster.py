@@ -31,6 +31,7 @@ class Efficiency:
     micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
     collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
+    `competing_processes` (CPU nodes only): other busy processes the scheduler shares the cores with.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
     (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
     """
@@ -42,10 +43,12 @@ class Efficiency:
     nvlink: float = 0.75
     network: float = 0.8
     latency_us: float = 10.0
+    competing_processes: float = 0.0  # CPU nodes: other busy processes sharing node.cores (a shared machine)
     attention: str = "materialized"
 
     def validate(self, where: str) -> None:
-        for key in ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us"):
+        numbers = ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us")
+        for key in (*numbers, "competing_processes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ClusterError(f"{where}: efficiency.{key}={value!r} must be a number (write 2.5e+10, not 2.5e10)")
@@ -53,8 +56,8 @@ class Efficiency:
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
-        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us) < 0:
-            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows and latency_us must be >= 0")
+        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us, self.competing_processes) < 0:
+            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows, latency_us must be >= 0")
         if self.attention not in ("materialized", "flash"):
             raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
 
@@ -71,7 +74,11 @@ class ClusterSpec:
     gpus_per_node: int
     nvlink_gbs: float  # NVLink per GPU, both directions together (as vendors quote it)
     network_gbs_per_gpu: float  # inter-node bandwidth per GPU, one direction (8 x 200 Gb/s per 8 GPUs = 25)
-    memory_allowance_gib: float = 3.0  # CUDA context, NCCL buffers, allocator fragmentation
+    memory_allowance_gib: float = 3.0  # CUDA context, NCCL buffers, cuBLAS workspace
+    # the caching allocator's fragmentation (and saved tensors Korthikanti's count misses), as a fraction of
+    # the kept activations: it grows with them, so a fixed allowance cannot hold it (Figure 17, see memory.py)
+    activation_overhead: float = 0.0
+    cores_per_node: float = 0.0  # CPU nodes: cores the node's single-threaded ranks share (0: one device per rank)
     efficiency: Efficiency = field(default_factory=Efficiency)
     calibration: str = ""  # where the efficiency constants come from
 
@@ -114,7 +121,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         sections[name] = section
     gpu, node, network = sections["gpu"], sections["node"], sections["network"]
     _strict(gpu, ["model", "peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "hbm_gbs"], where, "gpu.")
-    _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib"], where, "node.")
+    _strict(node, ["gpus", "nvlink_gbs", "memory_allowance_gib", "activation_overhead", "cores"], where, "node.")
     _strict(network, ["links_per_node", "link_gbps"], where, "network.")
     gpus = node.get("gpus")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -140,6 +147,8 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         nvlink_gbs=_number(node, "nvlink_gbs", where, "node."),
         network_gbs_per_gpu=network_gbs,
         memory_allowance_gib=float(node.get("memory_allowance_gib", 3.0)),
+        activation_overhead=float(node.get("activation_overhead", 0.0)),
+        cores_per_node=float(node.get("cores", 0)),
         efficiency=efficiency,
         calibration=str(raw.get("calibration", "")),
     )

@@ -38,8 +38,18 @@ class Hardware:
         return self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
 
     @property
+    def device_share(self) -> float:
+        """The part of a device one rank gets: 1 on GPUs; on a CPU node whose `cores` are shared by more
+        single-threaded busy processes (the ranks plus `competing_processes`), cores / processes: the
+        scheduler's fair share."""
+        cores = self.cluster.cores_per_node
+        ranks = min(self.grid.world_size, self.cluster.gpus_per_node)
+        return 1.0 if cores <= 0 else min(1.0, cores / (ranks + self.cluster.efficiency.competing_processes))
+
+    @property
     def peak_flops(self) -> float:
-        return 1e12 * (self.cluster.peak_tflops_fp32 if self.fp32 else self.cluster.peak_tflops)
+        peak = self.cluster.peak_tflops_fp32 if self.fp32 else self.cluster.peak_tflops
+        return 1e12 * peak * self.device_share
 
     def gemm_seconds(self, flops: float, rows: float) -> float:
         """One GEMM (or batched GEMM) of `flops` over `rows` rows on the efficiency curve."""
@@ -49,7 +59,7 @@ class Hardware:
 
     def memory_seconds(self, nbytes: float) -> float:
         """A memory-bound kernel moving `nbytes` through HBM."""
-        return nbytes / (self.cluster.efficiency.hbm * self.cluster.hbm_gbs * 1e9)
+        return nbytes / (self.cluster.efficiency.hbm * self.cluster.hbm_gbs * 1e9 * self.device_share)
 
     def link_seconds(self, nbytes: float, inter_node: bool) -> float:
         """One point-to-point transfer from this GPU."""

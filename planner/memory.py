@@ -69,11 +69,13 @@ class MemoryEstimate:
     optimizer: float
     activations: float  # kept for the in-flight micro-batches
     working_set: float  # transient: one layer's recomputed intermediates or the logits' gradient
-    allowance: float  # CUDA context, communication buffers, fragmentation (the cluster spec's figure)
+    allowance: float  # CUDA context, communication buffers (the cluster spec's figure)
+    fragmentation: float = 0.0  # the caching allocator's overhead on the activations (cluster spec's fraction)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.working_set + self.allowance
+        kept = self.activations + self.working_set + self.fragmentation
+        return self.weights + self.grads + self.optimizer + kept + self.allowance
 
     def as_gib(self) -> dict[str, float]:
         fields = {k: v for k, v in asdict(self).items() if k not in ("pp_rank", "params")}
@@ -88,8 +90,10 @@ def rank_memory(
     shape: ActivationShape,
     pp_rank: int,
     allowance_bytes: float,
+    activation_overhead: float = 0.0,
 ) -> MemoryEstimate:
-    """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout)."""
+    """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
+    is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead)."""
     p, v = layout.pp_size, layout.vp_size
     params = rank_params(model, layout.tp_size, p, v, pp_rank)
     state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size)
@@ -125,16 +129,24 @@ def rank_memory(
         activations,
         working,
         allowance_bytes,
+        activation_overhead * activations,
     )
 
 
 def layout_memory(
-    model: Any, layout: Any, train: Any, distributed_optimizer: bool, shape: ActivationShape, allowance_bytes: float
+    model: Any,
+    layout: Any,
+    train: Any,
+    distributed_optimizer: bool,
+    shape: ActivationShape,
+    allowance_bytes: float,
+    activation_overhead: float = 0.0,
 ) -> MemoryEstimate:
     """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the last
     rank the output layer and the logits; the ranks between hold less than rank 0."""
     ranks = {0, layout.pp_size - 1}
     estimates = [
-        rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes) for r in sorted(ranks)
+        rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes, activation_overhead)
+        for r in sorted(ranks)
     ]
     return max(estimates, key=lambda e: e.total)

@@ -30,6 +30,18 @@ BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimiz
 
 
 @dataclass(frozen=True)
+class Software:
+    """What the training software does that the config does not say: the bytes per gradient element it
+    reduces over dp, and whether the reduction overlaps the backward (this trainer: fp32, bucketed)."""
+
+    grad_reduce_bytes: float = 4.0
+    overlap_grad_reduce: bool = True
+
+
+TRAINER = Software()
+
+
+@dataclass(frozen=True)
 class ActionCost:
     """Seconds of one action on one rank, by kind."""
 
@@ -175,8 +187,23 @@ def _dp_exposed(events: list, dp_seconds: float, bucket_seconds: float) -> float
     return max(min(bucket_seconds, dp_seconds), dp_seconds - window)
 
 
-def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
-    """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid)."""
+def memory_of(config: Any, layout: Layout, cluster: ClusterSpec, shape: Any) -> MemoryEstimate:
+    """The busiest rank's memory with the cluster's allowance and allocator overhead."""
+    allowance = cluster.memory_allowance_gib * GIB
+    return layout_memory(
+        config.model,
+        layout,
+        config.train,
+        config.parallel.distributed_optimizer,
+        shape,
+        allowance,
+        cluster.activation_overhead,
+    )
+
+
+def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> Prediction:
+    """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid), as
+    `software` runs it (default: this trainer)."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
     hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout))
@@ -190,12 +217,11 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
         events_by_rank[event.rank].append(event)
     critical, total, parts = 0, -1.0, {}
     for r in range(p):
-        rank_parts = _rank_parts(config, layout, hw, costs, lists[r], r, events_by_rank[r])
+        rank_parts = _rank_parts(config, layout, hw, costs, lists[r], r, events_by_rank[r], software)
         rank_total = sum(rank_parts.values())
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
-    allowance = cluster.memory_allowance_gib * GIB
-    memory = layout_memory(model, layout, train, par.distributed_optimizer, shape, allowance)
+    memory = memory_of(config, layout, cluster, shape)
     vocab = model.padded_vocab_size(layout.tp_size)
     flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
     recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op is Op.BACKWARD)
@@ -214,7 +240,14 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int) -> Prediction:
 
 
 def _rank_parts(
-    config: Any, layout: Layout, hw: Hardware, costs: _Costs, actions: list[Action], pp_rank: int, events: list
+    config: Any,
+    layout: Layout,
+    hw: Hardware,
+    costs: _Costs,
+    actions: list[Action],
+    pp_rank: int,
+    events: list,
+    software: Software,
 ) -> dict[str, float]:
     """The time of pipeline rank `pp_rank`, split as BREAKDOWN_KEYS (sums to the rank's iteration time)."""
     model, par, train = config.model, config.parallel, config.train
@@ -225,10 +258,11 @@ def _rank_parts(
     params = rank_params(model, layout.tp_size, layout.pp_size, layout.vp_size, pp_rank)
     dp, dp_node = layout.dp_size, hw.per_node("dp")
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
-    dp_seconds = hw.collective_seconds(kind, 4.0 * params, dp, dp_node)
-    bucket = hw.collective_seconds(kind, min(4.0 * params, par.grad_bucket_size_mb * 2**20), dp, dp_node)
+    grad_bytes = software.grad_reduce_bytes * params
+    dp_seconds = hw.collective_seconds(kind, grad_bytes, dp, dp_node)
+    bucket = hw.collective_seconds(kind, min(grad_bytes, par.grad_bucket_size_mb * 2**20), dp, dp_node)
     end = max(e.end for e in events)
-    dp_comm = _dp_exposed(events, dp_seconds, bucket)
+    dp_comm = _dp_exposed(events, dp_seconds, bucket) if software.overlap_grad_reduce else dp_seconds
     if par.distributed_optimizer:
         param_bytes = 4.0 if train.precision == "fp32" else 2.0
         dp_comm += hw.collective_seconds("all_gather", param_bytes * params, dp, dp_node)

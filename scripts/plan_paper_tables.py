@@ -1,13 +1,12 @@
 """The planner against the paper's published throughputs (Narayanan et al., SC21, DGX A100 80GB).
 
-    python scripts/plan_paper_tables.py [--cluster configs/clusters/dgx_a100_80gb.yaml] [--fit]
+    python scripts/plan_paper_tables.py [--cluster configs/clusters/dgx_a100_80gb.yaml] [--report] [--figures]
 
-Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2, predicted against
-published, as markdown. --fit first fits the cluster's efficiency constants to Table 1 (Table 2 is then held
-out: the fit never sees it) and prints the fitted `efficiency:` section to put into the cluster file. The
-fit moves gemm_max and hbm only: Table 1 runs every model at micro-batch 1, so the size of the GEMM at half
-efficiency (gemm_half_flops) comes from the micro-batch figures (§5.5, Figure 16: micro-batch 2 is the best
-for a 91B model at (t, p) = (8, 8)); see docs/performance.md.
+Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2 at the paper's schedule
+(interleaved with scatter/gather, chunks set by planner.published.paper_vp), predicted against published, as
+markdown. --report first runs the fit report (planner/fit_report.py: the fit on all ten rows, and the two
+leave-half-out fits; several minutes of CPU) and prints the tables with the all-rows constants. --figures
+prints every published effect of Figures 7 and 11-18 (planner/paper_figures.py) against the prediction.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import argparse
 import sys
 import time
 
-from planner import calibrate, published
+from planner import fit_report, paper_figures, published
 from planner.cluster import efficiency_yaml, load_cluster
 from planner.predict import predict
 
@@ -30,7 +29,7 @@ def table(cluster, rows, title: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        p = predict(row.config(), cluster, row.world_size)
+        p = predict(row.config(), cluster, row.world_size, published.PAPER_SOFTWARE)
         lay, frac = p.layout, {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
         percent = f" ({row.percent_of_peak:.0f}%)" if row.percent_of_peak else ""
         lines.append(
@@ -43,21 +42,42 @@ def table(cluster, rows, title: str) -> list[str]:
     return lines
 
 
+def figures(cluster) -> list[str]:
+    """Every published effect of the figures against the planner (none of them fitted)."""
+    lines = [
+        "| figure | effect | published ratio | source | predicted ratio | agrees |",
+        "|---|---|---|---|---|---|",
+    ]
+    for effect in paper_figures.EFFECTS:
+        predicted = paper_figures.predicted_ratio(effect, cluster)
+        published_ratio = f"{effect.ratio:.2f}" if effect.sized else ("> 1" if effect.ratio > 1 else "< 1")
+        verdict = "yes" if paper_figures.agrees(effect, predicted) else "NO"
+        band = f" +-{effect.tolerance:.0%}" if effect.sized else ""
+        lines.append(
+            f"| {effect.figure} | {effect.name} | {published_ratio}{band} | {effect.source}: {effect.note} | "
+            f"{predicted:.2f} | {verdict} |"
+        )
+    fits = [b for b in paper_figures.FIGURE_17_BATCHES if paper_figures.fits_without_recompute(b, cluster)]
+    lines.append("")
+    lines.append(f"Figure 17 without recomputation fits at batch {', '.join(map(str, fits))} (published: up to 8)")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cluster", default="configs/clusters/dgx_a100_80gb.yaml")
-    parser.add_argument("--fit", action="store_true", help="fit the efficiency constants to Table 1 first")
+    parser.add_argument("--report", action="store_true", help="run the fit report (and leave-half-out) first")
+    parser.add_argument("--figures", action="store_true", help="the figures' effects against the planner")
     args = parser.parse_args()
     cluster = load_cluster(args.cluster)
-    if args.fit:
+    if args.report:
         start = time.time()
-        cluster = calibrate.fit(
-            cluster,
-            published.observations(published.TABLE_1),
-            keys=("gemm_max", "hbm"),
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-        print(f"fitted in {time.time() - start:.0f} s:\n{efficiency_yaml(cluster.efficiency)}")
+        cluster, results = fit_report.leave_half_out(cluster, lambda line: print(line, file=sys.stderr, flush=True))
+        print("\n".join(fit_report.report_lines(results)))
+        print(f"\nfitted in {time.time() - start:.0f} s:\n{efficiency_yaml(cluster.efficiency)}")
+    if args.figures:
+        print("\n".join(figures(cluster)))
+        return 0
     print("\n".join(table(cluster, published.TABLE_1, "Table 1 (weak scaling)")))
     print()
     print("\n".join(table(cluster, published.TABLE_2_PTDP, "Table 2, PTD-P rows (fixed batch, more GPUs)")))

@@ -16,15 +16,24 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 import yaml
 
 from config.schema import ConfigError, load_config
+from model.shape import total_params
 from parallel.layout import LayoutError
 from planner import calibrate
 from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
 from planner.predict import Prediction, predict
-from planner.search import search, why_best_wins
+from planner.search import (
+    IN_DOMAIN_ERROR,
+    OUT_OF_DOMAIN_ERROR,
+    conservative_seconds,
+    outside_domain,
+    search,
+    why_best_wins,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="DIR", help="write the tp/pp, micro-batch and interleaving sweeps")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN", help="fit the efficiency constants to runs")
     parser.add_argument("--output", help="with --calibrate: write the cluster spec with the fitted constants")
+    parser.add_argument("--tokens", type=float, help="print the end-to-end training time for this many tokens")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     return parser.parse_args(argv)
 
@@ -64,14 +74,35 @@ def format_prediction(p: Prediction) -> list[str]:
 
 
 def format_ranking(ranked: list[Prediction], top: int) -> list[str]:
-    lines = [f"{'#':>3}  {'layout':<48} {'TF/GPU':>7} {'s/iter':>8} {'GiB':>6} {'bubble':>7} {'tp':>6} {'dp':>6}"]
+    lines = [
+        f"{'#':>3}  {'layout':<48} {'TF/GPU':>7} {'s/iter':>8} {'conserv.':>8} {'GiB':>6} {'bubble':>7} "
+        f"{'tp':>6} {'dp':>6}  outside the calibrated domain"
+    ]
     for i, p in enumerate(ranked[:top], 1):
         frac = {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
+        outside = ", ".join(outside_domain(p)) or "-"
         lines.append(
             f"{i:>3}  {p.describe_layout():<48} {p.tflops_per_gpu:7.1f} {p.iteration_seconds:8.3f} "
-            f"{p.memory_gib:6.1f} {frac['bubble']:7.1%} {frac['tp_comm']:6.1%} {frac['dp_comm']:6.1%}"
+            f"{conservative_seconds(p):8.3f} {p.memory_gib:6.1f} {frac['bubble']:7.1%} {frac['tp_comm']:6.1%} "
+            f"{frac['dp_comm']:6.1%}  {outside}"
         )
     return lines
+
+
+def training_time_lines(p: Prediction, config: Any, tokens: float) -> list[str]:
+    """End-to-end training time for `tokens` tokens: the planner's (iterations x predicted time) and the
+    paper's equation (4), 8 T P / (n X), with X the predicted TFLOP/s per GPU."""
+    batch_tokens = config.train.global_batch_size * config.model.seq_length
+    iterations = tokens / batch_tokens
+    planner_days = iterations * p.iteration_seconds / 86400
+    params = total_params(config.model)
+    equation_days = 8 * tokens * params / (p.layout.world_size * p.tflops_per_gpu * 1e12) / 86400
+    return [
+        f"training on {tokens:.3g} tokens: {iterations:,.0f} iterations of {batch_tokens:,} tokens",
+        f"  planner: {planner_days:.1f} days ({p.iteration_seconds:.3f} s per iteration)",
+        f"  equation (4), 8 T P / (n X) with P {params / 1e9:.1f}B, n {p.layout.world_size}, "
+        f"X {p.tflops_per_gpu:.1f} TF: {equation_days:.1f} days",
+    ]
 
 
 def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
@@ -147,18 +178,25 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
             return 0
         print(
             f"{result.considered} valid layouts, {result.fitting} fit in {cluster.memory_gib:.0f} GiB; "
-            f"the best by first estimate and the config's own simulated in full, ranked by time per iteration "
-            f"(TF/GPU as the trainer counts it: full recompute's extra forward counts as work):"
+            f"the best by first estimate and the config's own simulated in full, ranked by a conservative time per "
+            f"iteration (conserv.: +{IN_DOMAIN_ERROR:.0%}, +{OUT_OF_DOMAIN_ERROR:.0%} more per dimension outside "
+            f"the calibrated domain; TF/GPU as the trainer counts it: full recompute's extra forward counts as work):"
         )
         print("\n".join(format_ranking(result.ranked, args.top)))
         print(f"why: {reason}")
         return 0
     prediction = predict(config, cluster, args.gpus)
     if args.json:
-        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name}))
-    else:
-        print(f"cluster: {cluster.name} ({args.gpus} GPUs, {cluster.gpus_per_node} per node)")
-        print("\n".join(format_prediction(prediction)))
+        extra = {"training_time": training_time_lines(prediction, config, args.tokens)} if args.tokens else {}
+        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name, **extra}))
+        return 0
+    print(f"cluster: {cluster.name} ({args.gpus} GPUs, {cluster.gpus_per_node} per node)")
+    print("\n".join(format_prediction(prediction)))
+    outside = outside_domain(prediction)
+    if outside:
+        print(f"outside the calibrated domain ({', '.join(outside)}): an extrapolation")
+    if args.tokens:
+        print("\n".join(training_time_lines(prediction, config, args.tokens)))
     return 0
 
 

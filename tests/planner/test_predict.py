@@ -54,10 +54,15 @@ def test_one_stage_has_no_bubble_and_pipelines_match_the_simulator():
     assert p.bubble_fraction == pytest.approx(plain.bubble_fraction, rel=0.1)  # head and sends differ a little
 
 
-@pytest.mark.parametrize("row", published.TABLE_1, ids=lambda r: r.label)
-def test_table_1_within_15_percent(row):
-    p = predict(row.config(), load_cluster(A100), row.world_size)
-    assert p.tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.15)
+@pytest.mark.parametrize("row", published.TABLE_1 + published.TABLE_2_PTDP, ids=lambda r: r.label)
+def test_tables_1_and_2_within_8_percent_at_the_paper_schedule(row):
+    # the constants are fitted to Table 1 (planner/fit_report.py); Table 2 is never fitted
+    config = row.config()
+    assert config.parallel.pp_size == 1 or config.parallel.vp_size == published.paper_vp(
+        config.model.num_layers // config.parallel.pp_size
+    )
+    p = predict(config, load_cluster(A100), row.world_size, published.PAPER_SOFTWARE)
+    assert p.tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.08)
     assert p.fits
 
 
@@ -80,7 +85,8 @@ def fig13_config(tp, pp, batch=128, vp=1, mb=1):
 def test_tensor_parallelism_beyond_a_node_collapses_throughput():
     cluster = load_cluster(A100)
     tflops = {tp: predict(fig13_config(tp, 64 // tp), cluster, 64).tflops_per_gpu for tp in (4, 8, 16, 32)}
-    assert tflops[8] > tflops[4] and tflops[8] > 1.15 * tflops[16] and tflops[16] > 1.3 * tflops[32]
+    # the published direction is asserted in test_paper_figures.py (Figure 13); here the size of the drops
+    assert tflops[8] > tflops[4] and tflops[8] > 1.1 * tflops[16] and tflops[16] > 1.3 * tflops[32]
 
 
 def test_interleaving_helps_more_at_small_batch():
