@@ -55,6 +55,13 @@ def _allowed_global(name: str) -> Any:
     return None
 
 
+def numpy_dtype_classes() -> list[type]:
+    """numpy 2's dtype classes (numpy.dtypes.*DType): each builds a dtype and nothing else."""
+    dtypes = getattr(np, "dtypes", None)
+    classes = (getattr(dtypes, name) for name in dir(dtypes)) if dtypes else ()
+    return [cls for cls in classes if isinstance(cls, type) and issubclass(cls, np.dtype)]
+
+
 def load_megatron_file(path: str) -> dict:
     """torch.load(weights_only=True) with the allow-list above; any other global is refused by name."""
     allowed: list[Any] = []
@@ -63,6 +70,8 @@ def load_megatron_file(path: str) -> dict:
         if target is None:
             raise ValueError(f"{path} pickles {name}, which is not on the allow-list ({ALLOWED})")
         allowed.append(target)
+        if name == "numpy.dtype":  # a dtype's state names its class (numpy 2: numpy.dtypes.UInt32DType, ...)
+            allowed.extend(numpy_dtype_classes())
     with torch.serialization.safe_globals(allowed):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
