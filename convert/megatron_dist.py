@@ -66,9 +66,9 @@ class SafeReader(dcp.FileSystemReader):
                 raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

@@ -11,6 +11,7 @@ torch.distributed.checkpoint would unpickle unrestricted: MetadataUnpickler allo
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import pickle
 from typing import IO, Any
@@ -19,14 +20,26 @@ import numpy as np
 import torch
 
 ALLOWED = "argparse.Namespace, numpy arrays and dtypes, io.BytesIO, megatron.* as inert placeholders"
-NUMPY_ARRAY = {
-    "numpy.ndarray": np.ndarray,
-    "numpy.dtype": np.dtype,
-    "numpy.core.multiarray._reconstruct": np._core.multiarray._reconstruct,  # numpy 1.x spelling
-    "numpy._core.multiarray._reconstruct": np._core.multiarray._reconstruct,
-    "numpy.core.multiarray.scalar": np._core.multiarray.scalar,
-    "numpy._core.multiarray.scalar": np._core.multiarray.scalar,
-}
+# numpy globals an array or RandomState state pickles, by the name the pickle gives (numpy 1.x: numpy.core).
+NUMPY_GLOBALS = (
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar",
+)
+
+
+def _numpy_global(name: str) -> Any:
+    """The numpy object behind an allowed name, from whichever of numpy.core / numpy._core this numpy has."""
+    if name in ("numpy.ndarray", "numpy.dtype"):
+        return getattr(np, name.removeprefix("numpy."))
+    try:
+        multiarray = importlib.import_module("numpy._core.multiarray")
+    except ImportError:  # numpy 1.x
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    return getattr(multiarray, name.rsplit(".", 1)[1])
 
 
 class MegatronObject:
@@ -45,8 +58,8 @@ def _allowed_global(name: str) -> Any:
         return argparse.Namespace
     if name in ("io.BytesIO", "_io.BytesIO"):
         return (io.BytesIO, name)
-    if name in NUMPY_ARRAY:
-        return (NUMPY_ARRAY[name], name)
+    if name in NUMPY_GLOBALS:
+        return (_numpy_global(name), name)
     if name.startswith("numpy.dtypes."):  # numpy 2's dtype classes (UInt32DType, ...): dtypes, nothing else
         cls = getattr(np.dtypes, name.removeprefix("numpy.dtypes."), None)
         return (cls, name) if isinstance(cls, type) and issubclass(cls, np.dtype) else None

@@ -205,7 +205,10 @@ def test_gpt2_gelu_new_converts_with_transformers_logits_and_exports_back(tmp_pa
     result = run_tool("to-hf", str(tmp_path / "ours"), str(tmp_path / "back"))
     assert result.returncode == 0 and result.stderr.startswith("warning: the checkpoint names no tokenizer files")
     assert json.load(open(tmp_path / "back" / "config.json"))["activation_function"] == "gelu_new"
-    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert all(torch.equal(back[k], original[k]) for k in back) and set(original) - set(back) <= {"lm_head.weight"}
 
 

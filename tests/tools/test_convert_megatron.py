@@ -97,7 +97,9 @@ def test_to_megatron_loads_strictly_in_megatron_core(megatron_dir, tmp_path):
         assert_logits_close(our_logits(cfg, tensors), torch.load(tmp_path / f"{name}.pt"))
         back_cfg, back, _ = load_megatron_checkpoint(str(tmp_path / f"{name}_megatron"))
         stored = {k: s.stored for k, s in param_shardings(cfg).items()}  # padding rows are never saved
-        assert back.keys() == tensors.keys() and all(torch.equal(stored[k](back[k]), stored[k](tensors[k])) for k in back)
+        assert back.keys() == tensors.keys() and all(
+            torch.equal(stored[k](back[k]), stored[k](tensors[k])) for k in back
+        )
         assert back_cfg.activation == cfg.activation and back_cfg.vocab_size == cfg.vocab_size
 
 
