@@ -200,6 +200,12 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
     refuse_non_finite(tensors, megatron_dir)
+    if data is None:
+        print(
+            f"warning: {megatron_dir} names no tokenizer files this project reads; only the vocabulary size "
+            f"({cfg.vocab_size}) is carried: set data.tokenizer_type and its files before training",
+            file=sys.stderr,
+        )
     return write_our_checkpoint(out, cfg, tensors, data, parallel)
 
 
