@@ -37,10 +37,23 @@ MCORE_LAYER_NAMES = {
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
-def megatron_args(cfg: ModelConfig, tp: int, pp: int, vp: int, iteration: int) -> argparse.Namespace:
-    """The model and layout fields of Megatron-LM's args (what load_args_from_checkpoint and
-    check_checkpoint_args read); the tokenizer is NullTokenizer over our vocabulary (its size is
-    vocab_size + 1, so vocab_size - 1 is stored)."""
+def tokenizer_args(cfg: ModelConfig, data: dict) -> dict:
+    """Megatron's tokenizer args for our data section: GPT-2 BPE or SentencePiece with their files (absolute
+    paths), else NullTokenizer over our vocabulary (its size is vocab_size + 1, so vocab_size - 1 is stored)."""
+    kind = data.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
+        files = {"vocab_file": os.path.abspath(data["vocab_file"]), "merge_file": os.path.abspath(data["merge_file"])}
+        return {"tokenizer_type": kind, **files, "vocab_size": None}
+    if kind == "SentencePieceTokenizer" and data.get("tokenizer_model"):
+        model = os.path.abspath(data["tokenizer_model"])
+        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model, "vocab_size": None}
+    return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1 if cfg.vocab_size else None}
+
+
+def megatron_args(cfg: ModelConfig, layout: tuple[int, int, int], iteration: int, data: dict) -> argparse.Namespace:
+    """The model, layout and tokenizer fields of Megatron-LM's args (what load_args_from_checkpoint and
+    check_checkpoint_args read), for layout (tp, pp, vp)."""
+    tp, pp, vp = layout
     rope = cfg.position_embedding_type == "rope"
     return argparse.Namespace(
         num_layers=cfg.num_layers,
@@ -70,10 +83,9 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, vp: int, iteration: int) -
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_std,
-        vocab_size=cfg.vocab_size - 1 if cfg.vocab_size else None,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         padded_vocab_size=cfg.padded_vocab_size(tp),
-        tokenizer_type="NullTokenizer",
+        **tokenizer_args(cfg, data),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
@@ -135,7 +147,7 @@ def chunk_state(
 
 
 def megatron_files(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: tuple[int, int, int], iteration: int
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: tuple[int, int, int], iteration: int, data: dict
 ) -> dict[str, dict]:
     """{relative path of each model_optim_rng.pt: its payload} for the layout (tp, pp, vp)."""
     from convert.model_weights import resize_vocab_rows
@@ -143,7 +155,7 @@ def megatron_files(
     tp, pp, vp = layout
     check_layout(cfg, tp, pp, vp)
     padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(tp))
-    args = megatron_args(cfg, tp, pp, vp, iteration)
+    args = megatron_args(cfg, layout, iteration, data)
     files = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):

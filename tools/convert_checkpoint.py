@@ -218,7 +218,7 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
     config, tensors = load_global_state(checkpoint)
     iteration = checkpoint_iteration(checkpoint)[0]
     print(f"loaded {loaded_iteration(checkpoint)}")
-    files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration)
+    files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration, config["data"])
     check_output_free(out)
     tmp = aside(out)
     try:

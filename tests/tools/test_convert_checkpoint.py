@@ -17,7 +17,7 @@ from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from tests.conftest import REPO_ROOT, run_ranks
-from tools.convert_checkpoint import consolidate, from_hf, to_hf
+from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
 from training.checkpointing import save_model_weights
 
 GPT = dict(
@@ -136,6 +136,17 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     to_hf(str(tmp_path / "back"), str(tmp_path / "hf2"), dtype="bf16")
     again = load_file(tmp_path / "hf2" / "model.safetensors")
     assert set(again) == set(exported) and all(torch.equal(again[k], exported[k]) for k in again)
+    # to-megatron carries the GPT-2 BPE files in Megatron's args; from-megatron reads them back
+    to_megatron(str(tmp_path / "back"), str(tmp_path / "megatron"), tp=2, pp=2)
+    from convert.megatron import load_megatron_checkpoint
+
+    _, megatron_tensors, data = load_megatron_checkpoint(str(tmp_path / "megatron"))
+    assert data["tokenizer_type"] == "GPT2BPETokenizer" and os.path.isfile(data["vocab_file"])
+    _, back_tensors = load_global_state(str(tmp_path / "back"))
+    assert torch.equal(
+        megatron_tensors["embedding.word_embeddings.weight"][:300],
+        back_tensors["embedding.word_embeddings.weight"][:300],
+    )
     # consolidate: the full model under global names
     consolidate(str(tmp_path / "back"), str(tmp_path / "model.pt"))
     whole = torch.load(tmp_path / "model.pt", weights_only=True)
