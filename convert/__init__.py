@@ -8,7 +8,10 @@ parallel/tensor_parallel.param_shardings), so that trimming, padding and merging
     model_weights.py  our checkpoints of any layout <-> the global state dict; a runnable model from it
     hf_mapping.py     the global state dict <-> transformers' GPT-2 / Llama (names, QKV and SwiGLU layouts)
     hf_folder.py      transformers folders on disk (config.json, safetensors shards, tokenizer files)
-    megatron.py       Megatron-LM "torch" checkpoints -> the global state dict (tp / pp shards merged)
+    megatron.py       Megatron-LM checkpoints -> the global state dict (legacy "torch": tp / pp / vp shards merged)
+    megatron_dist.py  Megatron-LM "torch_dist" folders read with torch.distributed.checkpoint (stacked layers)
+    megatron_export.py the global state dict -> Megatron-LM's legacy "torch" format at a chosen tp / pp / vp
+    safe_pickle.py    the allow-lists Megatron-LM's pickles are read with (no code runs on load)
 
 Used by tools/convert_checkpoint.py and tools/generate.py; nothing in the trainer imports this package.
 """

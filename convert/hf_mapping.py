@@ -24,6 +24,12 @@ from parallel.tensor_parallel import param_shardings
 Tensors = dict[str, torch.Tensor]
 
 
+# GPT-2's activation_function values -> our model.activation: exact erf GeLU, or the tanh form (gelu_new is
+# GPT-2's default; gelu_pytorch_tanh computes the same function with F.gelu(approximate="tanh")).
+GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_GELU = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+
+
 class UnsupportedModelError(ValueError):
     """A model or option the mapping does not cover; the message names it."""
 
@@ -32,7 +38,7 @@ class UnsupportedModelError(ValueError):
 def hf_architecture(cfg: ModelConfig) -> str:
     """'gpt2' (learned positions, LayerNorm, GeLU) or 'llama' (rope, RMSNorm, SwiGLU); else refuse."""
     style = (cfg.position_embedding_type, cfg.normalization, cfg.activation)
-    if style == ("learned", "layernorm", "gelu"):
+    if style in (("learned", "layernorm", "gelu"), ("learned", "layernorm", "gelu_tanh")):
         if cfg.query_groups != cfg.num_attention_heads:
             raise UnsupportedModelError(
                 f"model.num_query_groups={cfg.num_query_groups}: GPT-2 has no grouped-query attention"
@@ -42,7 +48,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
         return "llama"
     raise UnsupportedModelError(
         f"model style position_embedding_type={cfg.position_embedding_type}, normalization={cfg.normalization}, "
-        f"activation={cfg.activation} has no transformers equivalent (GPT-2: learned/layernorm/gelu, "
+        f"activation={cfg.activation} has no transformers equivalent (GPT-2: learned/layernorm/gelu or gelu_tanh, "
         "Llama: rope/rmsnorm/swiglu)"
     )
 
@@ -67,7 +73,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, Any]:
             "n_layer": cfg.num_layers,
             "n_head": cfg.num_attention_heads,
             "n_inner": cfg.ffn_size,
-            "activation_function": "gelu",  # exact erf GeLU, as F.gelu (GPT-2's default gelu_new is tanh)
+            "activation_function": HF_GELU[cfg.activation],  # the GeLU it trained with
             "resid_pdrop": cfg.hidden_dropout,
             "embd_pdrop": cfg.hidden_dropout,
             "attn_pdrop": cfg.attention_dropout,
@@ -113,7 +119,7 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
 
 def _gpt2_model_config(config: dict[str, Any]) -> ModelConfig:
     act = config.get("activation_function", "gelu_new")
-    _refuse(act != "gelu", f"activation_function={act!r} (only the exact 'gelu')")
+    _refuse(act not in GELU_FROM_HF, f"activation_function={act!r} (only {', '.join(GELU_FROM_HF)})")
     _refuse(not config.get("scale_attn_weights", True), "scale_attn_weights=false")
     _refuse(config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=true")
     _refuse(config.get("add_cross_attention", False), "add_cross_attention=true")
@@ -129,7 +135,7 @@ def _gpt2_model_config(config: dict[str, Any]) -> ModelConfig:
         position_embedding_type="learned",
         normalization="layernorm",
         norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-        activation="gelu",
+        activation=GELU_FROM_HF[act],
         tie_embeddings=config.get("tie_word_embeddings", True),
         add_bias_linear=True,
         hidden_dropout=config.get("resid_pdrop", 0.1),

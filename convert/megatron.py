@@ -1,9 +1,12 @@
-"""Read Megatron-LM's non-distributed ("torch" format) GPT checkpoints into our global state dict.
+"""Read Megatron-LM's GPT checkpoints into our global state dict: the legacy "torch" format here, the
+"torch_dist" format through convert/megatron_dist.py (same names, same args).
 
     CHECKPOINTS/latest_checkpointed_iteration.txt            iteration number (or "release")
     CHECKPOINTS/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
-        {"args": argparse.Namespace, "checkpoint_version": 3.0, "model": state dict (or "model0", "model1",
-         ... with virtual pipeline stages), "optimizer": ..., "rng_state": ...}
+        {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": 100, "model": state dict (or
+         "model0", "model1", ... with virtual pipeline stages), "optimizer": ..., "opt_param_scheduler": ...,
+         "rng_state": [{... "np_rng_state": numpy's RandomState tuple ...}],
+         "num_floating_point_operations_so_far": ...}
 
 Two key styles: legacy (`model.language_model.encoder.layers.N.self_attention.query_key_value.weight`,
 nested dicts, QKV rows [np, 3, hn], i.e. [ng, np/ng + 2, hn] with grouped-query attention) and megatron-core
@@ -12,8 +15,9 @@ our per-group layout. Layer indices are local to a pipeline stage / virtual chun
 are merged by our own split rule (model/param_info.Sharding per global name: column-parallel rows,
 row-parallel columns, SwiGLU fc1 holding [gate_r; up_r] per rank), which is Megatron's.
 
-Files are unpickled with weights_only=True: argparse.Namespace is the one real class allowed; Megatron's own
-objects (enums in args) become inert placeholders that run no code; any other global is refused by name.
+Files are unpickled with weights_only=True and the allow-list of convert/safe_pickle.py (namespace, numpy
+arrays and dtypes, byte buffers; Megatron's own objects become inert placeholders); any other global is
+refused by name. Only the model weights are taken; optimizer, scheduler and RNG state are not carried.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any
 import torch
 
 from convert.hf_mapping import UnsupportedModelError
+from convert.megatron_dist import is_torch_dist, read_common, read_model_tensors
 from convert.model_weights import resize_vocab_rows
+from convert.safe_pickle import load_megatron_file
 from model.config import ModelConfig
 from model.param_info import Sharding
 from parallel.tensor_parallel import param_shardings
@@ -70,36 +76,6 @@ LAYER_KEY = re.compile(
 )
 
 
-class MegatronObject:
-    """Inert stand-in for an object of Megatron's own classes found in a checkpoint (an enum in args)."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-def load_megatron_file(path: str) -> dict:
-    """torch.load(weights_only=True) with argparse.Namespace allowed and Megatron's globals inert."""
-    allowed: list[Any] = []
-    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
-        if name == "argparse.Namespace":
-            allowed.append(argparse.Namespace)
-        elif name.startswith("megatron."):
-            allowed.append((MegatronObject, name))
-        else:
-            raise ValueError(
-                f"{path} pickles {name}, which is not on the allow-list (argparse.Namespace, "
-                "megatron.* as inert placeholders)"
-            )
-    with torch.serialization.safe_globals(allowed):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # unpickling errors have many types; name the file either way
-            raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
-
-
 def find_iteration_dir(root: str) -> str:
     """CHECKPOINTS folder (through its tracker) or an iter_XXXXXXX / release folder."""
     if re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(root))) and os.path.isdir(root):
@@ -128,10 +104,7 @@ def rank_files(iter_dir: str) -> dict[tuple[int, int], str]:
                 f"{os.path.join(iter_dir, name)}: expert-parallel checkpoints are not supported"
             )
     if not files:
-        raise ValueError(
-            f"{iter_dir} holds no mp_rank_* folders (a torch_dist checkpoint? convert it to the "
-            "torch format with Megatron-LM first)"
-        )
+        raise ValueError(f"{iter_dir} holds no mp_rank_* folders and no torch_dist metadata.json")
     return files
 
 
@@ -149,7 +122,6 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         ("apply_layernorm_1p", bool),
         ("layernorm_zero_centered_gamma", bool),
         ("rotary_interleaved", bool),
-        ("openai_gelu", bool),
         ("squared_relu", bool),
         ("multi_latent_attention", bool),
         ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope")),
@@ -173,6 +145,13 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         )
 
 
+def _activation(args: argparse.Namespace) -> str:
+    """swiglu, GPT-2's tanh GeLU (openai_gelu), or the exact erf GeLU (Megatron's default)."""
+    if _arg(args, "swiglu", False):
+        return "swiglu"
+    return "gelu_tanh" if _arg(args, "openai_gelu", False) else "gelu"
+
+
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """Our model section from Megatron-LM's args."""
     _refuse_unsupported(args)
@@ -191,7 +170,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         rotary_base=float(_arg(args, "rotary_base", 10000)),
         normalization="rmsnorm" if _arg(args, "normalization") == "RMSNorm" else "layernorm",
         norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
-        activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+        activation=_activation(args),
         tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
         add_bias_linear=_arg(args, "add_bias_linear", True),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1),
@@ -249,10 +228,14 @@ def _chunks(payload: dict, path: str) -> list[Tensors]:
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | None]:
-    """(our data-section tokenizer keys, vocabulary size) when the run's tokenizer files exist, else (None, None)."""
+    """(our data-section tokenizer keys or None, the tokenizer's vocabulary size or None) of the tokenizer
+    Megatron's args name. GPT-2 BPE and SentencePiece are carried when their files exist; NullTokenizer has
+    no files (its size is args.vocab_size + 1: the ids and one end-of-document id, Megatron's rule)."""
     from data.tokenizers import build_tokenizer
 
     kind = _arg(args, "tokenizer_type")
+    if kind == "NullTokenizer" and _arg(args, "vocab_size"):
+        return None, int(args.vocab_size) + 1
     files = {
         "vocab_file": _arg(args, "vocab_file"),
         "merge_file": _arg(args, "merge_file"),
@@ -263,34 +246,57 @@ def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | No
         "SentencePieceTokenizer": "SentencePieceTokenizer",
         "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
     }.get(kind)
-    if ours is None or not all(os.path.isfile(p) for p in files.values() if p):
+    if ours is None or not any(files.values()) or not all(os.path.isfile(p) for p in files.values() if p):
         return None, None
     tokenizer = build_tokenizer(ours, **files)
     return {"tokenizer_type": ours, **files}, tokenizer.vocab_size
 
 
-def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[ModelConfig, Tensors, dict | None]:
-    """(model config, our global state dict, tokenizer keys or None) of a Megatron-LM torch checkpoint.
-
-    vocab_size: the unpadded vocabulary; default: the tokenizer's named in args when its files exist, else
-    args.vocab_size, else args.padded_vocab_size."""
-    iter_dir = find_iteration_dir(root)
-    files = rank_files(iter_dir)
-    first = load_megatron_file(files[min(files)])
-    args = first.get("args")
+def read_args(iter_dir: str) -> tuple[argparse.Namespace, dict]:
+    """(Megatron's args, the first payload: a legacy rank file or torch_dist's common.pt), checked."""
+    if is_torch_dist(iter_dir):
+        path, payload = os.path.join(iter_dir, "common.pt"), read_common(iter_dir)
+    else:
+        files = rank_files(iter_dir)
+        path = files[min(files)]
+        payload = load_megatron_file(path)
+    args = payload.get("args")
     if not isinstance(args, argparse.Namespace):
-        raise ValueError(f"{files[min(files)]} holds no Megatron args")
-    if first.get("checkpoint_version", 0) < 2.0:
+        raise ValueError(f"{path} holds no Megatron args")
+    if payload.get("checkpoint_version", 0) < 2.0:
         raise UnsupportedModelError(
-            f"checkpoint_version={first.get('checkpoint_version')} ([3, np, hn] QKV "
+            f"checkpoint_version={payload.get('checkpoint_version')} ([3, np, hn] QKV "
             "order) is not supported; re-save it with Megatron-LM >= 2.0"
         )
-    tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
-    if len(files) != tp * pp:
-        raise ValueError(f"{iter_dir} misses mp_rank folders: {len(files)} found for tp={tp} x pp={pp}")
+    return args, payload
+
+
+def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[ModelConfig, Tensors, dict | None]:
+    """(model config, our global state dict, tokenizer keys or None) of a Megatron-LM checkpoint, legacy torch
+    format or torch_dist.
+
+    vocab_size: the unpadded vocabulary; default: the size of the tokenizer args name (its files when they
+    exist; NullTokenizer: args.vocab_size + 1), else args.vocab_size, else args.padded_vocab_size."""
+    iter_dir = find_iteration_dir(root)
+    args, first = read_args(iter_dir)
     data, tokenizer_vocab = tokenizer_from_args(args)
     vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or args.padded_vocab_size
     cfg = model_config_from_args(args, vocab)
+    if is_torch_dist(iter_dir):
+        tensors = rename_chunk(read_model_tensors(iter_dir, GLOBAL_NAMES), 0)
+    else:
+        tensors = _legacy_tensors(iter_dir, first, cfg)
+    _check_complete(tensors, cfg, iter_dir)
+    return cfg, _pad_vocab(tensors, cfg), data
+
+
+def _legacy_tensors(iter_dir: str, first: dict, cfg: ModelConfig) -> Tensors:
+    """The global tensors of every mp_rank file: layers renumbered across pp stages and virtual chunks
+    (chunk c of stage p holds layers [(c * pp + p) * per_chunk, ...)), tp shards merged."""
+    files = rank_files(iter_dir)
+    tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
+    if len(files) != tp * pp:
+        raise ValueError(f"{iter_dir} misses mp_rank folders: {len(files)} found for tp={tp} x pp={pp}")
     shards: dict[str, list[torch.Tensor]] = {}
     for (_tp_rank, pp_rank), path in sorted(files.items()):
         payload = first if path == files[min(files)] else load_megatron_file(path)
@@ -301,9 +307,7 @@ def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[
             for name, tensor in rename_chunk(chunk, offset).items():
                 shards.setdefault(name, []).append(tensor)
     shardings = param_shardings(cfg)
-    tensors = {name: merge_tp(name, parts, shardings) for name, parts in shards.items()}
-    _check_complete(tensors, cfg, iter_dir)
-    return cfg, _pad_vocab(tensors, cfg), data
+    return {name: merge_tp(name, parts, shardings) for name, parts in shards.items()}
 
 
 def _check_complete(tensors: Tensors, cfg: ModelConfig, iter_dir: str) -> None:

@@ -7,6 +7,8 @@ padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_check
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from config.schema import config_from_dict
@@ -31,6 +33,19 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
     )
     load_model_weights(iter_dir, chunks, state)
     return config, chunks[0].state_dict()
+
+
+def checkpoint_iteration(path: str) -> tuple[int, str]:
+    """(iteration, iteration folder) a checkpoint path resolves to (iter_0000120 -> 120)."""
+    iter_dir = resolve_checkpoint(path)
+    digits = os.path.basename(iter_dir).removeprefix("iter_")
+    return (int(digits) if digits.isdigit() else 0), iter_dir
+
+
+def loaded_iteration(path: str) -> str:
+    """Which iteration a checkpoint path resolves to, as words for the user ("iteration 120 of DIR")."""
+    iteration, iter_dir = checkpoint_iteration(path)
+    return f"iteration {iteration} of {iter_dir}"
 
 
 def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors) -> str:

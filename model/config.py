@@ -47,7 +47,7 @@ class ModelConfig:
     rotary_base: float = field(default=10000.0, metadata=_RESUME_ONLY)
     normalization: str = field(default="layernorm", metadata=_STRUCTURAL)  # layernorm | rmsnorm
     norm_epsilon: float = 1e-5
-    activation: str = field(default="gelu", metadata=_STRUCTURAL)  # gelu | swiglu
+    activation: str = field(default="gelu", metadata=_STRUCTURAL)  # gelu | gelu_tanh (GPT-2's gelu_new) | swiglu
     tie_embeddings: bool = field(default=True, metadata=_STRUCTURAL)
     add_bias_linear: bool = field(default=True, metadata=_STRUCTURAL)
     hidden_dropout: float = 0.1
@@ -59,7 +59,7 @@ class ModelConfig:
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "position_embedding_type": ("learned", "rope"),
         "normalization": ("layernorm", "rmsnorm"),
-        "activation": ("gelu", "swiglu"),
+        "activation": ("gelu", "gelu_tanh", "swiglu"),
     }
 
     def validate(self) -> None:

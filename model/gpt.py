@@ -120,6 +120,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's gelu_new
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
         self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
@@ -127,7 +128,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, h] -> (output [s, b, h], fc2's bias when it is left to the fused bias-dropout-add, else None)."""
-        y = kernels.linear_activation(self.fc1, x, self.swiglu, self.kernels)  # [s, b, ffn(/tp)]
+        y = kernels.linear_activation(self.fc1, x, self.swiglu, self.kernels, self.gelu_approximate)  # [s, b, ffn(/tp)]
         if kernels.fuses_bias_dropout_add(self.kernels, y.device):
             return kernels.linear_skip_bias(self.fc2, y)
         return self.fc2(y), None

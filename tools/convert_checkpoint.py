@@ -1,4 +1,4 @@
-"""Convert checkpoints: ours <-> HuggingFace transformers, Megatron-LM -> ours, any layout -> one file.
+"""Convert checkpoints: ours <-> HuggingFace transformers, ours <-> Megatron-LM, any layout -> one file.
 
 A CHECKPOINT is a checkpoints folder (its latest complete iteration) or one iter_XXXXXXX folder in it.
 
@@ -6,6 +6,7 @@ examples:
   python tools/convert_checkpoint.py to-hf runs/gpt_tiny/checkpoints hf/gpt_tiny --dtype bf16
   python tools/convert_checkpoint.py from-hf hf/llama ckpt/llama --tp 2 --pp 2
   python tools/convert_checkpoint.py from-megatron /data/megatron/gpt_345m/checkpoints ckpt/gpt_345m
+  python tools/convert_checkpoint.py to-megatron runs/gpt_tiny/checkpoints megatron/gpt_tiny --tp 2 --pp 2
   python tools/convert_checkpoint.py consolidate runs/gpt_tiny/checkpoints gpt_tiny.pt
 
 to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
@@ -13,7 +14,8 @@ tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megat
 checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections) for fine-tuning:
   python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.finetune=ckpt/llama \
       data.data_path=[data/my_text_document]
-Bad input is one line on stderr and exit status 2; nothing is left half-written.
+to-megatron writes Megatron-LM's legacy torch format (weights, args; docs/conversion.md says what each
+direction carries). Bad input is one line on stderr and exit status 2; nothing is left half-written.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from convert.hf_mapping import (
     model_config_from_hf,
     to_hf_state_dict,
 )
-from convert.model_weights import load_global_state, save_global_state
+from convert.model_weights import checkpoint_iteration, load_global_state, loaded_iteration, save_global_state
 from model.config import ModelConfig
 from training.checkpointing import CheckpointError
 
@@ -79,13 +81,14 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     max_bytes = parse_size(max_shard_size)
     check_output_free(out_dir)
     config, tensors = load_global_state(checkpoint)
+    print(f"loaded {loaded_iteration(checkpoint)}")
     cfg = model_config_of(config)
     warn_about_normalization(config["data"])
     hf_tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, tensors).items()}
     tmp = aside(out_dir)
     os.makedirs(tmp)
     try:
-        ids = write_tokenizer(tmp, config["data"], cfg.vocab_size, cfg.max_positions)
+        ids = export_tokenizer(tmp, config["data"], cfg)
         files = write_weights(tmp, hf_tensors, max_bytes)
         hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": HF_DTYPE_NAMES[dtype]}
         _write_json(os.path.join(tmp, "config.json"), hf)
@@ -97,6 +100,20 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return files
+
+
+def export_tokenizer(folder: str, data: dict, cfg: ModelConfig) -> dict:
+    """The run's tokenizer into the transformers folder; {bos, eos} ids. A run without tokenizer files (a
+    Megatron NullTokenizer, a tokenizer this project does not read) exports weights and config only."""
+    files = ("vocab_file", "merge_file") if data.get("tokenizer_type") == "GPT2BPETokenizer" else ("tokenizer_model",)
+    if not all(data.get(key) for key in files):
+        print(
+            f"warning: the checkpoint names no tokenizer files ({data.get('tokenizer_type')} without "
+            f"{' / '.join(files)}): writing weights and config.json without a tokenizer",
+            file=sys.stderr,
+        )
+        return {"bos": None, "eos": None}
+    return write_tokenizer(folder, data, cfg.vocab_size, cfg.max_positions)
 
 
 def warn_about_normalization(data: dict) -> None:
@@ -164,7 +181,16 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
     cfg = model_config_from_hf(read_config(hf_dir))
     parallel = layout_section(cfg, tp, pp, vp)
     tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
+    refuse_non_finite(tensors, hf_dir)
     return write_our_checkpoint(out, cfg, tensors, tokenizer_section(hf_dir), parallel)
+
+
+def refuse_non_finite(tensors: dict, source: str) -> None:
+    """NaN or inf in the weights would train nothing: refuse before writing (one line, the tensor)."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: tensor {name} holds {bad} NaN/inf values; refusing to convert it")
 
 
 def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
@@ -173,7 +199,39 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
 
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
+    refuse_non_finite(tensors, megatron_dir)
+    if data is None:
+        print(
+            f"warning: {megatron_dir} names no tokenizer files this project reads; only the vocabulary size "
+            f"({cfg.vocab_size}) is carried: set data.tokenizer_type and its files before training",
+            file=sys.stderr,
+        )
     return write_our_checkpoint(out, cfg, tensors, data, parallel)
+
+
+def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
+    """Our checkpoint (any layout) -> Megatron-LM's legacy torch format at (tp, pp, vp), weights only, with
+    the iteration it was saved at."""
+    from convert.megatron import TRACKER
+    from convert.megatron_export import megatron_files
+
+    config, tensors = load_global_state(checkpoint)
+    iteration = checkpoint_iteration(checkpoint)[0]
+    print(f"loaded {loaded_iteration(checkpoint)}")
+    files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration, config["data"])
+    check_output_free(out)
+    tmp = aside(out)
+    try:
+        for relative, payload in files.items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, relative)), exist_ok=True)
+            torch.save(payload, os.path.join(tmp, relative))
+        with open(os.path.join(tmp, TRACKER), "w", encoding="utf-8") as handle:
+            handle.write(f"{iteration}\n")
+        publish_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 # ---- consolidate -----------------------------------------------------------------------------------
@@ -203,10 +261,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="shard safetensors above this size (default 5GB)")
-    for name, source in (("from-hf", "hf_dir"), ("from-megatron", "megatron_dir")):
-        p = sub.add_parser(name, help=f"{source} -> our checkpoint at the asked layout")
+    for name, source, out, what in (
+        ("from-hf", "hf_dir", "out_checkpoint", "transformers folder -> our checkpoint"),
+        ("from-megatron", "megatron_dir", "out_checkpoint", "Megatron-LM checkpoint (torch, torch_dist) -> ours"),
+        ("to-megatron", "checkpoint", "out_dir", "our checkpoint -> Megatron-LM torch format"),
+    ):
+        p = sub.add_parser(name, help=f"{what} at the asked layout")
         p.add_argument(source)
-        p.add_argument("out_checkpoint")
+        p.add_argument(out)
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vp", type=int, default=1)
@@ -226,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {from_hf(args.hf_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
         elif args.command == "from-megatron":
             print(f"wrote {from_megatron(args.megatron_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
+        elif args.command == "to-megatron":
+            print(f"wrote {to_megatron(args.checkpoint, args.out_dir, args.tp, args.pp, args.vp)}")
         else:
             print(f"wrote {consolidate(args.checkpoint, args.out_file)}")
     except INPUT_ERRORS as err:

@@ -84,9 +84,15 @@ def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
     return linear(x, skip_bias_add=True)
 
 
-def linear_activation(fc1: nn.Module, x: torch.Tensor, swiglu: bool, kernels: KernelSelection) -> torch.Tensor:
-    """The MLP's first half: gelu(fc1(x)) or silu(gate) * up of fc1(x) = [gate, up]."""
+def linear_activation(
+    fc1: nn.Module, x: torch.Tensor, swiglu: bool, kernels: KernelSelection, gelu_approximate: str = "none"
+) -> torch.Tensor:
+    """The MLP's first half: gelu(fc1(x)) or silu(gate) * up of fc1(x) = [gate, up]. gelu_approximate="tanh"
+    is GPT-2's tanh GeLU, which the fused bias_gelu kernel (exact erf) does not compute: it takes the
+    reference path."""
     name = "swiglu" if swiglu else "bias_gelu"
+    if gelu_approximate != "none":
+        return reference.bias_gelu(fc1(x), None, gelu_approximate)
     if not kernels.uses(name):
         return (reference.bias_swiglu if swiglu else reference.bias_gelu)(fc1(x), None)
     y, bias = linear_skip_bias(fc1, x)

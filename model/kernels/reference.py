@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """gelu(y + bias), exact (erf) GeLU: [..., F] -> [..., F]."""
-    return F.gelu(y if bias is None else y + bias)
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """gelu(y + bias): [..., F] -> [..., F]; exact (erf) GeLU, or GPT-2's tanh form with approximate="tanh"."""
+    return F.gelu(y if bias is None else y + bias, approximate=approximate)
 
 
 def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

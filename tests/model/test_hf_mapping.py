@@ -173,10 +173,10 @@ def test_export_gives_transformers_the_same_logits(style):
 
 
 def test_unsupported_options_are_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="activation_function='gelu_new'"):
-        model_config_from_hf(
-            {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 8, "vocab_size": 10}
-        )
+    gpt2 = {"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 8, "vocab_size": 10}
+    assert model_config_from_hf(gpt2).activation == "gelu_tanh"  # GPT-2's default gelu_new
+    with pytest.raises(UnsupportedModelError, match="activation_function='relu'"):
+        model_config_from_hf({**gpt2, "activation_function": "relu"})
     with pytest.raises(UnsupportedModelError, match="model_type='bert'"):
         model_config_from_hf({"model_type": "bert"})
     with pytest.raises(UnsupportedModelError, match="rope_type='linear'"):

@@ -17,7 +17,7 @@ from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from tests.conftest import REPO_ROOT, run_ranks
-from tools.convert_checkpoint import consolidate, from_hf, to_hf
+from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
 from training.checkpointing import save_model_weights
 
 GPT = dict(
@@ -121,6 +121,7 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     out = tmp_path / "hf"
     result = run_tool("to-hf", str(tmp_path / "ckpt"), str(out), "--dtype", "bf16", "--max-shard-size", "100KB")
     assert result.returncode == 0, result.stderr
+    assert f"loaded iteration 3 of {tmp_path / 'ckpt' / 'iter_0000003'}" in result.stdout
     index = json.load(open(out / "model.safetensors.index.json"))
     shards = sorted(set(index["weight_map"].values()))
     loaded = [load_file(out / name) for name in shards]
@@ -135,6 +136,17 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     to_hf(str(tmp_path / "back"), str(tmp_path / "hf2"), dtype="bf16")
     again = load_file(tmp_path / "hf2" / "model.safetensors")
     assert set(again) == set(exported) and all(torch.equal(again[k], exported[k]) for k in again)
+    # to-megatron carries the GPT-2 BPE files in Megatron's args; from-megatron reads them back
+    to_megatron(str(tmp_path / "back"), str(tmp_path / "megatron"), tp=2, pp=2)
+    from convert.megatron import load_megatron_checkpoint
+
+    _, megatron_tensors, data = load_megatron_checkpoint(str(tmp_path / "megatron"))
+    assert data["tokenizer_type"] == "GPT2BPETokenizer" and os.path.isfile(data["vocab_file"])
+    _, back_tensors = load_global_state(str(tmp_path / "back"))
+    assert torch.equal(
+        megatron_tensors["embedding.word_embeddings.weight"][:300],
+        back_tensors["embedding.word_embeddings.weight"][:300],
+    )
     # consolidate: the full model under global names
     consolidate(str(tmp_path / "back"), str(tmp_path / "model.pt"))
     whole = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -172,6 +184,60 @@ def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
 
     back = to_hf_state_dict(model_config_from_hf(config.to_dict()), ours)
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in back)
+
+
+def test_gpt2_gelu_new_converts_with_transformers_logits_and_exports_back(tmp_path):
+    """GPT-2's default activation (gelu_new, the tanh GeLU) -> model.activation=gelu_tanh: same logits, it
+    trains, and to-hf (no tokenizer files here: weights and config with a warning) keeps gelu_new, bitwise."""
+    import transformers
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    assert config.activation_function == "gelu_new"
+    hf_model = transformers.GPT2LMHeadModel(config).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), tp=2)
+    saved, tensors = load_global_state(str(tmp_path / "ours"))
+    assert saved["model"]["activation"] == "gelu_tanh"
+    from config.schema import config_from_dict
+    from convert.model_weights import build_model_from_state
+
+    model = build_model_from_state(config_from_dict(saved).model, tensors)
+    with torch.no_grad():
+        theirs = hf_model(TOKENS).logits
+        ours = model(TOKENS, torch.arange(20).expand(2, 20))[..., :300]
+    assert (ours - theirs).abs().max().item() <= 1e-5 * max(1.0, theirs.abs().max().item())
+    model.train()
+    model(TOKENS, torch.arange(20).expand(2, 20)).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    result = run_tool("to-hf", str(tmp_path / "ours"), str(tmp_path / "back"))
+    assert result.returncode == 0 and result.stderr.startswith("warning: the checkpoint names no tokenizer files")
+    assert json.load(open(tmp_path / "back" / "config.json"))["activation_function"] == "gelu_new"
+    original, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert all(torch.equal(back[k], original[k]) for k in back) and set(original) - set(back) <= {"lm_head.weight"}
+
+
+def test_from_hf_refuses_non_finite_weights(tmp_path):
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"][3, 5] = float("nan")
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    assert_refused(
+        run_tool("from-hf", str(tmp_path / "hf"), out),
+        f"{tmp_path / 'hf'}: tensor layers.0.mlp.fc1.weight holds 1 NaN/inf values; refusing to convert it",
+        out,
+    )
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:

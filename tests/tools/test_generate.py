@@ -98,7 +98,9 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
 
     tokenizer = GPT2BPETokenizer(tokenizer_files["vocab_file"], tokenizer_files["merge_file"])
     assert result.stdout == PROMPT + tokenizer.decode(single) + "\n"
-    assert "tokens/s" in result.stderr
+    assert (
+        "tokens/s" in result.stderr and f"loaded iteration 3 of {tmp_path / 'ckpt' / 'iter_0000003'}" in result.stderr
+    )
     bad = subprocess.run(
         [sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"],
         cwd=REPO_ROOT,
