@@ -28,6 +28,9 @@ class DataConfig:
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None  # SentencePiece .model, or a tokenizer.json (or its folder)
+    # With no data path: true trains on the bundled sample corpus even where model.vocab_size is set for another
+    # tokenizer (throughput measurements of a real model size); false refuses that (training/setup.py).
+    use_sample_corpus: bool = False
     cache_dir: str | None = None  # index caches (Megatron's --data-cache-path); None = next to the data
     num_workers: int = 1
     eod_mask_loss: bool = False
@@ -60,6 +63,8 @@ class DataConfig:
             )
         if not self.data_path and any(getattr(self, key) for key in self.SPLIT_KEYS) and not self.train_data_path:
             raise ValueError("data.valid_data_path / test_data_path are set without data.train_data_path: give it too")
+        if self.use_sample_corpus and self.has_data:
+            raise ValueError("data.use_sample_corpus=true and a data path are both set: give one of them")
         if self.tokenizer_type not in self.TOKENIZER_TYPES:
             raise ValueError(
                 f"data.tokenizer_type={self.tokenizer_type!r} is not one of {', '.join(self.TOKENIZER_TYPES)}"

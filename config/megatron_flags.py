@@ -86,7 +86,7 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "--eod-mask-loss": ("data.eod_mask_loss=true", ""),
     "--reset-position-ids": ("data.reset_position_ids=true", ""),
     "--reset-attention-mask": ("data.reset_attention_mask=true", ""),
-    "--mock-data": ("data.data_path=[]", "the bundled sample corpus: real text, tiny configs only"),
+    "--mock-data": ("data.use_sample_corpus=true", "the bundled sample corpus (real text) instead of mock data"),
     # checkpoint, logging, run
     "--save": ("run.dir={}", "checkpoints go to run.dir/checkpoints"),
     "--load": ("checkpoint.load={}", "a checkpoints folder or one iter_XXXXXXX; true = run.dir's"),

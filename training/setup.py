@@ -106,13 +106,16 @@ def barrier(env: DistEnv) -> None:
 def check_sample_corpus_fits(config: Config) -> None:
     """With no data path the run trains on the bundled sample corpus, a byte-level corpus for the tiny configs.
     A config that fixes model.vocab_size to another size (GPT-2's 50257) was written for a corpus of its own:
-    training it on the sample corpus would be silently wrong (and its index huge), so it is refused."""
+    training it on the sample corpus would be silently wrong (and its index huge), so it is refused unless
+    data.use_sample_corpus=true says it is meant (throughput measurements)."""
     vocab_size = config.model.vocab_size
-    if not config.data.has_data and vocab_size is not None and vocab_size != SAMPLE_VOCAB_SIZE:
+    data = config.data
+    if not data.has_data and not data.use_sample_corpus and vocab_size not in (None, SAMPLE_VOCAB_SIZE):
         raise ValueError(
             f"data.data_path is empty, so the run would train on the bundled sample corpus ({SAMPLE_VOCAB_SIZE} "
             f"byte-level tokens, for the tiny configs), but model.vocab_size={vocab_size} expects a tokenizer of "
-            f"its own: set data.data_path (and the tokenizer keys) to your preprocessed corpus"
+            f"its own: set data.data_path (and the tokenizer keys) to your preprocessed corpus, or "
+            f"data.use_sample_corpus=true to measure speed on the sample corpus"
         )
 
 

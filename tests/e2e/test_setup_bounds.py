@@ -30,7 +30,8 @@ def test_a_big_config_without_data_is_refused_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: data.data_path is empty, so the run would train on the bundled sample corpus (257 byte-level "
         "tokens, for the tiny configs), but model.vocab_size=50257 expects a tokenizer of its own: set "
-        "data.data_path (and the tokenizer keys) to your preprocessed corpus"
+        "data.data_path (and the tokenizer keys) to your preprocessed corpus, or data.use_sample_corpus=true to "
+        "measure speed on the sample corpus"
     ]
     assert not (tmp_path / "run").exists()
 
@@ -106,3 +107,14 @@ def test_separate_split_paths_train(tiny_corpus, tmp_path, capsys):
     )
     assert code == EXIT_OK
     assert [r["iteration"] for r in read_metrics(run_dir) if "lm_loss" in r][-1] == 2
+
+
+def test_the_sample_corpus_on_a_big_config_when_asked():
+    from config.schema import load_config
+    from training.setup import check_sample_corpus_fits
+
+    path = os.path.join(REPO_ROOT, "configs", "gpt2_124m.yaml")
+    check_sample_corpus_fits(load_config(path, ["data.use_sample_corpus=true"]))  # scripts/gpu_check.sh's runs
+    with pytest.raises(ValueError, match="model.vocab_size=50257 expects a tokenizer of its own"):
+        check_sample_corpus_fits(load_config(path))
+    check_sample_corpus_fits(load_config(None, ["model.vocab_size=257"]))  # the sample corpus's own size
