@@ -106,3 +106,11 @@ def test_separate_split_paths_use_every_document_of_their_prefix(tmp_path):
     assert [list(train[i]["text"]) for i in range(len(train))] == [list(alone[i]["text"]) for i in range(len(alone))]
     weighted = build_split_datasets(([0.5, train_prefix, 0.5, valid_prefix], [], []), 8, 1, (20, 0, 0), cache)
     assert len(weighted[0]) == 20 and weighted[1] is None
+
+
+def test_preprocessed_files_follow_the_umask(tok_files, tmp_path, umask_027):
+    from tests.data.helpers import VARIED_TEXTS, run_preprocess, write_jsonl
+
+    prefix = run_preprocess(tok_files, write_jsonl(tmp_path / "c.jsonl", VARIED_TEXTS), str(tmp_path / "out"))
+    for suffix in (".bin", ".idx"):
+        assert os.stat(prefix + suffix).st_mode & 0o777 == 0o640
