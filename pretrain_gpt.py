@@ -16,6 +16,7 @@ import sys
 
 import torch.distributed as dist
 
+from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
 from parallel.layout import layout_from_config
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED
@@ -28,11 +29,31 @@ __all__ = ["DEFAULT_CONFIG", "main", "parse_args"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """--config and the section.key=value overrides."""
+    """--config and the section.key=value overrides. A Megatron-LM flag (`--train-iters 50`) exits 2 with one
+    line naming the override that replaces it (config/megatron_flags.py, docs/megatron_flags.md)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/gpt_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.train_iters=50")
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"error: {unknown_option_message(unknown, argv)}", file=sys.stderr)
+        raise SystemExit(EXIT_INPUT_ERROR)
+    return args
+
+
+def unknown_option_message(unknown: list[str], argv: list[str]) -> str:
+    """One line for the first option argparse did not know, with the override a Megatron-LM flag maps to."""
+    flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0])
+    position = argv.index(flag) + 1 if flag in argv else len(argv)  # argparse took its value as an override
+    following = argv[position] if position < len(argv) else None
+    value = following if following is not None and not following.startswith("-") else None
+    override = megatron_hint(flag, value)
+    if override is None:
+        return f"unknown option {flag}: the trainer takes --config FILE and section.key=value overrides"
+    return (
+        f"{flag.split('=', 1)[0]} is a Megatron-LM flag: write the override {override} "
+        f"(docs/megatron_flags.md maps every flag to its key)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,16 +21,13 @@ from typing import Any, Union
 
 import yaml
 
+from config.data_config import DataConfig
+from config.key_hints import closest_key
 from model.config import ModelConfig
 
 
 class ConfigError(ValueError):
     """A bad config: the message names the key and the value."""
-
-
-def _expand_home(value: Any) -> Any:
-    """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
-    return os.path.expanduser(value) if isinstance(value, str) else value
 
 
 @dataclass
@@ -145,38 +142,6 @@ class OptimConfig:
 
 
 @dataclass
-class DataConfig:
-    data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
-    split: str = "969,30,1"
-    tokenizer_type: str = "GPT2BPETokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None
-    cache_dir: str | None = None  # index caches; None = next to the data
-    num_workers: int = 1
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    # Megatron's GPTDatasetConfig options (same names, same defaults), see data/builder.py BuildOptions.
-    add_extra_token_to_sequence: bool = True  # False: samples of exactly seq_length tokens
-    drop_last_partial_validation_sequence: bool = True
-    mid_level_dataset_surplus: float = 0.005  # margin each weighted blend component is built with
-
-    def validate(self) -> None:
-        if not self.mid_level_dataset_surplus >= 0:
-            raise ConfigError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
-        self.data_path = [_expand_home(item) for item in self.data_path]
-        for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
-            setattr(self, key, _expand_home(getattr(self, key)))
-        if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
-            raise ConfigError(
-                f"data.tokenizer_type={self.tokenizer_type!r} is not one of GPT2BPETokenizer, SentencePieceTokenizer"
-            )
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers={self.num_workers} must be >= 0")
-
-
-@dataclass
 class CheckpointConfig:
     save_interval: int = 0  # 0 = only at the end
     # true: the latest checkpoint under run.dir/checkpoints; a path: a checkpoints folder or one iter_XXXXXXX
@@ -249,10 +214,10 @@ class Config:
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         data = self.data
-        if data.data_path and data.tokenizer_type == "GPT2BPETokenizer" and not (data.vocab_file and data.merge_file):
+        if data.has_data and data.tokenizer_type == "GPT2BPETokenizer" and not (data.vocab_file and data.merge_file):
             raise ConfigError("data.data_path is set, so GPT2BPETokenizer needs data.vocab_file and data.merge_file")
-        if data.data_path and data.tokenizer_type == "SentencePieceTokenizer" and not data.tokenizer_model:
-            raise ConfigError("data.data_path is set, so SentencePieceTokenizer needs data.tokenizer_model")
+        if data.has_data and data.tokenizer_type != "GPT2BPETokenizer" and not data.tokenizer_model:
+            raise ConfigError(f"data.data_path is set, so {data.tokenizer_type} needs data.tokenizer_model")
         decay_iters = self.optim.lr_decay_iters or self.train.train_iters
         if self.optim.lr_warmup_iters > decay_iters:
             source = "optim.lr_decay_iters" if self.optim.lr_decay_iters else "train.train_iters"
@@ -297,8 +262,8 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
     known = [f.name for f in dataclasses.fields(cls)]
     for key, value in values.items():
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+            close = closest_key(section, key, known)
+            hint = f"; did you mean {close}?" if close else f"; known keys: {', '.join(known)}"
             raise ConfigError(f"unknown config key {section}.{key}{hint}")
         value = values[key] = _coerce_float(value, hints[key])
         if not _type_matches(value, hints[key]):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from data.atomic_files import honour_umask
 from data.tokenizers import EOD_TOKEN
 
 Tensors = dict[str, torch.Tensor]
@@ -66,13 +67,16 @@ def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[s
 
     shards = shard_tensors(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
         save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        honour_umask(os.path.join(folder, name))  # safetensors creates its files 0600 whatever the umask
         weight_map.update({key: name for key in shard})
+    if len(shards) == 1:
+        return names
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(folder, SAFE_INDEX), "w", encoding="utf-8") as handle:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)

@@ -158,3 +158,24 @@ def build_train_valid_test_datasets(
 def _component_samples(num_samples: int, weight: float, surplus: float) -> int:
     """Samples a blend component is built for: ceil(ceil(n * w) * (1 + surplus)), Megatron's margin."""
     return math.ceil(math.ceil(num_samples * weight) * (1 + surplus)) if num_samples else 0
+
+
+def build_split_datasets(
+    split_paths: tuple[list, list, list],
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None,
+    options: BuildOptions = BuildOptions(),
+):
+    """Megatron's --train-data-path / --valid-data-path / --test-data-path: split k is built from its own
+    blend list (as data_path), every document of it in that split; None where no path or 0 samples."""
+    datasets: list[GPTDataset | BlendedDataset | None] = []
+    for k, (path, n) in enumerate(zip(split_paths, num_samples)):
+        if not path or not n:
+            datasets.append(None)
+            continue
+        only_k = ",".join("1" if j == k else "0" for j in range(len(SPLIT_NAMES)))
+        asked = (n if k == 0 else 0, n if k == 1 else 0, n if k == 2 else 0)
+        datasets.append(build_train_valid_test_datasets(path, only_k, seq_length, seed, asked, cache_dir, options)[k])
+    return tuple(datasets)

@@ -11,14 +11,16 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
+from data.atomic_files import atomic_output, remove_stale_temporaries
+from data.index_budget import check_index_fits, index_nbytes
 from data.indexed_dataset import IndexedDataset
 
 _CACHE_FORMAT = 1  # bump when the index layout changes, so stale caches are not reused
+_CHUNK = 1 << 22  # samples (rows) per step when building and writing the large arrays
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def separate_final_epoch(
     tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int, extra: int = 1
 ) -> bool:
     """Megatron's rule: shuffle the last epoch apart when it contributes under 80% of an epoch."""
-    if num_epochs == 1:
+    if num_epochs == 1 or num_samples is None:  # one epoch (None) is never split
         return False
     before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     per_epoch = (tokens_per_epoch - extra) // seq_length
@@ -103,13 +105,16 @@ def build_sample_index(
     doc_lengths = sizes[document_index].astype(np.int64)
     starts = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
     np.cumsum(doc_lengths, out=starts[1:])
-    last = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length + extra - 1
-    rows = np.searchsorted(starts, last, side="right") - 1
     sample_index = np.empty((num_samples + 1, 2), dtype=np.int64)
     sample_index[0] = (0, 0)  # Megatron's first row, even if the first document is empty
-    sample_index[1:, 0] = rows
-    sample_index[1:, 1] = last - starts[np.minimum(rows, len(doc_lengths) - 1)] + 1 - extra
-    if num_samples and last[-1] >= starts[-1]:  # the partial last sample
+    # In chunks: bounded temporaries, and a stop signal is seen between chunks (it raises in Python code).
+    for begin in range(0, num_samples, _CHUNK):
+        end = min(begin + _CHUNK, num_samples)
+        last = np.arange(begin + 1, end + 1, dtype=np.int64) * seq_length + extra - 1
+        rows = np.searchsorted(starts, last, side="right") - 1
+        sample_index[begin + 1 : end + 1, 0] = rows
+        sample_index[begin + 1 : end + 1, 1] = last - starts[np.minimum(rows, len(doc_lengths) - 1)] + 1 - extra
+    if num_samples and num_samples * seq_length + extra - 1 >= starts[-1]:  # the partial last sample
         sample_index[-1] = (len(document_index) - 1, int(doc_lengths[-1]) - extra)
     return sample_index
 
@@ -126,6 +131,34 @@ def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState
     return np.concatenate((first, last))
 
 
+@dataclass(frozen=True)
+class IndexPlan:
+    """What build_indices will build, known from counts alone (so its size can be checked first)."""
+
+    epochs: int
+    separate_final: bool
+    total_samples: int
+    document_entries: int  # entries of the document index: epochs * documents
+
+    def nbytes(self) -> int:
+        """Bytes of the three arrays (data/index_budget.py)."""
+        return index_nbytes(self.document_entries, self.total_samples)
+
+
+def plan_indices(
+    sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None, options: SampleOptions
+) -> IndexPlan:
+    """Epochs and sample counts of the split's indices; ValueError for a split without tokens."""
+    extra = int(options.extra_token)
+    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
+    if tokens_per_epoch < 1:  # Megatron would loop forever looking for enough epochs
+        raise ValueError(f"split has {len(documents)} documents and no tokens")
+    epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples, extra)
+    separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs, extra)
+    total = total_samples(epochs * tokens_per_epoch, seq_length, options)
+    return IndexPlan(epochs, separate, total, epochs * len(documents))
+
+
 def build_indices(
     sizes: np.ndarray,
     documents: np.ndarray,
@@ -133,36 +166,35 @@ def build_indices(
     num_samples: int | None,
     seed: int,
     options: SampleOptions = SampleOptions(),
+    plan: IndexPlan | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for the split's `documents` (ids into `sizes`).
 
     num_samples None builds one epoch (Megatron's mid-level datasets of an unweighted blend).
     """
+    plan = plan or plan_indices(sizes, documents, seq_length, num_samples, options)
     extra = int(options.extra_token)
-    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
-    if tokens_per_epoch < 1:  # Megatron would loop forever looking for enough epochs
-        raise ValueError(f"split has {len(documents)} documents and no tokens")
-    epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples, extra)
-    separate = separate_final_epoch(tokens_per_epoch, seq_length, num_samples, epochs, extra)
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, epochs, rng, separate)
-    total = total_samples(epochs * tokens_per_epoch, seq_length, options)
+    document_index = build_document_index(documents, plan.epochs, rng, plan.separate_final)
+    total = plan.total_samples
     sample_index = build_sample_index(sizes, document_index, seq_length, total, options.extra_token)
-    before_final = ((epochs - 1) * tokens_per_epoch - extra) // seq_length if separate else total
+    tokens_per_epoch = int(sizes[documents].astype(np.int64).sum())
+    before_final = ((plan.epochs - 1) * tokens_per_epoch - extra) // seq_length if plan.separate_final else total
     shuffle_index = build_shuffle_index(before_final, total, rng)
     return document_index, sample_index, shuffle_index
 
 
 def save_atomic(path: str, array: np.ndarray) -> None:
-    """np.save to a temporary file in the same folder, then rename: readers never see a partial file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npy.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write `array` as .npy under a temporary name in chunks, then rename it into place with the umask's
+    mode: readers never see a partial file, and a stop signal between chunks leaves no temporary file."""
+    with atomic_output(path) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=array.dtype, shape=array.shape)
+        try:
+            for begin in range(0, len(array), _CHUNK):
+                out[begin : begin + _CHUNK] = array[begin : begin + _CHUNK]
+            out.flush()
+        finally:
+            del out  # unmaps the file before it is renamed or removed
 
 
 class GPTDataset:
@@ -205,18 +237,31 @@ class GPTDataset:
         self.cache_key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
         arrays = self._load_cache(cache_dir)
         if arrays is None:
-            try:
-                arrays = build_indices(sizes, documents, seq_length, num_samples, seed, options)
-            except ValueError as exc:
-                raise ValueError(f"{indexed.path_prefix}: {split_name} {exc}") from None
-            if cache_dir is not None:
-                try:
-                    self._save_cache(cache_dir, arrays)
-                except OSError as exc:  # e.g. read-only data folder: train on, rebuild next time
-                    logging.getLogger(__name__).warning(
-                        "index cache not written to %s (%s); indices kept in memory", cache_dir, exc
-                    )
+            arrays = self._build(documents, num_samples, seed, cache_dir)
         self.document_index, self.sample_index, self.shuffle_index = arrays
+
+    def _build(self, documents: np.ndarray, num_samples: int | None, seed: int, cache_dir: str | None):
+        """Plan, check the size against disk and memory, build, then cache (when cache_dir is given)."""
+        name = f"{self.indexed.path_prefix}: {self.description['split']}"
+        sizes = self.indexed.sequence_lengths
+        try:
+            plan = plan_indices(sizes, documents, self.seq_length, num_samples, self.options)
+        except ValueError as exc:
+            raise ValueError(f"{name} {exc}") from None
+        detail = (
+            f"{plan.total_samples:,} samples of {self.seq_length} tokens: {plan.epochs:,} epoch(s) of "
+            f"{self.description['tokens_in_split']:,} tokens"
+        )
+        check_index_fits(plan.nbytes(), cache_dir, f"{name} split", detail)
+        arrays = build_indices(sizes, documents, self.seq_length, num_samples, seed, self.options, plan)
+        if cache_dir is not None:
+            try:
+                self._save_cache(cache_dir, arrays)
+            except OSError as exc:  # e.g. read-only data folder: train on, rebuild next time
+                logging.getLogger(__name__).warning(
+                    "index cache not written to %s (%s); indices kept in memory", cache_dir, exc
+                )
+        return arrays
 
     def _cache_paths(self, cache_dir: str) -> list[str]:
         return [
@@ -227,6 +272,7 @@ class GPTDataset:
     def _load_cache(self, cache_dir: str | None):
         if cache_dir is None:
             return None
+        remove_stale_temporaries(cache_dir)  # left by a killed build (kill -9): never read, only in the way
         paths = self._cache_paths(cache_dir)
         if not all(os.path.exists(p) for p in paths):
             return None
@@ -235,10 +281,8 @@ class GPTDataset:
     def _save_cache(self, cache_dir: str, arrays) -> None:
         os.makedirs(cache_dir, exist_ok=True)
         description_path = os.path.join(cache_dir, f"{self.cache_key}-GPTDataset-description.txt")
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".txt.tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.description, f, indent=2, sort_keys=True)
-        os.replace(tmp, description_path)
+        with atomic_output(description_path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(self.description, handle, indent=2, sort_keys=True)
         # The shuffle index is written last: its presence is what makes a cache complete, see _load_cache.
         for path, array in zip(self._cache_paths(cache_dir), arrays):
             save_atomic(path, array)

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class PreprocessStats:
 class _Encoder:
     """Encodes batches of raw lines; the tokenizer lives on the class so each worker builds it once."""
 
-    tokenizer = None
+    tokenizer: Any = None  # one of data/tokenizers.py's classes, built by initialize()
     settings: ClassVar[dict] = {}
 
     @classmethod
@@ -108,7 +108,8 @@ class _Encoder:
 
 def _read_batches(path: str) -> Iterator[tuple[int, list[bytes]]]:
     with open(path, "rb") as f:
-        batch, first, size = [], 1, 0
+        batch: list[bytes] = []
+        first, size = 1, 0
         for line_no, raw in enumerate(f, 1):
             if not batch:
                 first, size = line_no, 0
@@ -164,7 +165,7 @@ def preprocess_jsonl(
             builders[key] = IndexedDatasetBuilder(tmp[key][0], settings["dtype"])
         if workers > 1:
             pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
-            results = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=1)
+            results: Iterator[Any] = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=1)
         else:
             _Encoder.initialize(settings)
             results = map(_Encoder.encode_batch, _read_batches(input_path))

@@ -23,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 
+from data.atomic_files import honour_umask
 from data.preprocess import preprocess_jsonl
 from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe
 
@@ -135,6 +136,7 @@ def _build_in_place(root_dir: str, progress: bool, stdlib_dir: str | None) -> No
     parent = os.path.dirname(root_dir)
     build_dir = tempfile.mkdtemp(prefix=os.path.basename(root_dir) + ".building-", dir=parent)
     try:
+        honour_umask(build_dir, directory=True)  # mkdtemp makes it 0700: teammates could not read the corpus
         info = _build(build_dir, log, stdlib_dir)
         if os.path.isdir(root_dir) and not os.listdir(root_dir):
             os.rmdir(root_dir)

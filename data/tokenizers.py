@@ -1,10 +1,13 @@
-"""Tokenizers with Megatron's GPT semantics: GPT-2 byte-level BPE and SentencePiece.
+"""Tokenizers with Megatron's GPT semantics: GPT-2 byte-level BPE, SentencePiece and a HuggingFace
+tokenizer.json (what Llama-3 and most current models ship).
 
-Both expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unpadded) and `eod`.
+All expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unpadded) and `eod`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import unicodedata
 from itertools import chain
 
@@ -131,14 +134,77 @@ class SentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+# End-of-document tokens of common tokenizer.json files, tried in order when no tokenizer_config.json says.
+_EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<|eot_id|>", "<eos>", "<|im_end|>")
+
+
+class HuggingFaceTokenizer:
+    """A HuggingFace `tokenizer.json` (the `tokenizers` library, the engine of transformers' fast tokenizers).
+
+    `tokenizer_model` is the file or the folder holding it. Text is encoded without special tokens (no BOS),
+    as the GPT-2 tokenizer here: documents are separated by `eod` only. The end of document is the
+    `eos_token` of a tokenizer_config.json beside the file, else the first of <|endoftext|>,
+    <|end_of_text|>, </s>, <|eot_id|>, <eos>, <|im_end|> it holds.
+    """
+
+    def __init__(self, tokenizer_model: str):
+        from tokenizers import Tokenizer
+
+        path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
+        try:
+            self.tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:  # the Rust library raises its own exception types: name the file
+            raise ValueError(f"{path}: cannot load a HuggingFace tokenizer.json: {str(exc).splitlines()[0]}") from None
+        self.path = path
+        self._eod = self._find_eod(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+
+    def _find_eod(self, config_path: str) -> int:
+        names = list(_EOD_CANDIDATES)
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as handle:
+                eos = json.load(handle).get("eos_token")
+            if isinstance(eos, dict):  # AddedToken form: {"content": "</s>", ...}
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.insert(0, eos)
+        for name in names:
+            token_id = self.tokenizer.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise ValueError(f"{self.path}: no end-of-document token (tried {', '.join(names)})")
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries of the vocabulary, added (special) tokens included (unpadded)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        """Id of the end-of-document token."""
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        """Text of `ids`."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None):
-    """Build the tokenizer named `tokenizer_type` (GPT2BPETokenizer or SentencePieceTokenizer)."""
+    """Build the tokenizer named `tokenizer_type` (one of TOKENIZER_TYPES)."""
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise ValueError("GPT2BPETokenizer needs vocab_file and merge_file")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
         if not tokenizer_model:
-            raise ValueError("SentencePieceTokenizer needs tokenizer_model")
+            raise ValueError(f"{tokenizer_type} needs tokenizer_model")
+        if tokenizer_type == "HuggingFaceTokenizer":
+            return HuggingFaceTokenizer(tokenizer_model)
         return SentencePieceTokenizer(tokenizer_model)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected GPT2BPETokenizer or SentencePieceTokenizer)")
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected one of {', '.join(TOKENIZER_TYPES)})")

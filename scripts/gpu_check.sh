@@ -59,8 +59,8 @@ else
   KERNEL_BENCH=(--tokens 8192 --hidden 2048 --heads 16 --vocab 50257 --dtype bf16 --repeats 20)
   TRAIN=(--iters 10 --warmup 4)
   COMPILE_BACKEND=train.compile_backend=inductor
-  SMALL=(--config configs/gpt2_124m.yaml train.precision=bf16)
-  LARGE=(--config configs/gpt2_124m.yaml model.num_layers=24 model.hidden_size=2048 model.num_attention_heads=16
+  SMALL=(--config configs/gpt2_124m.yaml data.use_sample_corpus=true train.precision=bf16)
+  LARGE=(--config configs/gpt2_124m.yaml data.use_sample_corpus=true model.num_layers=24 model.hidden_size=2048 model.num_attention_heads=16
          model.seq_length=2048 model.max_position_embeddings=2048 train.precision=bf16)
   SMALL_MICRO=16
   LARGE_MICRO=32,16,8,4,2,1

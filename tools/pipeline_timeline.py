@@ -1,7 +1,7 @@
 """Simulate a pipeline schedule, print its bubble fraction and draw its timeline as a PNG.
 
     python tools/pipeline_timeline.py --pp 4 --microbatches 8 --vp 2 --schedule interleaved \\
-        [--forward-cost 1 --backward-cost 2] [--comm-cost 0.1 [--overlap]] --output timeline.png
+        [--forward-cost 1 --backward-cost 2] [--comm-cost 0.1 [--overlap]] [--output PNG] [--xmax 33]
 
 The timeline comes from the same action lists the executor runs (parallel/pipeline/schedules.py). Costs are
 per whole stage per micro-batch (a chunk costs 1/vp of it). By default communication costs nothing and the
@@ -15,6 +15,7 @@ Invalid input prints one line and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import matplotlib
@@ -29,6 +30,7 @@ from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
 from parallel.pipeline.simulator import Timeline, simulate, simulate_plans
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
+DEFAULT_DIR = os.path.join("runs", "timeline")  # relative to where the tool runs, as run.dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,8 +43,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backward-cost", type=float, default=2.0, help="backward time of a stage")
     parser.add_argument("--comm-cost", type=float, default=0.0, help="time of one pipeline message")
     parser.add_argument("--overlap", action="store_true", help="compute while messages are in flight")
-    parser.add_argument("--output", default="timeline.png", help="PNG to write")
+    parser.add_argument(
+        "--output", default=None, help="PNG to write (default: runs/timeline/<schedule>_p<P>_m<M>_v<V>.png)"
+    )
+    parser.add_argument(
+        "--xmax",
+        type=float,
+        default=None,
+        help="time axis length (default: the makespan); one value for pictures compared side by side",
+    )
     return parser.parse_args(argv)
+
+
+def output_path(args: argparse.Namespace) -> str:
+    """--output, or a file under runs/timeline/ (created): never the working directory's top level."""
+    if args.output is not None:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--output {args.output}: folder {folder} does not exist")
+        return args.output
+    os.makedirs(DEFAULT_DIR, exist_ok=True)
+    return os.path.join(DEFAULT_DIR, f"{args.schedule}_p{args.pp}_m{args.microbatches}_v{args.vp}.png")
 
 
 def op_style(op: Op) -> tuple[float, str]:
@@ -65,10 +86,13 @@ def box_colour(microbatch: int, chunk: int, op: Op, num_microbatches: int) -> tu
     return tuple(min(1.0, c * shade * (1 - pale) + pale) for c in (red, green, blue))
 
 
-def draw(timeline: Timeline, schedule: str, path: str, note: str = "") -> None:
-    """One row per rank, a box per forward/backward, labelled with its micro-batch."""
+def draw(timeline: Timeline, schedule: str, path: str, note: str = "", xmax: float | None = None) -> None:
+    """One row per rank, a box per forward/backward, labelled with its micro-batch; the time axis runs to
+    `xmax` (default: the makespan), the figure's width in proportion, so pictures drawn with one xmax share
+    a scale."""
     p, v, m = timeline.pp_size, timeline.vp_size, timeline.num_microbatches
-    fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.45), 1.0 + 0.6 * p))
+    xmax = max(xmax or 0.0, timeline.makespan)
+    fig, ax = plt.subplots(figsize=(max(8.0, xmax * 0.45), 1.0 + 0.6 * p))
     for event in timeline.events:
         action = event.action
         ax.barh(
@@ -94,7 +118,7 @@ def draw(timeline: Timeline, schedule: str, path: str, note: str = "") -> None:
         )
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()  # rank 0 on top, as in the paper's figures
-    ax.set_xlim(0, timeline.makespan)
+    ax.set_xlim(0, xmax)
     ax.set_xlabel("time (units of --forward-cost / --backward-cost)")
     ax.set_title(
         f"{schedule}: p={p}, m={m}, vp={v}{note}; bubble fraction {timeline.bubble_fraction:.4f}"
@@ -125,6 +149,7 @@ def main(argv=None) -> int:
             )
         if args.comm_cost < 0:
             raise ValueError(f"--comm-cost ({args.comm_cost}) must be >= 0")
+        path = output_path(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -141,8 +166,8 @@ def main(argv=None) -> int:
     note = ""
     if args.comm_cost or args.overlap:
         note = f", message cost {args.comm_cost:g}" + (", overlapped" if args.overlap else "")
-    draw(timeline, args.schedule, args.output, note)
-    print(f"wrote {args.output}")
+    draw(timeline, args.schedule, path, note, args.xmax)
+    print(f"wrote {path}")
     return 0
 
 

@@ -10,6 +10,7 @@ import argparse
 
 from data.indexed_dataset import IndexedDatasetError
 from data.preprocess import PreprocessError, preprocess_jsonl
+from data.tokenizers import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -18,10 +19,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", required=True, choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
-    p.add_argument("--tokenizer-model")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, or a tokenizer.json (or its folder)")
     p.add_argument("--append-eod", action="store_true", help="append end-of-document to each document")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000)

@@ -14,7 +14,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from training.run_lock import process_start_ticks
@@ -87,3 +88,36 @@ def job_start_time(environ: Mapping[str, str] | None = None) -> float:
         return boot + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
+
+
+class SetupInterrupted(Interrupted):
+    """A stop signal during setup (the sample corpus, the data indices): nothing to save yet, stopped at once."""
+
+
+@contextmanager
+def stop_at_once(what: str) -> Iterator[None]:
+    """Inside, SIGTERM / SIGUSR1 / SIGINT raise SetupInterrupted at once instead of waiting for an iteration
+    boundary that setup work (minutes of index building) does not have; the handlers in place before come back
+    after. The exception unwinds through the builders' cleanup, so no temporary file is left. A signal the
+    PreemptionHandler recorded before the block stops it at its start."""
+    if threading.current_thread() is not threading.main_thread():  # handlers exist in the main thread only
+        yield
+        return
+    pid = os.getpid()
+
+    def handle(signum: int, frame: Any) -> None:
+        if os.getpid() == pid:  # a forked worker leaves the decision to the trainer
+            raise SetupInterrupted(
+                f"received {signal.Signals(signum).name} while {what}: stopped before the first iteration "
+                f"(nothing to save yet); temporary files removed"
+            )
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        owner = getattr(previous[signal.SIGTERM], "__self__", None)
+        if isinstance(owner, PreemptionHandler) and owner.received is not None:
+            handle(owner.received, None)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

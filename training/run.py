@@ -259,3 +259,8 @@ def resume_if_asked(run: Run) -> None:
         f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "
         f"{run.progress.iteration} ({run.progress.consumed_samples} samples consumed)"
     )
+    if run.progress.iteration >= run.config.train.train_iters:  # a finished run: say so, not a silent exit 0
+        run.logger.info(
+            f"nothing to train: the checkpoint is at iteration {run.progress.iteration} and "
+            f"train.train_iters={run.config.train.train_iters}; raise train.train_iters to train on"
+        )

@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from config.schema import Config, TrainConfig
 from data.blended_dataset import BlendedDataset
-from data.builder import BuildOptions, build_train_valid_test_datasets
+from data.builder import SPLIT_NAMES, BuildOptions, build_split_datasets, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
+from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
-from training.preemption import ignore_stop_signals
+from training.preemption import ignore_stop_signals, stop_at_once
 from training.threads import log_thread_plan, set_threads
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,17 +106,35 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
-    """With no data.data_path, use the bundled sample corpus (built on first use by local rank 0)."""
+def check_sample_corpus_fits(config: Config) -> None:
+    """With no data path the run trains on the bundled sample corpus, a byte-level corpus for the tiny configs.
+    A config that fixes model.vocab_size to another size (GPT-2's 50257) was written for a corpus of its own:
+    training it on the sample corpus would be silently wrong (and its index huge), so it is refused unless
+    data.use_sample_corpus=true says it is meant (throughput measurements)."""
+    vocab_size = config.model.vocab_size
     data = config.data
-    if data.data_path:
+    if not data.has_data and not data.use_sample_corpus and vocab_size not in (None, SAMPLE_VOCAB_SIZE):
+        raise ValueError(
+            f"data.data_path is empty, so the run would train on the bundled sample corpus ({SAMPLE_VOCAB_SIZE} "
+            f"byte-level tokens, for the tiny configs), but model.vocab_size={vocab_size} expects a tokenizer of "
+            f"its own: set data.data_path (and the tokenizer keys) to your preprocessed corpus, or "
+            f"data.use_sample_corpus=true to measure speed on the sample corpus"
+        )
+
+
+def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
+    """With no data path, use the bundled sample corpus (built on first use by local rank 0)."""
+    data = config.data
+    if data.has_data:
         return
+    check_sample_corpus_fits(config)
     root = os.path.join(REPO_ROOT, "sample_data")
-    if env.local_rank == 0:
-        info = ensure_sample_corpus(root, progress=env.rank == 0)
-    barrier(env)
-    if env.local_rank != 0:
-        info = ensure_sample_corpus(root, progress=False)
+    with stop_at_once("building the sample corpus"):
+        if env.local_rank == 0:
+            info = ensure_sample_corpus(root, progress=env.rank == 0)
+        barrier(env)
+        if env.local_rank != 0:
+            info = ensure_sample_corpus(root, progress=False)
     data.data_path = [info["data_prefix"]]
     data.tokenizer_type = info["tokenizer_type"]
     data.vocab_file, data.merge_file = info["vocab_file"], info["merge_file"]
@@ -126,7 +145,8 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
     """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them.
 
     The test split is not built: the trainer never evaluates on it. A split with fewer samples than the
-    run reads (an unweighted blend holds one epoch) is a one-line error.
+    run reads (an unweighted blend holds one epoch) is a one-line error. A stop signal while the indices are
+    built ends the run at once (SetupInterrupted, exit 130).
     """
     train, data = config.train, config.data
     num_samples = (train.train_iters * gbs, train.eval_iters * gbs, 0)
@@ -135,23 +155,39 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
         drop_last_partial_validation=data.drop_last_partial_validation_sequence,
         mid_level_surplus=data.mid_level_dataset_surplus,
     )
+    seq_length, split_paths = config.model.seq_length, tuple(getattr(data, key) for key in data.SPLIT_KEYS)
 
     def build():
-        return build_train_valid_test_datasets(
-            data.data_path, data.split, config.model.seq_length, train.seed, num_samples, data.cache_dir, options
-        )
-
-    datasets: tuple | None = build() if env.rank == 0 else None
-    barrier(env)
-    datasets = datasets if datasets is not None else build()
-    for name, dataset, needed in zip(("train", "valid"), datasets, num_samples):
-        if needed and (dataset is None or len(dataset) < needed):
-            have = 0 if dataset is None else len(dataset)
-            raise ValueError(
-                f"data.data_path: the {name} split gives {have} samples, the run reads {needed} "
-                f"(data.split={data.split!r}; an unweighted blend holds one epoch: give weights)"
+        if data.data_path:
+            return build_train_valid_test_datasets(
+                data.data_path, data.split, seq_length, train.seed, num_samples, data.cache_dir, options
             )
+        return build_split_datasets(split_paths, seq_length, train.seed, num_samples, data.cache_dir, options)
+
+    with stop_at_once("building the data indices"):
+        datasets: tuple | None = build() if env.rank == 0 else None
+        barrier(env)
+        datasets = datasets if datasets is not None else build()
+    for k, (dataset, needed) in enumerate(zip(datasets, num_samples)):
+        if needed and (dataset is None or len(dataset) < needed):
+            raise ValueError(_short_split_message(data, k, 0 if dataset is None else len(dataset), needed))
     return datasets
+
+
+def _short_split_message(data, k: int, have: int, needed: int) -> str:
+    """One line for split k holding fewer samples than the run reads, naming the key to change."""
+    blend = "an unweighted blend holds one epoch: give weights"
+    if data.data_path:
+        return (
+            f"data.data_path: the {SPLIT_NAMES[k]} split gives {have} samples, the run reads {needed} "
+            f"(data.split={data.split!r}; {blend})"
+        )
+    key = data.SPLIT_KEYS[k]
+    if not getattr(data, key):
+        return (
+            f"data.{key} is not set but the run reads {needed} {SPLIT_NAMES[k]} samples: set it, or train.eval_iters=0"
+        )
+    return f"data.{key} gives {have} samples, the run reads {needed} ({blend})"
 
 
 def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, data) -> None:

@@ -77,3 +77,28 @@ def test_overlap_shortens_the_printed_makespan(tmp_path):
         assert result.returncode == 0, result.stderr
         spans.append(float(next(x for x in result.stdout.splitlines() if x.startswith("makespan: ")).split()[1]))
     assert spans[1] < spans[0]
+
+
+def test_default_output_goes_under_runs_and_a_missing_folder_is_one_line(tmp_path):
+    args = ("--pp", "2", "--microbatches", "2")
+    result = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == ["runs"]  # nothing at the top of the working directory
+    assert (tmp_path / "runs" / "timeline" / "1f1b_p2_m2_v1.png").stat().st_size > 1000
+    result = run_tool(*args, "--output", str(tmp_path / "missing" / "t.png"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --output {tmp_path / 'missing' / 't.png'}: folder {tmp_path / 'missing'} does not exist"
+    ]
+
+
+def test_xmax_puts_two_schedules_on_one_scale(tmp_path):
+    from PIL import Image
+
+    widths = []
+    for extra in (("--schedule", "1f1b"), ("--schedule", "interleaved", "--vp", "2")):
+        output = tmp_path / f"{extra[1]}.png"
+        result = run_tool("--pp", "4", "--microbatches", "8", *extra, "--xmax", "33", "--output", str(output))
+        assert result.returncode == 0, result.stderr
+        widths.append(Image.open(output).size[0])
+    assert widths[0] == widths[1]

@@ -1,0 +1,73 @@
+"""The `data` section of the run config: where the tokens come from and how samples are built.
+
+Errors are ValueErrors naming the key; config/schema.py turns them into ConfigErrors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def _expand_home(value: Any) -> Any:
+    """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+@dataclass
+class DataConfig:
+    data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
+    split: str = "969,30,1"
+    # Megatron's separate splits: each a blend list as data_path, all of its documents in that split (instead
+    # of data_path and split)
+    train_data_path: list = field(default_factory=list)
+    valid_data_path: list = field(default_factory=list)
+    test_data_path: list = field(default_factory=list)
+    tokenizer_type: str = "GPT2BPETokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None  # SentencePiece .model, or a tokenizer.json (or its folder)
+    # With no data path: true trains on the bundled sample corpus even where model.vocab_size is set for another
+    # tokenizer (throughput measurements of a real model size); false refuses that (training/setup.py).
+    use_sample_corpus: bool = False
+    cache_dir: str | None = None  # index caches (Megatron's --data-cache-path); None = next to the data
+    num_workers: int = 1
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    # Megatron's GPTDatasetConfig options (same names, same defaults), see data/builder.py BuildOptions.
+    add_extra_token_to_sequence: bool = True  # False: samples of exactly seq_length tokens
+    drop_last_partial_validation_sequence: bool = True
+    mid_level_dataset_surplus: float = 0.005  # margin each weighted blend component is built with
+
+    SPLIT_KEYS: ClassVar[tuple[str, str, str]] = ("train_data_path", "valid_data_path", "test_data_path")
+    TOKENIZER_TYPES: ClassVar[tuple[str, ...]] = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+    @property
+    def has_data(self) -> bool:
+        """Whether any data path is given (else the run trains on the bundled sample corpus)."""
+        return bool(self.data_path) or any(getattr(self, key) for key in self.SPLIT_KEYS)
+
+    def validate(self) -> None:
+        if not self.mid_level_dataset_surplus >= 0:
+            raise ValueError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
+        for key in ("data_path", *self.SPLIT_KEYS):
+            setattr(self, key, [_expand_home(item) for item in getattr(self, key)])
+        for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
+            setattr(self, key, _expand_home(getattr(self, key)))
+        if self.data_path and any(getattr(self, key) for key in self.SPLIT_KEYS):
+            given = next(key for key in self.SPLIT_KEYS if getattr(self, key))
+            raise ValueError(
+                f"data.data_path and data.{given} are both set: give data_path (with data.split) or the per-split paths"
+            )
+        if not self.data_path and any(getattr(self, key) for key in self.SPLIT_KEYS) and not self.train_data_path:
+            raise ValueError("data.valid_data_path / test_data_path are set without data.train_data_path: give it too")
+        if self.use_sample_corpus and self.has_data:
+            raise ValueError("data.use_sample_corpus=true and a data path are both set: give one of them")
+        if self.tokenizer_type not in self.TOKENIZER_TYPES:
+            raise ValueError(
+                f"data.tokenizer_type={self.tokenizer_type!r} is not one of {', '.join(self.TOKENIZER_TYPES)}"
+            )
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
