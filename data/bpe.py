@@ -113,10 +113,10 @@ class TiktokenBPE:
         byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
         to_bytes = lambda tok: bytes(byte_decoder[c] for c in tok)  # noqa: E731
         ranks: dict[bytes, int] = {}
-        for b, ch in sorted(bytes_to_unicode().items()):
+        for byte, ch in sorted(bytes_to_unicode().items()):
             if ch not in vocab:
                 return None  # a missing byte would make tiktoken fail on some input
-            ranks[bytes([b])] = len(ranks)
+            ranks[bytes([byte])] = len(ranks)
         try:
             for a, b in merges:
                 tok = to_bytes(a + b)
