@@ -57,12 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                 if error:
                     print(f"error: {error}", file=sys.stderr)
                 return EXIT_INPUT_ERROR
-            if lock.broke_stale is not None:
-                print(
-                    f"warning: removed the stale lock of pid {lock.broke_stale.get('pid')} on host "
-                    f"{lock.broke_stale.get('host')} from {lock.path}",
-                    file=sys.stderr,
-                )
+            if lock.stale_warning() is not None:
+                print(lock.stale_warning(), file=sys.stderr)
             return run_training(config, env, layout, preemption)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)

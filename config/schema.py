@@ -21,6 +21,7 @@ from typing import Any, Union
 
 import yaml
 
+from config.yaml_reader import read_yaml_file
 from model.config import ModelConfig
 
 
@@ -166,6 +167,10 @@ class DataConfig:
         if not self.mid_level_dataset_surplus >= 0:
             raise ConfigError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
         self.data_path = [_expand_home(item) for item in self.data_path]
+        if self.data_path:  # the blend list's shape and weights, checked before any work (one parser: data/)
+            from data.builder import parse_data_path  # here: numba behind it is needed only with data_path
+
+            parse_data_path(self.data_path)
         for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
             setattr(self, key, _expand_home(getattr(self, key)))
         if self.tokenizer_type not in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
@@ -302,7 +307,9 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
             raise ConfigError(f"unknown config key {section}.{key}{hint}")
         value = values[key] = _coerce_float(value, hints[key])
         if not _type_matches(value, hints[key]):
-            expected = getattr(hints[key], "__name__", str(hints[key]))
+            expected = getattr(hints[key], "__name__", str(hints[key])).replace(" | ", " or ")
+            if value is None:  # `key=` on the command line, or `key:` with nothing after it in YAML
+                raise ConfigError(f"{section}.{key} is given no value: give it a {expected}, or leave it out")
             raise ConfigError(f"{section}.{key}={value!r} has the wrong type: expected {expected}")
         if hints[key] is float and isinstance(value, int):
             values[key] = float(value)
@@ -346,18 +353,6 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: section {section!r} is not a mapping")
         raw[section][key] = value
     return raw
-
-
-def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
-    """The YAML document of `path`; an unreadable file or bad YAML raises `error` with one line naming the
-    `kind` of file ("config", "cluster") and the path."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
-    except OSError as err:
-        raise error(f"cannot read {kind} file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise error(f"{kind} file {path} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 def _read_config_file(path: str) -> dict:

@@ -44,21 +44,34 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
 
 def parse_data_path(data_path: list) -> tuple[list[float] | None, list[str]]:
     """Megatron's blend list: [p1, p2, ...] -> (None, prefixes), blended by dataset size;
-    [w1, p1, w2, p2, ...] -> (normalised weights, prefixes)."""
-    data_path = [str(x).strip() for x in data_path]
-    if not data_path:
-        raise ValueError("data_path is empty")
-    if len(data_path) % 2:
-        return None, data_path
-    parsed = [_as_number(w) for w in data_path[0::2]]
-    if all(w is None for w in parsed):
-        return None, data_path
-    if any(w is None for w in parsed):
-        bad = next(w for w, v in zip(data_path[0::2], parsed) if v is None)
+    [w1, p1, w2, p2, ...] -> (normalised weights, prefixes). Anything else (a weight without its prefix, a
+    prefix where a weight belongs, a weight <= 0) is a one-line error naming data.data_path."""
+    entries = [str(x).strip() for x in data_path]
+    if not entries:
+        raise ValueError("data.data_path is empty")
+    numbers = [_as_number(x) for x in entries]
+    if all(n is None for n in numbers):
+        return None, entries
+    if len(entries) % 2:
         raise ValueError(
-            f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected in {data_path}"
+            f"data.data_path={entries} has {len(entries)} entries with weights among them: a weighted blend is "
+            f"pairs [weight, prefix, weight, prefix, ...], an unweighted one prefixes only"
         )
-    return normalize_weights([w for w in parsed if w is not None]), data_path[1::2]  # none is None here
+    for k, (entry, number) in enumerate(zip(entries, numbers)):
+        if (number is None) == (k % 2 == 0):  # even places hold weights, odd places prefixes
+            role = "a weight" if k % 2 == 0 else "a prefix"
+            raise ValueError(
+                f"data.data_path={entries}: entry {k} ({entry!r}) stands where {role} is expected: give pairs "
+                f"[weight, prefix, ...]"
+            )
+    weights = [n for n in numbers[0::2] if n is not None]
+    for weight, prefix in zip(weights, entries[1::2]):
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"data.data_path: weight {weight:g} of {prefix} must be a positive number: drop the pair "
+                f"or give it a weight > 0"
+            )
+    return normalize_weights(weights), entries[1::2]
 
 
 def _as_number(text: str) -> float | None:
