@@ -240,6 +240,7 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> None:
     if not prefixes:
         raise ValueError("no input prefixes to merge")
     dtype = IndexedDataset(prefixes[0]).dtype
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)  # as preprocess_data does
     tmp_bin, tmp_idx = bin_path(output_prefix) + ".tmp", idx_path(output_prefix) + ".tmp"
     builder = IndexedDatasetBuilder(tmp_bin, dtype)
     try:

@@ -56,7 +56,7 @@ from convert.hf_mapping import (
     model_config_from_hf,
     to_hf_state_dict,
 )
-from convert.model_weights import load_global_state, save_global_state
+from convert.model_weights import check_finite, load_global_state, save_global_state
 from model.config import ModelConfig
 from training.checkpointing import CheckpointError
 
@@ -164,6 +164,7 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
     cfg = model_config_from_hf(read_config(hf_dir))
     parallel = layout_section(cfg, tp, pp, vp)
     tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
+    check_finite(tensors, hf_dir)
     return write_our_checkpoint(out, cfg, tensors, tokenizer_section(hf_dir), parallel)
 
 
@@ -172,6 +173,7 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     from convert.megatron import load_megatron_checkpoint
 
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
+    check_finite(tensors, megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
     return write_our_checkpoint(out, cfg, tensors, data, parallel)
 

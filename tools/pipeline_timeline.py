@@ -15,6 +15,7 @@ Invalid input prints one line and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import matplotlib
@@ -141,7 +142,12 @@ def main(argv=None) -> int:
     note = ""
     if args.comm_cost or args.overlap:
         note = f", message cost {args.comm_cost:g}" + (", overlapped" if args.overlap else "")
-    draw(timeline, args.schedule, args.output, note)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        draw(timeline, args.schedule, args.output, note)
+    except OSError as error:
+        print(f"error: cannot write {args.output}: {error.strerror}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 
