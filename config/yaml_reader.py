@@ -15,12 +15,12 @@ import yaml
 class _StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key repeated in one mapping (sections and keys alike)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:  # type: ignore[override]
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat what it merges
                 continue
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -50,11 +50,9 @@ def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise error(
-            f"{kind} file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8 YAML"
-        ) from None
+        raise error(f"{kind} file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8 YAML") from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.MarkedYAMLError as err:
         duplicate = _duplicate_message(err)
         if duplicate is not None:

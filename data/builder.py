@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,9 +159,10 @@ def build_train_valid_test_datasets(
         if not n or all(p is None for p in parts):
             blended.append(None)
             continue
+        part_weights: Sequence[float]
         if weights is None:
-            part_weights = [len(p) for p in parts]
-            size = min(n, sum(part_weights))
+            sizes = [len(p) for p in parts]
+            part_weights, size = sizes, min(n, sum(sizes))
         else:
             part_weights = weights
             size = sum(_component_samples(n, w, 0.0) for w in weights)

@@ -60,7 +60,7 @@ def separate_final_epoch(
     tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int, extra: int = 1
 ) -> bool:
     """Megatron's rule: shuffle the last epoch apart when it contributes under 80% of an epoch."""
-    if num_epochs == 1:
+    if num_epochs == 1 or num_samples is None:  # None builds exactly one epoch
         return False
     before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     per_epoch = (tokens_per_epoch - extra) // seq_length

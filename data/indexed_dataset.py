@@ -177,7 +177,7 @@ class IndexedDataset:
         return self.path_prefix
 
     def __setstate__(self, path_prefix: str) -> None:
-        self.__init__(path_prefix)
+        IndexedDataset.__init__(self, path_prefix)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -115,7 +115,9 @@ class RunLock:
         if not self.broke_stale:
             return f"warning: replaced the unreadable lock file {self.path} (half-written or not a lock record)"
         holder = self.broke_stale
-        return f"warning: removed the stale lock of pid {holder.get('pid')} on host {holder.get('host')} from {self.path}"
+        return (
+            f"warning: removed the stale lock of pid {holder.get('pid')} on host {holder.get('host')} from {self.path}"
+        )
 
     def release(self) -> None:
         """Remove the lock if it is still this process's (never another trainer's)."""

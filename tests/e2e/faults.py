@@ -16,7 +16,9 @@ QUICK = ("train.train_iters=2", "train.eval_iters=0", "optim.lr_warmup_iters=0")
 
 def run_main(corpus: dict, run_dir: str, *extra: str, config: str | None = None) -> int:
     """pretrain_gpt.main on the tiny corpus (`config` replaces the default YAML file)."""
-    return pretrain_gpt.main(["--config", config or pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)])
+    return pretrain_gpt.main(
+        ["--config", config or pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]
+    )
 
 
 def one_error_line(capsys) -> str:

@@ -122,4 +122,3 @@ def test_nan_weights_are_refused(nan_hf_folder, tmp_path, capsys, tool):
     line = one_error_line(capsys)
     assert nan_hf_folder in line and "non-finite values (NaN or inf)" in line
     assert not os.path.exists(out)
-

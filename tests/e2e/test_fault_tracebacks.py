@@ -13,7 +13,7 @@ from tests.conftest import read_metrics
 from tests.e2e.faults import QUICK, one_error_line, run_main
 from tools import merge_datasets, pipeline_timeline
 from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR
-from training.logging import MetricsWriter, MetricsWriteError
+from training.logging import MetricsWriteError, MetricsWriter
 from training.run_lock import LOCK_NAME
 
 
