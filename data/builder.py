@@ -19,9 +19,10 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def parse_split(split: str) -> list[tuple[float, float] | None]:
     """'969,30,1' -> [(begin, end) fraction per split, or None when empty], as Megatron normalises it."""
-    values = [float(v) for v in re.findall(r"[.0-9]+", str(split))]
-    if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"bad split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+    parsed = [_as_number(v) for v in re.findall(r"[.0-9]+", str(split))]
+    values = [v for v in parsed if v is not None]
+    if not values or len(values) != len(parsed) or len(values) > 3 or sum(values) <= 0:
+        raise ValueError(f"data.split={split!r}: expected up to three non-negative numbers like '969,30,1'")
     values += [0.0] * (3 - len(values))
     fractions = (np.array(values) / np.sum(values)).tolist()
     bookends = [0.0]

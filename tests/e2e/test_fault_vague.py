@@ -138,6 +138,7 @@ def test_errors_name_the_key_or_file(tiny_corpus, tmp_path, capsys):
         ((), str(binary), f"config file {binary} is a binary file"),
         ((), str(latin), f"config file {latin} is not UTF-8 text"),
         (("data.data_path=[0.5,a,b]",), None, "data.data_path="),
+        (("data.split=1.2.3,1",), None, "data.split='1.2.3,1'"),
     ]
     for overrides, config, expected in cases:
         code = run_main(tiny_corpus, str(tmp_path / "run"), *QUICK, *overrides, config=config)
