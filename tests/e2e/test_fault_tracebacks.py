@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import errno
 import os
+import types
 
 import pytest
+import torch
 
+import pretrain_gpt
+from config.schema import load_config
+from parallel.layout import layout_from_config
 from tests.conftest import read_metrics
 from tests.e2e.faults import QUICK, one_error_line, run_main
 from tools import merge_datasets, pipeline_timeline
 from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR
 from training.logging import MetricsWriteError, MetricsWriter
 from training.run_lock import LOCK_NAME
+from training.size_check import check_fits
 
 
 @pytest.mark.parametrize(
@@ -114,3 +120,16 @@ def test_a_tools_output_under_a_file_is_one_line(tmp_path, capsys):
     assert code == 2
     line = one_error_line(capsys)
     assert str(blocker / "t.png") in line
+
+
+def test_size_check_uses_the_gpus_memory_under_cuda(monkeypatch):
+    """Without a GPU here: the CUDA branch reads the device's total memory (one rank per GPU)."""
+    gpu = types.SimpleNamespace(name="NVIDIA H200", total_memory=141 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fits = load_config(pretrain_gpt.DEFAULT_CONFIG, ["model.vocab_size=50304"])
+    check_fits(fits, layout_from_config(fits, 1), True, {"LOCAL_RANK": "0"})  # the tiny model fits
+    gpt3 = ["model.num_layers=96", "model.hidden_size=12288", "model.num_attention_heads=96"]
+    big = load_config(pretrain_gpt.DEFAULT_CONFIG, gpt3)
+    with pytest.raises(ValueError, match=r"one rank has 141.0 GiB \(the NVIDIA H200's 141.0 GiB\)"):
+        check_fits(big, layout_from_config(big, 1), True, {"LOCAL_RANK": "0"})
