@@ -24,6 +24,7 @@ from training.loop import run_training
 from training.preemption import Interrupted, PreemptionHandler
 from training.run_lock import RunLock, take_run_lock
 from training.setup import DEFAULT_CONFIG, check_devices, init_distributed
+from training.size_check import check_fits
 
 __all__ = ["DEFAULT_CONFIG", "main", "parse_args"]
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         layout = layout_from_config(config, world_size)  # every layout rule, before any work
         use_cuda = check_devices(config.train, os.environ)
+        check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
@@ -78,12 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                 if error:
                     print(f"error: {error}", file=sys.stderr)
                 return EXIT_INPUT_ERROR
-            if lock.broke_stale is not None:
-                print(
-                    f"warning: removed the stale lock of pid {lock.broke_stale.get('pid')} on host "
-                    f"{lock.broke_stale.get('host')} from {lock.path}",
-                    file=sys.stderr,
-                )
+            if lock.stale_warning() is not None:
+                print(lock.stale_warning(), file=sys.stderr)
             return run_training(config, env, layout, preemption)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)

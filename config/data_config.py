@@ -56,6 +56,11 @@ class DataConfig:
             setattr(self, key, [_expand_home(item) for item in getattr(self, key)])
         for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
             setattr(self, key, _expand_home(getattr(self, key)))
+        for key in ("data_path", *self.SPLIT_KEYS):
+            if getattr(self, key):  # each blend list's shape and weights, before any work (one parser: data/)
+                from data.builder import parse_data_path  # here: numba behind data/ is needed only with data
+
+                parse_data_path(getattr(self, key), f"data.{key}")
         if self.data_path and any(getattr(self, key) for key in self.SPLIT_KEYS):
             given = next(key for key in self.SPLIT_KEYS if getattr(self, key))
             raise ValueError(

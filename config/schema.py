@@ -23,6 +23,7 @@ import yaml
 
 from config.data_config import DataConfig
 from config.key_hints import closest_key
+from config.yaml_reader import read_yaml_file
 from model.config import ModelConfig
 
 
@@ -267,7 +268,9 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
             raise ConfigError(f"unknown config key {section}.{key}{hint}")
         value = values[key] = _coerce_float(value, hints[key])
         if not _type_matches(value, hints[key]):
-            expected = getattr(hints[key], "__name__", str(hints[key]))
+            expected = getattr(hints[key], "__name__", str(hints[key])).replace(" | ", " or ")
+            if value is None:  # `key=` on the command line, or `key:` with nothing after it in YAML
+                raise ConfigError(f"{section}.{key} is given no value: give it a {expected}, or leave it out")
             raise ConfigError(f"{section}.{key}={value!r} has the wrong type: expected {expected}")
         if hints[key] is float and isinstance(value, int):
             values[key] = float(value)
@@ -311,18 +314,6 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: section {section!r} is not a mapping")
         raw[section][key] = value
     return raw
-
-
-def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
-    """The YAML document of `path`; an unreadable file or bad YAML raises `error` with one line naming the
-    `kind` of file ("config", "cluster") and the path."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
-    except OSError as err:
-        raise error(f"cannot read {kind} file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise error(f"{kind} file {path} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 def _read_config_file(path: str) -> dict:

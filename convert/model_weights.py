@@ -32,7 +32,20 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
         config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32
     )
     load_model_weights(iter_dir, chunks, state)
-    return config, chunks[0].state_dict()
+    tensors = chunks[0].state_dict()
+    check_finite(tensors, iter_dir)
+    return config, tensors
+
+
+def check_finite(tensors: Tensors, source: str) -> None:
+    """ValueError naming `source` and the first tensor holding NaN or inf: such weights generate garbage (or
+    fail deep in sampling) and convert into a checkpoint that only looks fine."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{source}: tensor {name} holds non-finite values (NaN or inf): these weights are broken (a "
+                f"diverged run or a bad export); use another checkpoint or model"
+            )
 
 
 def checkpoint_iteration(path: str) -> tuple[int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +19,10 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def parse_split(split: str) -> list[tuple[float, float] | None]:
     """'969,30,1' -> [(begin, end) fraction per split, or None when empty], as Megatron normalises it."""
-    values = [float(v) for v in re.findall(r"[.0-9]+", str(split))]
-    if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"bad split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+    parsed = [_as_number(v) for v in re.findall(r"[.0-9]+", str(split))]
+    values = [v for v in parsed if v is not None]
+    if not values or len(values) != len(parsed) or len(values) > 3 or sum(values) <= 0:
+        raise ValueError(f"data.split={split!r}: expected up to three non-negative numbers like '969,30,1'")
     values += [0.0] * (3 - len(values))
     fractions = (np.array(values) / np.sum(values)).tolist()
     bookends = [0.0]
@@ -42,23 +44,35 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
     return [r if r is not None and r[1] > r[0] else None for r in ranges]
 
 
-def parse_data_path(data_path: list) -> tuple[list[float] | None, list[str]]:
+def parse_data_path(data_path: list, key: str = "data.data_path") -> tuple[list[float] | None, list[str]]:
     """Megatron's blend list: [p1, p2, ...] -> (None, prefixes), blended by dataset size;
-    [w1, p1, w2, p2, ...] -> (normalised weights, prefixes)."""
-    data_path = [str(x).strip() for x in data_path]
-    if not data_path:
-        raise ValueError("data_path is empty")
-    if len(data_path) % 2:
-        return None, data_path
-    parsed = [_as_number(w) for w in data_path[0::2]]
-    if all(w is None for w in parsed):
-        return None, data_path
-    if any(w is None for w in parsed):
-        bad = next(w for w, v in zip(data_path[0::2], parsed) if v is None)
+    [w1, p1, w2, p2, ...] -> (normalised weights, prefixes). Anything else (a weight without its prefix, a
+    prefix where a weight belongs, a weight <= 0) is a one-line error naming `key` (the config key that gave the list)."""
+    entries = [str(x).strip() for x in data_path]
+    if not entries:
+        raise ValueError(f"{key} is empty")
+    numbers = [_as_number(x) for x in entries]
+    if all(n is None for n in numbers):
+        return None, entries
+    if len(entries) % 2:
         raise ValueError(
-            f"data_path mixes weights and prefixes: {bad!r} stands where a weight is expected in {data_path}"
+            f"{key}={entries} has {len(entries)} entries with weights among them: a weighted blend is "
+            f"pairs [weight, prefix, weight, prefix, ...], an unweighted one prefixes only"
         )
-    return normalize_weights([w for w in parsed if w is not None]), data_path[1::2]  # none is None here
+    for k, (entry, number) in enumerate(zip(entries, numbers)):
+        if (number is None) == (k % 2 == 0):  # even places hold weights, odd places prefixes
+            role = "a weight" if k % 2 == 0 else "a prefix"
+            raise ValueError(
+                f"{key}={entries}: entry {k} ({entry!r}) stands where {role} is expected: give pairs "
+                f"[weight, prefix, ...]"
+            )
+    weights = [n for n in numbers[0::2] if n is not None]
+    for weight, prefix in zip(weights, entries[1::2]):
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"{key}: weight {weight:g} of {prefix} must be a positive number: drop the pair or give it a weight > 0"
+            )
+    return normalize_weights(weights), entries[1::2]
 
 
 def _as_number(text: str) -> float | None:
@@ -145,9 +159,10 @@ def build_train_valid_test_datasets(
         if not n or all(p is None for p in parts):
             blended.append(None)
             continue
+        part_weights: Sequence[float]
         if weights is None:
-            part_weights = [len(p) for p in parts]
-            size = min(n, sum(part_weights))
+            sizes = [len(p) for p in parts]
+            part_weights, size = sizes, min(n, sum(sizes))
         else:
             part_weights = weights
             size = sum(_component_samples(n, w, 0.0) for w in weights)

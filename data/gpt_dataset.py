@@ -62,7 +62,7 @@ def separate_final_epoch(
     tokens_per_epoch: int, seq_length: int, num_samples: int | None, num_epochs: int, extra: int = 1
 ) -> bool:
     """Megatron's rule: shuffle the last epoch apart when it contributes under 80% of an epoch."""
-    if num_epochs == 1 or num_samples is None:  # one epoch (None) is never split
+    if num_epochs == 1 or num_samples is None:  # None builds exactly one epoch
         return False
     before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     per_epoch = (tokens_per_epoch - extra) // seq_length
@@ -200,7 +200,8 @@ def save_atomic(path: str, array: np.ndarray) -> None:
 class GPTDataset:
     """Samples of seq_length + 1 tokens (seq_length without the extra token) from documents [begin, end).
 
-    `__getitem__(i)` returns {"text": int64 array}, a partial last sample padded with PAD_ID; len() is the
+    `__getitem__(i)` returns {"text": int64 array, "length": tokens read}, a partial last sample padded with
+    PAD_ID after `length` tokens (the length, not the value, marks padding: data ids are never clamped); len() is the
     number of samples built (at least num_samples; one epoch when num_samples is None). Index arrays are
     cached as .npy under cache_dir (keyed by an MD5 of the description) and memory-mapped when present.
     """
@@ -303,10 +304,11 @@ class GPTDataset:
             parts.append(get(int(docs[doc_end]), length=off_end + extra))
             tokens = np.concatenate(parts)
         text = np.asarray(tokens, dtype=np.int64)
-        missing = self.seq_length + extra - len(text)
+        length = len(text)
+        missing = self.seq_length + extra - length
         if missing > 0:  # the kept partial last sample
             text = np.concatenate((text, np.full(missing, PAD_ID, dtype=np.int64)))
-        return {"text": text}
+        return {"text": text, "length": length}
 
     def locate_token(self, sample: int, position: int) -> TokenSource:
         """Which document (and token of it) token `position` of sample `sample` comes from, read from the

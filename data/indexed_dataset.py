@@ -133,8 +133,12 @@ class IndexedDataset:
         needed = int(self.sequence_lengths.astype(np.int64).sum()) * self.dtype.itemsize
         if self.sequence_pointers.size:
             needed = max(needed, int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize)
-        if bin_size < needed:
-            raise IndexedDatasetError(f"{data_path}: {bin_size} bytes, but the index needs {needed}")
+        if bin_size != needed:  # longer is as wrong as shorter: the tokens of another dataset (or a torn copy)
+            raise IndexedDatasetError(
+                f"{data_path}: {bin_size} bytes, but {idx_path(path_prefix)} describes {needed} "
+                f"({'truncated' if bin_size < needed else 'the .bin does not belong to this .idx'}): "
+                f"copy both files of one dataset again, or re-run tools/preprocess_data.py"
+            )
         # An empty file cannot be memory-mapped; an empty array stands in for it.
         self._bin = np.memmap(data_path, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, dtype=self.dtype)
 
@@ -158,8 +162,9 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         count, doc_count = struct.unpack("<QQ", header[18:34])
         expected = HEADER_SIZE + count * (4 + 8) + doc_count * 8
-        if size < expected:
-            raise IndexedDatasetError(f"{path}: truncated ({size} bytes, header says {expected})")
+        if size != expected:
+            problem = "truncated" if size < expected else "trailing bytes"
+            raise IndexedDatasetError(f"{path}: {problem} ({size} bytes, its header says {expected})")
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._idx = mm
         self.sequence_lengths = np.frombuffer(mm, dtype="<i4", count=count, offset=HEADER_SIZE)
@@ -172,7 +177,7 @@ class IndexedDataset:
         return self.path_prefix
 
     def __setstate__(self, path_prefix: str) -> None:
-        self.__init__(path_prefix)
+        IndexedDataset.__init__(self, path_prefix)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -235,6 +240,7 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> None:
     if not prefixes:
         raise ValueError("no input prefixes to merge")
     dtype = IndexedDataset(prefixes[0]).dtype
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)  # as preprocess_data does
     tmp_bin, tmp_idx = bin_path(output_prefix) + ".tmp", idx_path(output_prefix) + ".tmp"
     builder = IndexedDatasetBuilder(tmp_bin, dtype)
     try:

@@ -83,10 +83,14 @@ def collate_samples(
     """Stack samples into tokens/labels [b, s] and their masks, as Megatron's GPTDataset.__getitem__.
 
     With the extra token a sample holds s + 1 tokens (tokens = x[:-1], labels = x[1:]); without it s
-    tokens, labels shifted by one and the last label is padding. Padding (PAD_ID, also the tail of a kept
-    partial sample) gets loss weight 0 and is fed to the model as token 0.
+    tokens, labels shifted by one and the last label is padding. Padding (the tail of a kept partial sample
+    after its "length" tokens, and that last label) gets loss weight 0 and is fed to the model as token 0.
     """
     text = torch.from_numpy(np.stack([np.asarray(x["text"], dtype=np.int64) for x in samples]))
+    # Padding is where a sample's tokens ran out (its "length"), whatever the value there: a negative id
+    # in the data itself stays as it is, so the per-step id check (training.guards) stops the run on it.
+    lengths = torch.tensor([int(x.get("length", text.shape[1])) for x in samples]).unsqueeze(1)
+    is_pad = torch.arange(text.shape[1]).unsqueeze(0) >= lengths  # [b, s + extra]
     if extra_token:
         tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     else:
@@ -95,8 +99,12 @@ def collate_samples(
     loss_mask, position_ids, attention_mask = get_batch_masks(
         tokens, eod_id, eod_mask_loss, reset_position_ids, reset_attention_mask
     )
-    loss_mask[labels == PAD_ID] = 0.0
-    tokens, labels = tokens.clamp(min=0), labels.clamp(min=0)
+    if extra_token:
+        token_pad, label_pad = is_pad[:, :-1], is_pad[:, 1:]
+    else:  # the last label is always padding: no sample holds the token after it
+        token_pad, label_pad = is_pad, torch.cat((is_pad[:, 1:], torch.ones_like(is_pad[:, :1])), dim=1)
+    loss_mask[label_pad] = 0.0
+    tokens, labels = tokens.masked_fill(token_pad, 0), labels.masked_fill(label_pad, 0)
     return {
         "tokens": tokens,
         "labels": labels,

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from config.schema import read_yaml_file
+from config.yaml_reader import read_yaml_file
 
 
 class ClusterError(ValueError):

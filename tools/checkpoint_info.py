@@ -6,8 +6,9 @@ PATH is a checkpoints folder (its latest complete checkpoint) or one iter_XXXXXX
 iteration, the layout it was saved at (it loads at any layout), the model config, whether optimizer state is
 present, the size on disk and (with --tensors, or always for up to 40 tensors) every tensor's global shape and
 dtype. --verify reads every byte and checks each file's size and CRC-32 against checksums.json and every
-tensor's stored extent against the DCP metadata: a torn, truncated or corrupted file is named. Exit status:
-0 fine, 1 verification failed, 2 not a checkpoint.
+tensor's stored extent against the DCP metadata: a torn, truncated or corrupted file is named. For a
+checkpoints folder every iter_* folder newer than the one loaded is checked too (a resume passes over a broken
+newest save): --verify fails naming it. Exit status: 0 fine, 1 verification failed, 2 not a checkpoint.
 """
 
 from __future__ import annotations
@@ -73,6 +74,27 @@ def verify(iter_dir: str) -> None:
             raise CheckpointError(f"checkpoint file {path} is too short for {index.fqn} (truncated)")
 
 
+def newer_failures(path: str, iter_dir: str) -> list[str]:
+    """For a checkpoints folder: why each iter_* folder newer than the one chosen (`iter_dir`) was passed
+    over (a save torn by a crash, a corrupted file); empty for an iter_* path or when none is newer."""
+    root = os.path.abspath(path)
+    if os.path.dirname(iter_dir) != root:
+        return []
+    chosen = int(files.ITER_RE.match(os.path.basename(iter_dir)).group(1))  # type: ignore[union-attr]
+    problems = []
+    for iteration in files.list_iterations(root):
+        if iteration <= chosen:
+            continue
+        directory = os.path.join(root, files.iter_name(iteration))
+        try:
+            if not os.path.exists(os.path.join(directory, files.META)):
+                raise CheckpointError(f"checkpoint {directory} has no {files.META} (a save that did not finish)")
+            verify(directory)
+        except CheckpointError as err:
+            problems.append(f"the newest checkpoint {directory} is not usable: {err}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a checkpoints folder or one iter_XXXXXXX folder")
@@ -82,16 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         iter_dir = files.resolve_checkpoint(args.path)
         print("\n".join(describe(iter_dir, args.tensors)))
+        passed_over = newer_failures(args.path, iter_dir)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    fallback = f"; a resume loads {os.path.basename(iter_dir)} (shown above)"
     if args.verify:
         try:
             verify(iter_dir)
         except CheckpointError as err:
             print(f"verify: FAILED: {err}", file=sys.stderr)
             return 1
+        for problem in passed_over:  # the folder as a whole is not OK when its newest save is broken
+            print(f"verify: FAILED: {problem}{fallback}", file=sys.stderr)
+        if passed_over:
+            return 1
         print("verify: OK (every file's size and CRC-32, every tensor's extent)")
+    for problem in passed_over:
+        print(f"warning: {problem}{fallback}", file=sys.stderr)
     return 0
 
 

@@ -58,7 +58,13 @@ from convert.hf_mapping import (
     model_config_from_hf,
     to_hf_state_dict,
 )
-from convert.model_weights import checkpoint_iteration, load_global_state, loaded_iteration, save_global_state
+from convert.model_weights import (
+    check_finite,
+    checkpoint_iteration,
+    load_global_state,
+    loaded_iteration,
+    save_global_state,
+)
 from model.config import ModelConfig
 from training.checkpointing import CheckpointError
 
@@ -181,16 +187,8 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
     cfg = model_config_from_hf(read_config(hf_dir))
     parallel = layout_section(cfg, tp, pp, vp)
     tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
-    refuse_non_finite(tensors, hf_dir)
+    check_finite(tensors, hf_dir)
     return write_our_checkpoint(out, cfg, tensors, tokenizer_section(hf_dir), parallel)
-
-
-def refuse_non_finite(tensors: dict, source: str) -> None:
-    """NaN or inf in the weights would train nothing: refuse before writing (one line, the tensor)."""
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"{source}: tensor {name} holds {bad} NaN/inf values; refusing to convert it")
 
 
 def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
@@ -198,8 +196,8 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     from convert.megatron import load_megatron_checkpoint
 
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
+    check_finite(tensors, megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
-    refuse_non_finite(tensors, megatron_dir)
     if data is None:
         print(
             f"warning: {megatron_dir} names no tokenizer files this project reads; only the vocabulary size "

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from config.schema import ConfigError, config_from_dict
 from convert.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
 from convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
-from convert.model_weights import build_model_from_state, load_global_state, loaded_iteration
+from convert.model_weights import build_model_from_state, check_finite, load_global_state, loaded_iteration
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
@@ -43,7 +43,9 @@ def load_model_source(path: str) -> tuple[ModelConfig, dict, dict]:
             raise HFFolderError(
                 f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt or tokenizer.model)"
             )
-        return cfg, from_hf_state_dict(cfg, read_weights(path)), tokenizer
+        tensors = from_hf_state_dict(cfg, read_weights(path))
+        check_finite(tensors, path)  # NaN weights would fail deep inside sampling
+        return cfg, tensors, tokenizer
     config, tensors = load_global_state(path)
     print(f"loaded {loaded_iteration(path)}", file=sys.stderr)  # which weights generate, when a run saves many
     return config_from_dict(config).model, tensors, config["data"]

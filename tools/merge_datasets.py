@@ -41,8 +41,10 @@ def main(argv=None) -> None:
         raise SystemExit("error: give --input prefixes or an --input-dir holding .idx/.bin pairs")
     try:
         merge_datasets(prefixes, args.output_prefix)
-    except (IndexedDatasetError, ValueError, OSError) as exc:
+    except (IndexedDatasetError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:  # a full disk, a read-only folder: the file and the reason, not "[Errno 28] ..."
+        raise SystemExit(f"error: cannot write {exc.filename or args.output_prefix}: {exc.strerror}") from None
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin / .idx")
 
 

@@ -166,7 +166,12 @@ def main(argv=None) -> int:
     note = ""
     if args.comm_cost or args.overlap:
         note = f", message cost {args.comm_cost:g}" + (", overlapped" if args.overlap else "")
-    draw(timeline, args.schedule, path, note, args.xmax)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        draw(timeline, args.schedule, path, note, args.xmax)
+    except OSError as error:
+        print(f"error: cannot write {path}: {error.strerror}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 

@@ -141,6 +141,7 @@ def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
             raw = yaml.safe_load(handle)
         raw["efficiency"] = dataclasses.asdict(fitted.efficiency)
         raw["calibration"] = f"fitted by tools/plan.py --calibrate to {', '.join(args.calibrate)}"
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output + ".tmp", "w", encoding="utf-8") as handle:
             yaml.safe_dump(raw, handle, sort_keys=False)
         os.replace(args.output + ".tmp", args.output)

@@ -2,8 +2,9 @@
 
 Exit codes of pretrain_gpt.py (every rank):
     0    finished: train.train_iters reached, or train.exit_interval / train.exit_duration_mins (checkpoint saved)
-    1    an unexpected error (a Python traceback)
-    2    bad input: config, data files, a token id outside the vocabulary, checkpoint, run.dir in use
+    1    a write that failed (a checkpoint save, metrics.jsonl; a full disk is named), or an unexpected error
+    2    bad input: config, data files, a token id outside the vocabulary, checkpoint, run.dir in use, sizes
+         that cannot fit in this machine's memory (training/size_check.py)
     3    stopped by SIGTERM / SIGUSR1 / SIGINT after saving a checkpoint of the last finished iteration
     4    training diverged: train.max_nonfinite_iters iterations in a row with a non-finite loss or gradient
          norm, or an fp16 loss scale stuck at its minimum (no checkpoint is written from such a state)

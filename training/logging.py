@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from model.shape import IterationFlops
+from training.write_errors import describe_write_error
 
 LOGGER_NAME = "ptdp"
 # Dense 16-bit (bf16/fp16) tensor-core peaks per GPU in TFLOP/s, no sparsity (vendors' data sheets), by a
@@ -54,6 +55,10 @@ def get_logger(rank: int = 0) -> logging.Logger:
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     return logger
+
+
+class MetricsWriteError(OSError):
+    """metrics.jsonl could not be written (a full disk, a read-only run.dir): one line naming the file."""
 
 
 class MetricsWriter:
@@ -128,13 +133,19 @@ class MetricsWriter:
         if not self.enabled:
             return
         line = (json.dumps(json_safe(record), allow_nan=False) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            written = os.write(fd, line)
-            if written != len(line):  # a full disk: say so instead of leaving half a line unnoticed
-                raise OSError(f"short write to {self.path} ({written} of {len(line)} bytes)")
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, line)
+                if written != len(line):  # a full disk: say so instead of leaving half a line unnoticed
+                    raise OSError(f"short write ({written} of {len(line)} bytes)")
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise MetricsWriteError(
+                f"cannot write {self.path} at iteration {record.get('iteration')}: "
+                f"{describe_write_error(err, os.path.dirname(self.path), len(line))}"
+            ) from None
         if self._tb is not None:
             step = record["iteration"]
             for key, value in record.items():

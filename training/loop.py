@@ -37,7 +37,7 @@ from training.guards import (
     find_bad_token,
     weights_are_finite,
 )
-from training.logging import IntervalStats, format_train_line, peak_tflops
+from training.logging import IntervalStats, MetricsWriteError, format_train_line, peak_tflops
 from training.preemption import PreemptionHandler, job_start_time
 from training.run import Run, build_run, resume_if_asked
 from training.setup import Dataset, DistEnv, barrier, data_iterator
@@ -252,7 +252,7 @@ def run_training(config: Config, env: DistEnv, layout: Layout, preemption: Preem
             if run.checkpointer is not None:
                 run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first
             raise
-    except CheckpointError as err:  # a failed save: one line; the previous checkpoint stays the latest
+    except (CheckpointError, MetricsWriteError) as err:  # a failed write: one line; the last checkpoint stays
         run.metrics.close()
         print(f"error: {err}", file=sys.stderr)
         return EXIT_ERROR

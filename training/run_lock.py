@@ -69,11 +69,16 @@ class RunLock:
     def _read_holder(self) -> dict | None:
         try:
             with open(self.path, encoding="utf-8") as handle:
-                return json.load(handle)
+                holder = json.load(handle)
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return {}  # half-written by a process killed while creating it: unreadable, so gone
+        # Only a record this module writes names a process that can hold the lock; anything else in the file
+        # (a list, a pid that is not a number: an edited or foreign file) is treated as the half-written case.
+        if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int) or isinstance(holder["pid"], bool):
+            return {}
+        return holder
 
     def _try_create(self) -> bool:
         try:
@@ -103,6 +108,17 @@ class RunLock:
                 os.remove(self.path)
         raise RunLockError(f"cannot take the run lock {self.path}: other trainers keep starting in this run.dir")
 
+    def stale_warning(self) -> str | None:
+        """The warning line for a replaced lock (None when none was): whose it was, or that it was unreadable."""
+        if self.broke_stale is None:
+            return None
+        if not self.broke_stale:
+            return f"warning: replaced the unreadable lock file {self.path} (half-written or not a lock record)"
+        holder = self.broke_stale
+        return (
+            f"warning: removed the stale lock of pid {holder.get('pid')} on host {holder.get('host')} from {self.path}"
+        )
+
     def release(self) -> None:
         """Remove the lock if it is still this process's (never another trainer's)."""
         if not self.held:
@@ -121,8 +137,14 @@ def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.devic
         try:
             os.makedirs(os.path.dirname(lock.path), exist_ok=True)
             lock.acquire()
-        except (RunLockError, OSError) as err:
+        except RunLockError as err:
             error = str(err)
+        except OSError as err:  # run.dir a file, not writable, on a full or read-only disk: name the key
+            run_dir = os.path.dirname(lock.path)
+            error = (
+                f"run.dir={run_dir} cannot hold the run: {err.strerror} ({err.filename or lock.path}): give "
+                f"run.dir a folder this user can create and write"
+            )
     if world_size > 1:
         import torch  # here only: the lock itself is plain Python (tools and tests use it without torch)
         import torch.distributed as dist

@@ -142,7 +142,9 @@ def _patch(path, offset, data):
         (lambda p: _patch(p + ".idx", 17, bytes([9])), "unknown dtype code 9"),
         (lambda p: open(p + ".idx", "r+b").truncate(60), "truncated"),
         (lambda p: open(p + ".idx", "r+b").truncate(20), "truncated header"),
-        (lambda p: open(p + ".bin", "r+b").truncate(6), "bytes, but the index needs"),
+        (lambda p: open(p + ".bin", "r+b").truncate(6), r"bytes, but .*bad.idx describes .* \(truncated\)"),
+        (lambda p: open(p + ".bin", "ab").write(b"\0" * 64), "does not belong to this .idx"),
+        (lambda p: open(p + ".idx", "ab").write(b"\0" * 8), "trailing bytes"),
     ],
 )
 def test_malformed_files_give_one_line_errors_naming_the_file(tmp_path, mutate, message):

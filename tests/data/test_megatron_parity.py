@@ -106,7 +106,7 @@ def test_same_samples_as_megatron(prefixes, tmp_path, kind, split, seq_length, n
         # Every index array is equal, so a spread of items (ends included, the partial one last) suffices.
         spread = {*range(20), *range(0, len(o), max(1, len(o) // 150)), *range(len(o) - 20, len(o))}
         for i in sorted(i for i in spread if 0 <= i < len(o)):
-            _assert_same_sample(o[i]["text"], t[i], extra, i)
+            _assert_same_sample(o[i], t[i], extra, i)
 
 
 def _assert_same_indices(theirs, ours):
@@ -120,11 +120,11 @@ def _assert_same_indices(theirs, ours):
         np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name), err_msg=name)
 
 
-def _assert_same_sample(text, item, extra_token, i):
+def _assert_same_sample(sample, item, extra_token, i):
     """Our sample through our collate against Megatron's tokens / labels / loss mask."""
     from data.loader import collate_samples
 
-    batch = collate_samples([{"text": text}], 0, False, False, False, extra_token)
+    batch = collate_samples([sample], 0, False, False, False, extra_token)
     assert np.array_equal(batch["tokens"][0].numpy(), item["tokens"].numpy()), i
     assert np.array_equal(batch["labels"][0].numpy(), item["labels"].numpy()), i
     assert np.array_equal(batch["loss_mask"][0].numpy(), item["loss_mask"].numpy()), i
@@ -186,4 +186,4 @@ def test_split_of_one_token_as_megatron(prefixes, tmp_path):
     ours = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), str(tmp_path / "ours"))[0]
     assert len(ours) == len(theirs) == 6
     for i in range(6):
-        _assert_same_sample(ours[i]["text"], theirs[i], True, i)
+        _assert_same_sample(ours[i], theirs[i], True, i)

@@ -235,7 +235,8 @@ def test_from_hf_refuses_non_finite_weights(tmp_path):
     out = str(tmp_path / "out")
     assert_refused(
         run_tool("from-hf", str(tmp_path / "hf"), out),
-        f"{tmp_path / 'hf'}: tensor layers.0.mlp.fc1.weight holds 1 NaN/inf values; refusing to convert it",
+        f"{tmp_path / 'hf'}: tensor layers.0.mlp.fc1.weight holds non-finite values (NaN or inf): these weights "
+        "are broken (a diverged run or a bad export); use another checkpoint or model",
         out,
     )
 

@@ -26,6 +26,7 @@ from training.checkpoint.state import (
 )
 from training.checkpoint.train_state import OptimizerScalars, rng_path
 from training.optimizer import Optimizer
+from training.write_errors import reraise_interrupt
 
 
 def _distributed() -> bool:
@@ -75,8 +76,7 @@ def load_pieces(
                 no_dist=not _distributed(),
             )
     except BaseException as err:  # CheckpointException is a BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            raise
+        reraise_interrupt(err)  # also one DCP wrapped: a second Ctrl-C exits 130
         lines = [line for line in str(err).splitlines() if line.strip()]
         raise CheckpointError(
             f"checkpoint {iter_dir} cannot be read: {lines[-1] if lines else type(err).__name__}"
@@ -167,7 +167,6 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
         try:
             dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
         except BaseException as err:
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
+            reraise_interrupt(err)
             raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None
     return out

@@ -158,11 +158,24 @@ def _refuse_overwrite(config: Config, run_root: str, from_root: bool, start: int
     if not config.checkpoint.save:
         return
     existing = [i for i in files.list_iterations(run_root) if i > start or not from_root]
-    if existing:
-        raise CheckpointError(
-            f"{run_root} already holds checkpoints ({files.iter_name(existing[-1])}) that this run would write "
-            f"over: resume them with checkpoint.load=true, or choose another run.dir"
+    if not existing:
+        return
+    newest, ckpt = os.path.join(run_root, files.iter_name(existing[-1])), config.checkpoint
+    # The advice depends on what was asked: never "checkpoint.load=true" to a run that gave it.
+    if ckpt.load is False:
+        advice = "resume them with checkpoint.load=true, or choose another run.dir"
+    elif ckpt.finetune:
+        advice = "a fine-tune starts at iteration 0: give it another run.dir"
+    elif ckpt.load is True:
+        advice = (
+            f"checkpoint.load=true loads iteration {start}, as {newest} does not verify (python "
+            f"tools/checkpoint_info.py {newest} --verify says why): move it aside, or choose another run.dir"
         )
+    else:
+        advice = f"checkpoint.load={ckpt.load} starts at iteration {start}: choose another run.dir"
+    raise CheckpointError(
+        f"{run_root} already holds checkpoints ({os.path.basename(newest)}) that this run would write over: {advice}"
+    )
 
 
 def derived_seed(seed: int, iteration: int) -> int:

@@ -25,6 +25,7 @@ from training.checkpoint.dcp_planners import GlobalPieces, PiecesSavePlanner
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.state import staged_copy
 from training.checkpoint.train_state import TrainState, rng_path
+from training.write_errors import describe_write_error, reraise_interrupt
 
 
 @dataclass
@@ -64,9 +65,9 @@ def _first_error(statuses: list) -> str | None:
     return next((status for status in statuses if isinstance(status, str)), None)
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[-1] if text else ''}".strip()
+def _pieces_bytes(job: SaveJob) -> int:
+    """Bytes of tensor data this rank writes (what a full disk is measured against)."""
+    return sum(view.numel() * view.element_size() for t in job.tensors.values() for _, view in t.pieces)
 
 
 def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
@@ -79,13 +80,14 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
     status: Any = None
     if os.path.exists(final):
         status = f"{final} already exists; a checkpoint is never overwritten"
+    needed = _pieces_bytes(job)
     try:
         if status is None:
             os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
             if job.train_state is not None and job.train_state.rng is not None:
                 torch.save(job.train_state.rng, rng_path(tmp, rank))
-    except OSError as err:
-        status = f"{tmp}: {_one_line(err)}"
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("unexpected pos")
+        status = f"{tmp}: {describe_write_error(err, job.root, needed)}"
     error = _first_error(_all_gather(status, group))
     if error is None:
         try:
@@ -99,9 +101,13 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
                     no_dist=world == 1,
                 )
         except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            try:
+                reraise_interrupt(err)  # a second Ctrl-C: exit as interrupted (130), leaving no partial folder
+            except BaseException:
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            error = f"writing the tensors failed: {_one_line(err)}"
+            error = f"writing the tensors failed: {describe_write_error(err, job.root, needed)}"
     sums: Any = {}
     if error is None:
         try:
@@ -109,7 +115,7 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
                 files.write_json(job.train_state.state_dict(), os.path.join(tmp, files.META))
             sums = files.checksum_files(tmp, _own_files(tmp, rank))
         except OSError as err:
-            sums = f"{tmp}: {_one_line(err)}"
+            sums = f"{tmp}: {describe_write_error(err, job.root)}"
     gathered = _all_gather(sums if error is None else error, group)
     error = error or _first_error(gathered)
     if rank == 0:
@@ -144,7 +150,7 @@ def _finalize(job: SaveJob, tmp: str, final: str, gathered: list) -> str | None:
         files.write_trackers(job.root, job.iteration)
         files.prune(job.root, job.keep_last, lambda msg: None)
     except OSError as err:
-        return f"{tmp}: {_one_line(err)}"
+        return f"{tmp}: {describe_write_error(err, job.root)}"
     return None
 
 
