@@ -56,11 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def output_path(args: argparse.Namespace) -> str:
-    """--output, or a file under runs/timeline/ (created): never the working directory's top level."""
+    """--output (its folder is created, as every tool's), or a file under runs/timeline/: never the working
+    directory's top level."""
     if args.output is not None:
-        folder = os.path.dirname(os.path.abspath(args.output))
-        if not os.path.isdir(folder):
-            raise ValueError(f"--output {args.output}: folder {folder} does not exist")
         return args.output
     os.makedirs(DEFAULT_DIR, exist_ok=True)
     return os.path.join(DEFAULT_DIR, f"{args.schedule}_p{args.pp}_m{args.microbatches}_v{args.vp}.png")
