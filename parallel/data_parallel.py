@@ -36,6 +36,13 @@ def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any)
     return fn(output, input_, group=group, async_op=True)
 
 
+def all_gather_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
+    """Async all_gather of every rank's flat `input_` into `output`, returning the work handle (the
+    distributed optimizer's overlapped param gather, parallel/param_gather.py)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input_, group=group, async_op=True)
+
+
 @dataclass
 class Bucket:
     """A contiguous range [start, end) of one chunk's grad buffer (end - start divisible by dp when the
