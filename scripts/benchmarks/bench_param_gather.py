@@ -31,7 +31,7 @@ from model.init import initialize_parameters  # noqa: E402
 from parallel.data_parallel import DataParallel  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
-from training.optimizer import build_optimizer  # noqa: E402
+from training.optimizer import DistributedOptimizer, build_optimizer  # noqa: E402
 from training.train_step import StepContext, train_step  # noqa: E402
 
 SEQ, MICRO = 64, 2
@@ -70,6 +70,7 @@ def build(args: argparse.Namespace, state: ParallelState, overlap: bool) -> tupl
     model.tie_weights()
     ddp = DataParallel([model], state, bucket_size_mb=args.bucket_mb, distributed_optimizer=True)
     optimizer = build_optimizer([model], ddp, state, lr=1e-3, overlap_param_gather=overlap)
+    assert isinstance(optimizer, DistributedOptimizer)
     timer = Timer()
     optimizer._copy_to_params = timer.wrap(optimizer._copy_to_params)  # type: ignore[method-assign]
     if optimizer.param_gather is not None:

@@ -46,7 +46,8 @@ def _ranks(rank: int, world_size: int, out_dir: str, overlap: bool, precision: s
         result = run_train_step(ctx, micro_batches(global_batch(step, cfg), state.dp_rank, state.dp_size))
         losses.append(result.loss)
         norms.append(result.grad_norm)
-        pending.append(len(optimizer.param_gather.pending) if optimizer.param_gather is not None else 0)
+        gather = getattr(optimizer, "param_gather", None)
+        pending.append(len(gather.pending) if gather is not None else 0)
     optimizer.finish_param_gather()  # what the trainer does before a checkpoint save
     params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     buckets = len(ddp.buckets[0])
