@@ -38,6 +38,7 @@ class ParallelConfig:
     vp_size: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # distributed optimizer: all-gather params in the background (same numbers)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 means interleaved; parallel/layout.py)
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
@@ -48,6 +49,8 @@ class ParallelConfig:
         # live in parallel/layout.py (build_layout), called by every entry point.
         if self.grad_bucket_size_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
 
 
 @dataclass

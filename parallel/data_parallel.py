@@ -36,6 +36,13 @@ def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any)
     return fn(output, input_, group=group, async_op=True)
 
 
+def all_gather_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
+    """Async all_gather of every rank's flat `input_` into `output`, returning the work handle (the
+    distributed optimizer's overlapped param gather, parallel/param_gather.py)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input_, group=group, async_op=True)
+
+
 @dataclass
 class Bucket:
     """A contiguous range [start, end) of one chunk's grad buffer (end - start divisible by dp when the
@@ -122,7 +129,7 @@ class DataParallel:
         self.param_ranges: dict[nn.Parameter, ParamRange] = {}
         self._sync_enabled = [False] * len(chunks)
         self._next_launch = [0] * len(chunks)
-        self._hook_handles = []
+        self._hook_handles: list[Any] = []
         for chunk_index, chunk in enumerate(chunks):
             self._build_chunk(chunk_index, chunk)
 
@@ -145,7 +152,7 @@ class DataParallel:
             position = start
             for param in group:
                 self.param_ranges[param] = ParamRange(chunk_index, position, position + param.numel(), bucket)
-                param.main_grad = buffer[position : position + param.numel()].view(param.shape)
+                param.main_grad = buffer[position : position + param.numel()].view(param.shape)  # type: ignore[attr-defined]
                 position += param.numel()
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(bucket)))
             buckets.append(bucket)
@@ -161,7 +168,7 @@ class DataParallel:
                     f"after the bucket's dp reduction was launched"
                 )
             if param.grad is not None:
-                param.main_grad.add_(param.grad)  # fp32 accumulation also for 16-bit params
+                param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # fp32 accumulation, also 16-bit params
                 param.grad = None
             if self._sync_enabled[bucket.chunk_index]:
                 # A set, not a counter: robust to a hook firing twice and to params that get no grad.
@@ -246,7 +253,7 @@ class DataParallel:
         """The flat part of `param.main_grad` that holds reduced gradients after finish_grad_sync: all of
         it, or with the distributed optimizer the part inside this rank's dp shard (maybe empty)."""
         lo, hi = self.owned_param_slice(param)
-        return param.main_grad.view(-1)[lo:hi]
+        return param.main_grad.view(-1)[lo:hi]  # type: ignore[attr-defined]
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of the main grad buffers on this rank."""

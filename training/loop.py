@@ -50,6 +50,7 @@ def save(run: Run) -> None:
     if run.checkpointer is None or run.last_saved == run.progress.iteration:
         return
     ctx = run.ctx
+    ctx.optimizer.finish_param_gather()  # overlap_param_gather: the params are complete before they are read
     if not weights_are_finite(ctx.chunks, run.state, run.env.device):
         raise TrainingStopped(
             f"training diverged: the weights after iteration {run.progress.iteration} are not "

@@ -24,6 +24,8 @@ from torch import nn
 from parallel.comm import all_gather_into
 from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
+from parallel.param_gather import ParamGather, copy_bucket_to_params
+from training.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -36,60 +38,6 @@ class StepStats:
     grad_norm: float
     skipped: bool
     loss_scale: float
-
-
-class ConstantLossScaler:
-    """bf16 / fp32: no loss scaling, never skips."""
-
-    dynamic = False
-    scale = 1.0
-
-    def update(self, found_inf: bool) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": 1.0}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class DynamicLossScaler:
-    """fp16 dynamic loss scaling (Megatron's DynamicGradScaler): after `hysteresis` overflowing steps
-    (counted since the last growth) halve the scale, not below `min`; after `window` clean steps in a
-    row double it."""
-
-    dynamic = True
-
-    def __init__(self, initial: float = 2.0**32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
-        self.scale, self.min_scale = float(initial), float(min)
-        self.window, self.hysteresis = int(window), int(hysteresis)
-        self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        """Account for one step that did (or did not) overflow."""
-        if found_inf:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale / 2.0, self.min_scale)
-            return
-        self.growth_tracker += 1
-        if self.growth_tracker == self.window:
-            self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
-            self.scale *= 2.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "growth_tracker": self.growth_tracker,
-            "hysteresis_tracker": self.hysteresis_tracker,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
 def decays(param: nn.Parameter) -> bool:
@@ -258,6 +206,10 @@ class Optimizer:
         denom = (seg.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
         seg.master.addcdiv_(seg.exp_avg, denom, value=-lr / bias_correction1)
 
+    def finish_param_gather(self) -> None:
+        """Finish parameter gathers still in flight (distributed optimizer with overlap_param_gather): call
+        before anything but the forward reads or overwrites the model params."""
+
     def copy_to_params(self) -> None:
         """Write the fp32 masters into the (16-bit) model parameters (after a step or a checkpoint load)."""
         if self.aliased:
@@ -298,6 +250,7 @@ class Optimizer:
     def reset_from_params(self) -> None:
         """Fresh state for the current params (after loading weights only): masters copied from the params,
         moments zero, step 0, loss scaler as new."""
+        self.finish_param_gather()
         for seg in self.segments:
             for param, offset, param_offset, length in seg.pieces:
                 seg.master[offset : offset + length].copy_(
@@ -332,9 +285,16 @@ class Optimizer:
 
 class DistributedOptimizer(Optimizer):
     """ZeRO-1: this dp rank keeps masters and moments of its shard of every bucket only; the norm also sums
-    over dp; updated shards are all-gathered over dp into the model params, bucket by bucket."""
+    over dp; updated shards are all-gathered over dp into the model params, bucket by bucket. With
+    `overlap_param_gather` the gathers run in the background until the forward that needs them
+    (parallel/param_gather.py)."""
 
     distributed = True
+
+    def __init__(self, ddp: DataParallel, state, *args: Any, overlap_param_gather: bool = False, **kwargs: Any):
+        super().__init__(ddp, state, *args, **kwargs)
+        overlap = overlap_param_gather and state.dp_size > 1
+        self.param_gather = ParamGather(ddp, state.dp_group) if overlap else None
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard_range(self.state.dp_rank, self.state.dp_size)
@@ -342,9 +302,16 @@ class DistributedOptimizer(Optimizer):
     def _norm_groups(self) -> list[Any]:
         return [self.state.model_parallel_group, self.state.dp_group] if self.state.is_distributed else []
 
+    def finish_param_gather(self) -> None:
+        if self.param_gather is not None:
+            self.param_gather.finish()
+
     def copy_to_params(self) -> None:
         dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
-        for seg in self.segments:
+        # overlapped: launch in forward order (the last bucket holds the first layers), so the first forward
+        # waits only for the first gather
+        segments = self.segments[::-1] if self.param_gather is not None else self.segments
+        for seg in segments:
             bucket = seg.bucket
             dtypes = {p.dtype for p in bucket.params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -352,11 +319,13 @@ class DistributedOptimizer(Optimizer):
             shard = bucket.numel // dp_size
             local = full[dp_rank * shard : (dp_rank + 1) * shard]
             local.copy_(seg.master)
+            if self.param_gather is not None:
+                self.param_gather.wait(bucket)  # a gather still in flight (two steps, no forward between)
+                self.param_gather.launch(bucket, full, local)
+                continue
             if dp_size > 1:
                 all_gather_into(full, local, self.state.dp_group)
-            for param in bucket.params:
-                where = self.ddp.param_ranges[param]
-                param.data.copy_(full[where.start - bucket.start : where.end - bucket.start].view(param.shape))
+            copy_bucket_to_params(self.ddp, bucket, full)
 
 
 def build_optimizer(
@@ -370,17 +339,20 @@ def build_optimizer(
     clip_grad: float = 1.0,
     precision: str = "fp32",
     loss_scale_cfg: dict[str, Any] | None = None,
+    overlap_param_gather: bool = False,
 ) -> Optimizer:
     """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`.
 
     `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
-    DynamicLossScaler arguments: initial, min, window, hysteresis.
+    DynamicLossScaler arguments: initial, min, window, hysteresis. `overlap_param_gather` (distributed only)
+    gathers the updated params in the background until the next forward.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
         raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
     scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
+    extra = dict(overlap_param_gather=overlap_param_gather) if ddp.distributed_optimizer else {}
     cls = DistributedOptimizer if ddp.distributed_optimizer else Optimizer
     return cls(
         ddp,
@@ -392,4 +364,5 @@ def build_optimizer(
         clip_grad=clip_grad,
         loss_scaler=scaler,
         alias_fp32_params=precision == "fp32",
+        **extra,
     )

@@ -134,6 +134,7 @@ def build_optimizer_and_schedule(
             window=optim.loss_scale_window,
             hysteresis=optim.hysteresis,
         ),
+        overlap_param_gather=par.overlap_param_gather,
     )
     lr_schedule = LRSchedule(
         optim.lr,

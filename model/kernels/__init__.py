@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,8 @@ def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.
 
     is_rms = isinstance(module, nn.RMSNorm)
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-    return ops.norm(x, module.weight, None if is_rms else module.bias, eps, is_rms)
+    weight, bias = cast(torch.Tensor, module.weight), None if is_rms else cast(torch.Tensor | None, module.bias)
+    return ops.norm(x, weight, bias, float(cast(float, eps)), is_rms)
 
 
 def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -51,21 +51,21 @@ def test_triton_runs_where_expected():
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 37), True), ((1, 2, 50), False)])
 def test_bias_gelu(device, dtype, shape, bias):
-    from model.kernels.ops import BiasGeLU
+    from model.kernels import ops
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
-    check_fn(BiasGeLU.apply, reference.bias_gelu, (y, b), dtype)
+    check_fn(ops.bias_gelu, reference.bias_gelu, (y, b), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 2 * 37), True), ((1, 1, 2 * 24), False)])
 def test_bias_swiglu(device, dtype, shape, bias):
-    from model.kernels.ops import BiasSwiGLU
+    from model.kernels import ops
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
-    check_fn(BiasSwiGLU.apply, reference.bias_swiglu, (y, b), dtype)
+    check_fn(ops.bias_swiglu, reference.bias_swiglu, (y, b), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -104,19 +104,19 @@ def test_bias_dropout_add(device, dtype, p, bias):
     ],
 )  # 600 rows: several row blocks
 def test_norms(device, dtype, kind, shape):
-    from model.kernels.ops import Norm
+    from model.kernels import ops
 
     hidden = shape[-1]
     x = _leaf(*shape, device=device, dtype=dtype, scale=3.0)
     w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_()
     if kind == "rmsnorm":
         check_fn(
-            lambda x, w: Norm.apply(x, w, None, 1e-5, True), lambda x, w: reference.rms_norm(x, w, 1e-5), (x, w), dtype
+            lambda x, w: ops.norm(x, w, None, 1e-5, True), lambda x, w: reference.rms_norm(x, w, 1e-5), (x, w), dtype
         )
         return
     b = _leaf(hidden, device=device, dtype=dtype, scale=0.1) if kind == "layernorm" else None
     check_fn(
-        lambda x, w, b: Norm.apply(x, w, b, 1e-5, False),
+        lambda x, w, b: ops.norm(x, w, b, 1e-5, False),
         lambda x, w, b: reference.layer_norm(x, w, b, 1e-5),
         (x, w, b),
         dtype,
@@ -127,14 +127,14 @@ def test_norms(device, dtype, kind, shape):
 @pytest.mark.parametrize("s,b,nq,nkv,d", [(3, 2, 4, 2, 10), (1, 2, 3, 3, 6)])
 def test_rotary(device, dtype, s, b, nq, nkv, d):
     from model.gpt import rotary_cos_sin
-    from model.kernels.ops import RotaryQK
+    from model.kernels import ops
 
     q = _leaf(s, b, nq, d, device=device, dtype=dtype)
     k = _leaf(s, b, nkv, d, device=device, dtype=dtype)
     positions = torch.randint(0, 50, (b, s), device=device)
     cos, sin = rotary_cos_sin(positions, d, 10000.0, dtype)
     check_fn(
-        lambda q, k: RotaryQK.apply(q, k, cos, sin),
+        lambda q, k: ops.rotary_qk(q, k, cos, sin),
         lambda q, k: (reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)),
         (q, k),
         dtype,

@@ -1,0 +1,59 @@
+"""Loss scalers of the optimizer (training/optimizer.py): none for bf16 / fp32, dynamic for fp16."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConstantLossScaler:
+    """bf16 / fp32: no loss scaling, never skips."""
+
+    dynamic = False
+    scale = 1.0
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": 1.0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling (Megatron's DynamicGradScaler): after `hysteresis` overflowing steps
+    (counted since the last growth) halve the scale, not below `min`; after `window` clean steps in a
+    row double it."""
+
+    dynamic = True
+
+    def __init__(self, initial: float = 2.0**32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
+        self.scale, self.min_scale = float(initial), float(min)
+        self.window, self.hysteresis = int(window), int(hysteresis)
+        self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        """Account for one step that did (or did not) overflow."""
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.window:
+            self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.hysteresis_tracker = int(state["hysteresis_tracker"])
