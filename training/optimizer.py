@@ -278,8 +278,8 @@ class Optimizer:
             "step": self.step_count,
             "loss_scaler": self.scaler.state_dict(),
             "distributed": self.distributed,
-            "dp_size": self.state.dp_size,
-            "dp_rank": self.state.dp_rank,
+            "dp_size": self.state.dp_cp_size,  # the replicas the state is sharded over (dp x cp)
+            "dp_rank": self.state.dp_cp_rank,
             "segments": [
                 {
                     "chunk": seg.bucket.chunk_index,
@@ -336,13 +336,13 @@ class DistributedOptimizer(Optimizer):
     distributed = True
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
-        return bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+        return bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
 
     def _norm_groups(self) -> list[Any]:
-        return [self.state.model_parallel_group, self.state.dp_group] if self.state.is_distributed else []
+        return [self.state.model_parallel_group, self.state.dp_cp_group] if self.state.is_distributed else []
 
     def _copy_to_params(self) -> None:
-        dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
+        dp_rank, dp_size = self.state.dp_cp_rank, self.state.dp_cp_size  # shards over dp x cp
         for seg in self.segments:
             bucket = seg.bucket
             dtypes = {p.dtype for p in bucket.params}
@@ -352,7 +352,7 @@ class DistributedOptimizer(Optimizer):
             local = full[dp_rank * shard : (dp_rank + 1) * shard]
             local.copy_(seg.master)
             if dp_size > 1:
-                all_gather_into(full, local, self.state.dp_group)
+                all_gather_into(full, local, self.state.dp_cp_group)
             for param in bucket.params:
                 where = self.ddp.param_ranges[param]
                 param.data.copy_(full[where.start - bucket.start : where.end - bucket.start].view(param.shape))
