@@ -67,9 +67,7 @@ def block_selection(step: int, cp_rank: int, cp_size: int, local: int) -> Select
     return slice(half, None), slice(None), False
 
 
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
-) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
     """Masked scores [b, g, h, sq, sk] of q [b, g, h, sq, d] against k [b, g, 1, sk, d]; mask [b, 1, sq, sk]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
@@ -103,7 +101,12 @@ def merge_block(
 
 
 def block_grads(
-    saved: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
+    saved: tuple[torch.Tensor, ...],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash-attention backward of one block from the final output's statistics: (dq, dk, dv).
     saved = (q, dout, lse, delta) of the selected rows, delta = rowsum(dout * out)."""
@@ -160,7 +163,9 @@ def ring_forward(
         rows, cols, causal = block_selection(step, ring.cp_rank, ring.cp_size, local)
         source = (ring.cp_rank - step) % ring.cp_size
         block_mask = _mask_block(mask, rows, cols, source, local)
-        block_out, block_lse = block_attention(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask, causal, scale)
+        block_out, block_lse = block_attention(
+            q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block_mask, causal, scale
+        )
         if step == 0:  # the diagonal block covers every row
             out, lse = block_out, block_lse
         else:
@@ -211,7 +216,7 @@ class RingAttention(torch.autograd.Function):
     (query heads grouped per kv head, as SelfAttention lays them out) -> context [s/cp, b, nq * d]."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, ring: _Ring
     ) -> torch.Tensor:
         s, b, nq, d = q.shape
@@ -225,7 +230,7 @@ class RingAttention(torch.autograd.Function):
         return out.reshape(b, nq, s, d).permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
     @staticmethod
-    def backward(ctx: Any, grad_context: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_context: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q5, kv, out, lse, mask = ctx.saved_tensors
         s, b, nq, d = ctx.q_shape
         dout = grad_context.reshape(s, b, nq, d).permute(1, 2, 0, 3).reshape(out.shape)  # [b, g, h, s, d]

@@ -53,7 +53,16 @@ class ParallelState:
     def single(cls) -> ParallelState:
         """The layout of one process: every group is None and every collective is skipped."""
         return cls(
-            world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=1, pp_ranks=[0], tp_ranks=[0], dp_ranks=[0], cp_ranks=[0]
+            world_size=1,
+            rank=0,
+            tp_size=1,
+            pp_size=1,
+            dp_size=1,
+            vp_size=1,
+            pp_ranks=[0],
+            tp_ranks=[0],
+            dp_ranks=[0],
+            cp_ranks=[0],
         )
 
     @classmethod

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from model.gpt import GPTModel
+from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
-from parallel.context_parallel import cut_microbatch
 from parallel.layout import Layout
 from parallel.pipeline.executor import ForwardFn, Microbatch, execute_schedule
 from parallel.pipeline.plan import PipelinePlan, build_plan

@@ -3,8 +3,6 @@ and backward, causal and per-document masks, GQA) against one process's scaled_d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
