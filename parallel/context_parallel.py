@@ -211,9 +211,24 @@ def ring_backward(
     return dq, dkv_in
 
 
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[s, b, n, d] with n heads in `groups` kv groups -> [b, g, n / g, s, d] (a view)."""
+    s, b, _, d = t.shape
+    return t.reshape(s, b, groups, -1, d).permute(1, 2, 3, 0, 4)
+
+
+def _kv_block(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [s, b, g, d] -> the block that travels the ring, [2, b, g, 1, s, d] (contiguous: a send buffer)."""
+    return torch.stack((k, v)).permute(0, 2, 3, 1, 4).unsqueeze(3).contiguous()
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention over the whole sequence of the cp group; q [s/cp, b, nq, d], k/v [s/cp, b, nkv, d]
-    (query heads grouped per kv head, as SelfAttention lays them out) -> context [s/cp, b, nq * d]."""
+    (query heads grouped per kv head, as SelfAttention lays them out) -> context [s/cp, b, nq * d].
+
+    Kept for backward: q, k, v as given (views of the QKV projection's output, as SDPA keeps them), the
+    returned context (which the output projection keeps anyway) and the fp32 log-sum-exp per query row;
+    the [b, g, h, s, d] layouts and the key/value block are rebuilt in backward."""
 
     @staticmethod
     def forward(
@@ -221,22 +236,24 @@ class RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         s, b, nq, d = q.shape
         groups = k.shape[2]
-        q5 = q.permute(1, 2, 0, 3).reshape(b, groups, nq // groups, s, d)  # [b, g, h, s, d]
-        kv = torch.stack((k, v)).permute(0, 2, 3, 1, 4).unsqueeze(3).contiguous()  # [2, b, g, 1, s, d]
         scale = 1.0 / d**0.5
-        out, lse = ring_forward(ring, q5, kv, mask, scale)
-        ctx.save_for_backward(q5, kv, out, lse, mask)
-        ctx.ring, ctx.scale, ctx.q_shape = ring, scale, q.shape
-        return out.reshape(b, nq, s, d).permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        out, lse = ring_forward(ring, _grouped(q, groups), _kv_block(k, v), mask, scale)  # [b, g, h, s, d]
+        context = out.permute(3, 0, 1, 2, 4).reshape(s, b, nq * d)
+        ctx.save_for_backward(q, k, v, context, lse, mask)
+        ctx.ring, ctx.scale = ring, scale
+        return context
 
     @staticmethod
     def backward(ctx: Any, grad_context: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q5, kv, out, lse, mask = ctx.saved_tensors
-        s, b, nq, d = ctx.q_shape
-        dout = grad_context.reshape(s, b, nq, d).permute(1, 2, 0, 3).reshape(out.shape)  # [b, g, h, s, d]
+        q, k, v, context, lse, mask = ctx.saved_tensors
+        s, b, nq, d = q.shape
+        groups = k.shape[2]
+        out = _grouped(context.view(s, b, nq, d), groups)
+        dout = _grouped(grad_context.reshape(s, b, nq, d), groups)  # [b, g, h, s, d]
         delta = (dout * out).sum(dim=-1)
-        dq5, dkv = ring_backward(ctx.ring, (q5, dout, lse, delta), kv, mask, ctx.scale)
-        dq = dq5.reshape(b, nq, s, d).permute(2, 0, 1, 3)
+        q5 = _grouped(q, groups)
+        dq5, dkv = ring_backward(ctx.ring, (q5, dout, lse, delta), _kv_block(k, v), mask, ctx.scale)
+        dq = dq5.permute(3, 0, 1, 2, 4).reshape(s, b, nq, d)
         dk, dv = (t.squeeze(2).permute(2, 0, 1, 3) for t in dkv)  # [s, b, g, d]
         return dq, dk, dv, None, None
 
