@@ -11,24 +11,13 @@ import pytest
 
 import pretrain_gpt
 from tests.conftest import run_ranks, tiny_train_args
-from tests.e2e.test_layouts import FAST, LLAMA, _rank_main, assert_matches, train
+from tests.e2e.test_layouts import FAST, LLAMA, _rank_main, assert_matches, reference, train
+
+# `reference` (the single-process runs, cached per overrides) is test_layouts' module fixture, used here too
+__all__ = ["reference"]
 
 SEQ_256 = ("model.seq_length=256",)
 DOCUMENTS = ("data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_corpus, tmp_path_factory):
-    """reference(*model_overrides) -> the single-process metrics at seq 256, computed once per overrides."""
-    cache: dict[tuple, list[dict]] = {}
-
-    def get(*model_overrides: str) -> list[dict]:
-        if model_overrides not in cache:
-            run_dir = str(tmp_path_factory.mktemp("reference"))
-            cache[model_overrides] = train(tiny_corpus, run_dir, 1, *FAST, *SEQ_256, *model_overrides)
-        return cache[model_overrides]
-
-    return get
 
 
 CP_LAYOUTS = [
@@ -55,7 +44,7 @@ def test_context_parallel_matches_single_process(
 ):
     run_dir = str(tmp_path / "run")
     records = train(tiny_corpus, run_dir, world_size, *FAST, *SEQ_256, *model_overrides, *parallel_overrides)
-    assert_matches(records, reference(*model_overrides))
+    assert_matches(records, reference(*SEQ_256, *model_overrides))
 
 
 def test_checkpoint_at_cp2_tp2_resumes_at_cp1_and_cp4(tiny_corpus, tmp_path, reference):
@@ -63,7 +52,7 @@ def test_checkpoint_at_cp2_tp2_resumes_at_cp1_and_cp4(tiny_corpus, tmp_path, ref
     within 1e-5 of the uninterrupted cp2 x tp2 run (which itself matches one process)."""
     layout = ("train.eval_iters=0", *SEQ_256, "parallel.cp_size=2", "parallel.tp_size=2")
     whole = train(tiny_corpus, str(tmp_path / "whole"), 4, *layout, "checkpoint.save=false")
-    assert_matches(whole, reference())
+    assert_matches(whole, reference(*SEQ_256))
     split = str(tmp_path / "split")
     argv = [
         "--config",

@@ -15,7 +15,7 @@ from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
 from planner.activations import layer_activation_bytes, shape_from_config
 from planner.ring import ring_bytes_per_layer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
 
 def layout(world_size: int, *overrides: str):
@@ -68,30 +68,7 @@ def test_bad_layouts_are_refused_with_one_line(world_size, overrides, message):
 def test_trainer_and_model_stats_refuse_before_any_work(overrides, tmp_path):
     with pytest.raises(LayoutError) as refused:  # the trainer's default config
         layout_from_config(load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"), list(overrides)), 2)
-    expected = str(refused.value)
-    trainer = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *overrides, f"run.dir={tmp_path}/run"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "WORLD_SIZE": "2"},
-    )
-    stats = subprocess.run(
-        [
-            sys.executable,
-            "tools/model_stats.py",
-            "--config",
-            "configs/gpt_tiny.yaml",
-            "model.vocab_size=257",
-            *overrides,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    for result in (trainer, stats):
-        assert result.returncode == 2 and result.stderr.strip() == f"error: {expected}", result.stderr
-    assert not (tmp_path / "run").exists()
+    assert_entry_points_refuse(list(overrides), 2, str(refused.value), f"{tmp_path}/run")
 
 
 def test_rank_order_is_tp_cp_dp_pp():
