@@ -49,7 +49,7 @@ __all__ = [
 
 def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
     """The layout a checkpoint records (informational: loading works at any layout)."""
-    return {
+    layout = {
         "tp": state.tp_size,
         "pp": state.pp_size,
         "vp": state.vp_size,
@@ -58,6 +58,8 @@ def layout_of(state: Any, sequence_parallel: bool = False, distributed_optimizer
         "sequence_parallel": bool(sequence_parallel),
         "distributed_optimizer": bool(distributed_optimizer),
     }
+    cp_size = getattr(state, "cp_size", 1)
+    return {**layout, "cp": cp_size} if cp_size > 1 else layout  # without cp: the keys main wrote
 
 
 def load_model_weights(iter_dir: str, chunks: list, state: Any) -> None:

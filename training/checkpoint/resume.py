@@ -225,10 +225,9 @@ def apply_lr_schedule(saved: dict | None, lr_schedule: Any, override: bool, log:
 
 
 def same_layout(saved: dict, state: Any) -> bool:
-    return all(
-        saved.get(key) == value
-        for key, value in (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
-    )
+    sizes = (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
+    # a checkpoint without "cp" was written without context parallelism
+    return all(saved.get(key) == value for key, value in sizes) and saved.get("cp", 1) == getattr(state, "cp_size", 1)
 
 
 def restore_rng(plan: ResumePlan, config: Any, state: Any, rng_tracker: Any, log: Callable[[str], None]) -> None:
