@@ -14,7 +14,7 @@ from parallel.layout import LayoutError, layout_from_config
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
 from planner.activations import layer_activation_bytes, shape_from_config
-from planner.ring import ring_bytes_per_layer
+from planner.ring import exposed_ring_seconds, ring_bytes_per_layer
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
 
@@ -104,6 +104,9 @@ def test_planner_activations_fall_with_cp_and_ring_bytes():
     block = 2 * 2048 * 4 * 4 * 32 * 4
     assert ring_bytes_per_layer(config(4).model, 4, 1, 4, 4) == (3 * block, 7 * block)
     assert ring_bytes_per_layer(config(1).model, 4, 1, 1, 4) == (0.0, 0.0)
+    # a transfer hidden behind its block's attention costs nothing; beyond it, the excess per send
+    assert exposed_ring_seconds(1e9, 1e9, 2.0, 3) == 0.0
+    assert exposed_ring_seconds(3e9, 1e9, 2.0, 3) == pytest.approx(3.0)
 
 
 def test_model_stats_reports_cp():
