@@ -36,6 +36,8 @@ class ParallelConfig:
     tp_size: int = 1
     pp_size: int = 1
     vp_size: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
+    cp_size: int = 1  # context parallelism: each sequence split over cp ranks, ring attention (parallel/layout.py)
+    cp_attention_backend: str = "torch"  # block attention of the ring: torch (returns the log-sum-exp) | sdpa
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params in the background (same numbers)

@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
 from model.param_info import Sharding, param_info, set_param_info
-from model.tp_hooks import TensorParallelHooks, identity
+from model.tp_hooks import AttentionFn, ContextParallelHooks, TensorParallelHooks, identity
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, b, 1, d]
 
@@ -50,16 +50,20 @@ def rotary_cos_sin(
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v through scaled_dot_product_attention; the part selective recompute redoes."""
+    """softmax(q k^T / sqrt(d)) v through scaled_dot_product_attention, or through the context-parallel
+    attention when one is given (ContextParallelHooks); the part selective recompute redoes."""
 
-    def __init__(self, attention_dropout: float):
+    def __init__(self, attention_dropout: float, context_parallel_attention: AttentionFn | None = None):
         super().__init__()
         self.dropout_p = attention_dropout
+        self.context_parallel_attention = context_parallel_attention
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         # q [s, b, nq, d], k/v [s, b, nkv, d] -> context [s, b, nq * d]
+        if self.context_parallel_attention is not None:
+            return self.context_parallel_attention(q, k, v, attention_mask)
         s, b, nq, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         context = F.scaled_dot_product_attention(
@@ -78,13 +82,14 @@ class SelfAttention(nn.Module):
     """Fused QKV projection laid out per query group ([q x heads_per_group, k, v] for each group), so that a
     contiguous split of its output dimension gives each tensor-parallel rank whole groups."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cp_hooks: ContextParallelHooks | None = None):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.add_bias_linear)
-        self.core: nn.Module = CoreAttention(cfg.attention_dropout)  # parallel/ may wrap it in its RNG stream
+        cp_attention = cp_hooks.attention if cp_hooks is not None else None
+        self.core: nn.Module = CoreAttention(cfg.attention_dropout, cp_attention)  # parallel/ may wrap it (RNG)
         self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.recompute_core = False
         self.checkpoint_fn: Callable | None = None
@@ -137,10 +142,10 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cp_hooks: ContextParallelHooks | None = None):
         super().__init__()
         self.input_norm = build_norm(cfg)
-        self.attention = SelfAttention(cfg)
+        self.attention = SelfAttention(cfg, cp_hooks)
         self.post_attention_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
         self.hidden_dropout: nn.Module = nn.Dropout(cfg.hidden_dropout)  # parallel/ may wrap it in its RNG stream
@@ -209,6 +214,7 @@ class GPTModel(nn.Module):
         pre_process: holds the embedding (the first chunk of the first stage).
         post_process: holds final norm, output layer and loss (the last chunk of the last stage).
         tp_hooks: what runs differently under tensor parallelism (default: one process).
+        cp_hooks: what runs differently under context parallelism: the attention (default: one process).
     """
 
     def __init__(
@@ -219,16 +225,18 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         tp_hooks: TensorParallelHooks | None = None,
+        cp_hooks: ContextParallelHooks | None = None,
     ):
         super().__init__()
         self.cfg = cfg
         self.tp_hooks = tp_hooks or TensorParallelHooks()
+        self.cp_hooks = cp_hooks or ContextParallelHooks()
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.embedding: Embedding | None = (
             Embedding(cfg, padded_vocab_size, self.tp_hooks.scatter_to_sequence_parallel) if pre_process else None
         )
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, self.cp_hooks) for i in layer_ids})
         self.final_norm: nn.Module | None = build_norm(cfg) if post_process else None
         # nn.Linear here; tensor parallelism swaps in a ColumnParallelLinear (same weight attribute)
         self.output_layer: nn.Module | None = None

@@ -1,4 +1,5 @@
-"""`TensorParallelHooks`: everything GPTModel runs differently under tensor parallelism, in one typed object.
+"""`TensorParallelHooks`: everything GPTModel runs differently under tensor parallelism, in one typed object;
+`ContextParallelHooks`: the same for context parallelism (the attention over the whole sequence).
 
 GPTModel takes it at construction; the defaults are one process. parallel/tensor_parallel.tensor_parallel_hooks
 builds the tp version from the rank's tp group (the vocab-parallel loss and its reductions, the output layer's
@@ -17,6 +18,8 @@ from model.kernels import CrossEntropyReductions
 from model.kernels.reference import cross_entropy_per_token
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
+# q [s, b, nq, d], k, v [s, b, nkv, d], attention mask or None -> context [s, b, nq * d]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -43,3 +46,17 @@ class TensorParallelHooks:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
     head_input: TensorFn = identity
     loss_reductions: CrossEntropyReductions = field(default_factory=CrossEntropyReductions)
+
+
+@dataclass(frozen=True)
+class ContextParallelHooks:
+    """What GPTModel calls where context parallelism changes the computation (defaults: one process).
+
+    cp_size    the context-parallel size these hooks were made for
+    attention  causal attention of this rank's queries over the keys of the whole sequence, held by the cp
+               group (parallel/context_parallel.py: ring attention); None: scaled_dot_product_attention on
+               the local sequence. Positions need no hook: each token's position id is its true index.
+    """
+
+    cp_size: int = 1
+    attention: AttentionFn | None = None

@@ -36,7 +36,7 @@ def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any)
     return fn(output, input_, group=group, async_op=True)
 
 
-def all_gather_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
+def all_gather_async(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None):
     """Async all_gather of every rank's flat `input_` into `output`, returning the work handle (the
     distributed optimizer's overlapped param gather, parallel/param_gather.py)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,7 +105,9 @@ class DataParallel:
 
     Args:
         chunks: this rank's model chunks (one without virtual pipeline stages).
-        state: the ParallelState (uses dp_group, dp_size, dp_rank).
+        state: the ParallelState (uses dp_cp_group, dp_cp_size, dp_cp_rank: context-parallel ranks hold
+            replicas too, so gradients are reduced over dp x cp; divided by dp_size only, because the cp
+            ranks' losses are parts of one sum, not replicas of a mean).
         bucket_size_mb: target bucket size in MiB of gradient.
         distributed_optimizer: reduce_scatter into dp shards instead of all_reduce.
         grad_dtype: dtype of the main gradient buffers (fp32).
@@ -137,7 +139,7 @@ class DataParallel:
     def _build_chunk(self, chunk_index: int, chunk: nn.Module) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad]  # parameters() skips tied duplicates
         groups = _plan_buckets(list(reversed(params)), self.bucket_numel)
-        pad_to = self.state.dp_size if self.distributed_optimizer else 1
+        pad_to = self.state.dp_cp_size if self.distributed_optimizer else 1
         layout, offset = [], 0
         for index, group in enumerate(groups):
             numel = sum(p.numel() for p in group)
@@ -225,16 +227,17 @@ class DataParallel:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched, bucket.pending = True, set()
-        if self.state.dp_size == 1:
+        if self.state.dp_cp_size == 1:
             return
         flat = self.buffers[bucket.chunk_index][bucket.start : bucket.end]
-        flat.div_(self.state.dp_size)  # average: sum of grads / dp (gloo has no AVG op)
+        if self.state.dp_size > 1:
+            flat.div_(self.state.dp_size)  # average: sum of grads / dp (gloo has no AVG op)
         if self.distributed_optimizer:
-            start, end = bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+            start, end = bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = reduce_scatter_async(shard, flat, self.state.dp_group)
+            bucket.work = reduce_scatter_async(shard, flat, self.state.dp_cp_group)
         else:
-            bucket.work = dist.all_reduce(flat, group=self.state.dp_group, async_op=True)
+            bucket.work = dist.all_reduce(flat, group=self.state.dp_cp_group, async_op=True)
 
     # ---- layout queries ---------------------------------------------------------------------
     def _all_buckets(self):
@@ -245,7 +248,7 @@ class DataParallel:
         where = self.param_ranges[param]
         if not self.distributed_optimizer:
             return 0, param.numel()
-        start, end = where.bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+        start, end = where.bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
         lo, hi = max(start, where.start), min(end, where.end)
         return (lo - where.start, hi - where.start) if lo < hi else (0, 0)
 

@@ -1,7 +1,7 @@
 """The PTD-P layout of a run: one frozen value, built and validated in one place.
 
 `build_layout(model, parallel, train, world_size)` turns the config sections and the world size into a
-`Layout` (tp, pp, vp, dp, number of micro-batches, the schedule that will run, sequence parallelism) or
+`Layout` (tp, cp, pp, vp, dp, number of micro-batches, the schedule that will run, sequence parallelism) or
 raises `LayoutError` with one line naming the offending keys and values. Every layout rule of the project
 lives in this file: the trainer, tools/model_stats.py, the planner, the schedule builder and the
 tensor-parallel layers all call these functions, so the same input gets the same answer everywhere.
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Block attention backends of context parallelism and whether each returns the log-sum-exp that the ring's
+# online-softmax merge needs: "torch" is plain matmul + logsumexp (CPU and GPU); SDPA returns no LSE.
+CP_ATTENTION_BACKENDS = {"torch": True, "sdpa": False}
 
 
 class LayoutError(ValueError):
@@ -22,7 +25,7 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How one run is laid out over its ranks. Ranks are ordered as Megatron's: tp fastest, then dp, then pp.
+    """How one run is laid out over its ranks. Ranks are ordered as Megatron's: tp fastest, then cp, dp, pp.
 
     `schedule` is the schedule that runs: with pp = 1 that is always "1f1b" (forward, backward per
     micro-batch), and "1f1b" with vp > 1 is Megatron's interleaved 1F1B ("interleaved").
@@ -35,10 +38,11 @@ class Layout:
     num_microbatches: int
     schedule: str
     sequence_parallel: bool = False
+    cp_size: int = 1  # context parallelism: each micro-batch's sequence split over cp ranks
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
 
     @property
     def model_parallel_size(self) -> int:
@@ -47,8 +51,9 @@ class Layout:
     def describe(self) -> str:
         """One line for the start-up log."""
         sp = ", sequence parallel" if self.sequence_parallel else ""
+        cp = f" x cp {self.cp_size}" if self.cp_size > 1 else ""
         return (
-            f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size} "
+            f"world {self.world_size} = tp {self.tp_size}{cp} x dp {self.dp_size} x pp {self.pp_size} "
             f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
             f"{self.schedule}{sp}"
         )
@@ -65,15 +70,17 @@ def require_divisible(value_name: str, value: int, size_name: str, size: int) ->
         raise LayoutError(f"{value_name}={value} is not divisible by {size_name}={size}")
 
 
-def derive_dp_size(world_size: int, tp_size: int, pp_size: int) -> int:
-    """dp = world / (tp * pp)."""
-    check_positive(tp_size=tp_size, pp_size=pp_size)
-    if world_size % (tp_size * pp_size):
+def derive_dp_size(world_size: int, tp_size: int, pp_size: int, cp_size: int = 1) -> int:
+    """dp = world / (tp * cp * pp)."""
+    check_positive(tp_size=tp_size, pp_size=pp_size, cp_size=cp_size)
+    model_ranks = tp_size * cp_size * pp_size
+    if world_size % model_ranks:
+        cp_name, cp_value = (" * parallel.cp_size", f" * {cp_size}") if cp_size > 1 else ("", "")
         raise LayoutError(
-            f"world size {world_size} is not divisible by parallel.tp_size * parallel.pp_size "
-            f"= {tp_size} * {pp_size} = {tp_size * pp_size}"
+            f"world size {world_size} is not divisible by parallel.tp_size{cp_name} * parallel.pp_size "
+            f"= {tp_size}{cp_value} * {pp_size} = {model_ranks}"
         )
-    return world_size // (tp_size * pp_size)
+    return world_size // model_ranks
 
 
 def check_positive(**sizes: int) -> None:
@@ -144,6 +151,36 @@ def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> 
         )
 
 
+def check_context_parallel(model: Any, cp_size: int, tp_size: int, sequence_parallel: bool, backend: str) -> None:
+    """Context parallelism cuts each sequence into 2 * cp chunks (rank i holds chunks i and 2cp-1-i) and merges
+    attention blocks by their log-sum-exp, so the block attention backend must return it."""
+    check_positive(cp_size=cp_size)
+    if backend not in CP_ATTENTION_BACKENDS:
+        raise LayoutError(
+            f"parallel.cp_attention_backend={backend!r} is unknown: use one of {', '.join(CP_ATTENTION_BACKENDS)}"
+        )
+    if cp_size == 1:
+        return
+    require_divisible("model.seq_length", model.seq_length, "2 * parallel.cp_size", 2 * cp_size)
+    if not CP_ATTENTION_BACKENDS[backend]:
+        raise LayoutError(
+            f"parallel.cp_size={cp_size} needs an attention backend that returns the log-sum-exp; "
+            f"parallel.cp_attention_backend={backend} does not: use torch"
+        )
+    if model.attention_dropout > 0:
+        raise LayoutError(
+            f"parallel.cp_size={cp_size} does not support model.attention_dropout={model.attention_dropout}: set 0"
+        )
+    if sequence_parallel:
+        require_divisible(
+            "the sequence per context-parallel rank (model.seq_length / parallel.cp_size = "
+            f"{model.seq_length} / {cp_size})",
+            model.seq_length // cp_size,
+            "parallel.tp_size (needed by parallel.sequence_parallel)",
+            tp_size,
+        )
+
+
 def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
     """Each of the pp * vp virtual stages holds the same number of layers."""
     check_positive(pp_size=pp_size, vp_size=vp_size)
@@ -160,10 +197,14 @@ def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layo
     Duck-typed on the sections so the planner can pass its own objects; no process group is needed.
     """
     tp, pp, vp = parallel.tp_size, parallel.pp_size, parallel.vp_size
-    check_positive(tp_size=tp, pp_size=pp, vp_size=vp)
+    cp = getattr(parallel, "cp_size", 1)
+    check_positive(tp_size=tp, pp_size=pp, vp_size=vp, cp_size=cp)
     effective_schedule(parallel.schedule, pp, vp)
-    dp = derive_dp_size(world_size, tp, pp)
-    check_tensor_parallel(model, tp, parallel.sequence_parallel)
+    dp = derive_dp_size(world_size, tp, pp, cp)
+    check_tensor_parallel(model, tp, parallel.sequence_parallel and cp == 1)
+    check_context_parallel(
+        model, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_attention_backend", "torch")
+    )
     check_pipeline_split(model.num_layers, pp, vp)
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
@@ -173,7 +214,7 @@ def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layo
         )
     num_microbatches = train.global_batch_size // per_step
     schedule = check_schedule(parallel.schedule, pp, vp, num_microbatches, per_step)
-    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel))
+    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel), cp)
 
 
 def layout_from_config(config: Any, world_size: int) -> Layout:

@@ -1,4 +1,4 @@
-"""Build this rank's model chunks for any (tp, pp, vp) layout, with the same weights as one process."""
+"""Build this rank's model chunks for any (tp, cp, pp, vp) layout, with the same weights as one process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
+from parallel.context_parallel import context_parallel_hooks
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
@@ -39,12 +40,19 @@ def build_model_chunks(
     `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel)
+    cp_hooks = context_parallel_hooks(state)
     for chunk in range(state.vp_size):
         layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk)
         pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk)
         with torch.device("meta"):
             model = GPTModel(
-                cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process, tp_hooks=hooks
+                cfg,
+                cfg.padded_vocab_size(state.tp_size),
+                layer_ids,
+                pre_process,
+                post_process,
+                tp_hooks=hooks,
+                cp_hooks=cp_hooks,
             )
         model = apply_tensor_parallel(
             model, state, sequence_parallel, comm_counter=comm_counter, rng_tracker=rng_tracker

@@ -1,13 +1,13 @@
 """The rank order, declared once: global ranks as a grid of parallel dimensions (no torch).
 
-Megatron-LM's order: tp varies fastest, then dp, then pp,
+Megatron-LM's order: tp varies fastest, then cp (context parallelism), then dp, then pp,
 
-    rank = tp_rank + tp_size * dp_rank + tp_size * dp_size * pp_rank
+    rank = tp_rank + tp_size * (cp_rank + cp_size * (dp_rank + dp_size * pp_rank))
 
-so a tp group is consecutive ranks (one node's NVLink domain on a GPU cluster), a dp group strides by tp_size
-and a pp group by tp_size * dp_size. parallel/state.py builds its process groups from this grid and
-planner/costs.py reads from it how many members of a group share a node. A new dimension is one more name in
-MEGATRON_ORDER (context parallelism sits after tp: "tp", "cp", "dp", "pp").
+so a tp group is consecutive ranks (one node's NVLink domain on a GPU cluster), a cp group strides by tp_size,
+a dp group by tp_size * cp_size and a pp group by tp_size * cp_size * dp_size (with cp = 1 this is Megatron's
+tp, dp, pp order). parallel/state.py builds its process groups from this grid and planner/costs.py reads from
+it how many members of a group share a node. A new dimension is one more name in MEGATRON_ORDER.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-MEGATRON_ORDER = ("tp", "dp", "pp")  # fastest-varying first
+MEGATRON_ORDER = ("tp", "cp", "dp", "pp")  # fastest-varying first
 
 
 @dataclass(frozen=True)

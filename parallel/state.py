@@ -13,12 +13,17 @@ from parallel.rank_grid import RankGrid
 
 @dataclass
 class ParallelState:
-    """Ranks and process groups of a tp x dp x pp layout (plus vp model chunks per pipeline rank).
+    """Ranks and process groups of a tp x cp x dp x pp layout (plus vp model chunks per pipeline rank).
 
-    Rank order: parallel/rank_grid.py (Megatron-LM's: tp varies fastest, then dp, then pp), from which
+    Rank order: parallel/rank_grid.py (Megatron-LM's: tp varies fastest, then cp, dp, pp), from which
     every group here is built. The embedding group holds the first and
     last pipeline stage of one (tp_rank, dp_rank) column: with tied embeddings those two stages each keep a
     copy of the word embedding and all-reduce its gradient over this group.
+
+    Context parallelism (cp) splits each micro-batch's sequence over the cp group; its ranks hold replicas of
+    every parameter, so gradients and the distributed optimizer's shards go over `dp_cp_group` (dp x cp),
+    while the data (which samples a rank reads) follows the dp rank alone. With cp = 1, dp_cp_group is
+    dp_group itself (and no group is created for it).
 
     Build it with `ParallelState.create(...)` after `torch.distributed.init_process_group`; build a
     single-process state (no torch.distributed) with `ParallelState.single()`.
@@ -30,7 +35,10 @@ class ParallelState:
     pp_size: int
     dp_size: int
     vp_size: int = 1
+    cp_size: int = 1
     tp_group: Any = None
+    cp_group: Any = None  # ring attention's group: ranks holding other chunks of the same sequence
+    dp_x_cp_group: Any = None  # the dp x cp group when cp > 1 (read it as `dp_cp_group`)
     pp_group: Any = None
     dp_group: Any = None
     model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
@@ -38,13 +46,23 @@ class ParallelState:
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
+    cp_ranks: list[int] = field(default_factory=list)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def single(cls) -> ParallelState:
         """The layout of one process: every group is None and every collective is skipped."""
         return cls(
-            world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, vp_size=1, pp_ranks=[0], tp_ranks=[0], dp_ranks=[0]
+            world_size=1,
+            rank=0,
+            tp_size=1,
+            pp_size=1,
+            dp_size=1,
+            vp_size=1,
+            pp_ranks=[0],
+            tp_ranks=[0],
+            dp_ranks=[0],
+            cp_ranks=[0],
         )
 
     @classmethod
@@ -52,15 +70,21 @@ class ParallelState:
         """The state of `layout` for this process: `single()` for one process, else `create(...)`."""
         if layout.world_size == 1:
             return cls.single()
-        return cls.create(layout.tp_size, layout.pp_size, layout.vp_size)
+        return cls.create(layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size)
 
     @classmethod
-    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1) -> ParallelState:
+    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1, cp_size: int = 1) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp_size = derive_dp_size(world_size, tp_size, pp_size)
+        dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
         state = cls(
-            world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, vp_size=vp_size
+            world_size=world_size,
+            rank=rank,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            dp_size=dp_size,
+            vp_size=vp_size,
+            cp_size=cp_size,
         )
         grid = state.grid
         for ranks in grid.groups("tp"):
@@ -83,7 +107,19 @@ class ParallelState:
             group = dist.new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = group
+        if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
+            state._create_cp_groups()
         return state
+
+    def _create_cp_groups(self) -> None:
+        for ranks in self.grid.groups("cp"):
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.cp_group, self.cp_ranks = group, ranks
+        for ranks in self.grid.groups("cp", "dp"):
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.dp_x_cp_group = group
 
     # ---- coordinates --------------------------------------------------------------------------
     @property
@@ -98,6 +134,25 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.grid.coord(self.rank, "dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.grid.coord(self.rank, "cp")
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """Group of the replicas of every parameter (dp x cp): gradient reduction, optimizer shards."""
+        return self.dp_group if self.cp_size == 1 else self.dp_x_cp_group
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Replicas of every parameter: gradients are reduced and optimizer states sharded over dp x cp."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in its dp x cp group (cp varies faster, as in the rank order)."""
+        return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
     def pp_rank(self) -> int:
@@ -122,4 +177,5 @@ class ParallelState:
 
     def describe(self) -> str:
         """This rank's coordinates, for the start-up log (the layout itself: `Layout.describe`)."""
-        return f"rank {self.rank} is tp_rank {self.tp_rank}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}"
+        cp = f", cp_rank {self.cp_rank}" if self.cp_size > 1 else ""
+        return f"rank {self.rank} is tp_rank {self.tp_rank}{cp}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}"

@@ -10,6 +10,11 @@ Selective recomputation drops the a*s^2*b terms, full recomputation keeps only t
 Generalised here to the value size of the run (2 bytes for bf16/fp16 activations, 4 for fp32), grouped-query
 attention, any ffn width, SwiGLU (fc1 output of 2 ffn values), dropout off (no masks), and fused attention
 kernels that keep no [s, s] tensor (`attention="flash"`: only a fp32 log-sum-exp per query row).
+
+Context parallelism (cp) gives each rank s / cp tokens of every sequence: every term counts the local sequence
+(`ActivationShape.local_seq`), and ring attention keeps, like a flash kernel, only a log-sum-exp per query
+row besides q, k, v and the output (parallel/context_parallel.py), so its attention is "flash" whatever the
+backend of one process would be.
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ class ActivationShape:
     hidden_dropout: bool = True
     attention_dropout: bool = True
     attention: str = "materialized"  # or "flash"
+    cp_size: int = 1  # context parallelism: each rank holds seq_length / cp_size tokens
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence on one rank (seq_length / cp)."""
+        return self.seq_length // self.cp_size
+
+    @property
+    def attention_kept(self) -> str:
+        """What the attention keeps for backward: ring attention (cp > 1) keeps what a flash kernel keeps."""
+        return "flash" if self.cp_size > 1 else self.attention
 
 
 def shape_from_config(
@@ -56,13 +72,14 @@ def shape_from_config(
         hidden_dropout=model.hidden_dropout > 0,
         attention_dropout=model.attention_dropout > 0,
         attention=attention,
+        cp_size=getattr(parallel, "cp_size", 1),
     )
 
 
 def attention_score_bytes(shape: ActivationShape) -> float:
     """Bytes of the [b, a/t, s, s] tensors a materialised attention keeps for backward (0 when fused)."""
-    sb = shape.seq_length * shape.micro_batch
-    if shape.attention != "materialized":
+    sb = shape.local_seq * shape.micro_batch
+    if shape.attention_kept != "materialized":
         return 4.0 * sb * shape.heads / shape.tp_size  # fp32 log-sum-exp per query row
     scores = shape.heads * shape.seq_length * sb / shape.tp_size
     if shape.attention_dropout:  # softmax output, dropout output, dropout mask
@@ -72,7 +89,7 @@ def attention_score_bytes(shape: ActivationShape) -> float:
 
 def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
     """Bytes one layer keeps for its backward, per micro-batch, on one tp rank."""
-    sbh = shape.seq_length * shape.micro_batch * shape.hidden
+    sbh = shape.local_seq * shape.micro_batch * shape.hidden
     t = shape.tp_size
     replicated_split = t if shape.sequence_parallel else 1
     if recompute == "full":
@@ -81,7 +98,7 @@ def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
     # norm inputs (2), qkv input, fc1 input: replicated across tp unless sequence parallel
     replicated = 4 * sbh * shape.value_bytes
     masks = 2 * sbh * shape.mask_bytes if shape.hidden_dropout else 0
-    ffn_values = shape.seq_length * shape.micro_batch * shape.ffn * (3 if shape.swiglu else 2)
+    ffn_values = shape.local_seq * shape.micro_batch * shape.ffn * (3 if shape.swiglu else 2)
     split = (sbh * (2 + 2 * kv_share) + ffn_values) * shape.value_bytes  # q, k, v, attention out, MLP
     total = (replicated + masks) / replicated_split + split / t
     if recompute != "selective":
@@ -92,7 +109,7 @@ def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
 def head_activation_bytes(shape: ActivationShape, padded_vocab: int) -> float:
     """Bytes the last virtual stage keeps per micro-batch beyond its layers: the final norm input and
     output-layer input (16/32-bit) and the fp32 logits of the vocab-parallel cross entropy."""
-    sb = shape.seq_length * shape.micro_batch
+    sb = shape.local_seq * shape.micro_batch
     split = shape.tp_size if shape.sequence_parallel else 1
     return 2.0 * sb * shape.hidden * shape.value_bytes / split + 4.0 * sb * padded_vocab / shape.tp_size
 
@@ -102,4 +119,4 @@ def embedding_activation_bytes(shape: ActivationShape) -> float:
     if not shape.hidden_dropout:
         return 0.0
     split = shape.tp_size if shape.sequence_parallel else 1
-    return shape.seq_length * shape.micro_batch * shape.hidden * shape.mask_bytes / split
+    return shape.local_seq * shape.micro_batch * shape.hidden * shape.mask_bytes / split

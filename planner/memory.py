@@ -96,7 +96,10 @@ def rank_memory(
     is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead)."""
     p, v = layout.pp_size, layout.vp_size
     params = rank_params(model, layout.tp_size, p, v, pp_rank)
-    state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size)
+    # the distributed optimizer shards over dp x cp (context-parallel ranks hold replicas too)
+    state = state_bytes_per_param(
+        train.precision, distributed_optimizer, layout.dp_size * getattr(layout, "cp_size", 1)
+    )
     recompute = train.recompute
     layers_per_chunk = model.num_layers // (p * v)
     per_layer = layer_activation_bytes(shape, recompute)
@@ -118,7 +121,7 @@ def rank_memory(
     if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
         working = max(
             working,
-            4.0 * shape.seq_length * shape.micro_batch * model.padded_vocab_size(layout.tp_size) / layout.tp_size,
+            4.0 * shape.local_seq * shape.micro_batch * model.padded_vocab_size(layout.tp_size) / layout.tp_size,
         )
     return MemoryEstimate(
         pp_rank,

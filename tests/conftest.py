@@ -6,6 +6,7 @@ gets one thread so that 8 ranks do not fight over the cores.
 
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -135,3 +136,26 @@ def read_metrics(run_dir: str) -> list[dict]:
 
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         return [r for r in map(json.loads, handle) if "lm_loss" in r]
+
+
+def assert_entry_points_refuse(overrides: list[str], world_size: int, expected: str, run_dir: str) -> None:
+    """pretrain_gpt.py (at this world size) and tools/model_stats.py both exit 2 with the one line
+    `error: <expected>` for these overrides of configs/gpt_tiny.yaml, and no run folder is made."""
+    env = {**os.environ, "WORLD_SIZE": str(world_size)}
+    trainer = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *overrides, f"run.dir={run_dir}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    stats = subprocess.run(
+        [sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml", "model.vocab_size=257"]
+        + list(overrides),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    for result in (trainer, stats):
+        assert result.returncode == 2 and result.stderr.strip() == f"error: {expected}", result.stderr
+    assert not os.path.exists(run_dir)

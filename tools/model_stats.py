@@ -20,6 +20,7 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from planner.activations import layer_activation_bytes, shape_from_config
 from planner.memory import state_bytes_per_param
+from planner.ring import ring_bytes_per_layer
 
 GIB = 2.0**30
 
@@ -27,13 +28,15 @@ GIB = 2.0**30
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
     par, model_cfg = config.parallel, config.model
+    grid = RankGrid.megatron(tp=par.tp_size, cp=par.cp_size, dp=dp_size, pp=par.pp_size)
     state = ParallelState(
-        world_size=par.tp_size * par.pp_size * dp_size,
-        rank=RankGrid.megatron(tp=par.tp_size, dp=dp_size, pp=par.pp_size).rank_of(tp=tp_rank, pp=pp_rank),
+        world_size=grid.world_size,
+        rank=grid.rank_of(tp=tp_rank, pp=pp_rank),
         tp_size=par.tp_size,
         pp_size=par.pp_size,
         dp_size=dp_size,
         vp_size=par.vp_size,
+        cp_size=par.cp_size,
     )
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
@@ -58,7 +61,8 @@ def total_parameters(config: Config) -> int:
 
 
 def activation_bytes_per_layer(config: Config) -> float:
-    """Activation memory of one layer for one micro-batch (Korthikanti et al. 2022; planner/activations.py)."""
+    """Activation memory of one layer for one micro-batch on one rank (Korthikanti et al. 2022, the sequence
+    divided by cp; planner/activations.py)."""
     shape = shape_from_config(config.model, config.parallel, config.train)
     return layer_activation_bytes(shape, config.train.recompute)
 
@@ -66,7 +70,8 @@ def activation_bytes_per_layer(config: Config) -> float:
 def memory_estimate(config: Config, params_on_rank: int, layers_on_rank: int, dp_size: int) -> dict:
     """Bytes on the busiest rank (pipeline stage 0 holds p micro-batches in flight under 1f1b)."""
     par = config.parallel
-    per_param = sum(state_bytes_per_param(config.train.precision, par.distributed_optimizer, dp_size).values())
+    replicas = dp_size * par.cp_size  # the distributed optimizer shards over dp x cp
+    per_param = sum(state_bytes_per_param(config.train.precision, par.distributed_optimizer, replicas).values())
     in_flight = par.pp_size if par.pp_size > 1 else 1
     activations = activation_bytes_per_layer(config) * layers_on_rank * in_flight
     return {"weights_and_optimizer": params_on_rank * per_param, "activations": activations}
@@ -77,7 +82,7 @@ def report(config: Config, dp_size: int) -> list[str]:
     total = total_parameters(config)
     lines = [
         f"total parameters: {total:,} ({total / 1e9:.1f} B)",
-        f"layout: tp {par.tp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
+        f"layout: tp {par.tp_size} x cp {par.cp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
         f"padded vocabulary {m.padded_vocab_size(par.tp_size)}",
     ]
     busiest = (0, 0)
@@ -88,7 +93,7 @@ def report(config: Config, dp_size: int) -> list[str]:
         busiest = max(busiest, (local, layers))
         lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank ({local / 1e9:.3f} B)")
     flops = iteration_flops(m, m.padded_vocab_size(par.tp_size), train, par.pp_size * par.vp_size)
-    devices = par.tp_size * par.pp_size * dp_size
+    devices = par.tp_size * par.cp_size * par.pp_size * dp_size
     lines.append(
         f"training FLOPs per iteration (batch {train.global_batch_size}): {flops.with_recompute:.4e} with "
         f"recompute {train.recompute} ({flops.with_recompute / devices / 1e12:.1f} TFLOP per device), "
@@ -101,6 +106,13 @@ def report(config: Config, dp_size: int) -> list[str]:
         f"{memory['weights_and_optimizer'] / GIB:.1f} GiB, activations {memory['activations'] / GIB:.1f}"
         f" GiB, total {sum(memory.values()) / GIB:.1f} GiB"
     )
+    if par.cp_size > 1:
+        value_bytes = 4 if train.precision == "fp32" else 2
+        forward, backward = ring_bytes_per_layer(m, train.micro_batch_size, par.tp_size, par.cp_size, value_bytes)
+        lines.append(
+            f"ring attention (cp {par.cp_size}, {m.seq_length // par.cp_size} tokens per rank): each rank sends "
+            f"{forward / 2**20:.1f} MiB forward + {backward / 2**20:.1f} MiB backward per layer and micro-batch"
+        )
     return lines
 
 
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dp < 1:
             raise ConfigError(f"--dp {args.dp} must be >= 1")
         par = config.parallel
-        layout_from_config(config, par.tp_size * par.pp_size * args.dp)  # the trainer's layout rules
+        layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * args.dp)  # the trainer's rules
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

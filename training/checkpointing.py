@@ -53,7 +53,7 @@ __all__ = [
 
 def layout_of(state: ParallelState, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
     """The layout a checkpoint records (informational: loading works at any layout)."""
-    return {
+    layout = {
         "tp": state.tp_size,
         "pp": state.pp_size,
         "vp": state.vp_size,
@@ -62,6 +62,8 @@ def layout_of(state: ParallelState, sequence_parallel: bool = False, distributed
         "sequence_parallel": bool(sequence_parallel),
         "distributed_optimizer": bool(distributed_optimizer),
     }
+    cp_size = getattr(state, "cp_size", 1)
+    return {**layout, "cp": cp_size} if cp_size > 1 else layout  # without cp: the keys main wrote
 
 
 def load_model_weights(iter_dir: str, chunks: Sequence[nn.Module], state: ParallelState) -> None:

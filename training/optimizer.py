@@ -231,8 +231,8 @@ class Optimizer:
             "step": self.step_count,
             "loss_scaler": self.scaler.state_dict(),
             "distributed": self.distributed,
-            "dp_size": self.state.dp_size,
-            "dp_rank": self.state.dp_rank,
+            "dp_size": self.state.dp_cp_size,  # the replicas the state is sharded over (dp x cp)
+            "dp_rank": self.state.dp_cp_rank,
             "segments": [
                 {
                     "chunk": seg.bucket.chunk_index,
@@ -294,20 +294,20 @@ class DistributedOptimizer(Optimizer):
     def __init__(self, ddp: DataParallel, state, *args: Any, overlap_param_gather: bool = False, **kwargs: Any):
         super().__init__(ddp, state, *args, **kwargs)
         overlap = overlap_param_gather and state.dp_size > 1
-        self.param_gather = ParamGather(ddp, state.dp_group) if overlap else None
+        self.param_gather = ParamGather(ddp, state.dp_cp_group) if overlap else None
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
-        return bucket.shard_range(self.state.dp_rank, self.state.dp_size)
+        return bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
 
     def _norm_groups(self) -> list[Any]:
-        return [self.state.model_parallel_group, self.state.dp_group] if self.state.is_distributed else []
+        return [self.state.model_parallel_group, self.state.dp_cp_group] if self.state.is_distributed else []
 
     def finish_param_gather(self) -> None:
         if self.param_gather is not None:
             self.param_gather.finish()
 
     def copy_to_params(self) -> None:
-        dp_rank, dp_size = self.state.dp_rank, self.state.dp_size
+        dp_rank, dp_size = self.state.dp_cp_rank, self.state.dp_cp_size  # shards over dp x cp
         # overlapped: launch in forward order (the last bucket holds the first layers), so the first forward
         # waits only for the first gather
         segments = self.segments[::-1] if self.param_gather is not None else self.segments
@@ -324,7 +324,7 @@ class DistributedOptimizer(Optimizer):
                 self.param_gather.launch(bucket, full, local)
                 continue
             if dp_size > 1:
-                all_gather_into(full, local, self.state.dp_group)
+                all_gather_into(full, local, self.state.dp_cp_group)
             copy_bucket_to_params(self.ddp, bucket, full)
 
 

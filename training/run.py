@@ -193,7 +193,7 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
     # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state)
-    seq_local = model_cfg.seq_length // (layout.tp_size if layout.sequence_parallel else 1)
+    seq_local = model_cfg.seq_length // layout.cp_size // (layout.tp_size if layout.sequence_parallel else 1)
     ctx = StepContext(
         chunks=chunks,
         state=state,

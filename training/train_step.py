@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model.gpt import GPTModel
+from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
@@ -65,7 +66,11 @@ class StepResult:
     max_in_flight: int
 
 
-def _to_device(microbatch: Microbatch, device: torch.device) -> Microbatch:
+def _to_device(microbatch: Microbatch, device: torch.device, state: ParallelState) -> Microbatch:
+    """The micro-batch on the device; under context parallelism first cut to this cp rank's part of the
+    sequence (after the CPU-side token checks, which name positions of the whole sample)."""
+    if state.cp_size > 1:
+        microbatch = cut_microbatch(microbatch, state.cp_rank, state.cp_size)
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in microbatch.items()}
 
 
@@ -85,8 +90,10 @@ def make_forward_fn(num_microbatches: int) -> ForwardFn:
         if not chunk.post_process:
             return output
         mask = mb["loss_mask"]
-        # Megatron's loss: mean over the micro-batch's unmasked tokens, averaged over micro-batches.
-        return (output * mask).sum() / mask.sum().clamp(min=1.0) / num_microbatches
+        # Megatron's loss: mean over the micro-batch's unmasked tokens, averaged over micro-batches. Under
+        # context parallelism the denominator is the whole sequence's count and the cp parts add up.
+        tokens = mb["loss_tokens"] if "loss_tokens" in mb else mask.sum()
+        return (output * mask).sum() / tokens.clamp(min=1.0) / num_microbatches
 
     return forward_fn
 
@@ -98,10 +105,13 @@ def take_microbatches(data_iter: Iterator[dict], count: int) -> list[dict]:
 
 
 def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float:
-    """Sum of micro-batch losses on the last stage, shared with every stage and averaged over dp."""
+    """Sum of micro-batch losses on the last stage, summed over cp (parts of one sequence), shared with every
+    stage and averaged over dp."""
     total = torch.stack(losses).sum().float().cpu() if losses else torch.zeros(())
     if state.is_distributed:
         total = total.reshape(1)
+        if state.cp_size > 1:
+            dist.all_reduce(total, group=state.cp_group)
         if state.pp_size > 1:
             dist.all_reduce(total, group=state.pp_group)
         if state.dp_size > 1:
@@ -118,7 +128,7 @@ def train_step(
     `before_update()` runs just before the step changes any weight (an async checkpoint copy finishes)."""
     for chunk in ctx.chunks:
         chunk.train()
-    microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
+    microbatches = [_to_device(mb, ctx.device, ctx.state) for mb in microbatches]
     ctx.ddp.zero_grad()
     result = execute_schedule(
         ctx.train_plan,
@@ -164,7 +174,7 @@ def evaluate(
         microbatches = take_microbatches(data_iter, ctx.num_microbatches)
         if check_batch is not None:
             check_batch(microbatches, batch)
-        microbatches = [_to_device(mb, ctx.device) for mb in microbatches]
+        microbatches = [_to_device(mb, ctx.device, ctx.state) for mb in microbatches]
         result = execute_schedule(
             ctx.eval_plan,
             ctx.chunks,

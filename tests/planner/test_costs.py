@@ -113,8 +113,8 @@ def test_rank_grid_is_megatrons_order():
     assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert grid.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid.group(6, "tp", "pp") == [2, 3, 6, 7]  # the model-parallel group of dp rank 1
-    with pytest.raises(ValueError, match="'cp'"):
-        RankGrid.megatron(cp=2)
+    with pytest.raises(ValueError, match="'ep'"):
+        RankGrid.megatron(ep=2)  # cp is a dimension now (tests/parallel/test_context_parallel_layout.py)
 
 
 def test_scatter_gather_cuts_inter_node_bytes_by_tp():

@@ -10,7 +10,7 @@ from config.schema import ConfigError, load_config
 from parallel.layout import LayoutError, layout_from_config
 from parallel.pipeline.plan import build_plan
 from parallel.pipeline.schedules import build_schedule
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
 
 def write(tmp_path, text):
@@ -160,30 +160,7 @@ def test_every_entry_point_gives_the_same_answer(overrides, world_size, tmp_path
     # The same rule and numbers; only the trainer knows the batch sizes to suggest after the colon.
     assert str(expected.value).startswith(str(from_schedule.value).split(": ")[0])
     assert str(from_plan.value) == str(from_schedule.value)
-    env = {**os.environ, "WORLD_SIZE": str(world_size)}
-    trainer = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *overrides, f"run.dir={tmp_path}/run"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    stats = subprocess.run(
-        [
-            sys.executable,
-            "tools/model_stats.py",
-            "--config",
-            "configs/gpt_tiny.yaml",
-            "model.vocab_size=257",
-            *overrides,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    for result in (trainer, stats):
-        assert result.returncode == 2 and result.stderr.strip() == f"error: {expected.value}", result.stderr
-    assert not (tmp_path / "run").exists()
+    assert_entry_points_refuse(overrides, world_size, str(expected.value), f"{tmp_path}/run")
 
 
 def test_entry_point_rejects_bad_config_before_any_work(tmp_path):

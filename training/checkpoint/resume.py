@@ -238,10 +238,9 @@ def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: boo
 
 
 def same_layout(saved: dict, state: ParallelState) -> bool:
-    return all(
-        saved.get(key) == value
-        for key, value in (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
-    )
+    sizes = (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
+    # a checkpoint without "cp" was written without context parallelism
+    return all(saved.get(key) == value for key, value in sizes) and saved.get("cp", 1) == state.cp_size
 
 
 def restore_rng(

@@ -50,7 +50,9 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
             copy = info.embedding_copy
             replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
-            writes = replica_writer and len(records) % state.dp_size == state.dp_rank
+            # dp x cp replicas dealt round-robin (getattr: tools pass layout stand-ins without cp)
+            replicas = getattr(state, "dp_cp_size", state.dp_size)
+            writes = replica_writer and len(records) % replicas == getattr(state, "dp_cp_rank", state.dp_rank)
             records.append(
                 ParamRecord(
                     name,
