@@ -46,8 +46,10 @@ def peak_in_flight_bytes(actions: list[Action], chunk_bytes: list[float]) -> flo
             case Op.FORWARD:
                 live += chunk_bytes[action.chunk]
                 peak = max(peak, live)
-            case Op.BACKWARD:
+            case Op.BACKWARD | Op.WEIGHT:  # zero bubble: held until the weight gradients ran
                 live -= chunk_bytes[action.chunk]
+            case Op.BACKWARD_INPUT:
+                pass
             case _:
                 unhandled_op(action.op)
     return peak
