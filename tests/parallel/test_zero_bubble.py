@@ -11,8 +11,14 @@ from parallel.pipeline.stages import chunk_roles, virtual_stage
 from parallel.pipeline.weight_grad import backward_input
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from tests.parallel.test_executor import LAYERS, SHAPE, full_blocks, make_forward_fn, make_microbatches
-from tests.parallel.test_executor import serial_reference
+from tests.parallel.test_executor import (
+    LAYERS,
+    SHAPE,
+    full_blocks,
+    make_forward_fn,
+    make_microbatches,
+    serial_reference,
+)
 
 
 def _run(state, schedule: str, m: int, vp: int, v_shape: bool):
