@@ -21,7 +21,7 @@ from tests.parallel.test_executor import (
 )
 
 
-def _run(state, schedule: str, m: int, vp: int, v_shape: bool):
+def _run(state, schedule: str, m: int, vp: int, v_shape: bool, forward_only: bool = False):
     blocks = full_blocks()
     per = LAYERS // (state.pp_size * vp)
     chunks, stages = [], []
@@ -31,7 +31,7 @@ def _run(state, schedule: str, m: int, vp: int, v_shape: bool):
         chunk.is_last = chunk_roles(state.pp_size, state.pp_rank, vp, c, v_shape)[1]
         chunks.append(chunk)
         stages.append(k)
-    plan = build_plan(schedule, state.pp_size, state.pp_rank, m, vp)
+    plan = build_plan(schedule, state.pp_size, state.pp_rank, m, vp, forward_only=forward_only)
     result = execute_schedule(plan, chunks, make_microbatches(m), make_forward_fn(m), state, SHAPE, torch.float32)
     return result, chunks, stages, per
 
@@ -59,6 +59,9 @@ def _zero_bubble_body(rank, world_size, m):
             assert result.losses == []
         # Activation memory: a micro-batch is held until its WEIGHT; the peak equals 1F1B's.
         assert _peak(result, vp) == _peak(one_f_one_b, 1) == state.pp_size
+        # Evaluation walks the same placement forward only.
+        evaluation, _, _, _ = _run(state, schedule, m, vp, v_shape, forward_only=True)
+        assert [float(x) for x in evaluation.losses] == [float(x) for x in result.losses]
 
 
 def test_zero_bubble_pp2_match_serial():
