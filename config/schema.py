@@ -41,7 +41,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params in the background (same numbers)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (vp_size > 1 means interleaved; parallel/layout.py)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (vp_size=2); rules: parallel/layout.py
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
     grad_bucket_size_mb: float = 25.0

@@ -3,7 +3,8 @@ parallel dimensions, and the pieces of the global gradient norm and clipping.
 
 `finalize_model_grads` runs after `DataParallel.finish_grad_sync()`:
   * the tied word embedding lives on the first and the last pipeline stage; its two gradients are summed
-    over `state.embedding_group` so both copies take the same step;
+    over `state.embedding_group` (or on the rank itself where one rank holds both, zb-v's V placement) so
+    both copies take the same step;
   * sequence-parallel norm (and bias) params are replicated over tp but each tp rank saw only its part of
     the sequence; their gradients are summed over `state.tp_group`.
 With the distributed optimizer only the dp shard this rank owns holds reduced gradients, so only that part
@@ -55,8 +56,14 @@ def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel) 
     """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""
-    if state.pp_size > 1 and state.embedding_group is not None:
-        shared = _unique_params(chunks, "shared_embedding")
+    shared = _unique_params(chunks, "shared_embedding")
+    if len(shared) == 2:
+        # The V-shaped placement (zb-v) puts the first and the last stage on one rank: sum the two copies
+        # here; the rest of the embedding group holds no copy and skips the all-reduce as well.
+        first, last = (ddp.owned_main_grad(p) for p in shared)
+        first.add_(last)
+        last.copy_(first)
+    elif state.pp_size > 1 and state.embedding_group is not None:
         all_reduce_coalesced([ddp.owned_main_grad(p) for p in shared], state.embedding_group)
     if state.tp_size > 1:
         replicated = _unique_params(chunks, "sequence_parallel")

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")  # backward split into input (B) and weight (W) gradients
 # Block attention backends of context parallelism and whether each returns the log-sum-exp that the ring's
 # online-softmax merge needs: "torch" is plain matmul + logsumexp (CPU and GPU); SDPA returns no LSE.
 CP_ATTENTION_BACKENDS = {"torch": True, "sdpa": False}
@@ -94,12 +95,25 @@ def effective_schedule(schedule: str, pp_size: int, vp_size: int) -> str:
 
     Megatron's rule: virtual stages (vp > 1) mean the interleaved 1F1B schedule, so "1f1b" with vp > 1 is
     "interleaved". With one stage every schedule is forward then backward per micro-batch ("1f1b").
+    Zero bubble: "zb-h1" runs one chunk per rank, "zb-v" exactly two in a V (`uses_v_shape`).
     """
     if schedule not in SCHEDULES:
         raise LayoutError(f"parallel.schedule={schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
     check_positive(pp_size=pp_size, vp_size=vp_size)
     if vp_size > 1 and pp_size == 1:
         raise LayoutError(f"parallel.vp_size={vp_size} needs parallel.pp_size > 1")
+    if schedule == "zb-v" and (vp_size != 2 or pp_size == 1):
+        raise LayoutError(
+            f"parallel.schedule=zb-v places two chunks per rank in a V: it needs parallel.vp_size=2 and "
+            f"parallel.pp_size > 1; got vp_size={vp_size}, pp_size={pp_size}"
+        )
+    if schedule == "zb-h1" and vp_size > 1:
+        raise LayoutError(
+            f"parallel.schedule=zb-h1 runs one chunk per rank: set parallel.vp_size=1 (got {vp_size}), or use "
+            f"parallel.schedule=zb-v with vp_size=2"
+        )
+    if schedule == "zb-v":
+        return schedule
     if vp_size > 1 and schedule == "gpipe":
         raise LayoutError(
             f"parallel.vp_size={vp_size} needs parallel.schedule=interleaved (or 1f1b, which "
@@ -110,6 +124,11 @@ def effective_schedule(schedule: str, pp_size: int, vp_size: int) -> str:
     if pp_size == 1 or schedule == "interleaved":
         return "1f1b"  # interleaving one chunk per rank is plain 1F1B
     return schedule
+
+
+def uses_v_shape(schedule: str) -> bool:
+    """Whether the (effective) schedule places its two chunks per rank in a V (parallel/pipeline/stages.py)."""
+    return schedule == "zb-v"
 
 
 def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: int, per_step_samples: int = 0) -> str:

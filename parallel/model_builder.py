@@ -33,17 +33,19 @@ def build_model_chunks(
     recompute_num_layers: int = 1,
     compile_layers: bool = False,
     compile_backend: str = "inductor",
+    v_shape: bool = False,
 ) -> list[GPTModel]:
     """The vp_size chunks of this pipeline rank: built on the meta device with the tp group's hooks
     (parallel/tensor_parallel.tensor_parallel_hooks), sharded over tp, then each
     parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
-    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
+    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use); `v_shape`
+    places the two chunks in a V (zb-v, parallel/pipeline/stages.py)."""
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel)
     cp_hooks = context_parallel_hooks(state)
     for chunk in range(state.vp_size):
-        layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk)
-        pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk)
+        layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
+        pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
         with torch.device("meta"):
             model = GPTModel(
                 cfg,

@@ -129,6 +129,23 @@ class ForkRNG(nn.Module):
             return self.module(*args, **kwargs)
 
 
+class _RecomputeContext:
+    """Swaps the forward's tracker states in for a recomputation and back afterwards. Re-enterable: a
+    zero-bubble schedule recomputes a checkpointed region again for its weight gradients (one engine run
+    per parameter group, parallel/pipeline/weight_grad.py), with the same context object."""
+
+    def __init__(self, rng_tracker: RNGTracker, snapshot: dict[str, torch.Tensor]):
+        self.rng_tracker, self.snapshot = rng_tracker, snapshot
+        self.saved: list[dict[str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append(self.rng_tracker.get_states())
+        self.rng_tracker.set_states(self.snapshot)
+
+    def __exit__(self, *exc: object) -> None:
+        self.rng_tracker.set_states(self.saved.pop())
+
+
 def make_checkpoint_fn(rng_tracker: RNGTracker) -> Callable:
     """`checkpoint_fn(fn, *args)`: non-reentrant activation checkpointing whose recomputation sees the same
     random numbers as the original forward, for the default generator (preserve_rng_state) and for the
@@ -142,16 +159,7 @@ def make_checkpoint_fn(rng_tracker: RNGTracker) -> Callable:
             snapshot.update(rng_tracker.get_states())
             yield
 
-        @contextlib.contextmanager
-        def recompute_context():
-            current = rng_tracker.get_states()
-            rng_tracker.set_states(snapshot)
-            try:
-                yield
-            finally:
-                rng_tracker.set_states(current)
-
-        return forward_context(), recompute_context()
+        return forward_context(), _RecomputeContext(rng_tracker, snapshot)
 
     def checkpoint_fn(fn: Callable, *args):
         return torch.utils.checkpoint.checkpoint(

@@ -97,6 +97,7 @@ class LayerTimes:
     recompute: float  # the part of `backward` that re-runs the forward
     tp_forward: float  # tensor-parallel collectives
     tp_backward: float
+    weight_grad: float = 0.0  # the part of `backward` only the weights need (their GEMMs): zb's WEIGHT action
 
 
 def core_attention_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware) -> float:
@@ -143,7 +144,7 @@ def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recomp
     )
     tp_forward = 2 * one
     tp_backward = 2 * one + (tp_forward if recompute == "full" else 0.0)
-    return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward)
+    return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward, weight_grad=gemm)
 
 
 def head_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, padded_vocab: int) -> tuple[float, float]:

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from model.shape import rank_params
+from parallel.layout import uses_v_shape
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
+from parallel.pipeline.stages import chunk_roles
 from planner.activations import (
     ActivationShape,
     attention_score_bytes,
@@ -46,8 +48,10 @@ def peak_in_flight_bytes(actions: list[Action], chunk_bytes: list[float]) -> flo
             case Op.FORWARD:
                 live += chunk_bytes[action.chunk]
                 peak = max(peak, live)
-            case Op.BACKWARD:
+            case Op.BACKWARD | Op.WEIGHT:  # zero bubble: held until the weight gradients ran
                 live -= chunk_bytes[action.chunk]
+            case Op.BACKWARD_INPUT:
+                pass
             case _:
                 unhandled_op(action.op)
     return peak
@@ -105,11 +109,10 @@ def rank_memory(
     per_layer = layer_activation_bytes(shape, recompute)
     chunk_bytes = [layers_per_chunk * per_layer] * v
     head = head_activation_bytes(shape, model.padded_vocab_size(layout.tp_size))
-    holds_head = pp_rank == p - 1
-    if pp_rank == 0:
-        chunk_bytes[0] += embedding_activation_bytes(shape)
-    if holds_head:
-        chunk_bytes[v - 1] += head
+    roles = [chunk_roles(p, pp_rank, v, c, uses_v_shape(layout.schedule)) for c in range(v)]  # zb-v: a V
+    holds_head = any(post for _, post in roles)
+    for chunk, (pre, post) in enumerate(roles):
+        chunk_bytes[chunk] += (embedding_activation_bytes(shape) if pre else 0.0) + (head if post else 0.0)
     actions = build_schedule(layout.schedule, p, pp_rank, layout.num_microbatches, v)
     activations = peak_in_flight_bytes(actions, chunk_bytes)
     if recompute == "full":

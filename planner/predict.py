@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.shape import iteration_flops, rank_params
-from parallel.layout import Layout, build_layout
+from parallel.layout import Layout, build_layout, uses_v_shape
 from parallel.pipeline.p2p import produced_message
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.simulator import simulate_lists
@@ -135,7 +135,7 @@ class _Costs:
         boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, hw.per_node("tp"))  # embedding / head
         embed = hw.memory_seconds(3 * sbh_bytes)
         last = p * v - 1
-        self.forward, self.backward = {}, {}
+        self.forward, self.backward, self.weight = {}, {}, {}
         for stage in range(p * v):
             compute_f, compute_b = per_chunk * layer.forward, per_chunk * layer.backward
             tp_f, tp_b = per_chunk * layer.tp_forward, per_chunk * layer.tp_backward
@@ -145,6 +145,8 @@ class _Costs:
                 compute_f, compute_b, tp_b = compute_f + head_f, compute_b + head_b, tp_b + boundary
             self.forward[stage] = (compute_f, tp_f)
             self.backward[stage] = (compute_b, tp_b)
+            # zero bubble's WEIGHT: the weight GEMMs; the first stage has no input gradient, so all of it
+            self.weight[stage] = (compute_b, tp_b) if stage == 0 else (per_chunk * layer.weight_grad, 0.0)
         inter = hw.crosses_nodes("pp")
         self.send = p2p_seconds(shape, hw, inter, bool(config.parallel.scatter_gather)) if p > 1 else 0.0
 
@@ -156,15 +158,21 @@ class _Costs:
         cost = self._cache.get(key)
         if cost is None:
             p, v = self.layout.pp_size, self.layout.vp_size
-            stage = virtual_stage(pp_rank, action.chunk, p)
+            v_shape = uses_v_shape(self.layout.schedule)
+            stage = virtual_stage(pp_rank, action.chunk, p, v_shape)
             match action.op:
                 case Op.FORWARD:
                     compute, tp = self.forward[stage]
                 case Op.BACKWARD:
                     compute, tp = self.backward[stage]
+                case Op.BACKWARD_INPUT:
+                    compute, tp = (b - w for b, w in zip(self.backward[stage], self.weight[stage]))
+                case Op.WEIGHT:
+                    compute, tp = self.weight[stage]
                 case _:
                     unhandled_op(action.op)
-            sends = p > 1 and produced_message(action, pp_rank, p, v) is not None
+            out = produced_message(action, pp_rank, p, v, v_shape)
+            sends = out is not None and out[0] != pp_rank  # the turn of zb-v's V is local
             cost = self._cache[key] = ActionCost(compute, tp, self.send if sends else 0.0)
         return cost
 
@@ -177,9 +185,9 @@ def _dp_exposed(events: list, dp_seconds: float, bucket_seconds: float) -> float
     last_backward: dict[int, float] = {}
     for event in events:
         match event.action.op:
-            case Op.FORWARD:
+            case Op.FORWARD | Op.BACKWARD_INPUT:
                 pass
-            case Op.BACKWARD:
+            case Op.BACKWARD | Op.WEIGHT:  # the last action making weight gradients
                 last_backward[event.action.chunk] = event.start
             case _:
                 unhandled_op(event.action.op)
@@ -211,7 +219,9 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
     costs = _Costs(config, layout, hw, shape)
     p, v, m = layout.pp_size, layout.vp_size, layout.num_microbatches
     lists = [build_schedule(layout.schedule, p, r, m, v) for r in range(p)]
-    timeline = simulate_lists(lists, v, m, action_cost=lambda r, a: costs.of(r, a).total)
+    timeline = simulate_lists(
+        lists, v, m, action_cost=lambda r, a: costs.of(r, a).total, v_shape=uses_v_shape(layout.schedule)
+    )
     events_by_rank: list[list] = [[] for _ in range(p)]
     for event in timeline.events:
         events_by_rank[event.rank].append(event)
@@ -224,7 +234,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
     memory = memory_of(config, layout, cluster, shape)
     vocab = model.padded_vocab_size(layout.tp_size)
     flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
-    recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op is Op.BACKWARD)
+    recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     return Prediction(
         layout,
         train.micro_batch_size,

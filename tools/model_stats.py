@@ -13,7 +13,7 @@ import torch
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
 from model.shape import iteration_flops
-from parallel.layout import layout_from_config
+from parallel.layout import layout_from_config, uses_v_shape
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
@@ -40,9 +40,10 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
     )
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
+    v_shape = uses_v_shape(par.schedule)  # zb-v: chunks in a V (parallel/pipeline/stages.py)
     for chunk in range(par.vp_size):
-        layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk)
-        pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk)
+        layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
+        pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
         with torch.device("meta"):
             model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post, tp_hooks=hooks)
             chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))

@@ -20,7 +20,7 @@ from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.shape import IterationFlops, iteration_flops
 from parallel.data_parallel import DataParallel
-from parallel.layout import Layout
+from parallel.layout import Layout, uses_v_shape
 from parallel.model_builder import build_model_chunks, count_parameters
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
@@ -173,6 +173,7 @@ def build_chunks(
         recompute_num_layers=train_cfg.recompute_num_layers,
         compile_layers=train_cfg.compile,
         compile_backend=train_cfg.compile_backend,
+        v_shape=uses_v_shape(layout.schedule),
     )
     log_kernel_choices(
         chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)

@@ -1,8 +1,9 @@
 """One training iteration and one evaluation pass over the model chunks of this rank.
 
 The same path serves every layout: the pipeline executor walks this rank's schedule (with pp = 1 that is just
-forward/backward per micro-batch), data parallelism reduces gradients while the last backward runs, then the
-tied-embedding and sequence-parallel gradients are reduced and the optimizer steps.
+forward/backward per micro-batch), data parallelism reduces gradients while the last backward runs (under a
+zero-bubble schedule: the last weight-gradient action, which is when the weights' gradients are complete), then
+the tied-embedding and sequence-parallel gradients are reduced and the optimizer steps.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 from parallel.pipeline.p2p import StageComm, needed_message, produced_message
 from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.schedules import Action, Op, unhandled_op
+from parallel.pipeline.weight_grad import DeferredWeightGrad, backward_input, engine_run
 from parallel.state import ParallelState
 
 # One micro-batch as the data loader yields it (tensors by name, data/loader.py collate_samples); the executor
@@ -47,7 +48,7 @@ class ScheduleResult:
     """What one iteration of the pipeline returns on this rank."""
 
     losses: list[torch.Tensor]  # detached per-micro-batch losses (last virtual stage only), micro-batch order
-    max_in_flight: int  # max number of (micro-batch, chunk) forwards whose backward had not yet run
+    max_in_flight: int  # max number of (micro-batch, chunk) forwards whose backward (or WEIGHT) had not yet run
 
 
 def engine_backward_available() -> bool:
@@ -70,15 +71,7 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
         torch.autograd.backward(out, grad_tensors=grad)
         return
     # The shape check of torch.autograd.backward would trip on the deallocated output.
-    torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(out,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
+    engine_run((out,), (grad,), (), keep_graph=False, accumulate=True)
 
 
 @dataclass
@@ -92,21 +85,27 @@ class _Run:
     comm: StageComm
     loss_scale: float
     forward_only: bool
+    v_shape: bool = False
     # (micro-batch, chunk) -> (input, output) awaiting backward
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    # (micro-batch, chunk) -> weight gradients awaiting their WEIGHT action (zero-bubble schedules)
+    deferred: dict[tuple[int, int], DeferredWeightGrad] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> detached loss
     in_flight: int = 0
     max_in_flight: int = 0
 
     def message_in(self, action: Action) -> torch.Tensor | None:
-        need = needed_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks))
+        need = needed_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks), self.v_shape)
         return None if need is None else self.comm.take(need[1])
 
     def message_out(self, action: Action, tensor: torch.Tensor) -> bool:
-        out = produced_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks))
+        out = produced_message(action, self.state.pp_rank, self.state.pp_size, len(self.chunks), self.v_shape)
         if out is None:
             return False
-        self.comm.put(out[1], tensor)
+        if out[0] == self.state.pp_rank:  # the turn of the V: this rank's other chunk takes it
+            self.comm.deliver_local(out[1], tensor)
+        else:
+            self.comm.put(out[1], tensor)
         return True
 
     def forward(self, action: Action) -> None:
@@ -125,17 +124,38 @@ class _Run:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def backward(self, action: Action) -> None:
+    def _output_grad(self, action: Action) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(input, output, gradient of the output) of the held forward of `action`."""
         input_tensor, output = self.held.pop((action.microbatch, action.chunk))
         grad = self.message_in(action)
         if grad is None:  # last virtual stage: start from the (scaled) loss
             grad = torch.full_like(output, self.loss_scale)
-        run_backward(output, grad)
+        return input_tensor, output, grad
+
+    def _send_input_grad(self, action: Action, input_tensor: torch.Tensor | None, grad: torch.Tensor | None) -> None:
         if input_tensor is not None:
-            input_grad = input_tensor.grad
-            if input_grad is None:  # the chunk ignored its input
-                input_grad = torch.zeros_like(input_tensor)
-            self.message_out(action, input_grad)
+            if grad is None:  # the chunk ignored its input
+                grad = torch.zeros_like(input_tensor)
+            self.message_out(action, grad)
+
+    def backward(self, action: Action) -> None:
+        """The whole backward: input and weight gradients."""
+        input_tensor, output, grad = self._output_grad(action)
+        run_backward(output, grad)
+        self._send_input_grad(action, input_tensor, None if input_tensor is None else input_tensor.grad)
+        self.in_flight -= 1
+
+    def backward_input(self, action: Action) -> None:
+        """The input gradient only; the weight gradients wait for the WEIGHT action (weight_grad.py)."""
+        input_tensor, output, grad = self._output_grad(action)
+        params = list(self.chunks[action.chunk].parameters())
+        input_grad, deferred = backward_input(output, grad, input_tensor, params)
+        self.deferred[(action.microbatch, action.chunk)] = deferred
+        self._send_input_grad(action, input_tensor, input_grad)
+
+    def weight(self, action: Action) -> None:
+        """The deferred weight gradients; the micro-batch's activations are released here."""
+        self.deferred.pop((action.microbatch, action.chunk)).run()
         self.in_flight -= 1
 
 
@@ -156,7 +176,8 @@ def execute_schedule(
 
     `forward_fn` (ForwardFn) returns the chunk output, or on the last virtual stage the scalar loss.
     A forward-only plan (evaluation) runs under no_grad and holds nothing for backward.
-    `on_last_backward(chunk_index)` is called just before the last backward of each chunk.
+    `on_last_backward(chunk_index)` is called just before the last action that makes weight gradients of
+    each chunk (its last backward, or its last WEIGHT under a zero-bubble schedule).
     With `overlap_p2p_comm` a step's batch stays in flight while the step's action computes, unless the
     action needs a tensor that batch receives (Megatron's overlap_p2p_comm); each batch still completes
     before the next is posted, so the NCCL-safe order of the plan is kept and the numbers are the same.
@@ -165,7 +186,7 @@ def execute_schedule(
     params = [p for chunk in chunks for p in chunk.parameters()]
     device = params[0].device if params else torch.device("cpu")
     comm = StageComm(state, activation_shape, activation_dtype, device, scatter_gather)
-    run = _Run(chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only)
+    run = _Run(chunks, microbatches, forward_fn, state, comm, loss_scale, forward_only, plan.v_shape)
     in_flight = None
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for index, step in enumerate(plan.steps):
@@ -180,10 +201,15 @@ def execute_schedule(
             match action.op:
                 case Op.FORWARD:
                     run.forward(action)
-                case Op.BACKWARD:
+                case Op.BACKWARD | Op.WEIGHT:
                     if on_last_backward is not None and step.compute in plan.last_backward_indices:
                         on_last_backward(action.chunk)
-                    run.backward(action)
+                    if action.op is Op.WEIGHT:
+                        run.weight(action)
+                    else:
+                        run.backward(action)
+                case Op.BACKWARD_INPUT:
+                    run.backward_input(action)
                 case _:
                     unhandled_op(action.op)
         comm.complete(in_flight)

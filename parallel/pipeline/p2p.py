@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.pipeline.schedules import Action, Op, unhandled_op
-from parallel.pipeline.stages import last_virtual_stage, virtual_stage
+from parallel.pipeline.stages import last_virtual_stage, stage_rank, virtual_stage
 from parallel.state import ParallelState
 
 
@@ -31,39 +31,48 @@ class Message:
     """One tensor sent between virtual stages: an activation (sent by a forward) or an input-gradient (sent by
     a backward)."""
 
-    kind: Op  # the op that sends it: FORWARD (activation, to stage + 1) or BACKWARD (gradient, to stage - 1)
+    kind: Op  # FORWARD (an activation, to stage + 1) or BACKWARD (an input-gradient, to stage - 1)
     microbatch: int
     stage: int  # the receiving virtual stage
 
 
-def needed_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -> tuple[int, Message] | None:
-    """(source pp rank, message) that `action` must receive first, or None."""
-    stage = virtual_stage(pp_rank, action.chunk, pp_size)
+def needed_message(
+    action: Action, pp_rank: int, pp_size: int, vp_size: int, v_shape: bool = False
+) -> tuple[int, Message] | None:
+    """(source pp rank, message) that `action` must receive first, or None (a WEIGHT needs nothing)."""
+    stage = virtual_stage(pp_rank, action.chunk, pp_size, v_shape)
     match action.op:
         case Op.FORWARD:
             if stage == 0:
                 return None
-            return (stage - 1) % pp_size, Message(Op.FORWARD, action.microbatch, stage)
-        case Op.BACKWARD:
+            return stage_rank(stage - 1, pp_size, v_shape), Message(Op.FORWARD, action.microbatch, stage)
+        case Op.BACKWARD | Op.BACKWARD_INPUT:
             if stage == last_virtual_stage(pp_size, vp_size):
                 return None  # the loss stage starts backward from its own loss
-            return (stage + 1) % pp_size, Message(Op.BACKWARD, action.microbatch, stage)
+            return stage_rank(stage + 1, pp_size, v_shape), Message(Op.BACKWARD, action.microbatch, stage)
+        case Op.WEIGHT:
+            return None
         case _:
             unhandled_op(action.op)
 
 
-def produced_message(action: Action, pp_rank: int, pp_size: int, vp_size: int) -> tuple[int, Message] | None:
-    """(destination pp rank, message) that `action` sends when done, or None."""
-    stage = virtual_stage(pp_rank, action.chunk, pp_size)
+def produced_message(
+    action: Action, pp_rank: int, pp_size: int, vp_size: int, v_shape: bool = False
+) -> tuple[int, Message] | None:
+    """(destination pp rank, message) that `action` sends when done, or None. The destination is this rank
+    itself where the V-shaped placement turns (rank p-1 between its two chunks): a local message."""
+    stage = virtual_stage(pp_rank, action.chunk, pp_size, v_shape)
     match action.op:
         case Op.FORWARD:
             if stage == last_virtual_stage(pp_size, vp_size):
                 return None
-            return (stage + 1) % pp_size, Message(Op.FORWARD, action.microbatch, stage + 1)
-        case Op.BACKWARD:
+            return stage_rank(stage + 1, pp_size, v_shape), Message(Op.FORWARD, action.microbatch, stage + 1)
+        case Op.BACKWARD | Op.BACKWARD_INPUT:
             if stage == 0:
                 return None
-            return (stage - 1) % pp_size, Message(Op.BACKWARD, action.microbatch, stage - 1)
+            return stage_rank(stage - 1, pp_size, v_shape), Message(Op.BACKWARD, action.microbatch, stage - 1)
+        case Op.WEIGHT:
+            return None
         case _:
             unhandled_op(action.op)
 
@@ -76,7 +85,7 @@ class Step:
     compute: int | None  # index into the rank's action list, or None
 
 
-def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
+def plan_steps(lists: list[list[Action]], vp_size: int, v_shape: bool = False) -> list[list[Step]]:
     """Every rank's communication steps, derived jointly from all ranks' action lists.
 
     Rounds of a joint replay: in each round every pending send is posted together with the matching
@@ -87,6 +96,7 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
         send or receive that its peer posts only after waiting on something of this rank's: no deadlock
         even where NCCL serialises a pair's sends and receives on one stream and a send waits for its
         receive (pp = 2 included, where both directions of a pair carry traffic).
+    A local message (the turn of the V-shaped placement) is no op at all: it is there once produced.
     """
     pp_size = len(lists)
     position = [0] * pp_size
@@ -107,11 +117,13 @@ def plan_steps(lists: list[list[Action]], vp_size: int) -> list[list[Step]]:
             compute = None
             if position[r] < len(lists[r]):
                 action = lists[r][position[r]]
-                need = needed_message(action, r, pp_size, vp_size)
+                need = needed_message(action, r, pp_size, vp_size, v_shape)
                 if need is None or need[1] in arrived[r]:
                     compute, position[r], progressed = position[r], position[r] + 1, True
-                    out = produced_message(action, r, pp_size, vp_size)
-                    if out is not None:  # always to another rank: vp > 1 needs pp > 1 (layout.py)
+                    out = produced_message(action, r, pp_size, vp_size, v_shape)
+                    if out is not None and out[0] == r:
+                        arrived[r].add(out[1])
+                    elif out is not None:
                         pending[r].append(out)
             if ops[r] or compute is not None:
                 plans[r].append(Step(tuple(ops[r]), compute))
@@ -161,6 +173,10 @@ class StageComm:
                 f"pipeline message {message} has shape {tuple(tensor.shape)}, expected activation_shape {self.shape}"
             )
         self.outbox[message] = tensor.detach().to(self.dtype).contiguous()
+
+    def deliver_local(self, message: Message, tensor: torch.Tensor) -> None:
+        """Hand `tensor` (detached, full size) to this rank's own next consumer: no communication."""
+        self.inbox[message] = tensor.detach().to(self.dtype).contiguous()
 
     def take(self, message: Message) -> torch.Tensor:
         """The received tensor of `message`, shaped like the activation."""

@@ -7,9 +7,14 @@ timeline tool read exactly what the executor runs. Which schedules a layout may 
 parallel/layout.py (`check_schedule`), the one home of the layout rules.
 
 Virtual stages: with `v` model chunks per rank, chunk `c` on pipeline rank `r` is virtual stage `c*p + r`
-(Megatron's interleaving: rank 0 holds stages 0, p, 2p, ...). A forward output of virtual stage k goes to
+(Megatron's interleaving: rank 0 holds stages 0, p, 2p, ...); zb-v places its two chunks in a V instead
+(stages.py). A forward output of virtual stage k goes to
 k+1, a backward input-gradient to k-1. Virtual stage 0 takes no activation input; the last one,
-`p*v - 1` (rank p-1, chunk v-1), computes the loss.
+`p*v - 1` (rank p-1, chunk v-1; rank 0 under zb-v), computes the loss.
+
+Zero bubble (Qi et al., ICLR 2024): zb-h1 and zb-v split each backward into BACKWARD_INPUT (the input
+gradient, on the critical path: the previous stage waits for it) and WEIGHT (the weight gradients, which
+nobody waits for and which therefore fill the bubbles). A micro-batch's activations stay until its WEIGHT.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ class Op(Enum):
     loudly wherever it is not handled yet."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward: input and weight gradients (gpipe, 1f1b, interleaved)
+    BACKWARD_INPUT = "I"  # input gradient only, weight gradients deferred (zero-bubble schedules)
+    WEIGHT = "W"  # the deferred weight gradients of one micro-batch and chunk
 
 
 def unhandled_op(op: NoReturn) -> NoReturn:
@@ -38,7 +45,8 @@ def unhandled_op(op: NoReturn) -> NoReturn:
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of pipeline work on one rank: forward or backward of a micro-batch on a chunk."""
+    """One unit of pipeline work on one rank: forward, backward (whole, input part or weight part) of a
+    micro-batch on a chunk."""
 
     op: Op
     microbatch: int
@@ -58,6 +66,10 @@ def build_schedule(schedule: str, pp_size: int, pp_rank: int, num_microbatches: 
         return _gpipe(num_microbatches)
     if schedule == "1f1b":  # with one stage: forward then backward per micro-batch (least memory)
         return _one_f_one_b(pp_size, pp_rank, num_microbatches)
+    if schedule == "zb-h1":
+        return _zb_h1(pp_size, pp_rank, num_microbatches)
+    if schedule == "zb-v":
+        return _zb_v(pp_size, pp_rank, num_microbatches)
     return _interleaved(pp_size, pp_rank, num_microbatches, vp_size)
 
 
@@ -110,4 +122,67 @@ def _interleaved(p: int, r: int, m: int, v: int) -> list[Action]:
         actions += [forward(warmup + i), backward(i)]
     # Cool-down: the remaining backwards.
     actions += [backward(k) for k in range(total - warmup, total)]
+    return actions
+
+
+def _zb_h1(p: int, r: int, m: int) -> list[Action]:
+    """ZB-H1: 1F1B's order of forwards and input-gradients, with rank r's weight-gradients running r
+    steps late; the deferred ones fill the cool-down, where 1F1B waits for the gradients coming back.
+
+    With tF = tB = tW the bubble is (p-1)(tF + tB - tW) against 1F1B's (p-1)(tF + tB + tW) (m >= p); every
+    rank holds at most p micro-batches (1F1B's rank 0), since rank r starts with p-1-r forwards and runs
+    its first weight-gradient r steps after its first input-gradient.
+    """
+    warmup = min(p - r - 1, m)
+    actions = [Action(Op.FORWARD, i, 0) for i in range(warmup)]
+    weights = 0  # weight-gradients issued so far (in micro-batch order)
+    for i in range(m - warmup):  # steady state: F, I, and from step r on the oldest pending W
+        actions += [Action(Op.FORWARD, warmup + i, 0), Action(Op.BACKWARD_INPUT, i, 0)]
+        if i >= r:
+            actions.append(Action(Op.WEIGHT, weights, 0))
+            weights += 1
+    for i in range(m - warmup, m):  # cool-down: each input-gradient followed by one deferred W
+        actions += [Action(Op.BACKWARD_INPUT, i, 0), Action(Op.WEIGHT, weights, 0)]
+        weights += 1
+    return actions + [Action(Op.WEIGHT, i, 0) for i in range(weights, m)]
+
+
+def _zb_v(p: int, r: int, m: int) -> list[Action]:
+    """ZB-V (vp = 2, V-shaped: rank r holds virtual stages r and 2p-1-r, stages.py).
+
+    Warm-up: forwards of chunk 0 (2(p-r)-1 of them), then alternate chunk 1 and chunk 0, then p-r rounds of
+    chunk 1's F, I, W. Steady state: F, I, W on chunk 0, then on chunk 1. Cool-down: the input-gradients
+    left, alternating chunks, then the deferred weight-gradients. At most 2p chunk forwards (p whole
+    micro-batches, 1F1B's peak) are held on a rank. The order follows torch.distributed.pipelining's ZBV,
+    without its padding to 2p - 1 micro-batches; simulated, its bubble is at most ZB-H1's (tests).
+    """
+    count = {op: [0, 0] for op in Op}  # actions issued per (op, chunk): the next micro-batch of each
+    actions: list[Action] = []
+
+    def issue(op: Op, chunk: int, limit: int) -> None:
+        if count[op][chunk] < limit:
+            actions.append(Action(op, count[op][chunk], chunk))
+            count[op][chunk] += 1
+
+    def forward_input_weight(chunk: int) -> None:
+        issue(Op.FORWARD, chunk, m if chunk == 0 else count[Op.FORWARD][0])
+        issue(Op.BACKWARD_INPUT, chunk, count[Op.FORWARD][chunk])
+        issue(Op.WEIGHT, chunk, count[Op.BACKWARD_INPUT][chunk])
+
+    for _ in range(2 * (p - r) - 1):
+        issue(Op.FORWARD, 0, m)
+    for _ in range(r):
+        issue(Op.FORWARD, 1, count[Op.FORWARD][0])
+        issue(Op.FORWARD, 0, m)
+    for _ in range(p - r):
+        forward_input_weight(1)
+    while count[Op.FORWARD][0] < m or count[Op.FORWARD][1] < m:
+        forward_input_weight(0)
+        forward_input_weight(1)
+    while count[Op.BACKWARD_INPUT][0] < m or count[Op.BACKWARD_INPUT][1] < m:
+        issue(Op.BACKWARD_INPUT, 0, m)
+        issue(Op.BACKWARD_INPUT, 1, m)
+    while count[Op.WEIGHT][0] < m or count[Op.WEIGHT][1] < m:
+        issue(Op.WEIGHT, 1, m)
+        issue(Op.WEIGHT, 0, m)
     return actions

@@ -13,19 +13,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from parallel.layout import check_schedule, uses_v_shape
 from parallel.pipeline.p2p import Message, Step, needed_message, plan_steps, produced_message
 from parallel.pipeline.plan import steps_needing_own_batch
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import virtual_stage
 
 
-def stage_cost(op: Op, forward_cost: float, backward_cost: float, vp_size: int) -> float:
-    """The cost of one action of kind `op` on one of vp_size chunks (costs are per whole stage)."""
+def stage_cost(
+    op: Op, forward_cost: float, backward_cost: float, vp_size: int, weight_cost: float | None = None
+) -> float:
+    """The cost of one action of kind `op` on one of vp_size chunks (costs are per whole stage).
+
+    `backward_cost` is the whole backward (input and weight gradients), `weight_cost` the part of it that a
+    WEIGHT action computes (default: half, the weight GEMMs' share of a backward); a BACKWARD_INPUT costs the
+    rest.
+    """
+    weight = backward_cost / 2 if weight_cost is None else weight_cost
     match op:
         case Op.FORWARD:
             return forward_cost / vp_size
         case Op.BACKWARD:
             return backward_cost / vp_size
+        case Op.BACKWARD_INPUT:
+            return (backward_cost - weight) / vp_size
+        case Op.WEIGHT:
+            return weight / vp_size
         case _:
             unhandled_op(op)
 
@@ -65,6 +78,8 @@ def simulate_lists(
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
     action_cost: Callable[[int, Action], float] | None = None,
+    weight_cost: float | None = None,
+    v_shape: bool = False,
 ) -> Timeline:
     """Simulate per-rank action lists; raises RuntimeError if the lists deadlock.
 
@@ -77,7 +92,7 @@ def simulate_lists(
     def cost_of(rank: int, act: Action) -> float:
         if action_cost is not None:
             return action_cost(rank, act)
-        return stage_cost(act.op, forward_cost, backward_cost, vp_size)
+        return stage_cost(act.op, forward_cost, backward_cost, vp_size, weight_cost)
 
     busy = [0.0] * p
     arrived: dict[Message, float] = {}  # message -> time it is available at its destination
@@ -90,17 +105,17 @@ def simulate_lists(
             # Run rank r as far as its inputs allow.
             while position[r] < len(lists[r]):
                 action = lists[r][position[r]]
-                need = needed_message(action, r, p, vp_size)
+                need = needed_message(action, r, p, vp_size, v_shape)
                 if need is not None and need[1] not in arrived:
                     break
                 start = max(free_at[r], arrived[need[1]] if need is not None else 0.0)
                 duration = cost_of(r, action)
                 end = start + duration
                 busy[r] += duration
-                out = produced_message(action, r, p, vp_size)
+                out = produced_message(action, r, p, vp_size, v_shape)
                 if out is not None:
                     arrived[out[1]] = end
-                events.append(Event(r, action, virtual_stage(r, action.chunk, p), start, end))
+                events.append(Event(r, action, virtual_stage(r, action.chunk, p, v_shape), start, end))
                 free_at[r] = end
                 position[r] += 1
                 progressed = True
@@ -119,10 +134,14 @@ def simulate(
     vp_size: int = 1,
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
+    weight_cost: float | None = None,
 ) -> Timeline:
-    """Build every rank's list for `schedule` and simulate it."""
+    """Build every rank's list for `schedule` and simulate it (`stage_cost` for the costs)."""
     lists = [build_schedule(schedule, pp_size, r, num_microbatches, vp_size) for r in range(pp_size)]
-    return simulate_lists(lists, vp_size, num_microbatches, forward_cost, backward_cost)
+    v_shape = uses_v_shape(check_schedule(schedule, pp_size, vp_size, num_microbatches))
+    return simulate_lists(
+        lists, vp_size, num_microbatches, forward_cost, backward_cost, weight_cost=weight_cost, v_shape=v_shape
+    )
 
 
 def _counterpart_steps(plans: list[list[Step]]) -> dict[tuple[str, int, int, Message], int]:
@@ -143,6 +162,8 @@ def simulate_plans(
     backward_cost: float = 2.0,
     comm_cost: float = 0.0,
     overlap: bool = False,
+    weight_cost: float | None = None,
+    v_shape: bool = False,
 ) -> Timeline:
     """Simulate the executor running the joint communication plan of `lists` (p2p.plan_steps).
 
@@ -153,8 +174,8 @@ def simulate_plans(
     executor does with overlap_p2p_comm.
     """
     p = len(lists)
-    plans = plan_steps(lists, vp_size)
-    own = [steps_needing_own_batch(plans[r], lists[r], r, p, vp_size) for r in range(p)]
+    plans = plan_steps(lists, vp_size, v_shape)
+    own = [steps_needing_own_batch(plans[r], lists[r], r, p, vp_size, v_shape) for r in range(p)]
     where = _counterpart_steps(plans)
     posted: list[dict[int, float]] = [{} for _ in range(p)]
     position, ready = [0] * p, [0.0] * p  # next step of each rank; when it can post that step's batch
@@ -177,8 +198,8 @@ def simulate_plans(
                 if step.compute is not None:
                     action = lists[r][step.compute]
                     start = done if not overlap or index in own[r] else ready[r]
-                    end = start + stage_cost(action.op, forward_cost, backward_cost, vp_size)
-                    events.append(Event(r, action, virtual_stage(r, action.chunk, p), start, end))
+                    end = start + stage_cost(action.op, forward_cost, backward_cost, vp_size, weight_cost)
+                    events.append(Event(r, action, virtual_stage(r, action.chunk, p, v_shape), start, end))
                 ready[r] = max(end, done)
                 position[r] += 1
                 progressed = True

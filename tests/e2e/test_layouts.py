@@ -102,6 +102,24 @@ LAYOUTS = [
         ("parallel.tp_size=2", "parallel.sequence_parallel=true", "train.recompute=selective"),
     ),
     # tp=2 x pp=2 x dp=2, vp=2, SP, distributed optimizer: test_exact_resume_at_parallel_layout
+    # zero bubble: backward split into input and weight gradients (parallel/pipeline/weight_grad.py)
+    ("pp2-zb-h1", 2, (), ("parallel.pp_size=2", "parallel.schedule=zb-h1")),
+    ("pp4-zb-h1", 4, (), ("parallel.pp_size=4", "parallel.schedule=zb-h1")),
+    ("pp2-zb-v", 2, (), ("parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v")),
+    ("pp4-zb-v", 4, EIGHT_LAYERS, ("parallel.pp_size=4", "parallel.vp_size=2", "parallel.schedule=zb-v")),
+    (
+        "tp2-pp2-dp2-zb-h1-sp-distopt",
+        8,
+        (),
+        (
+            "parallel.tp_size=2",
+            "parallel.pp_size=2",
+            "parallel.schedule=zb-h1",
+            "parallel.sequence_parallel=true",
+            "parallel.distributed_optimizer=true",
+        ),
+    ),
+    ("pp2-zb-h1-recompute_full", 2, (), ("parallel.pp_size=2", "parallel.schedule=zb-h1", "train.recompute=full")),
 ]
 
 

@@ -5,7 +5,7 @@ from enum import Enum
 
 import pytest
 
-from parallel.layout import SCHEDULES, LayoutError, check_schedule
+from parallel.layout import SCHEDULES, LayoutError, check_schedule, uses_v_shape
 from parallel.pipeline.p2p import Message, plan_steps, produced_message
 from parallel.pipeline.plan import _last_backward_indices
 from parallel.pipeline.schedules import Action, Op, build_forward_only, build_schedule
@@ -26,11 +26,13 @@ def layouts(ms=(1, 2, 3, 4, 6, 8, 12), ps=(1, 2, 3, 4), vs=(1, 2, 3)):
             yield resolved, p, m, v
 
 
-def outgoing_order(actions: list[Action], pp_rank: int, pp_size: int, vp_size: int) -> dict[int, list[Message]]:
+def outgoing_order(
+    actions: list[Action], pp_rank: int, pp_size: int, vp_size: int, v_shape: bool = False
+) -> dict[int, list[Message]]:
     """Per destination pp rank, the messages a rank's list sends, in list order."""
     order: dict[int, list[Message]] = {}
     for action in actions:
-        out = produced_message(action, pp_rank, pp_size, vp_size)
+        out = produced_message(action, pp_rank, pp_size, vp_size, v_shape)
         if out is not None:
             order.setdefault(out[0], []).append(out[1])
     return order
@@ -53,6 +55,15 @@ def test_each_forward_and_backward_once_backward_after_forward(schedule, p, m, v
         actions = build_schedule(schedule, p, r, m, v)
         expected = {(i, c) for i in range(m) for c in range(v)}
         forwards = [(a.microbatch, a.chunk) for a in actions if a.op is Op.FORWARD]
+        if schedule.startswith("zb-"):  # split backward: the input part, then the weight part
+            inputs = [(a.microbatch, a.chunk) for a in actions if a.op is Op.BACKWARD_INPUT]
+            weights = [(a.microbatch, a.chunk) for a in actions if a.op is Op.WEIGHT]
+            assert sorted(forwards) == sorted(expected) == sorted(inputs) == sorted(weights)
+            assert len(actions) == 3 * len(expected)
+            for key in expected:
+                order = [actions.index(Action(op, *key)) for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.WEIGHT)]
+                assert order == sorted(order)
+            continue
         backwards = [(a.microbatch, a.chunk) for a in actions if a.op is Op.BACKWARD]
         assert sorted(forwards) == sorted(expected) == sorted(backwards)
         for key in expected:
@@ -99,7 +110,8 @@ def test_interleaved_order_is_megatrons():
 
 def test_virtual_stage_and_single_stage():
     assert [virtual_stage(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
-    for schedule in SCHEDULES:
+    assert [virtual_stage(r, c, 4, v_shape=True) for c in range(2) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    for schedule in (s for s in SCHEDULES if s != "zb-v"):  # zb-v needs two chunks, hence a pipeline
         assert build_schedule(schedule, 1, 0, 2) == [
             Action(Op.FORWARD, 0, 0),
             Action(Op.BACKWARD, 0, 0),
@@ -116,6 +128,8 @@ def test_virtual_stage_and_single_stage():
         (("interleaved", 1, 4, 2), ["vp_size=2", "pp_size > 1"]),
         (("zigzag", 4, 8, 1), ["zigzag", "gpipe"]),
         (("gpipe", 2, 0, 1), ["micro-batches (0)"]),
+        (("zb-v", 4, 8, 1), ["zb-v", "vp_size=2", "got vp_size=1"]),
+        (("zb-h1", 4, 8, 2), ["zb-h1", "vp_size=1", "got 2"]),
     ],
 )
 def test_invalid_layouts_name_the_values(args, words):
@@ -159,15 +173,17 @@ def strict_rendezvous_completes(plans) -> bool:
 )
 def test_receivers_post_in_senders_order_and_never_deadlock(schedule, p, m, v):
     lists = all_lists(schedule, p, m, v)
-    plans = plan_steps(lists, v)
+    v_shape = uses_v_shape(schedule)
+    plans = plan_steps(lists, v, v_shape)
     for r in range(p):  # every action runs once, in list order
         assert [s.compute for s in plans[r] if s.compute is not None] == list(range(len(lists[r])))
     for src, dst in itertools.product(range(p), repeat=2):
-        if src == dst:
-            continue
         sent = [msg for s in plans[src] for kind, peer, msg in s.ops if kind == "send" and peer == dst]
         received = [msg for s in plans[dst] for kind, peer, msg in s.ops if kind == "recv" and peer == src]
-        assert sent == received == outgoing_order(lists[src], src, p, v).get(dst, [])
+        if src == dst:  # the turn of zb-v's V is local: no message at all
+            assert sent == received == []
+            continue
+        assert sent == received == outgoing_order(lists[src], src, p, v, v_shape).get(dst, [])
     assert strict_rendezvous_completes(plans)
 
 
@@ -175,6 +191,8 @@ def test_receivers_post_in_senders_order_and_never_deadlock(schedule, p, m, v):
 @pytest.mark.parametrize("costs", [(1, 2), (1, 1), (2, 1), (0.3, 1.7)])
 def test_bubble_formulas(costs):
     for schedule, p, m, v in layouts(ms=(1, 2, 3, 4, 8, 12, 16), ps=(1, 2, 3, 4, 8), vs=(1, 2, 3, 4)):
+        if schedule.startswith("zb-"):
+            continue  # test_zero_bubble_bubbles
         timeline = simulate(schedule, p, m, v, *costs)
         expected = (p - 1) / (m * v) if schedule == "interleaved" else (p - 1) / m
         assert abs(timeline.bubble_fraction - expected) < 1e-9, (schedule, p, m, v, costs)
@@ -187,7 +205,7 @@ def test_simulator_reports_deadlock():
 
 
 def test_an_op_nobody_handles_fails_loudly():
-    """A new kind of action (the next issue's deferred weight gradient) must be handled everywhere Op is read:
+    """A new kind of action must be handled everywhere Op is read:
     until it is, every reader raises instead of treating it as a forward or a backward."""
 
     class Future(Enum):
@@ -232,10 +250,39 @@ def test_overlap_shortens_the_interleaved_timeline():
 @pytest.mark.parametrize("schedule,p,m,v", list(layouts(ms=(1, 2, 4, 8), ps=(2, 3, 4), vs=(1, 2))))
 def test_overlap_never_slower_and_every_action_runs_once(schedule, p, m, v):
     lists = all_lists(schedule, p, m, v)
+    v_shape = uses_v_shape(schedule)
     for comm in (0.0, 0.1, 0.5):
-        blocking = simulate_plans(lists, v, m, comm_cost=comm)
-        overlapped = simulate_plans(lists, v, m, comm_cost=comm, overlap=True)
+        blocking = simulate_plans(lists, v, m, comm_cost=comm, v_shape=v_shape)
+        overlapped = simulate_plans(lists, v, m, comm_cost=comm, overlap=True, v_shape=v_shape)
         assert overlapped.makespan <= blocking.makespan + 1e-9
         for timeline in (blocking, overlapped):
             for r in range(p):  # each rank runs its list, in order
                 assert [e.action for e in timeline.events if e.rank == r] == lists[r]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [4, 8, 12, 16])
+def test_zero_bubble_bubbles(p, m):
+    """tF = tB = tW = 1 (a whole backward costs 2): ZB-H1's bubble is the paper's (p-1)(tF + tB - tW) per
+    rank against 1F1B's (p-1)(tF + tB + tW); ZB-V's is at most ZB-H1's. Each rank holds at most 1F1B's
+    peak of p micro-batches (a micro-batch is held until its WEIGHT)."""
+    if m < p:
+        pytest.skip("the formulas assume m >= p")
+    costs = dict(forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
+    one_f_one_b = simulate("1f1b", p, m, **costs)
+    zb_h1 = simulate("zb-h1", p, m, **costs)
+    zb_v = simulate("zb-v", p, m, 2, **costs)
+    assert one_f_one_b.makespan - one_f_one_b.ideal == pytest.approx((p - 1) * (1 + 1 + 1))
+    assert zb_h1.makespan - zb_h1.ideal == pytest.approx((p - 1) * (1 + 1 - 1))
+    assert zb_v.makespan - zb_v.ideal <= zb_h1.makespan - zb_h1.ideal + 1e-9
+    for schedule, v in (("zb-h1", 1), ("zb-v", 2)):
+        assert max(max_held(build_schedule(schedule, p, r, m, v)) / v for r in range(p)) == p
+
+
+def max_held(actions: list[Action]) -> int:
+    """Most (micro-batch, chunk) forwards held at once: until the WEIGHT (or whole BACKWARD)."""
+    held = peak = 0
+    for action in actions:
+        held += {Op.FORWARD: 1, Op.BACKWARD_INPUT: 0, Op.BACKWARD: -1, Op.WEIGHT: -1}[action.op]
+        peak = max(peak, held)
+    return peak

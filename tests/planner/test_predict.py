@@ -121,3 +121,16 @@ def test_simulator_takes_per_action_costs():
         lists, 1, 8, action_cost=lambda r, a: (1.0 if a.op is Op.FORWARD else 2.0) * (2 if r == 3 else 1)
     )
     assert slow.ideal == 48.0 and slow.makespan >= 48.0 + 3 * 3.0
+
+
+def test_zero_bubble_schedules_shrink_the_predicted_bubble():
+    """The planner splits a backward into B and W (W: the weight GEMMs), so zb-h1 and zb-v fill part of
+    1F1B's bubble at the same layout (the paper's 76.1B: tp 8, pp 4, 1F1B)."""
+    cluster = load_cluster(A100)
+    layers = "model.num_layers=64"  # 60 does not split into pp * vp = 8 virtual stages
+    base = predict(paper("76.1b", layers), cluster, 1024)
+    zb_h1 = predict(paper("76.1b", layers, "parallel.schedule=zb-h1"), cluster, 1024)
+    zb_v = predict(paper("76.1b", layers, "parallel.schedule=zb-v", "parallel.vp_size=2"), cluster, 1024)
+    # not the ideal third: the first stage sends no input gradient, so its whole backward is its W
+    assert zb_h1.breakdown["bubble"] < 0.8 * base.breakdown["bubble"]
+    assert zb_v.breakdown["bubble"] <= zb_h1.breakdown["bubble"]
