@@ -145,9 +145,8 @@ def preprocess_jsonl(
 ) -> PreprocessStats:
     """Tokenize a JSONL file into indexed datasets, one per key; returns run totals.
 
-    parse_special_tokens: a literal <|endoftext|> in the text becomes the end-of-document id (what
-    megatron-core's HF-based GPT-2 tokenizer does); off by default, so text that merely mentions the
-    token (web pages, code about tokenizers) cannot cut documents or inject control tokens.
+    parse_special_tokens: a literal <|endoftext|> in the text becomes the end-of-document id (megatron-core's
+    HF-based GPT-2 tokenizer does so); off by default: text that mentions it cannot cut documents.
     allow_empty: write an empty dataset when no document was read, instead of failing.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -175,19 +174,8 @@ def preprocess_jsonl(
             pool.close()
             pool.join()  # reaped workers' CPU time shows up in RUSAGE_CHILDREN
         stats.encode_cpu_seconds = _cpu_seconds(pool is not None) - cpu_before
-        if stats.documents == 0:
-            if not allow_empty:
-                raise PreprocessError(
-                    f"{input_path}: no documents read (empty input or every line skipped); "
-                    "nothing written (--allow-empty writes an empty dataset)"
-                )
-            log(f"WARNING: {input_path}: no documents read; writing an EMPTY dataset (--allow-empty)")
-        for key, builder in builders.items():
-            builder.finalize(tmp[key][1])
-        for key, prefix in prefixes.items():
-            os.replace(tmp[key][0], bin_path(prefix))
-            os.replace(tmp[key][1], idx_path(prefix))
-            stats.outputs.append(prefix)
+        _check_not_empty(stats, input_path, allow_empty, log)
+        _publish(builders, prefixes, tmp, stats)
     finally:
         if pool is not None:
             pool.terminate()
@@ -199,6 +187,33 @@ def preprocess_jsonl(
                     os.remove(path)
     _report(stats, workers, log)
     return stats
+
+
+def _check_not_empty(stats: PreprocessStats, input_path: str, allow_empty: bool, log: Callable[[str], None]) -> None:
+    """No document read: an error, or with allow_empty a warning (an empty dataset is then written)."""
+    if stats.documents:
+        return
+    if not allow_empty:
+        raise PreprocessError(
+            f"{input_path}: no documents read (empty input or every line skipped); "
+            "nothing written (--allow-empty writes an empty dataset)"
+        )
+    log(f"WARNING: {input_path}: no documents read; writing an EMPTY dataset (--allow-empty)")
+
+
+def _publish(
+    builders: dict[str, IndexedDatasetBuilder],
+    prefixes: dict[str, str],
+    tmp: dict[str, tuple[str, str]],
+    stats: PreprocessStats,
+) -> None:
+    """Finish each key's .idx, then move .bin and .idx into place (whole files only, never half-written)."""
+    for key, builder in builders.items():
+        builder.finalize(tmp[key][1])
+    for key, prefix in prefixes.items():
+        os.replace(tmp[key][0], bin_path(prefix))
+        os.replace(tmp[key][1], idx_path(prefix))
+        stats.outputs.append(prefix)
 
 
 def _settings(
