@@ -78,11 +78,11 @@ class RankGrid:
         offsets = itertools.product(*([i * self.stride(name) for i in range(size)] for name, size in others))
         return [self.group(first, *dims) for first in sorted(sum(o) for o in offsets)]
 
-    def per_node(self, dim: str, gpus_per_node: int) -> int:
-        """Members of a `dim` group that share a node of `gpus_per_node` consecutive ranks: the fewest any
-        group has on the node of its first member (a ring over the group crosses nodes in blocks this big)."""
+    def per_node(self, gpus_per_node: int, *dims: str) -> int:
+        """Members of a group along `dims` that share a node of `gpus_per_node` consecutive ranks: the fewest
+        any group has on the node of its first member (a ring over the group crosses nodes in blocks this big)."""
         return min(
-            sum(1 for r in group if r // gpus_per_node == group[0] // gpus_per_node) for group in self.groups(dim)
+            sum(1 for r in group if r // gpus_per_node == group[0] // gpus_per_node) for group in self.groups(*dims)
         )
 
     def crosses_nodes(self, dim: str, gpus_per_node: int) -> bool:

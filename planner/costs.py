@@ -18,6 +18,7 @@ from model.shape import attention_matmul_flops, layer_gemm_flops, output_gemm
 from parallel.rank_grid import RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
+from planner.ring import exposed_ring_seconds, kv_block_bytes
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,9 @@ class Hardware:
     fp32: bool
     grid: RankGrid
 
-    def per_node(self, dim: str) -> int:
-        """Members of a `dim` group ("tp", "dp") that share a node."""
-        return self.grid.per_node(dim, self.cluster.gpus_per_node)
+    def per_node(self, *dims: str) -> int:
+        """Members of a group along `dims` ("tp"; "dp", "cp" for the gradient reduction) that share a node."""
+        return self.grid.per_node(self.cluster.gpus_per_node, *dims)
 
     def crosses_nodes(self, dim: str) -> bool:
         """Whether some `dim` group (e.g. a pipeline) spans two nodes."""
@@ -102,35 +103,40 @@ class LayerTimes:
 
 def core_attention_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware) -> float:
     """Forward of softmax(q k^T) v: two batched GEMMs plus, when materialised, softmax and dropout in HBM."""
-    s, b, t = shape.seq_length, shape.micro_batch, shape.tp_size
-    flops = attention_matmul_flops(model, s * b, s, t)  # each of q k^T and (scores) v
+    # q: this rank's queries (s/cp under context parallelism, load-balanced: 1/cp of the causal work) against
+    # all s keys
+    s, q, b, t = shape.seq_length, shape.local_seq, shape.micro_batch, shape.tp_size
+    flops = attention_matmul_flops(model, q * b, s, t)  # each of q k^T and (scores) v
     if hw.cluster.efficiency.attention == "flash":
-        return 2 * hw.gemm_seconds(flops, s * b)
-    scores = shape.heads * s * s * b / t
+        return 2 * hw.gemm_seconds(flops, q * b)
+    scores = shape.heads * q * s * b / t
     vb = shape.value_bytes
     softmax = 2 * vb * scores  # read scores, write probabilities (scale + mask + softmax fused)
     dropout = (2 * vb + shape.mask_bytes) * scores if shape.attention_dropout else 0.0
-    qk = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # writes the scores
-    pv = max(hw.gemm_seconds(flops, s * b), hw.memory_seconds(vb * scores))  # reads the probabilities
+    qk = max(hw.gemm_seconds(flops, q * b), hw.memory_seconds(vb * scores))  # writes the scores
+    pv = max(hw.gemm_seconds(flops, q * b), hw.memory_seconds(vb * scores))  # reads the probabilities
     return qk + pv + hw.memory_seconds(softmax + dropout)
 
 
 def elementwise_bytes(shape: ActivationShape) -> float:
     """HBM bytes of the fused memory-bound kernels of one layer's forward (norms, bias+dropout+residual,
     GeLU/SwiGLU); the norms and residual work on the full [s, b, h] unless sequence parallel."""
-    sbh = shape.seq_length * shape.micro_batch * shape.hidden
+    sbh = shape.local_seq * shape.micro_batch * shape.hidden
     vb, mask = shape.value_bytes, (shape.mask_bytes if shape.hidden_dropout else 0)
     split = shape.tp_size if shape.sequence_parallel else 1
     norms = 2 * (2 * vb * sbh)  # read x, write norm(x)
     residual = 2 * ((3 * vb + mask) * sbh)  # read y and x, write x + drop(y), write mask
-    ffn_tokens = shape.seq_length * shape.micro_batch * shape.ffn / shape.tp_size
+    ffn_tokens = shape.local_seq * shape.micro_batch * shape.ffn / shape.tp_size
     activation = (3 if shape.swiglu else 2) * vb * ffn_tokens
     return (norms + residual) / split + activation
 
 
 def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recompute: str) -> LayerTimes:
-    """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer."""
-    rows = shape.seq_length * shape.micro_batch
+    """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer, on this
+    rank's tokens (s/cp under context parallelism). The tp_* times hold the layer's exposed communication: tp's
+    collectives and, under cp, what the ring's key/value transfers take beyond the block attention they
+    overlap (planner/ring.py)."""
+    rows = shape.local_seq * shape.micro_batch
     gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(model, rows, shape.tp_size))
     core = core_attention_seconds(shape, model, hw)
     other = hw.memory_seconds(elementwise_bytes(shape))
@@ -140,16 +146,30 @@ def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recomp
     # tp: 2 all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) each way
     t = shape.tp_size
     one = hw.collective_seconds(
-        "all_reduce", shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes, t, hw.per_node("tp")
+        "all_reduce", shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes, t, hw.per_node("tp")
     )
-    tp_forward = 2 * one
-    tp_backward = 2 * one + (tp_forward if recompute == "full" else 0.0)
+    ring_forward, ring_backward = ring_seconds(shape, model, hw, core)
+    tp_forward = 2 * one + ring_forward
+    tp_backward = 2 * one + ring_backward + (tp_forward if recompute == "full" else 0.0)
     return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward, weight_grad=gemm)
+
+
+def ring_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware, core: float) -> tuple[float, float]:
+    """(forward, backward) exposed time of context parallelism's ring in one layer: each key/value block
+    transfer overlaps one block's attention (1/cp of the rank's core attention; backward twice that)."""
+    cp = shape.cp_size
+    if cp == 1:
+        return 0.0, 0.0
+    block = kv_block_bytes(model, shape.micro_batch, shape.tp_size, cp, shape.value_bytes)
+    send = hw.link_seconds(block, hw.crosses_nodes("cp"))
+    forward = exposed_ring_seconds(send, core / cp, cp - 1)
+    backward = exposed_ring_seconds(send, 2 * core / cp, 2 * cp - 1)
+    return forward, backward
 
 
 def head_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, padded_vocab: int) -> tuple[float, float]:
     """(forward, backward) seconds of final norm + output layer + vocab-parallel cross entropy."""
-    tokens = shape.seq_length * shape.micro_batch
+    tokens = shape.local_seq * shape.micro_batch
     flops = 2.0 * tokens * output_gemm(model, padded_vocab).weights / shape.tp_size
     logits = 4.0 * tokens * padded_vocab / shape.tp_size  # fp32 logits
     forward = hw.gemm_seconds(flops, tokens) + hw.memory_seconds(
@@ -165,7 +185,7 @@ def p2p_seconds(shape: ActivationShape, hw: Hardware, inter_node: bool, scatter_
     Sequence parallelism sends each rank's [s/t, b, h] shard. Scatter/gather (paper §4.1) sends 1/tp of the
     replicated tensor per rank and all-gathers it over NVLink on the receiving stage.
     """
-    nbytes = shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes
+    nbytes = shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes
     t = shape.tp_size
     if shape.sequence_parallel:
         return hw.link_seconds(nbytes / t, inter_node)

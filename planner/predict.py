@@ -131,7 +131,7 @@ class _Costs:
         self.recompute_per_chunk = per_chunk * layer.recompute
         vocab = model.padded_vocab_size(layout.tp_size)
         head_f, head_b = head_times(shape, model, hw, vocab)
-        sbh_bytes = shape.seq_length * shape.micro_batch * shape.hidden * shape.value_bytes
+        sbh_bytes = shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes
         boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, hw.per_node("tp"))  # embedding / head
         embed = hw.memory_seconds(3 * sbh_bytes)
         last = p * v - 1
@@ -266,7 +266,8 @@ def _rank_parts(
     tp_comm = sum(c.tp_comm for c in spent)
     pp_comm = sum(c.pp_comm for c in spent)
     params = rank_params(model, layout.tp_size, layout.pp_size, layout.vp_size, pp_rank)
-    dp, dp_node = layout.dp_size, hw.per_node("dp")
+    # gradients are reduced over dp x cp (the cp ranks hold replicas of every parameter)
+    dp, dp_node = layout.dp_size * layout.cp_size, hw.per_node("dp", "cp")
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
     grad_bytes = software.grad_reduce_bytes * params
     dp_seconds = hw.collective_seconds(kind, grad_bytes, dp, dp_node)

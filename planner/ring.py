@@ -27,7 +27,7 @@ def ring_bytes_per_layer(
     return (cp_size - 1) * block, (2 * cp_size - 1) * block
 
 
-def exposed_ring_seconds(block_bytes: float, bandwidth: float, block_attention_seconds: float, sends: int) -> float:
-    """Time the ring adds: each of `sends` transfers runs while one block is attended to, so only what a
-    transfer takes beyond that block's attention shows (bandwidth in bytes/s)."""
-    return sends * max(0.0, block_bytes / bandwidth - block_attention_seconds)
+def exposed_ring_seconds(send_seconds: float, block_attention_seconds: float, sends: int) -> float:
+    """Time the ring adds: each of `sends` transfers (send_seconds each) runs while one block is attended to,
+    so only what a transfer takes beyond that block's attention shows."""
+    return sends * max(0.0, send_seconds - block_attention_seconds)

@@ -105,8 +105,8 @@ def test_planner_activations_fall_with_cp_and_ring_bytes():
     assert ring_bytes_per_layer(config(4).model, 4, 1, 4, 4) == (3 * block, 7 * block)
     assert ring_bytes_per_layer(config(1).model, 4, 1, 1, 4) == (0.0, 0.0)
     # a transfer hidden behind its block's attention costs nothing; beyond it, the excess per send
-    assert exposed_ring_seconds(1e9, 1e9, 2.0, 3) == 0.0
-    assert exposed_ring_seconds(3e9, 1e9, 2.0, 3) == pytest.approx(3.0)
+    assert exposed_ring_seconds(1.0, 2.0, 3) == 0.0  # a 1 s send hidden behind 2 s of block attention
+    assert exposed_ring_seconds(3.0, 2.0, 3) == pytest.approx(3.0)
 
 
 def test_model_stats_reports_cp():

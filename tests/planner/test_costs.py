@@ -27,7 +27,7 @@ def a100(**efficiency):
     return load_cluster(os.path.join(CLUSTERS, "dgx_a100_80gb.yaml")).with_efficiency(**efficiency)
 
 
-def shape(tp=8, sp=False, b=1):
+def shape(tp=8, sp=False, b=1, cp=1):
     return ActivationShape(
         seq_length=2048,
         micro_batch=b,
@@ -39,6 +39,7 @@ def shape(tp=8, sp=False, b=1):
         tp_size=tp,
         sequence_parallel=sp,
         value_bytes=2,
+        cp_size=cp,
     )
 
 
@@ -96,7 +97,7 @@ def test_memory_and_link_terms():
 
 def test_group_placement():
     def per_node(dim, **sizes):
-        return RankGrid.megatron(**sizes).per_node(dim, 8)
+        return RankGrid.megatron(**sizes).per_node(8, dim)
 
     assert per_node("tp", tp=8, dp=2) == 8 and per_node("tp", tp=16) == 8 and per_node("tp", tp=2, dp=8) == 2
     assert per_node("dp", tp=8, dp=32) == 1 and per_node("dp", tp=2, dp=32) == 4 and per_node("dp", dp=2) == 2
@@ -139,6 +140,22 @@ def test_recompute_and_tp_terms_of_a_layer():
     assert none.tp_forward == pytest.approx(2 * hw.collective_seconds("all_reduce", 2048 * 12288 * 2, 8, 8))
     # bigger micro-batches run bigger GEMMs: time per sample falls
     assert layer_times(shape(b=4), model, hw, "none").forward < 4 * none.forward
+
+
+def test_context_parallel_layer_runs_its_share_and_its_ring_shows_only_when_slow():
+    model = load_config(os.path.join(REPO_ROOT, "configs", "paper", "gpt_145.6b.yaml")).model
+    one = layer_times(shape(), model, Hardware(a100(), fp32=False, grid=TP8), "none")
+    within = Hardware(a100(), fp32=False, grid=RankGrid.megatron(tp=4, cp=2, dp=4))  # cp pairs on one node
+    two = layer_times(shape(tp=4, cp=2), model, within, "none")
+    # at one tp size a cp rank attends half the queries to every key: about half the attention time
+    assert core_attention_seconds(shape(cp=2), model, within) < 0.6 * core_attention_seconds(shape(), model, within)
+    # half the tokens on twice the tp share: about the same work per rank
+    assert 0.8 < two.forward / one.forward < 1.3
+    assert two.tp_forward == pytest.approx(2 * within.collective_seconds("all_reduce", 1024 * 12288 * 2, 4, 4))
+    grid = RankGrid.megatron(tp=8, cp=2)  # every cp pair spans two nodes
+    slow = Hardware(a100(network=0.001), fp32=False, grid=grid)  # a very slow network: the ring cannot hide
+    ring = layer_times(shape(cp=2), model, slow, "none").tp_forward
+    assert ring > 2 * slow.collective_seconds("all_reduce", 1024 * 12288 * 2, 8, 8)
 
 
 def test_optimizer_step_shrinks_with_the_distributed_optimizer():
