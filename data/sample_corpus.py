@@ -158,6 +158,8 @@ def build_tiny_corpus(root: str, num_files: int = 60) -> dict:
     """A small real corpus for tests and scripts (the first `num_files` top-level stdlib modules, sorted), a
     512-token BPE trained on it and its .bin/.idx; returns {"data_prefix", "vocab_file", "merge_file"}.
     Seconds to build, unlike the sample corpus; the same files on every machine with the same Python."""
+    # Twin: tests/fixtures/checkpoint_format2/make_fixture.build_corpus repeats these steps at a smaller size,
+    # because it must run against the code before issue 18, which has no such function.
     stdlib = sysconfig.get_paths()["stdlib"]
     names = sorted(n for n in os.listdir(stdlib) if n.endswith(".py"))[:num_files]
     texts = []

@@ -95,6 +95,7 @@ class SelfAttention(nn.Module):
         self.checkpoint_fn: Callable | None = None
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
+    # Twin of TransformerLayer.forward's signature: the layer hands its arguments straight through.
     def forward(
         self,
         x: torch.Tensor,
@@ -152,6 +153,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout_p = cfg.hidden_dropout
         self.kernels = kernels.KernelSelection.from_model_config(cfg)
 
+    # Twin of SelfAttention.forward's signature, which receives these arguments as they are.
     def forward(
         self,
         x: torch.Tensor,

@@ -13,7 +13,7 @@ sequence_parallel, read by model/init.py, the checkpoint and the trainer.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,67 @@ def _check_divisible(what: str, value: int, size: int) -> None:
     require_divisible(what, value, "parallel.tp_size", size)
 
 
-class ColumnParallelLinear(nn.Module):
+_L = TypeVar("_L", bound="_ParallelLinear")
+
+
+class _ParallelLinear(nn.Module):
+    """What ColumnParallelLinear and RowParallelLinear share: building from an nn.Linear, and making the
+    weight [out(/tp), in(/tp)] and bias from the layer's split (the subclass says which dimension)."""
+
+    comm: TPComm
+    in_features: int
+    out_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    @classmethod
+    def from_linear(cls: type[_L], linear: nn.Linear, comm: TPComm, **kwargs: Any) -> _L:
+        """The parallel version of `linear` (meta or real: a real weight keeps its own values, sharded)."""
+        like_linear: dict[str, Any] = {
+            "bias": linear.bias is not None,
+            "device": linear.weight.device,
+            "dtype": linear.weight.dtype,
+            "template": linear,
+        }
+        return cls(linear.in_features, linear.out_features, comm, **like_linear, **kwargs)
+
+    def _make_params(
+        self,
+        weight_shape: tuple[int, int],
+        weight_split: Sharding,
+        bias_shape: tuple[int] | None,
+        bias_split: Sharding,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+        template: nn.Linear | None,
+        bias_sequence_parallel: bool = False,
+    ) -> None:
+        """Set self.weight (local `weight_shape`) and self.bias (local `bias_shape`, None: no bias), the
+        shards of `template`'s values when it has real ones."""
+        self.weight = _new_param(
+            weight_shape,
+            device,
+            dtype,
+            getattr(template, "weight", None),
+            self.comm,
+            weight_split,
+            full_shape=(self.out_features, self.in_features),
+        )
+        self.bias = None
+        if bias_shape is not None:
+            self.bias = _new_param(
+                bias_shape,
+                device,
+                dtype,
+                getattr(template, "bias", None),
+                self.comm,
+                bias_split,
+                full_shape=(self.out_features,),
+                sequence_parallel=bias_sequence_parallel,
+            )
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear with the weight [out, in] split along `out`: [s(/tp), b, in] -> [s, b, out/tp].
 
     Input: with sequence parallelism the [s/tp, b, in] shards are all-gathered (backward: reduce-scatter),
@@ -81,6 +141,7 @@ class ColumnParallelLinear(nn.Module):
     or the vocab-parallel loss). `num_stacked` blocks along `out` are split separately (SwiGLU's fc1).
     """
 
+    # Twin of RowParallelLinear.__init__: the same leading signature, which from_linear fills for both.
     def __init__(
         self,
         in_features: int,
@@ -103,33 +164,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         out_local = out_features // comm.size
         split = Sharding(dim=0, parts=num_stacked)
-        self.weight = _new_param(
-            (out_local, in_features),
-            device,
-            dtype,
-            getattr(template, "weight", None),
-            comm,
-            split,
-            full_shape=(out_features, in_features),
-        )
-        self.bias = None
-        if bias:
-            self.bias = _new_param(
-                (out_local,), device, dtype, getattr(template, "bias", None), comm, split, full_shape=(out_features,)
-            )
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> ColumnParallelLinear:
-        """The parallel version of `linear` (meta or real: a real weight keeps its own values, sharded)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-            template=linear,
-            **kwargs,
+        self._make_params(
+            (out_local, in_features), split, (out_local,) if bias else None, split, device, dtype, template
         )
 
     def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
@@ -149,7 +185,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear with the weight [out, in] split along `in`: [s, b, in/tp] -> [s(/tp), b, out].
 
     The partial products are summed over tp by an all-reduce, or with sequence parallelism by a
@@ -157,6 +193,7 @@ class RowParallelLinear(nn.Module):
     under sequence parallelism its gradient is partial, so it is marked `sequence_parallel`.
     """
 
+    # Twin of ColumnParallelLinear.__init__: the same leading signature, which from_linear fills for both.
     def __init__(
         self,
         in_features: int,
@@ -173,39 +210,11 @@ class RowParallelLinear(nn.Module):
         _check_divisible("input size", in_features, comm.size)
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _new_param(
-            (out_features, in_features // comm.size),
-            device,
-            dtype,
-            getattr(template, "weight", None),
-            comm,
-            Sharding(dim=1),
-            full_shape=(out_features, in_features),
-        )
-        self.bias = None
-        if bias:  # replicated, added once after the reduction
-            self.bias = _new_param(
-                (out_features,),
-                device,
-                dtype,
-                getattr(template, "bias", None),
-                comm,
-                REPLICATED,
-                full_shape=(out_features,),
-                sequence_parallel=sequence_parallel,
-            )
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: TPComm, **kwargs) -> RowParallelLinear:
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-            template=linear,
-            **kwargs,
+        # The bias is replicated, added once after the reduction; under sequence parallelism its grad is partial.
+        bias_shape = (out_features,) if bias else None
+        weight_shape = (out_features, in_features // comm.size)
+        self._make_params(
+            weight_shape, Sharding(dim=1), bias_shape, REPLICATED, device, dtype, template, sequence_parallel
         )
 
     def forward(self, x_local: torch.Tensor, skip_bias_add: bool = False):

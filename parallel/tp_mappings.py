@@ -146,6 +146,7 @@ def _reduce_scatter_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Te
 
 
 # ---- autograd functions ---------------------------------------------------------------------------
+# Adjoint twin of _ReduceFromTP (identity forward, all-reduce backward; the other the reverse).
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -157,6 +158,7 @@ class _CopyToTP(torch.autograd.Function):
         return all_reduce(grad, ctx.comm, "backward"), None
 
 
+# Adjoint twin of _CopyToTP.
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -168,6 +170,8 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+# Adjoint twin of _GatherFromTP (split / all-gather along h, swapped in backward); _ScatterToSP is the
+# same pair along s. The four stay separate classes: each is one conjugate pair of Megatron's mappings.
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -179,6 +183,7 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_last(grad, ctx.comm, "backward"), None
 
 
+# Adjoint twin of _ScatterToTP: all-gather along h forward, keep this rank's slice backward.
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -190,6 +195,7 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(grad, ctx.comm), None
 
 
+# Twin of _ScatterToTP along s instead of h (adjoint: _GatherFromSP without tp_output_grad).
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -201,6 +207,7 @@ class _ScatterToSP(torch.autograd.Function):
         return _gather_first(grad, ctx.comm, "backward"), None
 
 
+# Adjoint twin of _ScatterToSP, or of _ReduceScatterToSP when its consumer is tp-parallel.
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, tensor_parallel_output_grad):
@@ -215,6 +222,8 @@ class _GatherFromSP(torch.autograd.Function):
         return _split_first(grad, ctx.comm), None, None
 
 
+# Adjoint twin of _GatherFromSP (reduce-scatter along s forward, all-gather backward); same shape as
+# _ScatterToSP, with the sum in place of the split.
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):

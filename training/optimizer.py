@@ -93,6 +93,7 @@ class Optimizer:
 
     distributed = False
 
+    # Twin of build_optimizer's signature: it forwards these hyperparameters by name, defaults alike.
     def __init__(
         self,
         ddp: DataParallel,
@@ -328,6 +329,7 @@ class DistributedOptimizer(Optimizer):
             copy_bucket_to_params(self.ddp, bucket, full)
 
 
+# Twin of Optimizer.__init__'s signature (the same hyperparameters and defaults, forwarded by name).
 def build_optimizer(
     chunks: list[nn.Module],
     ddp: DataParallel,

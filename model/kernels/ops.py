@@ -52,6 +52,18 @@ def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
     return grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
 
 
+def _bias_activation_bwd(
+    kernel_name: str, n_elements: int, grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, **sizes: Any
+) -> torch.Tensor:
+    """grad_y [like y] of act(y + bias) from the backward kernel `kernel_name` over `n_elements` outputs; without
+    a bias the kernel is handed y in its place (HAS_BIAS=False: never read)."""
+    grad_y = torch.empty_like(y)
+    b = bias if bias is not None else y
+    kernel = getattr(triton_kernels(), kernel_name)
+    _launch_elementwise(kernel, n_elements, grad.contiguous(), y, b, grad_y, **sizes, HAS_BIAS=bias is not None)
+    return grad_y
+
+
 # ---- bias + GeLU: gelu(y + bias) [..., F] ----------------------------------------------------------------
 @_define("bias_gelu")
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,13 +79,7 @@ def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 @_define("bias_gelu_bwd")
 def bias_gelu_bwd(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """d gelu(y + bias) / dy * grad."""
-    grad_y = torch.empty_like(y)
-    b = bias if bias is not None else y
-    kernel = triton_kernels().bias_gelu_bwd
-    _launch_elementwise(
-        kernel, y.numel(), grad.contiguous(), y, b, grad_y, N_COLS=y.shape[-1], HAS_BIAS=bias is not None
-    )
-    return grad_y
+    return _bias_activation_bwd("bias_gelu_bwd", y.numel(), grad, y, bias, N_COLS=y.shape[-1])
 
 
 # ---- bias + SwiGLU: silu(gate) * up with [gate, up] = y + bias, y [..., 2F] -> [..., F] --------------------
@@ -91,13 +97,7 @@ def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 @_define("bias_swiglu_bwd")
 def bias_swiglu_bwd(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The gradient of bias_swiglu with respect to y [..., 2F], from grad [..., F]."""
-    grad_y = torch.empty_like(y)
-    b = bias if bias is not None else y
-    kernel = triton_kernels().bias_swiglu_bwd
-    _launch_elementwise(
-        kernel, grad.numel(), grad.contiguous(), y, b, grad_y, F=y.shape[-1] // 2, HAS_BIAS=bias is not None
-    )
-    return grad_y
+    return _bias_activation_bwd("bias_swiglu_bwd", grad.numel(), grad, y, bias, F=y.shape[-1] // 2)
 
 
 # ---- bias + dropout + residual add: residual + scaled_mask * (y + bias) ------------------------------------

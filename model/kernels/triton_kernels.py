@@ -18,6 +18,7 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 # ---- bias + GeLU (exact erf GeLU, as F.gelu) ------------------------------------------------------------
+# Twin of bias_gelu_bwd: the same prologue (load x, add the bias), kept inline in each kernel (one fused pass).
 @triton.jit
 def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -29,6 +30,7 @@ def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIA
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# Twin of bias_gelu_fwd: recomputes its prologue (x + bias) instead of saving the sum.
 @triton.jit
 def bias_gelu_bwd(
     g_ptr, x_ptr, b_ptr, dx_ptr, n_elements, N_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
@@ -45,6 +47,7 @@ def bias_gelu_bwd(
 
 
 # ---- bias + SwiGLU: y [N, 2F] = [gate, up] -> silu(gate) * up [N, F] ---------------------------------------
+# Twin of bias_swiglu_bwd: the same prologue (load gate and up, add their biases), inline in each kernel.
 @triton.jit
 def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -59,6 +62,7 @@ def bias_swiglu_fwd(y_ptr, b_ptr, out_ptr, n_elements, F: tl.constexpr, HAS_BIAS
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Twin of bias_swiglu_fwd: recomputes its prologue (gate, up + biases) instead of saving them.
 @triton.jit
 def bias_swiglu_bwd(
     g_ptr, y_ptr, b_ptr, dy_ptr, n_elements, F: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr

@@ -71,6 +71,8 @@ class Timeline:
         return (self.makespan - self.ideal) / self.ideal
 
 
+# Twin of simulate_plans' signature: both simulate the same action lists at the same stage costs (this one
+# without the communication plan), so their leading arguments stay alike.
 def simulate_lists(
     lists: list[list[Action]],
     vp_size: int,
@@ -154,6 +156,7 @@ def _counterpart_steps(plans: list[list[Step]]) -> dict[tuple[str, int, int, Mes
     return where
 
 
+# Twin of simulate_lists' signature (same lists and stage costs), plus the communication plan's costs.
 def simulate_plans(
     lists: list[list[Action]],
     vp_size: int,

@@ -23,8 +23,8 @@ import tempfile
 import time
 
 import torch
+from bench_models import model_config
 
-from model.config import ModelConfig
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
@@ -35,15 +35,7 @@ from training.optimizer import build_optimizer
 
 
 def build(layers: int, hidden: int):
-    cfg = ModelConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=8,
-        seq_length=128,
-        vocab_size=8192,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = model_config(layers, hidden, heads=8, seq_length=128, vocab_size=8192)
     state = ParallelState.single()
     chunks = build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)
     ddp = DataParallel(chunks, state)

@@ -34,6 +34,7 @@ from training.loop import train
 from training.run import build_run
 from training.setup import DEFAULT_CONFIG, init_distributed
 
+# Twin of the model in tests/planner/test_model_size_and_memory.py, whose MEASURED figures this benchmark printed.
 MODEL = [
     "model.hidden_size=256",
     "model.num_layers=8",
@@ -120,6 +121,7 @@ class SavedTensorMeter:
 
 
 def _rank(rank: int, world_size: int, port: int, overrides: list[str], verbose: bool, results) -> None:
+    # The environment torchrun gives a rank, as tests/conftest.py's _rank_entry (its twin) sets it.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -10,28 +10,15 @@ import argparse
 import time
 
 import torch
+from bench_models import model_config, tied_gpt
 
-from model.config import ModelConfig
 from model.gpt import GPTModel
-from model.init import initialize_parameters
 from model.kv_cache import KVCache
 
 
 def build(args: argparse.Namespace) -> GPTModel:
-    cfg = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=max(args.contexts) + args.tokens,
-        vocab_size=50257,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size())
-    initialize_parameters(model, cfg, seed=0, device=args.device)
-    model.tie_weights()
-    return model.eval()
+    cfg = model_config(args.layers, args.hidden, args.heads, max(args.contexts) + args.tokens, vocab_size=50257)
+    return tied_gpt(cfg, seed=0, device=args.device).eval()
 
 
 def sync(device: str) -> None:

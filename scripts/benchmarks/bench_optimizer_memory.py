@@ -17,10 +17,8 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_models import model_config, tied_gpt
 
-from model.config import ModelConfig
-from model.gpt import GPTModel
-from model.init import initialize_parameters
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
 from training.optimizer import build_optimizer
@@ -35,19 +33,8 @@ def _rank(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     state = ParallelState.create(tp_size=1, pp_size=1)
-    cfg = ModelConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        seq_length=64,
-        vocab_size=1000,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size())
-    initialize_parameters(model, cfg, seed=0, dtype=DTYPES[precision])
-    model.tie_weights()
+    cfg = model_config(layers, hidden, heads=4, seq_length=64, vocab_size=1000)
+    model = tied_gpt(cfg, seed=0, dtype=DTYPES[precision])
     ddp = DataParallel([model], state, bucket_size_mb=0.25, distributed_optimizer=distributed)
     optimizer = build_optimizer([model], ddp, state, lr=1e-4, precision=precision)
     if rank == 0:

@@ -25,9 +25,8 @@ import torch.multiprocessing as mp
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from model.config import ModelConfig  # noqa: E402
-from model.gpt import GPTModel  # noqa: E402
-from model.init import initialize_parameters  # noqa: E402
+from bench_models import model_config, tied_gpt  # noqa: E402
+
 from parallel.data_parallel import DataParallel  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
@@ -55,19 +54,8 @@ class Timer:
 
 
 def build(args: argparse.Namespace, state: ParallelState, overlap: bool) -> tuple[StepContext, Timer]:
-    cfg = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        vocab_size=1000,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size())
-    initialize_parameters(model, cfg, seed=1234, dtype=torch.float32)
-    model.tie_weights()
+    cfg = model_config(args.layers, args.hidden, heads=4, seq_length=SEQ, vocab_size=1000)
+    model = tied_gpt(cfg, seed=1234, dtype=torch.float32)
     ddp = DataParallel([model], state, bucket_size_mb=args.bucket_mb, distributed_optimizer=True)
     optimizer = build_optimizer([model], ddp, state, lr=1e-3, overlap_param_gather=overlap)
     assert isinstance(optimizer, DistributedOptimizer)

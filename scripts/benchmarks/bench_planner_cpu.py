@@ -23,6 +23,8 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
+from bench_models import trainer_argv  # noqa: E402
+
 from config.schema import load_config  # noqa: E402
 from planner import calibrate  # noqa: E402
 from planner.cluster import load_cluster  # noqa: E402
@@ -60,19 +62,7 @@ HELD_OUT = [
 def run_layout(ranks: int, overrides: list[str], iters: int, run_dir: str) -> None:
     """One trainer run writing config.yaml and metrics.jsonl into run_dir."""
     launcher = [sys.executable] if ranks == 1 else ["torchrun", "--standalone", f"--nproc-per-node={ranks}"]
-    argv = [
-        *launcher,
-        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-        *MODEL,
-        *overrides,
-        f"train.train_iters={iters}",
-        "optim.lr_warmup_iters=1",
-        "train.eval_iters=0",
-        "checkpoint.save=false",
-        "logging.log_interval=1",
-        "logging.tensorboard=false",
-        f"run.dir={run_dir}",
-    ]
+    argv = trainer_argv(launcher, [*MODEL, *overrides], iters, run_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
     proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -24,25 +24,12 @@ import subprocess
 import sys
 import tempfile
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_models import REPO_ROOT, trainer_argv
 
 
 def run_trainer(config: str, overrides: list[str], iters: int, run_dir: str) -> tuple[int, str, list[dict]]:
     """(exit code, output tail, training records) of one trainer run."""
-    argv = [
-        sys.executable,
-        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-        "--config",
-        config,
-        *overrides,
-        f"train.train_iters={iters}",
-        "optim.lr_warmup_iters=1",
-        "train.eval_iters=0",
-        "checkpoint.save=false",
-        "logging.log_interval=1",
-        "logging.tensorboard=false",
-        f"run.dir={run_dir}",
-    ]
+    argv = trainer_argv([sys.executable], ["--config", config, *overrides], iters, run_dir)
     proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
     records = []

@@ -99,6 +99,7 @@ MEASURED = [
 
 @pytest.mark.parametrize("overrides, dp, params, grads, optimizer, activations", MEASURED)
 def test_memory_model_agrees_with_the_measured_cpu_figures(overrides, dp, params, grads, optimizer, activations):
+    # Twin of scripts/benchmarks/bench_cpu_memory.py's MODEL: MEASURED holds that benchmark's figures.
     base = [
         "model.hidden_size=256",
         "model.num_layers=8",
