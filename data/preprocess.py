@@ -56,7 +56,11 @@ class _Encoder:
     def initialize(cls, settings: dict) -> None:
         cls.settings = settings
         cls.tokenizer = build_tokenizer(
-            settings["tokenizer_type"], settings["vocab_file"], settings["merge_file"], settings["tokenizer_model"]
+            settings["tokenizer_type"],
+            settings["vocab_file"],
+            settings["merge_file"],
+            settings["tokenizer_model"],
+            settings["vocab_size"],
         )
 
     @classmethod
@@ -142,6 +146,7 @@ def preprocess_jsonl(
     log: Callable[[str], None] | None = None,
     parse_special_tokens: bool = False,
     allow_empty: bool = False,
+    vocab_size: int | None = None,
 ) -> PreprocessStats:
     """Tokenize a JSONL file into indexed datasets, one per key; returns run totals.
 
@@ -149,10 +154,19 @@ def preprocess_jsonl(
     megatron-core's HF-based GPT-2 tokenizer does); off by default, so text that merely mentions the
     token (web pages, code about tokenizers) cannot cut documents or inject control tokens.
     allow_empty: write an empty dataset when no document was read, instead of failing.
+    vocab_size: NullTokenizer's size (the ids plus the end-of-document id); the other types ignore it.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     settings = _settings(
-        input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
+        input_path,
+        tokenizer_type,
+        vocab_file,
+        merge_file,
+        tokenizer_model,
+        json_keys,
+        append_eod,
+        parse_special_tokens,
+        vocab_size,
     )
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
@@ -202,16 +216,25 @@ def preprocess_jsonl(
 
 
 def _settings(
-    input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
+    input_path,
+    tokenizer_type,
+    vocab_file,
+    merge_file,
+    tokenizer_model,
+    json_keys,
+    append_eod,
+    parse_special_tokens,
+    vocab_size=None,
 ) -> dict:
     """What each encoding process needs (picklable); checks the input and the tokenizer first."""
     if not os.path.isfile(input_path):
         raise PreprocessError(f"{input_path}: input file not found")
     if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
         raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
-    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
     return dict(
         tokenizer_type=tokenizer_type,
+        vocab_size=vocab_size,
         vocab_file=vocab_file,
         merge_file=merge_file,
         tokenizer_model=tokenizer_model,
