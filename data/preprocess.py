@@ -55,13 +55,7 @@ class _Encoder:
     @classmethod
     def initialize(cls, settings: dict) -> None:
         cls.settings = settings
-        cls.tokenizer = build_tokenizer(
-            settings["tokenizer_type"],
-            settings["vocab_file"],
-            settings["merge_file"],
-            settings["tokenizer_model"],
-            settings["vocab_size"],
-        )
+        cls.tokenizer = build_tokenizer(**settings["tokenizer_args"])
 
     @classmethod
     def encode_batch(cls, batch: tuple[int, list[bytes]]):
@@ -157,17 +151,14 @@ def preprocess_jsonl(
     vocab_size: NullTokenizer's size (the ids plus the end-of-document id); the other types ignore it.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    settings = _settings(
-        input_path,
-        tokenizer_type,
-        vocab_file,
-        merge_file,
-        tokenizer_model,
-        json_keys,
-        append_eod,
-        parse_special_tokens,
-        vocab_size,
+    tokenizer = dict(
+        tokenizer_type=tokenizer_type,
+        vocab_file=vocab_file,
+        merge_file=merge_file,
+        tokenizer_model=tokenizer_model,
+        vocab_size=vocab_size,
     )
+    settings = _settings(input_path, tokenizer, json_keys, append_eod, parse_special_tokens)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
     builders = {}
@@ -215,29 +206,17 @@ def preprocess_jsonl(
     return stats
 
 
-def _settings(
-    input_path,
-    tokenizer_type,
-    vocab_file,
-    merge_file,
-    tokenizer_model,
-    json_keys,
-    append_eod,
-    parse_special_tokens,
-    vocab_size=None,
-) -> dict:
-    """What each encoding process needs (picklable); checks the input and the tokenizer first."""
+def _settings(input_path, tokenizer_args: dict, json_keys, append_eod, parse_special_tokens) -> dict:
+    """What each encoding process needs (picklable); checks the input and the tokenizer first.
+    tokenizer_args: build_tokenizer's keyword arguments."""
     if not os.path.isfile(input_path):
         raise PreprocessError(f"{input_path}: input file not found")
+    tokenizer_type = tokenizer_args["tokenizer_type"]
     if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
         raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
-    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_args)
     return dict(
-        tokenizer_type=tokenizer_type,
-        vocab_size=vocab_size,
-        vocab_file=vocab_file,
-        merge_file=merge_file,
-        tokenizer_model=tokenizer_model,
+        tokenizer_args=tokenizer_args,
         json_keys=list(json_keys),
         append_eod=append_eod,
         dtype=best_dtype(tokenizer.vocab_size),
