@@ -11,7 +11,8 @@ examples:
 
 to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
 tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
-checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections) for fine-tuning:
+checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections; the tokenizer files are
+copied into OUT_CHECKPOINT/tokenizer/ and named relative to it, so the folder can be moved) for fine-tuning:
   python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.finetune=ckpt/llama \
       data.data_path=[data/my_text_document]
 to-megatron writes Megatron-LM's legacy torch format (weights, args; docs/conversion.md says what each
