@@ -15,6 +15,19 @@ def _expand_home(value: Any) -> Any:
     return os.path.expanduser(value) if isinstance(value, str) else value
 
 
+def resolve_data_file(path: str | None, base: str, base_first: bool = False) -> str | None:
+    """A relative tokenizer file path made usable from anywhere: taken relative to the working directory when
+    it exists there (base_first=False, the YAML rule) and else relative to `base` when it exists there
+    (absolute then); base_first=True tries `base` first (a checkpoint's saved config: converters record
+    their copied files relative to the checkpoint root). Absolute, `~`, missing or None paths: unchanged."""
+    if not path or os.path.isabs(path) or path.startswith("~"):
+        return path
+    beside = os.path.abspath(os.path.join(base, path))
+    if os.path.exists(beside) and (base_first or not os.path.exists(path)):
+        return beside
+    return path
+
+
 @dataclass
 class DataConfig:
     data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
@@ -24,7 +37,9 @@ class DataConfig:
     train_data_path: list = field(default_factory=list)
     valid_data_path: list = field(default_factory=list)
     test_data_path: list = field(default_factory=list)
-    tokenizer_type: str = "GPT2BPETokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
+    # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer (text = ids; its size is
+    # model.vocab_size). Relative file paths: see resolve_data_file.
+    tokenizer_type: str = "GPT2BPETokenizer"
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None  # SentencePiece .model, or a tokenizer.json (or its folder)
@@ -42,7 +57,13 @@ class DataConfig:
     mid_level_dataset_surplus: float = 0.005  # margin each weighted blend component is built with
 
     SPLIT_KEYS: ClassVar[tuple[str, str, str]] = ("train_data_path", "valid_data_path", "test_data_path")
-    TOKENIZER_TYPES: ClassVar[tuple[str, ...]] = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+    TOKENIZER_TYPES: ClassVar[tuple[str, ...]] = (
+        "GPT2BPETokenizer",
+        "SentencePieceTokenizer",
+        "HuggingFaceTokenizer",
+        "NullTokenizer",
+    )
+    FILE_KEYS: ClassVar[tuple[str, str, str]] = ("vocab_file", "merge_file", "tokenizer_model")
 
     @property
     def has_data(self) -> bool:

@@ -77,7 +77,10 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "--valid-data-path": ("data.valid_data_path=[{}]", "a YAML list, as data.data_path"),
     "--test-data-path": ("data.test_data_path=[{}]", "a YAML list, as data.data_path"),
     "--split": ("data.split={}", ""),
-    "--tokenizer-type": ("data.tokenizer_type={}", "GPT2BPETokenizer / SentencePieceTokenizer / HuggingFaceTokenizer"),
+    "--tokenizer-type": (
+        "data.tokenizer_type={}",
+        "GPT2BPETokenizer / SentencePieceTokenizer / HuggingFaceTokenizer / NullTokenizer (model.vocab_size = --vocab-size + 1)",
+    ),
     "--vocab-file": ("data.vocab_file={}", ""),
     "--merge-file": ("data.merge_file={}", ""),
     "--tokenizer-model": ("data.tokenizer_model={}", "a .model file, or a tokenizer.json (or its folder)"),

@@ -2,6 +2,8 @@
 
 `load_config(path, overrides)` reads a YAML file (or the defaults when path is None), applies
 `section.key=value` overrides (values parsed as YAML scalars), and checks types and values per section.
+Relative tokenizer files (data.vocab_file / merge_file / tokenizer_model) are taken relative to the working
+directory, else relative to the YAML file's folder (config/data_config.resolve_data_file).
 Layout checks (tp, pp, vp, dp, schedule, micro-batches against the model and the world size) live in one
 place, parallel/layout.py's `build_layout`.
 """
@@ -21,7 +23,7 @@ from typing import Any, Union
 
 import yaml
 
-from config.data_config import DataConfig
+from config.data_config import DataConfig, resolve_data_file
 from config.key_hints import closest_key
 from config.yaml_reader import read_yaml_file
 from model.config import ModelConfig
@@ -222,7 +224,13 @@ class Config:
         data = self.data
         if data.has_data and data.tokenizer_type == "GPT2BPETokenizer" and not (data.vocab_file and data.merge_file):
             raise ConfigError("data.data_path is set, so GPT2BPETokenizer needs data.vocab_file and data.merge_file")
-        if data.has_data and data.tokenizer_type != "GPT2BPETokenizer" and not data.tokenizer_model:
+        if data.has_data and data.tokenizer_type == "NullTokenizer" and not self.model.vocab_size:
+            raise ConfigError("data.data_path is set, so NullTokenizer needs model.vocab_size (its ids plus eod)")
+        if (
+            data.has_data
+            and data.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+            and not (data.tokenizer_model)
+        ):
             raise ConfigError(f"data.data_path is set, so {data.tokenizer_type} needs data.tokenizer_model")
         decay_iters = self.optim.lr_decay_iters or self.train.train_iters
         if self.optim.lr_warmup_iters > decay_iters:
@@ -341,7 +349,12 @@ def _first_key(message: str) -> str | None:
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (None = defaults), apply overrides, build and validate. An error in the file names the file
-    and the key; an error in an override names the override."""
+    and the key; an error in an override names the override.
+
+    A relative tokenizer file (data.vocab_file, merge_file, tokenizer_model) is read relative to the working
+    directory when it exists there, else relative to the YAML file's folder when it exists there (then it is
+    stored absolute), so a converted checkpoint's config.yaml naming `tokenizer/vocab.json` works wherever
+    its folder is moved."""
     overrides = overrides or []
     raw: dict = {}
     file_keys: set[str] = set()
@@ -355,9 +368,13 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> Config:
         file_keys = {f"{section}.{key}" for section, values in raw.items() for key in values}
     overridden = {item.split("=", 1)[0] for item in overrides}
     try:
-        return config_from_dict(apply_overrides(raw, overrides))
+        config = config_from_dict(apply_overrides(raw, overrides))
     except ConfigError as err:
         key = _first_key(str(err))
         if key in file_keys and key not in overridden:
             raise ConfigError(f"config file {path}: {err}") from None
         raise
+    if path is not None:
+        for key in DataConfig.FILE_KEYS:
+            setattr(config.data, key, resolve_data_file(getattr(config.data, key), os.path.dirname(path)))
+    return config

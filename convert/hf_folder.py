@@ -19,6 +19,7 @@ from data.tokenizers import EOD_TOKEN
 
 Tensors = dict[str, torch.Tensor]
 SAFE_INDEX = "model.safetensors.index.json"
+HF_TOKENIZER = "tokenizer.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -83,6 +84,13 @@ def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[s
     return names + [SAFE_INDEX]
 
 
+def hf_tokenizer_json(path: str | None) -> str | None:
+    """The tokenizer.json a HuggingFace tokenizer path names (the file, or inside the folder), or None."""
+    if path and os.path.isdir(path):
+        path = os.path.join(path, HF_TOKENIZER)
+    return path if path and os.path.isfile(path) else None
+
+
 def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, max_length: int) -> dict[str, int]:
     """Copy the run's tokenizer files with a tokenizer_config.json for AutoTokenizer; returns bos/eos ids.
     Refuses (ValueError) a tokenizer whose vocabulary size differs from the model's."""
@@ -93,6 +101,7 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, m
         vocab_file=data.get("vocab_file"),
         merge_file=data.get("merge_file"),
         tokenizer_model=data.get("tokenizer_model"),
+        vocab_size=vocab_size,
     )
     if tokenizer.vocab_size != vocab_size:
         source = data.get("vocab_file") or data.get("tokenizer_model")
@@ -106,6 +115,8 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, m
         special = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "unk_token": EOD_TOKEN}
         config = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}
         ids = {"bos": tokenizer.eod, "eos": tokenizer.eod}
+    elif data["tokenizer_type"] == "HuggingFaceTokenizer":
+        return _write_hf_tokenizer(folder, tokenizer, max_length)
     else:
         shutil.copyfile(data["tokenizer_model"], os.path.join(folder, "tokenizer.model"))
         sp = tokenizer.sp
@@ -128,6 +139,21 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, m
     with open(os.path.join(folder, "special_tokens_map.json"), "w", encoding="utf-8") as handle:
         json.dump(special, handle, indent=2)
     return ids
+
+
+def _write_hf_tokenizer(folder: str, tokenizer: Any, max_length: int) -> dict[str, int]:
+    """tokenizer.json, and its tokenizer_config.json when it has one (else a minimal one naming the end of
+    document as bos and eos, as documents here are separated by eod only); bos/eos ids = the eod."""
+    shutil.copyfile(tokenizer.path, os.path.join(folder, HF_TOKENIZER))
+    beside = os.path.join(os.path.dirname(tokenizer.path), "tokenizer_config.json")
+    if os.path.isfile(beside):
+        shutil.copyfile(beside, os.path.join(folder, "tokenizer_config.json"))
+    else:
+        eod = tokenizer.tokenizer.id_to_token(tokenizer.eod)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod}
+        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
+            json.dump({**config, "model_max_length": max_length}, handle, indent=2)
+    return {"bos": tokenizer.eod, "eos": tokenizer.eod}
 
 
 def publish_folder(tmp: str, out_dir: str) -> None:
@@ -180,23 +206,15 @@ def read_weights(folder: str) -> Tensors:
 
 
 def tokenizer_section(folder: str) -> dict[str, Any] | None:
-    """Our data-section tokenizer keys for the tokenizer files of a transformers folder, or None."""
+    """Our data-section tokenizer keys for the tokenizer files of a transformers folder (vocab.json +
+    merges.txt, else tokenizer.model, else tokenizer.json: Llama-3 and most current models), or None."""
     vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    keys: dict[str, Any] = {"vocab_file": None, "merge_file": None, "tokenizer_model": None}
     if os.path.isfile(vocab) and os.path.isfile(merges):
-        return {
-            "tokenizer_type": "GPT2BPETokenizer",
-            "vocab_file": vocab,
-            "merge_file": merges,
-            "tokenizer_model": None,
-        }
-    model = os.path.join(folder, "tokenizer.model")
-    if os.path.isfile(model):
-        return {
-            "tokenizer_type": "SentencePieceTokenizer",
-            "vocab_file": None,
-            "merge_file": None,
-            "tokenizer_model": model,
-        }
+        return {"tokenizer_type": "GPT2BPETokenizer", **keys, "vocab_file": vocab, "merge_file": merges}
+    for name, kind in (("tokenizer.model", "SentencePieceTokenizer"), (HF_TOKENIZER, "HuggingFaceTokenizer")):
+        if os.path.isfile(os.path.join(folder, name)):
+            return {"tokenizer_type": kind, **keys, "tokenizer_model": os.path.join(folder, name)}
     return None
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from convert.hf_folder import hf_tokenizer_json
 from convert.hf_mapping import UnsupportedModelError
 from convert.megatron_dist import is_torch_dist, read_common, read_model_tensors
 from convert.model_weights import resize_vocab_rows
@@ -229,13 +230,15 @@ def _chunks(payload: dict, path: str) -> list[Tensors]:
 
 def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | None]:
     """(our data-section tokenizer keys or None, the tokenizer's vocabulary size or None) of the tokenizer
-    Megatron's args name. GPT-2 BPE and SentencePiece are carried when their files exist; NullTokenizer has
-    no files (its size is args.vocab_size + 1: the ids and one end-of-document id, Megatron's rule)."""
+    Megatron's args name. GPT-2 BPE, SentencePiece and HuggingFace (tokenizer_model a local folder or
+    tokenizer.json) are carried when their files exist; NullTokenizer has no files (its size is
+    args.vocab_size + 1: the ids and one end-of-document id, Megatron's rule)."""
     from data.tokenizers import build_tokenizer
 
     kind = _arg(args, "tokenizer_type")
     if kind == "NullTokenizer" and _arg(args, "vocab_size"):
-        return None, int(args.vocab_size) + 1
+        keys = {"tokenizer_type": kind, "vocab_file": None, "merge_file": None, "tokenizer_model": None}
+        return keys, int(args.vocab_size) + 1
     files = {
         "vocab_file": _arg(args, "vocab_file"),
         "merge_file": _arg(args, "merge_file"),
@@ -245,7 +248,11 @@ def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | No
         "GPT2BPETokenizer": "GPT2BPETokenizer",
         "SentencePieceTokenizer": "SentencePieceTokenizer",
         "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
+        "HuggingFaceTokenizer": "HuggingFaceTokenizer",
     }.get(kind)
+    if ours == "HuggingFaceTokenizer":
+        # A hub name, or a folder without tokenizer.json (a slow tokenizer): nothing this project reads.
+        files = {"vocab_file": None, "merge_file": None, "tokenizer_model": hf_tokenizer_json(files["tokenizer_model"])}
     if ours is None or not any(files.values()) or not all(os.path.isfile(p) for p in files.values() if p):
         return None, None
     tokenizer = build_tokenizer(ours, **files)

@@ -38,8 +38,9 @@ LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linea
 
 
 def tokenizer_args(cfg: ModelConfig, data: dict) -> dict:
-    """Megatron's tokenizer args for our data section: GPT-2 BPE or SentencePiece with their files (absolute
-    paths), else NullTokenizer over our vocabulary (its size is vocab_size + 1, so vocab_size - 1 is stored)."""
+    """Megatron's tokenizer args for our data section: GPT-2 BPE, SentencePiece or HuggingFace (the folder
+    holding tokenizer.json, for AutoTokenizer) with their files as absolute paths, else NullTokenizer over our
+    vocabulary (its size is vocab_size + 1, so vocab_size - 1 is stored)."""
     kind = data.get("tokenizer_type")
     if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
         files = {"vocab_file": os.path.abspath(data["vocab_file"]), "merge_file": os.path.abspath(data["merge_file"])}
@@ -47,6 +48,10 @@ def tokenizer_args(cfg: ModelConfig, data: dict) -> dict:
     if kind == "SentencePieceTokenizer" and data.get("tokenizer_model"):
         model = os.path.abspath(data["tokenizer_model"])
         return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model, "vocab_size": None}
+    if kind == "HuggingFaceTokenizer" and data.get("tokenizer_model"):
+        model = os.path.abspath(data["tokenizer_model"])
+        folder = model if os.path.isdir(model) else os.path.dirname(model)
+        return {"tokenizer_type": kind, "tokenizer_model": folder, "vocab_size": None}
     return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1 if cfg.vocab_size else None}
 
 

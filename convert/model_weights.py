@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from config.data_config import DataConfig, resolve_data_file
 from config.schema import config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
@@ -24,9 +25,14 @@ Tensors = dict[str, torch.Tensor]
 
 def load_global_state(path: str) -> tuple[dict, Tensors]:
     """(saved config dict, global state dict) of a checkpoint of any layout (checkpoints folder or iter folder),
-    read through the layout-free loader at layout 1."""
+    read through the layout-free loader at layout 1. Relative tokenizer files in the saved config are
+    resolved against the checkpoint root (the folder holding iter_XXXXXXX), where the converters copy them."""
     iter_dir = resolve_checkpoint(path)
     config = read_saved_config(iter_dir)
+    data = config.get("data") or {}
+    for key in DataConfig.FILE_KEYS:
+        if key in data:
+            data[key] = resolve_data_file(data[key], os.path.dirname(iter_dir), base_first=True)
     state = ParallelState.single()
     chunks = build_model_chunks(
         config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32

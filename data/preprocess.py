@@ -55,9 +55,7 @@ class _Encoder:
     @classmethod
     def initialize(cls, settings: dict) -> None:
         cls.settings = settings
-        cls.tokenizer = build_tokenizer(
-            settings["tokenizer_type"], settings["vocab_file"], settings["merge_file"], settings["tokenizer_model"]
-        )
+        cls.tokenizer = build_tokenizer(**settings["tokenizer_args"])
 
     @classmethod
     def encode_batch(cls, batch: tuple[int, list[bytes]]):
@@ -142,32 +140,28 @@ def preprocess_jsonl(
     log: Callable[[str], None] | None = None,
     parse_special_tokens: bool = False,
     allow_empty: bool = False,
+    vocab_size: int | None = None,
 ) -> PreprocessStats:
     """Tokenize a JSONL file into indexed datasets, one per key; returns run totals.
 
     parse_special_tokens: a literal <|endoftext|> in the text becomes the end-of-document id (megatron-core's
     HF-based GPT-2 tokenizer does so); off by default: text that mentions it cannot cut documents.
     allow_empty: write an empty dataset when no document was read, instead of failing.
+    vocab_size: NullTokenizer's size (the ids plus the end-of-document id); the other types ignore it.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    settings = _settings(
-        input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
-    )
+    tokenizer = {"tokenizer_type": tokenizer_type, "vocab_file": vocab_file, "merge_file": merge_file}
+    tokenizer.update(tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+    settings = _settings(input_path, tokenizer, json_keys, append_eod, parse_special_tokens)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
-    builders = {}
-    stats = PreprocessStats()
-    pool = None
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    stats, pool = PreprocessStats(), None
     try:
         for key in json_keys:
             os.makedirs(os.path.dirname(os.path.abspath(prefixes[key])), exist_ok=True)
             builders[key] = IndexedDatasetBuilder(tmp[key][0], settings["dtype"])
-        if workers > 1:
-            pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
-            results: Iterator[Any] = pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=1)
-        else:
-            _Encoder.initialize(settings)
-            results = map(_Encoder.encode_batch, _read_batches(input_path))
+        pool, results = _start_encoding(input_path, settings, workers)
         cpu_before = _cpu_seconds(pool is not None)
         _consume(results, builders, stats, input_path, skip_bad_lines, log_interval, log)
         if pool is not None:
@@ -187,6 +181,15 @@ def preprocess_jsonl(
                     os.remove(path)
     _report(stats, workers, log)
     return stats
+
+
+def _start_encoding(input_path: str, settings: dict, workers: int) -> tuple[Any, Iterator[Any]]:
+    """(the worker pool or None, the encoded batches in input order): `workers` processes, or this one."""
+    if workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
+        return pool, pool.imap(_Encoder.encode_batch, _read_batches(input_path), chunksize=1)
+    _Encoder.initialize(settings)
+    return None, map(_Encoder.encode_batch, _read_batches(input_path))
 
 
 def _check_not_empty(stats: PreprocessStats, input_path: str, allow_empty: bool, log: Callable[[str], None]) -> None:
@@ -216,20 +219,17 @@ def _publish(
         stats.outputs.append(prefix)
 
 
-def _settings(
-    input_path, tokenizer_type, vocab_file, merge_file, tokenizer_model, json_keys, append_eod, parse_special_tokens
-) -> dict:
-    """What each encoding process needs (picklable); checks the input and the tokenizer first."""
+def _settings(input_path, tokenizer_args: dict, json_keys, append_eod, parse_special_tokens) -> dict:
+    """What each encoding process needs (picklable); checks the input and the tokenizer first.
+    tokenizer_args: build_tokenizer's keyword arguments."""
     if not os.path.isfile(input_path):
         raise PreprocessError(f"{input_path}: input file not found")
+    tokenizer_type = tokenizer_args["tokenizer_type"]
     if parse_special_tokens and tokenizer_type != "GPT2BPETokenizer":
         raise PreprocessError(f"--parse-special-tokens applies to GPT2BPETokenizer, not {tokenizer_type}")
-    tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    tokenizer = build_tokenizer(**tokenizer_args)
     return dict(
-        tokenizer_type=tokenizer_type,
-        vocab_file=vocab_file,
-        merge_file=merge_file,
-        tokenizer_model=tokenizer_model,
+        tokenizer_args=tokenizer_args,
         json_keys=list(json_keys),
         append_eod=append_eod,
         dtype=best_dtype(tokenizer.vocab_size),

@@ -1,5 +1,5 @@
-"""Tokenizers with Megatron's GPT semantics: GPT-2 byte-level BPE, SentencePiece and a HuggingFace
-tokenizer.json (what Llama-3 and most current models ship).
+"""Tokenizers with Megatron's GPT semantics: GPT-2 byte-level BPE, SentencePiece, a HuggingFace
+tokenizer.json (what Llama-3 and most current models ship) and Megatron's NullTokenizer (text = ids).
 
 All expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unpadded) and `eod`.
 """
@@ -192,11 +192,60 @@ class HuggingFaceTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is space-separated integer ids, already tokenized.
+
+    `vocab_size` counts every id, the end-of-document id included: ids 0 .. vocab_size - 2 are the data's,
+    eod = vocab_size - 1 (Megatron's `--vocab-size V` gives V + 1 entries with eod = V).
+    """
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs a vocabulary size >= 1, got {vocab_size}")
+        self._vocab_size = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids plus the end-of-document id."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """The last id."""
+        return self._vocab_size - 1
+
+    def encode(self, text: str) -> list[int]:
+        """The integers of `text` ("12 7 3" -> [12, 7, 3]); a word that is no id in the vocabulary: ValueError."""
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError:
+            raise ValueError(f"NullTokenizer reads space-separated integer ids, got {text[:40]!r}") from None
+        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"NullTokenizer: id {bad} is outside the vocabulary [0, {self._vocab_size})")
+        return ids
+
+    def decode(self, ids) -> str:
+        """The ids as space-separated integers (Megatron's detokenize)."""
+        return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None):
-    """Build the tokenizer named `tokenizer_type` (one of TOKENIZER_TYPES)."""
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+):
+    """Build the tokenizer named `tokenizer_type` (one of TOKENIZER_TYPES). vocab_size (model.vocab_size: the
+    ids plus the end-of-document id) is what NullTokenizer is built from; the other types ignore it."""
+    if tokenizer_type == "NullTokenizer":
+        if not vocab_size:
+            raise ValueError("NullTokenizer needs model.vocab_size (its ids plus the end-of-document id)")
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise ValueError("GPT2BPETokenizer needs vocab_file and merge_file")

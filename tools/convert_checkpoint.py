@@ -11,7 +11,8 @@ examples:
 
 to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
 tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
-checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections) for fine-tuning:
+checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections; the tokenizer files are
+copied into OUT_CHECKPOINT/tokenizer/ and named relative to it, so the folder can be moved) for fine-tuning:
   python pretrain_gpt.py --config ckpt/llama/config.yaml checkpoint.finetune=ckpt/llama \
       data.data_path=[data/my_text_document]
 to-megatron writes Megatron-LM's legacy torch format (weights, args; docs/conversion.md says what each
@@ -42,6 +43,7 @@ from convert.hf_folder import (
     HF_DTYPE_NAMES,
     HFFolderError,
     check_output_free,
+    hf_tokenizer_json,
     parse_size,
     publish_folder,
     read_config,
@@ -68,6 +70,7 @@ from convert.model_weights import (
 from model.config import ModelConfig
 from training.checkpointing import CheckpointError
 
+TOKENIZER_DIR = "tokenizer"  # OUT/tokenizer/: the copied tokenizer files of from-hf / from-megatron
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
 
@@ -111,7 +114,15 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
 def export_tokenizer(folder: str, data: dict, cfg: ModelConfig) -> dict:
     """The run's tokenizer into the transformers folder; {bos, eos} ids. A run without tokenizer files (a
     Megatron NullTokenizer, a tokenizer this project does not read) exports weights and config only."""
-    files = ("vocab_file", "merge_file") if data.get("tokenizer_type") == "GPT2BPETokenizer" else ("tokenizer_model",)
+    kind = data.get("tokenizer_type")
+    if kind == "NullTokenizer":
+        print(
+            "warning: the checkpoint's tokenizer is NullTokenizer (text = ids, no files): writing weights and "
+            "config.json without a tokenizer",
+            file=sys.stderr,
+        )
+        return {"bos": None, "eos": None}
+    files = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)
     if not all(data.get(key) for key in files):
         print(
             f"warning: the checkpoint names no tokenizer files ({data.get('tokenizer_type')} without "
@@ -159,12 +170,7 @@ def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict |
         sections = Config(model=cfg).to_dict()
         sections["parallel"] = parallel
         if data is not None:
-            tokenizer_dir = os.path.join(tmp, "tokenizer")
-            os.makedirs(tokenizer_dir)
-            for key in ("vocab_file", "merge_file", "tokenizer_model"):
-                if data.get(key):
-                    data[key] = _copy_into(data[key], tokenizer_dir, os.path.join(out, "tokenizer"))
-            sections["data"] = {**DataConfig().__dict__, **data}
+            sections["data"] = {**DataConfig().__dict__, **copy_tokenizer_files(data, tmp)}
         save_global_state(tmp, 0, sections, tensors)
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as handle:
             yaml.safe_dump(
@@ -177,9 +183,23 @@ def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict |
     return out
 
 
-def _copy_into(path: str, folder: str, final_folder: str) -> str:
-    shutil.copyfile(path, os.path.join(folder, os.path.basename(path)))
-    return os.path.abspath(os.path.join(final_folder, os.path.basename(path)))
+def copy_tokenizer_files(data: dict, root: str) -> dict:
+    """The tokenizer keys with each file copied into root/tokenizer/ and named relative to root
+    ("tokenizer/vocab.json"), so the checkpoint folder can be moved: its readers resolve them against the
+    checkpoint root (convert/model_weights.py) and load_config against config.yaml's folder. A HuggingFace
+    tokenizer.json takes its tokenizer_config.json (the end of document) along."""
+    data = dict(data)
+    hf = data.get("tokenizer_type") == "HuggingFaceTokenizer"
+    for key in DataConfig.FILE_KEYS:
+        path = hf_tokenizer_json(data.get(key)) if hf else data.get(key)
+        if not path:
+            continue
+        config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        os.makedirs(os.path.join(root, TOKENIZER_DIR), exist_ok=True)
+        for source in [path, config] if hf and os.path.isfile(config) else [path]:
+            shutil.copyfile(source, os.path.join(root, TOKENIZER_DIR, os.path.basename(source)))
+        data[key] = os.path.join(TOKENIZER_DIR, os.path.basename(path))
+    return data
 
 
 def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
@@ -200,7 +220,8 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     parallel = layout_section(cfg, tp, pp, vp)
     if data is None:
         print(
-            f"warning: {megatron_dir} names no tokenizer files this project reads; only the vocabulary size "
+            f"warning: {megatron_dir} names no tokenizer this project reads (files on this machine, or "
+            f"NullTokenizer with args.vocab_size); only the vocabulary size "
             f"({cfg.vocab_size}) is carried: set data.tokenizer_type and its files before training",
             file=sys.stderr,
         )

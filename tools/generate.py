@@ -41,7 +41,7 @@ def load_model_source(path: str) -> tuple[ModelConfig, dict, dict]:
         tokenizer = tokenizer_section(path)
         if tokenizer is None:
             raise HFFolderError(
-                f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt or tokenizer.model)"
+                f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt, tokenizer.model or tokenizer.json)"
             )
         tensors = from_hf_state_dict(cfg, read_weights(path))
         check_finite(tensors, path)  # NaN weights would fail deep inside sampling
@@ -122,6 +122,7 @@ def prepare(args: argparse.Namespace, env):
         vocab_file=data.get("vocab_file"),
         merge_file=data.get("merge_file"),
         tokenizer_model=data.get("tokenizer_model"),
+        vocab_size=cfg.vocab_size,
     )
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} entries, the model model.vocab_size={cfg.vocab_size}")

@@ -23,6 +23,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-model", help="SentencePiece .model, or a tokenizer.json (or its folder)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="NullTokenizer (text = space-separated ids 0..V-1): V, as Megatron's flag; the end-of-document id "
+        "is V, so train with model.vocab_size = V + 1",
+    )
     p.add_argument("--append-eod", action="store_true", help="append end-of-document to each document")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000)
@@ -65,6 +71,7 @@ def main(argv=None) -> None:
             args.skip_bad_lines,
             parse_special_tokens=args.parse_special_tokens,
             allow_empty=args.allow_empty,
+            vocab_size=args.vocab_size + 1 if args.vocab_size else None,
         )
     except (PreprocessError, IndexedDatasetError, ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -92,6 +92,7 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
         vocab_file=data.vocab_file,
         merge_file=data.merge_file,
         tokenizer_model=data.tokenizer_model,
+        vocab_size=config.model.vocab_size,
     )
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size

@@ -92,3 +92,32 @@ def test_sentencepiece_tool_and_gpt_semantics(tmp_path):
     assert tok.vocab_size == tok.sp.get_piece_size()
     text = "Hello world! Café 日本語"
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_null_tokenizer_reads_ids_and_ends_documents_with_the_last_id():
+    """Megatron's NullTokenizer: text is space-separated ids; the vocabulary is those ids plus eod (the last)."""
+    from data.tokenizers import NullTokenizer, build_tokenizer
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=301)  # Megatron's --vocab-size 300
+    assert isinstance(tokenizer, NullTokenizer)
+    assert tokenizer.vocab_size == 301 and tokenizer.eod == 300
+    assert tokenizer.encode(" 12 7\n0  299 ") == [12, 7, 0, 299]
+    assert tokenizer.decode([12, 7, 300]) == "12 7 300"
+    with pytest.raises(ValueError, match="space-separated integer ids"):
+        tokenizer.encode("12 seven")
+    with pytest.raises(ValueError, match=r"id 301 is outside the vocabulary \[0, 301\)"):
+        tokenizer.encode("1 301")
+    with pytest.raises(ValueError, match="NullTokenizer needs model.vocab_size"):
+        build_tokenizer("NullTokenizer")
+
+
+def test_preprocess_data_takes_a_null_tokenizer_with_megatrons_vocab_size(tmp_path):
+    """tools/preprocess_data.py --tokenizer-type NullTokenizer --vocab-size 300: ids kept, eod = 300."""
+    from data.indexed_dataset import IndexedDataset
+
+    corpus = write_jsonl(tmp_path / "ids.jsonl", ["5 6 7", "299 0"])
+    prefix = str(tmp_path / "ids")
+    argv = ["--input", corpus, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
+    load_tool("preprocess_data").main([*argv, "--append-eod"])
+    dataset = IndexedDataset(prefix + "_text_document")
+    assert [list(map(int, dataset[i])) for i in range(len(dataset))] == [[5, 6, 7, 300], [299, 0, 300]]

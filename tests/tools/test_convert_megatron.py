@@ -65,7 +65,8 @@ def test_megatron_checkpoints_give_megatron_logits(megatron_dir, name):
     style = {**LEGACY, **TORCH_DIST}[name][0]
     cfg, tensors, data = load_megatron_checkpoint(os.path.join(megatron_dir, name))
     assert (cfg.num_layers, cfg.vocab_size, cfg.tie_embeddings) == (4, VOCAB, style == "gpt")
-    assert cfg.query_groups == (4 if style == "llama" else 8) and data is None  # NullTokenizer: no files
+    assert cfg.query_groups == (4 if style == "llama" else 8)
+    assert data == {"tokenizer_type": "NullTokenizer", "vocab_file": None, "merge_file": None, "tokenizer_model": None}
     assert cfg.rotary_base == (5000.0 if style == "llama" else 10000.0)
     assert_logits_close(our_logits(cfg, tensors), torch.load(os.path.join(megatron_dir, f"{name}.pt")))
 
@@ -193,3 +194,26 @@ def test_code_in_a_torch_dist_checkpoint_is_refused(megatron_dir, tmp_path, targ
             pickle.dump(metadata, handle)
     _assert_refused(root, tmp_path, str(path), "posix.system")
     assert not os.path.exists("/tmp/pwned_by_megatron_test")
+
+
+def test_tokenizer_named_in_args(tmp_path):
+    """Megatron's tokenizer args -> our data section: NullTokenizer (vocab_size + 1, no files), a local
+    HuggingFaceTokenizer folder or tokenizer.json, GPT-2 BPE; a hub name or missing files carry nothing."""
+    from argparse import Namespace
+
+    from convert.megatron import tokenizer_from_args
+    from tests.data.test_hf_tokenizer import make_tokenizer_json
+
+    nothing = dict(vocab_file=None, merge_file=None, tokenizer_model=None)
+    data, size = tokenizer_from_args(Namespace(tokenizer_type="NullTokenizer", vocab_size=299, **nothing))
+    assert data == {"tokenizer_type": "NullTokenizer", **nothing} and size == 300
+    path = make_tokenizer_json(tmp_path, ["<|end_of_text|>"])
+    for model in (str(tmp_path), path):
+        data, size = tokenizer_from_args(
+            Namespace(tokenizer_type="HuggingFaceTokenizer", **{**nothing, "tokenizer_model": model})
+        )
+        assert data == {"tokenizer_type": "HuggingFaceTokenizer", **nothing, "tokenizer_model": path} and size == 300
+    hub = Namespace(tokenizer_type="HuggingFaceTokenizer", **{**nothing, "tokenizer_model": "meta-llama/Llama-3-8B"})
+    assert tokenizer_from_args(hub) == (None, None)
+    missing = Namespace(tokenizer_type="GPT2BPETokenizer", **{**nothing, "vocab_file": str(tmp_path / "no.json")})
+    assert tokenizer_from_args(missing) == (None, None)

@@ -266,3 +266,28 @@ def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
     assert config.run.dir == str(tmp_path / "runs" / "x")
     assert config.data.data_path == [0.5, str(tmp_path / "a"), 0.5, str(tmp_path / "b")]
     assert config.data.vocab_file == str(tmp_path / "v.json") and config.train.train_iters == 300
+
+
+def test_relative_tokenizer_files_fall_back_to_the_config_files_folder(tmp_path, monkeypatch):
+    """A relative data.vocab_file is taken from the working directory when it exists there, else from the
+    YAML file's folder (absolute then); a path found in neither stays as given."""
+    (tmp_path / "run" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "run" / "tokenizer" / "vocab.json").write_text("{}")
+    (tmp_path / "run" / "config.yaml").write_text(
+        "data:\n  vocab_file: tokenizer/vocab.json\n  merge_file: tokenizer/merges.txt\n"
+    )
+    (tmp_path / "cwd" / "tokenizer").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "cwd")
+    data = load_config(str(tmp_path / "run" / "config.yaml")).data
+    assert data.vocab_file == str(tmp_path / "run" / "tokenizer" / "vocab.json")
+    assert data.merge_file == "tokenizer/merges.txt"  # nowhere: left for the tokenizer's own error
+    (tmp_path / "cwd" / "tokenizer" / "vocab.json").write_text("{}")
+    assert load_config(str(tmp_path / "run" / "config.yaml")).data.vocab_file == "tokenizer/vocab.json"
+
+
+def test_null_tokenizer_with_data_needs_the_vocabulary_size(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  data_path: [corpus_text_document]\n  tokenizer_type: NullTokenizer\n")
+    with pytest.raises(ConfigError, match=r"NullTokenizer needs model.vocab_size"):
+        load_config(str(config))
+    assert load_config(str(config), ["model.vocab_size=301"]).data.tokenizer_type == "NullTokenizer"
