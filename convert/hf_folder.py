@@ -6,10 +6,12 @@ pytorch_model.bin (read with weights_only=True).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -154,6 +156,21 @@ def _write_hf_tokenizer(folder: str, tokenizer: Any, max_length: int) -> dict[st
         with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
             json.dump({**config, "model_max_length": max_length}, handle, indent=2)
     return {"bos": tokenizer.eod, "eos": tokenizer.eod}
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str) -> Iterator[str]:
+    """A folder beside out_dir to write the output into: renamed onto out_dir when the block completes,
+    removed when it fails, so out_dir is never half-written (out_dir must be absent or an empty folder)."""
+    check_output_free(out_dir)
+    tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        publish_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def publish_folder(tmp: str, out_dir: str) -> None:

@@ -45,10 +45,10 @@ from convert.hf_folder import (
     check_output_free,
     hf_tokenizer_json,
     parse_size,
-    publish_folder,
     read_config,
     read_weights,
     sentencepiece_normalizer,
+    staged_folder,
     tokenizer_section,
     write_tokenizer,
     write_weights,
@@ -94,9 +94,7 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     cfg = model_config_of(config)
     warn_about_normalization(config["data"])
     hf_tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, tensors).items()}
-    tmp = aside(out_dir)
-    os.makedirs(tmp)
-    try:
+    with staged_folder(out_dir) as tmp:
         ids = export_tokenizer(tmp, config["data"], cfg)
         files = write_weights(tmp, hf_tensors, max_bytes)
         hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": HF_DTYPE_NAMES[dtype]}
@@ -104,10 +102,6 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
         _write_json(
             os.path.join(tmp, "generation_config.json"), {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}
         )
-        publish_folder(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return files
 
 
@@ -163,10 +157,7 @@ def layout_section(cfg: ModelConfig, tp: int, pp: int, vp: int) -> dict:
 
 def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict | None, parallel: dict) -> str:
     """Weights-only checkpoint (iteration 0) plus out/config.yaml, written aside then renamed."""
-    check_output_free(out)
-    tmp = aside(out)
-    os.makedirs(tmp)
-    try:
+    with staged_folder(out) as tmp:
         sections = Config(model=cfg).to_dict()
         sections["parallel"] = parallel
         if data is not None:
@@ -176,10 +167,6 @@ def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict |
             yaml.safe_dump(
                 {k: sections[k] for k in ("model", "parallel", "data") if k in sections}, handle, sort_keys=False
             )
-        publish_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -238,18 +225,12 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
     iteration = checkpoint_iteration(checkpoint)[0]
     print(f"loaded {loaded_iteration(checkpoint)}")
     files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration, config["data"])
-    check_output_free(out)
-    tmp = aside(out)
-    try:
+    with staged_folder(out) as tmp:
         for relative, payload in files.items():
             os.makedirs(os.path.dirname(os.path.join(tmp, relative)), exist_ok=True)
             torch.save(payload, os.path.join(tmp, relative))
         with open(os.path.join(tmp, TRACKER), "w", encoding="utf-8") as handle:
             handle.write(f"{iteration}\n")
-        publish_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
