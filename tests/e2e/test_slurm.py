@@ -1,10 +1,11 @@
 """scripts/slurm/pretrain_gpt.sbatch on a real one-node SLURM (Debian's slurm-wlm), the way users run it.
 
-The fixture installs slurm-wlm with apt when it is missing and the test runs as root, writes a small
-slurm.conf (auth/none, its own ports and folders), starts slurmctld + slurmd, and skips with the reason when
-any of that cannot be done here. The job is a 2-rank CPU run submitted with --export=NONE from a checkout
-without an active venv; USR1 goes to the batch shell as `--signal=B:USR1@...` would send it; the job must save,
-requeue itself, resume by itself and end with the same losses as an uninterrupted 2-rank run, bit for bit.
+A system test: it runs only with PTDP_SYSTEM_TESTS=1 (.ci/run sets it). The fixture installs slurm-wlm with apt
+when it is missing and the test runs as root, writes a small slurm.conf (auth/none, its own ports and folders),
+starts slurmctld + slurmd, and skips with the reason when any of that cannot be done here. The job is a 2-rank CPU
+run submitted with --export=NONE (and no --gpus-per-node: a plain sbatch on a CPU cluster) from a checkout without
+an active venv; USR1 goes to the batch shell as `--signal=B:USR1@...` would send it; the job must save, requeue
+itself, resume by itself and end with the same losses as an uninterrupted 2-rank run, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import pytest
 
 import pretrain_gpt
-from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
+from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, system_tests_enabled, tiny_train_args
 
 SLURM_CONF = """ClusterName=ci
 SlurmctldHost=localhost
@@ -74,6 +75,8 @@ def _wait_idle(env: dict, seconds: float) -> bool:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """The environment (SLURM_CONF) of a running one-node cluster; skips with the reason if there is none."""
+    if not system_tests_enabled():
+        pytest.skip("system test (installs slurm-wlm with apt, starts slurmctld/slurmd): set PTDP_SYSTEM_TESTS=1")
     if os.geteuid() != 0:
         pytest.skip("slurmd needs root to run a one-node cluster here")
     reason = _install_slurm()
@@ -150,7 +153,7 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
         "train.eval_iters=1",
     )
     submit = subprocess.run(
-        ["sbatch", "--parsable", "--export=NONE", "--gpus-per-node=0", "scripts/slurm/pretrain_gpt.sbatch", *args],
+        ["sbatch", "--parsable", "--export=NONE", "scripts/slurm/pretrain_gpt.sbatch", *args],
         cwd=checkout,
         capture_output=True,
         text=True,
