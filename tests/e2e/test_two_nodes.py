@@ -13,9 +13,7 @@ traffic stays on 10.213.77.0/30, which exists only inside the two namespaces the
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import time
 import pytest
 
 from tests.conftest import REPO_ROOT, read_metrics, system_tests_enabled, tiny_train_args
+from tests.e2e.netns import INTERFACE, in_namespace, namespace_pids, two_nodes
 from training import checkpointing
 
 ADDRESSES = ("10.213.77.1", "10.213.77.2")  # a private /30 that lives only inside the test's namespaces
@@ -41,66 +40,25 @@ LAYOUT = (
 pytestmark = pytest.mark.skipif(not system_tests_enabled(), reason="system test: set PTDP_SYSTEM_TESTS=1")
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the two-node test: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
-def namespaces():
-    """Two namespaces joined by a veth pair: [(name, interface, address)] for node 0 and node 1."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        _unavailable("`ip netns` needs root and iproute2")
-    tag = f"{os.getpid() % 100000}"
-    nodes = [(f"ptdp{tag}n{i}", f"ptdp{tag}v{i}", ADDRESSES[i]) for i in range(2)]
-    created = []
-    try:
-        for name, _, _ in nodes:
-            proc = _ip("netns", "add", name)
-            if proc.returncode:
-                _unavailable(f"`ip netns add` is not permitted here: {proc.stderr.strip()}")
-            created.append(name)
-        (ns0, if0, _), (ns1, if1, _) = nodes
-        steps = [
-            ("link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1),
-            *[("-n", ns, "link", "set", "lo", "up") for ns, _, _ in nodes],
-            *[("-n", ns, "addr", "add", f"{addr}/30", "dev", dev) for ns, dev, addr in nodes],
-            *[("-n", ns, "link", "set", dev, "up") for ns, dev, _ in nodes],
-        ]
-        for step in steps:
-            proc = _ip(*step)
-            if proc.returncode:
-                _unavailable(f"`ip {' '.join(step)}` failed: {proc.stderr.strip()}")
-        yield nodes
-    finally:
-        for name in created:
-            _kill_namespace_processes(name)
-            _ip("netns", "del", name)  # removes the veth pair too
+def namespaces(tmp_path_factory):
+    """Node 0 and node 1 (tests/e2e/netns.py)."""
+    hosts = str(tmp_path_factory.mktemp("netns") / "hosts")
+    with two_nodes(f"ptdp{os.getpid() % 100000}", ADDRESSES, hosts) as nodes:
+        yield nodes, hosts
 
 
-def _kill_namespace_processes(name: str) -> None:
-    """End what this test started inside its namespace (a failed test's leftovers), by pid."""
-    pids = _ip("netns", "pids", name).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
-def launch(nodes, corpus: dict, run_dir: str, *extra: str) -> list[subprocess.Popen]:
+def launch(namespaces, corpus: dict, run_dir: str, *extra: str) -> list[subprocess.Popen]:
     """One torchrun per namespace, 4 ranks each, c10d rendezvous on node 0's address."""
+    nodes, hosts = namespaces
+    # gloo binds to the address of the named interface (the machine's host name resolves to no address there).
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": INTERFACE, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
     procs = []
-    for index, (name, dev, addr) in enumerate(nodes):
-        # gloo binds to the address of the named interface (the host's name resolves to no address here).
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+    for index, node in enumerate(nodes):
         cmd = [
-            *("ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run"),
-            *("--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d"),
-            *("--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}", "--rdzv-id", "two-nodes", "--local-addr", addr),
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}", "--rdzv-id", "two-nodes"),
+            *("--local-addr", node.address),
             # Node 0 hosts the rendezvous store: torchrun cannot tell by itself, the endpoint's address is not
             # one its host name resolves to.
             *("--rdzv-conf", f"is_host={int(index == 0)},join_timeout=300"),
@@ -108,7 +66,15 @@ def launch(nodes, corpus: dict, run_dir: str, *extra: str) -> list[subprocess.Po
             *tiny_train_args(corpus, run_dir, *LAYOUT, *extra),
         ]
         procs.append(
-            subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                in_namespace(node, hosts, cmd),
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
         )
     return procs
 
@@ -139,7 +105,8 @@ def test_two_nodes_signal_one_and_resume(namespaces, tiny_corpus, tmp_path):
     run_dir = str(tmp_path / "run")
     procs = launch(namespaces, tiny_corpus, run_dir)
     wait_for_iteration(run_dir, 2, procs, 420)
-    procs[1].send_signal(signal.SIGUSR1)  # node 1's torchrun dies of it; its ranks must notice
+    # Node 1's torchrun (exec'd by nsenter/unshare/sh, so it has the Popen's pid) dies of it; its ranks notice.
+    procs[1].send_signal(signal.SIGUSR1)
     outputs = finish(procs, 240)
     text = "\n".join(outputs)
     saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
@@ -148,7 +115,7 @@ def test_two_nodes_signal_one_and_resume(namespaces, tiny_corpus, tmp_path):
     assert "which started this rank, is gone" in outputs[1], outputs[1][-3000:]
     assert f"stopped by SIGTERM after iteration {saved}" in text, text[-4000:]
     assert "exitcode  : 3" in outputs[0], outputs[0][-3000:]  # node 0's ranks stopped with the checkpoint too
-    assert not _ip("netns", "pids", namespaces[1][0]).stdout.split(), "node 1's ranks outlived the run"
+    assert not namespace_pids(namespaces[0][1]), "node 1's ranks outlived the run"
 
     resumed = launch(namespaces, tiny_corpus, run_dir, "checkpoint.load=true")
     outputs = finish(resumed, 420)
