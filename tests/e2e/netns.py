@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.conftest import system_tests_enabled
+
 INTERFACE = "ptdpv"
+SYSTEM_TEST = pytest.mark.skipif(not system_tests_enabled(), reason="system test: set PTDP_SYSTEM_TESTS=1")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,14 @@ class Node:
     namespace: str
     address: str
     hostname: str
+
+
+def tp2_pp2(iters: int, *extra: str) -> tuple[str, ...]:
+    """Overrides of a tp 2 x pp 2 run of `iters` iterations without evaluation; [2:] is its one-process twin."""
+    return ("parallel.tp_size=2", "parallel.pp_size=2", f"train.train_iters={iters}", "train.eval_interval=1000") + (
+        "train.eval_iters=1",
+        *extra,
+    )
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

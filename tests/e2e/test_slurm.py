@@ -25,25 +25,30 @@ import pytest
 import pretrain_gpt
 from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, system_tests_enabled, tiny_train_args
 
-SLURM_CONF = """ClusterName=ci
+# What every test cluster here shares: no munge (auth/none), no cgroups (linuxproc), root as SlurmUser.
+SLURM_COMMON = """AuthType=auth/none
+CredType=cred/none
+ProctrackType=proctrack/linuxproc
+SlurmUser=root
+StateSaveLocation={root}/state
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmctldLogFile={root}/slurmctld.log
+ReturnToService=2
+"""
+SLURM_CONF = (
+    """ClusterName=ci
 SlurmctldHost=localhost
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-AuthType=auth/none
-CredType=cred/none
-ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-SlurmUser=root
-StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
-ReturnToService=2
 NodeName=localhost CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
+    + SLURM_COMMON
+)
 
 
 def install_slurm() -> str | None:

@@ -22,38 +22,27 @@ from functools import partial
 
 import pytest
 
-from tests.conftest import REPO_ROOT, read_metrics, system_tests_enabled, tiny_train_args
-from tests.e2e.netns import INTERFACE, in_namespace, two_nodes, unavailable
-from tests.e2e.test_slurm import install_slurm, make_checkout, submit_signal_and_finish, wait_idle
+from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
+from tests.e2e.netns import INTERFACE, SYSTEM_TEST, in_namespace, tp2_pp2, two_nodes, unavailable
+from tests.e2e.test_slurm import SLURM_COMMON, install_slurm, make_checkout, submit_signal_and_finish, wait_idle
 
 ADDRESSES = ("10.213.77.5", "10.213.77.6")  # a private /30 that lives only inside the test's namespaces
-SLURM_CONF = """ClusterName=two
+SLURM_CONF = (
+    """ClusterName=two
 SlurmctldHost={controller}({address})
-AuthType=auth/none
-CredType=cred/none
-ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
-SlurmUser=root
-StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
-SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
-SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd-%n.log
-ReturnToService=2
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
-LAYOUT = (
-    "parallel.tp_size=2",
-    "parallel.pp_size=2",
-    "train.train_iters=60",
-    "optim.lr_decay_iters=100",
-    "train.eval_interval=1000",
-    "train.eval_iters=1",
+    + SLURM_COMMON
 )
+ITERS = 60
+LAYOUT = tp2_pp2(ITERS, "optim.lr_decay_iters=100")
 
-pytestmark = pytest.mark.skipif(not system_tests_enabled(), reason="system test: set PTDP_SYSTEM_TESTS=1")
+pytestmark = SYSTEM_TEST
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +97,7 @@ def test_two_node_job_saves_requeues_and_resumes(cluster, tiny_corpus, tmp_path)
         assert f"{node}: cpu-bind=MASK - node{node}, task  {node}  0" in text, text[-3000:]
     assert f"mask {hex((1 << cpus) - 1)} set" in text, text[-3000:]
     losses = [r["lm_loss"] for r in read_metrics(run_dir)]
-    assert len(losses) == 60
+    assert len(losses) == ITERS
 
     reference = str(tmp_path / "reference")
     one = subprocess.run(

@@ -21,23 +21,16 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT, read_metrics, system_tests_enabled, tiny_train_args
-from tests.e2e.netns import INTERFACE, in_namespace, namespace_pids, two_nodes
+from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
+from tests.e2e.netns import INTERFACE, SYSTEM_TEST, in_namespace, namespace_pids, tp2_pp2, two_nodes
 from training import checkpointing
 
 ADDRESSES = ("10.213.77.1", "10.213.77.2")  # a private /30 that lives only inside the test's namespaces
 PORT = 29400  # free by construction: the namespaces are new
 ITERS = 10
-LAYOUT = (
-    "parallel.tp_size=2",
-    "parallel.pp_size=2",
-    f"train.train_iters={ITERS}",
-    "train.eval_interval=1000",
-    "train.eval_iters=1",
-    "checkpoint.save_interval=4",
-)
+LAYOUT = tp2_pp2(ITERS, "checkpoint.save_interval=4")
 
-pytestmark = pytest.mark.skipif(not system_tests_enabled(), reason="system test: set PTDP_SYSTEM_TESTS=1")
+pytestmark = SYSTEM_TEST
 
 
 @pytest.fixture(scope="module")
