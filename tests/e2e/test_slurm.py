@@ -23,7 +23,10 @@ from collections.abc import Callable
 import pytest
 
 import pretrain_gpt
-from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, system_tests_enabled, tiny_train_args
+from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
+from tests.e2e.netns import SYSTEM_TEST
+
+pytestmark = SYSTEM_TEST  # installs slurm-wlm with apt and starts slurmctld / slurmd
 
 # What every test cluster here shares: no munge (auth/none), no cgroups (linuxproc), root as SlurmUser.
 SLURM_COMMON = """AuthType=auth/none
@@ -87,8 +90,6 @@ def wait_idle(env: dict, seconds: float, wrap: Callable[[list[str]], list[str]] 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """The environment (SLURM_CONF) of a running one-node cluster; skips with the reason if there is none."""
-    if not system_tests_enabled():
-        pytest.skip("system test (installs slurm-wlm with apt, starts slurmctld/slurmd): set PTDP_SYSTEM_TESTS=1")
     if os.geteuid() != 0:
         pytest.skip("slurmd needs root to run a one-node cluster here")
     reason = install_slurm()
