@@ -15,6 +15,8 @@ if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]]; then
 fi
 NPROC=$1; shift
 cd "$(dirname "$0")/.."
+# On TERM/INT torchrun gives its ranks this long to save their checkpoint before it SIGKILLs them (default 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 exec torchrun \
     --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
