@@ -36,8 +36,12 @@ class WandbSink:
             self._run.log(numbers)
 
     def close(self) -> None:
-        """Finish the run (flushes it; offline, its files under run.dir/wandb/ are then complete)."""
+        """Finish the run and stop wandb's background service: finish() alone returns before the service has
+        written the run's last records, and offline files must be complete when the trainer exits."""
+        import wandb
+
         self._run.finish()
+        wandb.teardown()
 
 
 def run_id(run_dir: str) -> str:
