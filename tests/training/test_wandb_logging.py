@@ -49,7 +49,7 @@ def test_offline_run_logs_every_metric_and_resumes_the_same_run(tiny_corpus, tmp
 
 
 def test_trainer_does_not_import_wandb_without_the_key(tiny_corpus, tmp_path):
-    args = tiny_train_args(tiny_corpus, str(tmp_path / "run"), "train.train_iters=1")
+    args = tiny_train_args(tiny_corpus, str(tmp_path / "run"), "train.train_iters=3")
     code = f"import sys, pretrain_gpt; assert pretrain_gpt.main({args!r}) == 0; print('wandb' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
