@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -185,10 +186,17 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     peak_tflops: float | None = None  # per GPU, for MFU; None: the known bf16/fp16 peak of the CUDA device
+    wandb_project: str | None = None  # set: also log to Weights & Biases (needs `pip install wandb`)
+    wandb_entity: str | None = None  # the W&B team or user; None: wandb's default
 
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                f"logging.wandb_project={self.wandb_project} needs the wandb package: pip install wandb "
+                "(or drop the key)"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
 

@@ -28,6 +28,12 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 
+def system_tests_enabled() -> bool:
+    """Tests that change the machine (install slurm-wlm with apt, start daemons, create network namespaces)
+    run only when PTDP_SYSTEM_TESTS=1 (.ci/run sets it): a user's `pytest tests` does not do that."""
+    return os.environ.get("PTDP_SYSTEM_TESTS") == "1"
+
+
 def free_port() -> int:
     """A TCP port that is free on localhost right now."""
     with socket.socket() as sock:

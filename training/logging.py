@@ -1,4 +1,5 @@
-"""Run logging: one rank-aware console logger, the per-interval console line, TensorBoard and metrics.jsonl."""
+"""Run logging: one rank-aware console logger, the per-interval console line, TensorBoard, metrics.jsonl and
+(optional) Weights & Biases."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import logging
 import math
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from model.shape import IterationFlops
 from training.write_errors import describe_write_error
+
+if TYPE_CHECKING:
+    from training.wandb_logging import WandbSink
 
 LOGGER_NAME = "ptdp"
 # Dense 16-bit (bf16/fp16) tensor-core peaks per GPU in TFLOP/s, no sparsity (vendors' data sheets), by a
@@ -62,13 +66,15 @@ class MetricsWriteError(OSError):
 
 
 class MetricsWriter:
-    """Writes scalars to run_dir/metrics.jsonl (one JSON object per logged iteration) and TensorBoard.
+    """Writes scalars to run_dir/metrics.jsonl (one JSON object per logged iteration), TensorBoard and, when
+    given one, a W&B run (training.wandb_logging).
 
     Only the logging rank constructs one with enabled=True; other ranks get a writer that does nothing.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True, wandb: WandbSink | None = None):
         self.enabled = enabled
+        self.wandb = wandb
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tensorboard_dir = os.path.join(run_dir, "tensorboard")
         self._tb = None
@@ -152,10 +158,15 @@ class MetricsWriter:
                 if key != "iteration" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
 
 def json_safe(record: dict[str, Any]) -> dict[str, Any]:

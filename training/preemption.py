@@ -6,12 +6,21 @@ a job asks for a warning before it; Ctrl-C sends SIGINT. The handler only record
 iteration boundary every rank shares what it got (`training.guards.agree`, one all-reduce), so all ranks stop
 after the same iteration, save a checkpoint of it and exit with `EXIT_PREEMPTED`. A SIGINT that arrives while
 a stop is already pending stops at once (`Interrupted`, no checkpoint), as a second Ctrl-C is expected to.
+
+Under torchrun a rank also stops, the same way, when its launcher dies: `kill -USR1 <torchrun>` kills torchrun
+(it has no handler for USR1), and so do kill -9 and the OOM killer; the ranks would otherwise train on with
+nobody to collect them. The kernel sends each rank LAUNCHER_DIED when torchrun goes (PR_SET_PDEATHSIG; a
+signal of its own, because a dying torchrun can look alive to getppid() for a moment: its threads exit one by
+one), and the iteration boundary checks the parent pid as well (for a launcher that died before the rank asked
+for that). A rank that finds its launcher gone stops as if torchrun had sent SIGTERM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -21,6 +30,8 @@ from typing import Any
 from training.run_lock import process_start_ticks
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER_DIED = signal.SIGRTMIN + 1  # a real-time signal nobody else sends (torchrun forwards none of them)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -30,16 +41,32 @@ class Interrupted(KeyboardInterrupt):
 class PreemptionHandler:
     """Records the first of SIGTERM / SIGUSR1 / SIGINT; use as a context manager around the run."""
 
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._received: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
+        self._launcher = launcher_pid(os.environ if environ is None else environ)
+
+    @property
+    def received(self) -> signal.Signals | None:
+        """The stop signal this rank got, if any; a launcher found dead counts as SIGTERM (read at every
+        iteration boundary, so this is where a missed parent-death signal is caught)."""
+        if self._received is None and self._launcher is not None and os.getppid() != self._launcher:
+            self._note(signal.SIGTERM, launcher_gone=True)
+        return self._received
+
+    @received.setter
+    def received(self, sig: signal.Signals | None) -> None:
+        self._received = sig
 
     def __enter__(self) -> PreemptionHandler:
         # Python allows handlers only in the main thread (tests that drive main() from a thread get none).
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if self._launcher is not None:
+                self._previous[LAUNCHER_DIED] = signal.signal(LAUNCHER_DIED, self._handle_launcher_death)
+                ask_for_signal_on_parent_death(LAUNCHER_DIED)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -53,14 +80,43 @@ class PreemptionHandler:
         sig = signal.Signals(signum)
         if sig == signal.SIGINT and self.received is not None:
             raise Interrupted(f"second interrupt ({sig.name} after {self.received.name}): stopped at once")
-        if self.received is None:
-            self.received = sig
-            # os.write, not logging: a handler may run while the logging stream's lock is held.
-            os.write(
-                2,
-                f"received {sig.name}: stopping after this iteration with a checkpoint "
-                f"(press Ctrl-C again to stop at once)\n".encode(),
-            )
+        if self._received is None:
+            self._note(sig)
+
+    def _handle_launcher_death(self, signum: int, frame: Any) -> None:
+        if os.getpid() == self._pid and self._received is None:
+            self._note(signal.SIGTERM, launcher_gone=True)
+
+    def _note(self, sig: signal.Signals, launcher_gone: bool = False) -> None:
+        """Record the stop and say why, once."""
+        self._received = sig
+        if launcher_gone:
+            why = f"torchrun (pid {self._launcher}), which started this rank, is gone"
+        else:
+            why = f"received {sig.name}"
+        # os.write, not logging: a handler may run while the logging stream's lock is held.
+        os.write(
+            2, f"{why}: stopping after this iteration with a checkpoint (press Ctrl-C again to stop at once)\n".encode()
+        )
+
+
+def launcher_pid(environ: Mapping[str, str]) -> int | None:
+    """The pid of the torchrun agent that started this rank (its parent), or None when not under torchrun.
+    Only torchrun's ranks watch their parent: a plain run's parent is a shell, and `nohup ... &` followed by
+    a logout must not stop it."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in environ else None
+
+
+def ask_for_signal_on_parent_death(sig: int) -> bool:
+    """Ask Linux to send `sig` to this process when its parent dies (prctl PR_SET_PDEATHSIG); False where that
+    is not available (the iteration boundary's parent check still catches it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:

@@ -41,6 +41,7 @@ from training.setup import (
     resolve_sample_data,
 )
 from training.train_step import StepContext
+from training.wandb_logging import open_wandb
 
 
 @dataclass
@@ -229,7 +230,9 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         datasets=datasets,
         eod_id=eod_id,
         progress=TrainingProgress(),
-        metrics=MetricsWriter(config.run.dir, env.rank == 0, config.logging.tensorboard),
+        metrics=MetricsWriter(
+            config.run.dir, env.rank == 0, config.logging.tensorboard, open_wandb(config, env.rank == 0)
+        ),
         logger=logger,
         checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
         flops_per_iter=flops,

@@ -1,11 +1,13 @@
 """Stop signals under real torchrun with 4 ranks (tp 2 x pp 2): SIGTERM / SIGINT to torchrun (it forwards them
-to its ranks), SIGUSR1 to the ranks (what SLURM's `scancel --signal=USR1` does; torchrun itself dies of USR1).
-Every rank stops after the same iteration, a checkpoint of it is saved, the ranks exit 3, and a resumed run's
-losses equal an uninterrupted run's bit for bit."""
+to its ranks), SIGUSR1 to the ranks (what SLURM's `scancel --signal=USR1` does), and SIGUSR1 / SIGKILL to
+torchrun, which dies of them: its ranks notice that their launcher is gone (the kernel's parent-death signal)
+and stop as if it had sent SIGTERM. Every rank stops after the same iteration, a checkpoint of it is saved, the
+ranks exit 3, and a resumed run's losses equal an uninterrupted run's bit for bit."""
 
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -53,10 +55,34 @@ def reference(tiny_corpus, tmp_path_factory):
     return [r["lm_loss"] for r in read_metrics(run_dir)]
 
 
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """The pids of `pids` still alive after waiting up to `seconds` for them to exit."""
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize(
     "sig,target",
-    [(signal.SIGTERM, "torchrun"), (signal.SIGINT, "torchrun"), (signal.SIGUSR1, "ranks")],
-    ids=["TERM-torchrun", "INT-torchrun", "USR1-ranks"],
+    [
+        (signal.SIGTERM, "torchrun"),
+        (signal.SIGINT, "torchrun"),
+        (signal.SIGUSR1, "ranks"),
+        (signal.SIGUSR1, "torchrun"),
+        (signal.SIGKILL, "torchrun"),
+    ],
+    ids=["TERM-torchrun", "INT-torchrun", "USR1-ranks", "USR1-torchrun", "KILL-torchrun"],
 )
 def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
     run_dir = str(tmp_path / "run")
@@ -67,18 +93,28 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
         for line in proc.stdout:
             if line.startswith("iter ") and "/24" in line:
                 break
-        for pid in [proc.pid] if target == "torchrun" else children(proc.pid):
+        ranks = children(proc.pid)
+        for pid in [proc.pid] if target == "torchrun" else ranks:
             os.kill(pid, sig)
+        # EOF comes when torchrun and every rank (they share its stdout) have exited.
         output = proc.communicate(timeout=240)[0]
+        assert not wait_gone(ranks, 60), output[-3000:]
     finally:
         proc.kill()
     saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
     assert saved is not None and saved < 24, output[-3000:]
-    assert f"stopped by {sig.name} after iteration {saved}" in output
-    # torchrun exits 1 either way: signalled itself, it re-raises the signal as SignalException after its
-    # ranks are done; when its ranks stop with exit 3 it reports them as failed (ChildFailedError).
-    assert proc.returncode == 1
-    assert ("exitcode  : 3" in output) if target == "ranks" else (f"got signal: {sig.value}" in output)
+    launcher_died = sig in (signal.SIGUSR1, signal.SIGKILL) and target == "torchrun"
+    stopped_by = "SIGTERM" if launcher_died else sig.name
+    assert f"stopped by {stopped_by} after iteration {saved}" in output, output[-3000:]
+    if launcher_died:
+        # torchrun died of the signal; its ranks said why they stopped.
+        assert proc.returncode == -sig
+        assert f"torchrun (pid {proc.pid}), which started this rank, is gone" in output
+    else:
+        # torchrun exits 1: signalled itself, it re-raises the signal as SignalException after its ranks are
+        # done; when its ranks stop with exit 3 it reports them as failed (ChildFailedError).
+        assert proc.returncode == 1
+        assert ("exitcode  : 3" in output) if target == "ranks" else (f"got signal: {sig.value}" in output)
     assert [r["iteration"] for r in read_metrics(run_dir)][-1] == saved
     resumed = subprocess.run(
         command(tiny_corpus, run_dir, "checkpoint.load=true"),
