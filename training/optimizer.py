@@ -170,7 +170,7 @@ class Optimizer:
         scale = self.scaler.scale
         grads = [seg.grad for seg in self.segments]
         if scale != 1.0 and grads:
-            for grad in grads:  # per tensor: no private torch._foreach_* name (same elementwise product)
+            for grad in grads:  # per tensor, public API only (the same elementwise product)
                 grad.mul_(1.0 / scale)
         if self.scaler.dynamic:
             world = [dist.group.WORLD] if self.state.is_distributed else []
