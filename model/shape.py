@@ -160,18 +160,17 @@ def head_params(cfg: ModelConfig, tp_size: int, holds_embedding: bool) -> int:
     return norm_params(cfg) + output
 
 
-def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, vp_size: int, pp_rank: int) -> int:
-    """Parameters held by one (tp rank, pp rank): its layers, plus the embedding and/or head it holds."""
-    layers = cfg.num_layers // pp_size  # vp chunks of num_layers / (pp * vp) each
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    total = layers * layer_params(cfg, tp_size)
-    if first:
-        total += embedding_params(cfg, tp_size)
-    if last:
-        total += head_params(cfg, tp_size, holds_embedding=first)
+def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[tuple[bool, bool]]) -> int:
+    """Parameters held by one (tp rank, pp rank): its num_layers / pp layers, plus the embedding and the head
+    of the chunks that hold them: `chunk_roles` is (pre_process, post_process) per model chunk of the rank
+    (parallel/pipeline/stages.chunk_roles). A head in another chunk than the embedding keeps its own copy of a
+    tied table."""
+    total = cfg.num_layers // pp_size * layer_params(cfg, tp_size)
+    for pre, post in chunk_roles:
+        total += (embedding_params(cfg, tp_size) if pre else 0) + (head_params(cfg, tp_size, pre) if post else 0)
     return total
 
 
 def total_params(cfg: ModelConfig) -> int:
     """The whole model counted once (tied embedding once), as on one process."""
-    return rank_params(cfg, 1, 1, 1, 0)
+    return rank_params(cfg, 1, 1, [(True, True)])

@@ -86,6 +86,12 @@ class MemoryEstimate:
         return {**{k: v / GIB for k, v in fields.items()}, "total": self.total / GIB}
 
 
+def rank_roles(layout: Any, pp_rank: int) -> list[tuple[bool, bool]]:
+    """(holds the embedding, holds the head) of each model chunk of pipeline rank `pp_rank` (zb-v: a V)."""
+    v_shape = uses_v_shape(layout.schedule)
+    return [chunk_roles(layout.pp_size, pp_rank, layout.vp_size, c, v_shape) for c in range(layout.vp_size)]
+
+
 def rank_memory(
     model: Any,
     layout: Any,
@@ -99,7 +105,8 @@ def rank_memory(
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
     is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead)."""
     p, v = layout.pp_size, layout.vp_size
-    params = rank_params(model, layout.tp_size, p, v, pp_rank)
+    roles = rank_roles(layout, pp_rank)
+    params = rank_params(model, layout.tp_size, p, roles)
     # the distributed optimizer shards over dp x cp (context-parallel ranks hold replicas too)
     state = state_bytes_per_param(
         train.precision, distributed_optimizer, layout.dp_size * getattr(layout, "cp_size", 1)
@@ -109,7 +116,6 @@ def rank_memory(
     per_layer = layer_activation_bytes(shape, recompute)
     chunk_bytes = [layers_per_chunk * per_layer] * v
     head = head_activation_bytes(shape, model.padded_vocab_size(layout.tp_size))
-    roles = [chunk_roles(p, pp_rank, v, c, uses_v_shape(layout.schedule)) for c in range(v)]  # zb-v: a V
     holds_head = any(post for _, post in roles)
     for chunk, (pre, post) in enumerate(roles):
         chunk_bytes[chunk] += (embedding_activation_bytes(shape) if pre else 0.0) + (head if post else 0.0)

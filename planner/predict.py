@@ -24,7 +24,7 @@ from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
 from planner.costs import Hardware, head_times, layer_times, optimizer_seconds, p2p_seconds
-from planner.memory import GIB, MemoryEstimate, layout_memory
+from planner.memory import GIB, MemoryEstimate, layout_memory, rank_roles
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
@@ -265,7 +265,7 @@ def _rank_parts(
     compute = sum(c.compute for c in spent)
     tp_comm = sum(c.tp_comm for c in spent)
     pp_comm = sum(c.pp_comm for c in spent)
-    params = rank_params(model, layout.tp_size, layout.pp_size, layout.vp_size, pp_rank)
+    params = rank_params(model, layout.tp_size, layout.pp_size, rank_roles(layout, pp_rank))
     # gradients are reduced over dp x cp (the cp ranks hold replicas of every parameter)
     dp, dp_node = layout.dp_size * layout.cp_size, hw.per_node("dp", "cp")
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"

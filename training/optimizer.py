@@ -294,7 +294,7 @@ class DistributedOptimizer(Optimizer):
 
     def __init__(self, ddp: DataParallel, state, *args: Any, overlap_param_gather: bool = False, **kwargs: Any):
         super().__init__(ddp, state, *args, **kwargs)
-        overlap = overlap_param_gather and state.dp_size > 1
+        overlap = overlap_param_gather and state.dp_cp_size > 1  # the shards span dp x cp
         self.param_gather = ParamGather(ddp, state.dp_cp_group) if overlap else None
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:

@@ -7,10 +7,10 @@ import pytest
 
 from config.schema import load_config
 from model.shape import rank_params, total_params
-from parallel.layout import Layout
+from parallel.layout import Layout, layout_from_config
 from parallel.pipeline.schedules import build_schedule
 from planner.activations import ActivationShape, head_activation_bytes, layer_activation_bytes, shape_from_config
-from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
+from planner.memory import layout_memory, max_in_flight, rank_roles, state_bytes_per_param
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 
@@ -23,14 +23,18 @@ MIB = 2.0**20
         ("gpt_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2"]),
         ("gpt_tiny.yaml", ["parallel.tp_size=4", "parallel.pp_size=1", "model.tie_embeddings=false"]),
         ("llama_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2"]),
+        # zb-v: rank 0 holds both the embedding and the head (stages in a V)
+        ("gpt_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
+        ("llama_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
     ],
 )
 def test_rank_params_equal_the_meta_model(config_name, overrides):
     config = load_config(os.path.join(REPO_ROOT, "configs", config_name), overrides + ["model.vocab_size=1000"])
     par = config.parallel
+    layout = layout_from_config(config, par.tp_size * par.pp_size)
     for pp_rank in range(par.pp_size):
         meta = count(meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1))
-        assert rank_params(config.model, par.tp_size, par.pp_size, par.vp_size, pp_rank) == meta
+        assert rank_params(config.model, par.tp_size, par.pp_size, rank_roles(layout, pp_rank)) == meta
     assert total_params(config.model) == total_parameters(config)
 
 
