@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 if error:
                     print(f"error: {error}", file=sys.stderr)
                 return EXIT_INPUT_ERROR
-            if lock.stale_warning() is not None:
-                print(lock.stale_warning(), file=sys.stderr)
+            warning = lock.stale_warning()
+            if warning is not None:
+                print(warning, file=sys.stderr)
             return run_training(config, env, layout, preemption)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)

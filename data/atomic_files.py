@@ -65,7 +65,8 @@ def atomic_output(path: str) -> Iterator[str]:
             os.remove(tmp)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (another user's live process counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -85,7 +86,7 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     host, removed = socket.gethostname(), []
     for name in names:
         match = _TMP_PATTERN.search(name)
-        if match and match.group("host") == host and not _pid_alive(int(match.group("pid"))):
+        if match and match.group("host") == host and not pid_alive(int(match.group("pid"))):
             path = os.path.join(folder, name)
             try:
                 os.remove(path)

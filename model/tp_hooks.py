@@ -52,11 +52,9 @@ class TensorParallelHooks:
 class ContextParallelHooks:
     """What GPTModel calls where context parallelism changes the computation (defaults: one process).
 
-    cp_size    the context-parallel size these hooks were made for
     attention  causal attention of this rank's queries over the keys of the whole sequence, held by the cp
                group (parallel/context_parallel.py: ring attention); None: scaled_dot_product_attention on
                the local sequence. Positions need no hook: each token's position id is its true index.
     """
 
-    cp_size: int = 1
     attention: AttentionFn | None = None

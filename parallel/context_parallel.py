@@ -267,4 +267,4 @@ def context_parallel_hooks(state: Any) -> ContextParallelHooks:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return RingAttention.apply(q, k, v, mask, ring)
 
-    return ContextParallelHooks(cp_size=state.cp_size, attention=attention)
+    return ContextParallelHooks(attention=attention)

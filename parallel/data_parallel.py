@@ -27,20 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.param_info import param_info
-
-
-def reduce_scatter_async(output: torch.Tensor, input_: torch.Tensor, group: Any):
-    """Async reduce_scatter(SUM) of a flat tensor, returning the work handle. parallel/comm.py holds the
-    blocking compat wrappers; this is their async twin (torch 2.13 renamed reduce_scatter_tensor)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input_, group=group, async_op=True)
-
-
-def all_gather_async(output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None):
-    """Async all_gather of every rank's flat `input_` into `output`, returning the work handle (the
-    distributed optimizer's overlapped param gather, parallel/param_gather.py)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input_, group=group, async_op=True)
+from parallel.comm import reduce_scatter_into
 
 
 @dataclass
@@ -235,7 +222,7 @@ class DataParallel:
         if self.distributed_optimizer:
             start, end = bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = reduce_scatter_async(shard, flat, self.state.dp_cp_group)
+            bucket.work = reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(flat, group=self.state.dp_cp_group, async_op=True)
 

@@ -62,7 +62,7 @@ def layout_of(state: ParallelState, sequence_parallel: bool = False, distributed
         "sequence_parallel": bool(sequence_parallel),
         "distributed_optimizer": bool(distributed_optimizer),
     }
-    cp_size = getattr(state, "cp_size", 1)
+    cp_size = state.cp_size
     return {**layout, "cp": cp_size} if cp_size > 1 else layout  # without cp: the keys main wrote
 
 
@@ -101,6 +101,7 @@ def build_save_job(
     before_tracker: Callable[[], None] = lambda: None,
 ) -> SaveJob:
     """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config."""
+    parts.optimizer.finish_param_gather()  # overlap_param_gather: the params are whole before they are read
     records = param_records(parts.chunks, parts.state)
     tensors = weight_pieces(records, for_save=True)
     tensors.update(optimizer_pieces(records, parts.optimizer, for_save=True))

@@ -55,10 +55,6 @@ class PreemptionHandler:
             self._note(signal.SIGTERM, launcher_gone=True)
         return self._received
 
-    @received.setter
-    def received(self, sig: signal.Signals | None) -> None:
-        self._received = sig
-
     def __enter__(self) -> PreemptionHandler:
         # Python allows handlers only in the main thread (tests that drive main() from a thread get none).
         if threading.current_thread() is threading.main_thread():

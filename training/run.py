@@ -102,9 +102,10 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
     datasets = build_datasets(config, env, config.train.global_batch_size)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
+        resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
         with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
-            yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
-        logger.info("resolved config:\n" + yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip())
+            handle.write(resolved)
+        logger.info("resolved config:\n" + resolved.rstrip())
     return tokenizer.eod, datasets, resume_plan
 
 

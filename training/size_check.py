@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from data.index_budget import available_memory_bytes
 from planner.activations import shape_from_config
 from planner.memory import GIB, MemoryEstimate, layout_memory
 
@@ -33,20 +34,10 @@ def available_memory(use_cuda: bool, local_rank: int, environ: Mapping[str, str]
         props = torch.cuda.get_device_properties(local_rank % max(1, torch.cuda.device_count()))
         return float(props.total_memory), f"the {props.name}'s {props.total_memory / GIB:.1f} GiB"
     local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")) or 1))
-    total = _meminfo_available()
+    available = available_memory_bytes()  # MemAvailable; else the free physical pages
+    total = float(available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     share = f" / {local_ranks} ranks on this node" if local_ranks > 1 else ""
     return total / local_ranks, f"{total / GIB:.1f} GiB of available memory{share}"
-
-
-def _meminfo_available() -> float:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def lower_bound_estimate(config: Any, layout: Any) -> MemoryEstimate:

@@ -12,8 +12,9 @@ Ctrl-C that DCP wrapped (`reraise_interrupt`).
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Iterator
+
+from data.index_budget import free_disk_bytes
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -45,19 +46,6 @@ def reraise_interrupt(err: BaseException) -> None:
         raise interrupt from None
 
 
-def free_bytes(folder: str) -> int | None:
-    """Bytes an unprivileged user may still write on the file system of `folder` (or its nearest existing
-    parent); None when it cannot be asked."""
-    path = os.path.abspath(folder)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        stat = os.statvfs(path)
-    except OSError:
-        return None
-    return stat.f_bavail * stat.f_frsize
-
-
 def is_disk_full(err: BaseException, folder: str, needed_bytes: int = 0) -> bool:
     """Whether `err`, raised writing under `folder`, comes from a full disk (or quota)."""
     errnos = {e.errno for e in error_chain(err) if isinstance(e, OSError) and e.errno is not None}
@@ -65,7 +53,7 @@ def is_disk_full(err: BaseException, folder: str, needed_bytes: int = 0) -> bool
         return True
     if errnos:  # the OS named another cause (permissions, a missing folder): not a full disk
         return False
-    free = free_bytes(folder)
+    free = free_disk_bytes(folder)
     return free is not None and free < max(needed_bytes, 1 << 20)
 
 
@@ -80,7 +68,7 @@ def describe_write_error(err: BaseException, folder: str, needed_bytes: int = 0)
     what to do) when the disk is full, else the error's type and last line."""
     if not is_disk_full(err, folder, needed_bytes):
         return one_line(err)
-    free = free_bytes(folder)
+    free = free_disk_bytes(folder)
     have = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
     need = f", about {needed_bytes / 2**20:.1f} MiB needed" if needed_bytes else ""
     return (

@@ -19,6 +19,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from data.atomic_files import pid_alive
+
 TRACKER = "latest_checkpointed_iteration.txt"
 ALIAS = "latest"
 META = "meta.json"
@@ -202,16 +204,6 @@ def resolve_checkpoint(path: str) -> str:
             f"but {directory} does not exist"
         )
     return directory
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_tmp(root: str, log: Callable[[str], None]) -> None:

@@ -123,13 +123,7 @@ def load_optimizer_state(
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
     and loss-scaler state; then the masters are written into the params (collective over dp)."""
     records = param_records(chunks, state)
-    stored = metadata.state_dict_metadata
-    wanted = optimizer_pieces(
-        records,
-        optimizer,
-        for_save=False,
-        master_key=lambda n: f"optim.master.{n}" if f"optim.master.{n}" in stored else n,
-    )
+    wanted = optimizer_pieces(records, optimizer, for_save=False, master_key=_weight_key(metadata))
     with torch.no_grad():
         load_pieces(iter_dir, wanted, metadata, group)
     optimizer.step_count = scalars.step

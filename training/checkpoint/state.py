@@ -50,9 +50,8 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
             copy = info.embedding_copy
             replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
-            # dp x cp replicas dealt round-robin (getattr: tools pass layout stand-ins without cp)
-            replicas = getattr(state, "dp_cp_size", state.dp_size)
-            writes = replica_writer and len(records) % replicas == getattr(state, "dp_cp_rank", state.dp_rank)
+            # dp x cp replicas dealt round-robin
+            writes = replica_writer and len(records) % state.dp_cp_size == state.dp_cp_rank
             records.append(
                 ParamRecord(
                     name,
@@ -154,7 +153,3 @@ def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Metadata, 
                 f"checkpoint {iter_dir}: tensor {key!r} has shape {list(saved_shape)} in the "
                 f"checkpoint but {list(wanted[key].shape)} in this model"
             )
-
-
-def first_missing(metadata: Metadata, keys: list[str]) -> str | None:
-    return next((key for key in keys if key not in metadata.state_dict_metadata), None)
