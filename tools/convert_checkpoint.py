@@ -191,6 +191,7 @@ def copy_tokenizer_files(data: dict, root: str) -> dict:
 
 def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout."""
+    check_output_free(out)  # before reading the weights
     cfg = model_config_from_hf(read_config(hf_dir))
     parallel = layout_section(cfg, tp, pp, vp)
     tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
@@ -202,6 +203,7 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     """A Megatron-LM torch-format GPT checkpoint (legacy or megatron-core names, any tp/pp) -> ours."""
     from convert.megatron import load_megatron_checkpoint
 
+    check_output_free(out)  # before reading the weights
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     check_finite(tensors, megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
@@ -221,6 +223,7 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
     from convert.megatron import TRACKER
     from convert.megatron_export import megatron_files
 
+    check_output_free(out)  # before reading the weights
     config, tensors = load_global_state(checkpoint)
     iteration = checkpoint_iteration(checkpoint)[0]
     print(f"loaded {loaded_iteration(checkpoint)}")

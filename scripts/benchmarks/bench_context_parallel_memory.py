@@ -7,7 +7,7 @@ excluded, counted once per storage: bench_cpu_memory.measure) and the planner's 
 (planner/memory.rank_memory, activations; SDPA's CPU kernel keeps no [s, s] tensor without dropout, so one
 process is "flash", and ring attention keeps the same as a flash kernel).
 
-    PYTHONPATH=. python scripts/benchmarks/bench_context_parallel_memory.py [--cp 1 4] [--seq 8192]
+    python scripts/benchmarks/bench_context_parallel_memory.py [--cp 1 4] [--seq 8192]
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import argparse
 import os
 import tempfile
 
+from bench_cpu_memory import measure  # a sibling script (its folder is on sys.path)
+
 from config.schema import load_config
 from data.sample_corpus import build_tiny_corpus
 from data.tokenizers import build_tokenizer
 from parallel.layout import layout_from_config
 from planner.activations import shape_from_config
 from planner.memory import rank_memory
-from scripts.benchmarks.bench_cpu_memory import measure
 from training.setup import DEFAULT_CONFIG
 
 MODEL = [

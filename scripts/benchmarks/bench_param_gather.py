@@ -15,23 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_models import model_config, tied_gpt
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)
-
-from bench_models import model_config, tied_gpt  # noqa: E402
-
-from parallel.data_parallel import DataParallel  # noqa: E402
-from parallel.layout import Layout  # noqa: E402
-from parallel.state import ParallelState  # noqa: E402
-from training.optimizer import DistributedOptimizer, build_optimizer  # noqa: E402
-from training.train_step import StepContext, train_step  # noqa: E402
+from parallel.data_parallel import DataParallel
+from parallel.layout import Layout
+from parallel.state import ParallelState
+from training.optimizer import DistributedOptimizer, build_optimizer
+from training.train_step import StepContext, train_step
 
 SEQ, MICRO = 64, 2
 

@@ -20,15 +20,14 @@ import subprocess
 import sys
 import tempfile
 
+from bench_models import trainer_argv
+
+from config.schema import load_config
+from planner import calibrate
+from planner.cluster import load_cluster
+from training.setup import DEFAULT_CONFIG
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)
-
-from bench_models import trainer_argv  # noqa: E402
-
-from config.schema import load_config  # noqa: E402
-from planner import calibrate  # noqa: E402
-from planner.cluster import load_cluster  # noqa: E402
-from training.setup import DEFAULT_CONFIG  # noqa: E402
 
 # compute; the other busy processes the scheduler shares the 2 cores with (pp2 against 1 process tells it);
 # gloo's cost per collective call (tp2 tells it)
@@ -63,7 +62,7 @@ def run_layout(ranks: int, overrides: list[str], iters: int, run_dir: str) -> No
     """One trainer run writing config.yaml and metrics.jsonl into run_dir."""
     launcher = [sys.executable] if ranks == 1 else ["torchrun", "--standalone", f"--nproc-per-node={ranks}"]
     argv = trainer_argv(launcher, [*MODEL, *overrides], iters, run_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")

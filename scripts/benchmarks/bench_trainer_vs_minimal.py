@@ -15,23 +15,18 @@ Prints ms/iteration of both and the ratio minimal / trainer (>= 1.0: the trainer
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)
-
-from config.schema import load_config  # noqa: E402
-from model.gpt import GPTModel  # noqa: E402
-from parallel.layout import layout_from_config  # noqa: E402
-from training.logging import IntervalStats  # noqa: E402
-from training.loop import after_step, iteration_boundary  # noqa: E402
-from training.run import Run, build_run  # noqa: E402
-from training.setup import DEFAULT_CONFIG, data_iterator, init_distributed  # noqa: E402
-from training.train_step import take_microbatches, train_step  # noqa: E402
+from config.schema import load_config
+from model.gpt import GPTModel
+from parallel.layout import layout_from_config
+from training.logging import IntervalStats
+from training.loop import after_step, iteration_boundary
+from training.run import Run, build_run
+from training.setup import DEFAULT_CONFIG, data_iterator, init_distributed
+from training.train_step import take_microbatches, train_step
 
 
 def trainer_round(run: Run, data, stats: IntervalStats, iters: int) -> float:
