@@ -13,16 +13,15 @@ import torch
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
 from model.shape import iteration_flops
-from parallel.layout import layout_from_config, uses_v_shape
+from parallel.layout import Layout, layout_from_config, uses_v_shape
 from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
-from planner.activations import layer_activation_bytes, shape_from_config
-from planner.memory import state_bytes_per_param
+from planner.activations import shape_from_config
+from planner.memory import layout_memory
 from planner.ring import ring_bytes_per_layer
 
-GIB = 2.0**30
 
 
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
@@ -61,24 +60,8 @@ def total_parameters(config: Config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes_per_layer(config: Config) -> float:
-    """Activation memory of one layer for one micro-batch on one rank (Korthikanti et al. 2022, the sequence
-    divided by cp; planner/activations.py)."""
-    shape = shape_from_config(config.model, config.parallel, config.train)
-    return layer_activation_bytes(shape, config.train.recompute)
-
-
-def memory_estimate(config: Config, params_on_rank: int, layers_on_rank: int, dp_size: int) -> dict:
-    """Bytes on the busiest rank (pipeline stage 0 holds p micro-batches in flight under 1f1b)."""
-    par = config.parallel
-    replicas = dp_size * par.cp_size  # the distributed optimizer shards over dp x cp
-    per_param = sum(state_bytes_per_param(config.train.precision, par.distributed_optimizer, replicas).values())
-    in_flight = par.pp_size if par.pp_size > 1 else 1
-    activations = activation_bytes_per_layer(config) * layers_on_rank * in_flight
-    return {"weights_and_optimizer": params_on_rank * per_param, "activations": activations}
-
-
-def report(config: Config, dp_size: int) -> list[str]:
+def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[str]:
+    """The report's lines; `layout` is the trainer's Layout of the config at this dp (built when not given)."""
     par, m, train = config.parallel, config.model, config.train
     total = total_parameters(config)
     lines = [
@@ -86,12 +69,10 @@ def report(config: Config, dp_size: int) -> list[str]:
         f"layout: tp {par.tp_size} x cp {par.cp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
         f"padded vocabulary {m.padded_vocab_size(par.tp_size)}",
     ]
-    busiest = (0, 0)
     for pp_rank in range(par.pp_size):
         chunks = meta_chunks(config, 0, pp_rank, dp_size)
         layers = sum(len(chunk.layers) for chunk in chunks)
         local = count(chunks)
-        busiest = max(busiest, (local, layers))
         lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank ({local / 1e9:.3f} B)")
     flops = iteration_flops(m, m.padded_vocab_size(par.tp_size), train, par.pp_size * par.vp_size)
     devices = par.tp_size * par.cp_size * par.pp_size * dp_size
@@ -100,12 +81,15 @@ def report(config: Config, dp_size: int) -> list[str]:
         f"recompute {train.recompute} ({flops.with_recompute / devices / 1e12:.1f} TFLOP per device), "
         f"model FLOPs {flops.model:.4e} (recomputation excluded, for MFU)"
     )
-    memory = memory_estimate(config, busiest[0], busiest[1], dp_size)
+    # the planner's estimate, as the trainer's size check uses it (no cluster allowance)
+    layout = layout or layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size)
+    shape = shape_from_config(m, par, train)
+    memory = layout_memory(m, layout, train, par.distributed_optimizer, shape, 0.0).as_gib()
     lines.append(
         f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
         f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "
-        f"{memory['weights_and_optimizer'] / GIB:.1f} GiB, activations {memory['activations'] / GIB:.1f}"
-        f" GiB, total {sum(memory.values()) / GIB:.1f} GiB"
+        f"{memory['weights'] + memory['grads'] + memory['optimizer']:.1f} GiB, activations "
+        f"{memory['activations'] + memory['working_set']:.1f} GiB, total {memory['total']:.1f} GiB"
     )
     if par.cp_size > 1:
         value_bytes = 4 if train.precision == "fp32" else 2
@@ -130,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dp < 1:
             raise ConfigError(f"--dp {args.dp} must be >= 1")
         par = config.parallel
-        layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * args.dp)  # the trainer's rules
+        layout = layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * args.dp)  # the trainer's rules
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("\n".join(report(config, args.dp)))
+    print("\n".join(report(config, args.dp, layout)))
     return 0
 
 
