@@ -23,7 +23,6 @@ from planner.memory import layout_memory
 from planner.ring import ring_bytes_per_layer
 
 
-
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
     par, model_cfg = config.parallel, config.model
