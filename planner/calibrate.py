@@ -33,6 +33,7 @@ BOUNDS = {
     "nvlink": (0.01, 1.0),
     "network": (0.01, 1.0),
     "latency_us": (0.1, 1e5),
+    "nvlink_latency_us": (0.1, 1e5),
     "competing_processes": (0.01, 100.0),
 }
 
@@ -110,10 +111,13 @@ def fit(
     iterations: int = 8,
     progress: Callable[[str], None] | None = None,
     keys: tuple[str, ...] = FITTED,
+    prior_sigma: dict[str, float] | None = None,
 ) -> ClusterSpec:
     """The cluster with the efficiency constants that best explain the observations (Levenberg-Marquardt on
     the log errors, finite-difference Jacobian: a few predictions of every observation per iteration).
-    At most len(observations) of `keys` are fitted; one observation fits one scale of gemm_max and hbm."""
+    At most len(observations) of `keys` are fitted; one observation fits one scale of gemm_max and hbm.
+    `prior_sigma` gives keys a log-normal prior around their starting value, its width in units of one
+    observation's log error (a MAP fit)."""
     import numpy as np
 
     if not observations:
@@ -122,8 +126,15 @@ def fit(
     fitted = ["scale"] if tied else list(keys)[: len(observations)]
     x = [0.0] if tied else [math.log(getattr(cluster.efficiency, k)) for k in fitted]
 
+    # a log-normal prior around the starting value for the keys in prior_sigma (a MAP fit): a key the
+    # observations hardly see stays near its prior instead of drifting
+    centre = list(x)
+    sigmas = [(prior_sigma or {}).get(k) for k in fitted] if not tied else [None]
+
     def residuals(point: list[float]) -> np.ndarray:
-        return np.asarray(log_errors(_with_logs(cluster, fitted, point, tied), observations), dtype=float)
+        errors = log_errors(_with_logs(cluster, fitted, point, tied), observations)
+        errors += [(v - c) / sd for v, c, sd in zip(point, centre, sigmas) if sd]
+        return np.asarray(errors, dtype=float)
 
     r = residuals(x)
     damping = 1e-2

@@ -30,7 +30,9 @@ class Efficiency:
     rate (small GEMMs, from a small hidden size or a large tp, run below peak), and short row counts (small
     micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
-    collectives and sends reach nvlink / network of the link bandwidth plus `latency_us` per step.
+    collectives and sends reach nvlink / network of the link bandwidth plus, per ring step (NCCL's ring: the
+    steps crossing a node boundary and the others), `latency_us` across nodes and `nvlink_latency_us` inside
+    a node (on a CPU node: shared memory).
     `competing_processes` (CPU nodes only): other busy processes the scheduler shares the cores with.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
     (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
@@ -42,12 +44,22 @@ class Efficiency:
     hbm: float = 0.7
     nvlink: float = 0.75
     network: float = 0.8
-    latency_us: float = 10.0
+    latency_us: float = 10.0  # NCCL's tuning table: ~9.6 us per ring step over the network (Simple protocol)
+    nvlink_latency_us: float = 3.4  # and 3.4 us per step over NVLink
     competing_processes: float = 0.0  # CPU nodes: other busy processes sharing node.cores (a shared machine)
     attention: str = "materialized"
 
     def validate(self, where: str) -> None:
-        numbers = ("gemm_max", "gemm_half_flops", "gemm_half_rows", "hbm", "nvlink", "network", "latency_us")
+        numbers = (
+            "gemm_max",
+            "gemm_half_flops",
+            "gemm_half_rows",
+            "hbm",
+            "nvlink",
+            "network",
+            "latency_us",
+            "nvlink_latency_us",
+        )
         for key in (*numbers, "competing_processes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -56,8 +68,11 @@ class Efficiency:
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
-        if min(self.gemm_half_flops, self.gemm_half_rows, self.latency_us, self.competing_processes) < 0:
-            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows, latency_us must be >= 0")
+        lows = (self.gemm_half_flops, self.gemm_half_rows, self.latency_us, self.nvlink_latency_us)
+        if min(*lows, self.competing_processes) < 0:
+            raise ClusterError(
+                f"{where}: efficiency.gemm_half_flops, gemm_half_rows, latency_us, nvlink_latency_us must be >= 0"
+            )
         if self.attention not in ("materialized", "flash"):
             raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
 

@@ -5,8 +5,9 @@
 - Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
   materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
 - Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
-  network card between nodes; the slower of the two carries the time, plus a latency per ring step when the
-  ring crosses nodes (so tensor parallelism beyond a node pays both).
+  network card between nodes; the slower of the two carries the time, plus a latency per ring step as NCCL's
+  own cost model counts it (graph/tuning.cc): the steps that cross a node boundary pay the network's
+  latency, the others NVLink's (so tensor parallelism beyond a node pays both).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Hardware:
             return 0.0
         spec, eff = self.cluster, self.cluster.efficiency
         rate = spec.network_gbs_per_gpu * eff.network if inter_node else spec.nvlink_one_way_gbs * eff.nvlink
-        return nbytes / (rate * 1e9) + eff.latency_us * 1e-6
+        latency = eff.latency_us if inter_node else eff.nvlink_latency_us
+        return nbytes / (rate * 1e9) + latency * 1e-6
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, per_node: int) -> float:
         """all_reduce, reduce_scatter or all_gather of `nbytes` (the full buffer) over `group_size` GPUs,
@@ -85,8 +87,11 @@ class Hardware:
         share = factor * (n - 1) / n * nbytes
         intra = share / (spec.nvlink_one_way_gbs * eff.nvlink * 1e9) if g > 1 else 0.0
         inter = share / g / (spec.network_gbs_per_gpu * eff.network * 1e9) if k > 1 else 0.0
-        steps = factor * (n - 1) if k > 1 else 1.0  # each ring step across nodes pays the network latency
-        return max(intra, inter) + steps * eff.latency_us * 1e-6
+        # a ring all-reduce takes 2 (n - 1) steps (reduce-scatter, all-gather: n - 1), of which the ring crosses
+        # the k nodes' boundaries 2 (k - 1) times
+        steps, inter_steps = factor * (n - 1), factor * (k - 1)
+        latency = inter_steps * eff.latency_us + (steps - inter_steps) * eff.nvlink_latency_us
+        return max(intra, inter) + latency * 1e-6
 
 
 @dataclass(frozen=True)
@@ -195,8 +200,11 @@ def p2p_seconds(shape: ActivationShape, hw: Hardware, inter_node: bool, scatter_
     return hw.link_seconds(nbytes, inter_node)
 
 
-def optimizer_seconds(params_local: int, dp_size: int, distributed: bool, hw: Hardware) -> float:
-    """AdamW on the fp32 masters (read grad, master, moments; write master, moments: 28 B per element of
-    the rank's shard) plus the grad-norm read and the 16-bit copy-back over all local params (6 B)."""
+def optimizer_seconds(
+    params_local: int, dp_size: int, distributed: bool, hw: Hardware, step_bytes: float = 28.0, copy_bytes: float = 6.0
+) -> float:
+    """The optimizer step, memory-bound: `step_bytes` per element of the rank's shard (AdamW on the fp32
+    masters: read grad, master, moments; write master, moments: 28 B) plus `copy_bytes` per local parameter
+    (the grad-norm read and the 16-bit copy-back: 6 B)."""
     shard = params_local / dp_size if distributed else params_local
-    return hw.memory_seconds(28.0 * shard + 6.0 * params_local)
+    return hw.memory_seconds(step_bytes * shard + copy_bytes * params_local)

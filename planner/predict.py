@@ -32,10 +32,15 @@ BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimiz
 @dataclass(frozen=True)
 class Software:
     """What the training software does that the config does not say: the bytes per gradient element it
-    reduces over dp, and whether the reduction overlaps the backward (this trainer: fp32, bucketed)."""
+    reduces over dp, whether the reduction overlaps the backward (this trainer: fp32, bucketed), and the HBM
+    bytes its optimizer step moves per element of the rank's optimizer shard (`step_bytes`: this trainer's
+    AdamW reads grad, master, moments and writes master, moments) and per local parameter outside the shard
+    (`copy_bytes`: the grad-norm read and the 16-bit copy-back)."""
 
     grad_reduce_bytes: float = 4.0
     overlap_grad_reduce: bool = True
+    step_bytes: float = 28.0
+    copy_bytes: float = 6.0
 
 
 TRAINER = Software()
@@ -281,7 +286,7 @@ def _rank_parts(
     if holds_tied_copy:
         embedding_bytes = 4.0 * model.padded_vocab_size(layout.tp_size) // layout.tp_size * model.hidden_size
         dp_comm += hw.collective_seconds("all_reduce", embedding_bytes, 2, 1)
-    optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw)
+    optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw, software.step_bytes, software.copy_bytes)
     bubble = max(0.0, end - (compute + tp_comm + pp_comm))  # rounding can leave -1e-16 on one stage
     return {
         "compute": compute,

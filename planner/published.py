@@ -1,14 +1,15 @@
 """Published measurements on DGX A100 80GB (Narayanan et al., SC21), used to calibrate and check the model.
 
 Table 1 (weak scaling, the ten configs of configs/paper/) and the PTD-P rows of Table 2 (GPT-3 175B and the
-530B model at fixed batch on more and more GPUs). Both: bf16, sequence 2048, vocabulary 51,200, full
-activation recomputation, micro-batch 1, the interleaved schedule with scatter/gather (§5.1). The paper does
-not give the number of chunks: `paper_vp` SETS it (not fitted) to the smallest v > 1 that divides the layers
-per pipeline stage (the least interleaving the text allows; 2 for most rows, 3 for 15 or 3 layers per
-stage), and Megatron's interleaved schedule of 2021 needed the micro-batches to be a multiple of p, which
-every row satisfies. Rows without a pipeline (p = 1) run plain. The data-parallel all-reduce of 2021 was not
-overlapped with the backward and ran in 16 bits (PAPER_SOFTWARE). The figures' points are in
-planner/paper_figures.py.
+530B model at fixed batch on more and more GPUs). Each row runs as the paper ran it, from the scripts the
+authors published with it (Megatron-LM examples/academic_paper_scripts/sc21, for Megatron-LM commit 6985e58):
+sequence 2048, vocabulary 51,200, fp16 with full ("uniform") activation recomputation, and per row the
+micro-batch size, the chunks of the interleaved schedule (`--num-layers-per-virtual-pipeline-stage`; rows
+without it ran plain 1F1B, the 1T row among them) and the data-parallel implementation: PyTorch DDP for rows
+1-4 (buckets overlapping the last micro-batch's backward), Megatron's local DDP for the others (one flattened
+all-reduce after the pipeline flush). Scatter/gather was on (the default). Table 2 has no script: its 530B row
+is Table 1's run, and its 175B rows take the 175B model's settings from the Figure 12/18 scripts (t 8, p 12,
+micro-batch 1, two layers per virtual stage). The figures' points are in planner/paper_figures.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,34 @@ from planner.predict import Software
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Megatron-LM of 2021 in fp16: the gradients are fp16 (`param.grad`; fp32 main grads only for bf16) and the
+# step is the fp16 optimizer's: grads copied to fp32 (2 + 4 B), unscaled with the inf check (4 + 4), their
+# norm (4), Adam (28) and the fp32 -> fp16 copy-back (4 + 2): 52 B per parameter.
+_PAPER_STEP_BYTES = 52.0
+# local DDP: after the flush, one all-reduce of the flattened fp16 grads (flatten 2 + 2 B, divide 2 + 2,
+# copy back 2 + 2), overlapping nothing
+PAPER_LOCAL_DDP = Software(
+    grad_reduce_bytes=2.0, overlap_grad_reduce=False, step_bytes=_PAPER_STEP_BYTES, copy_bytes=12.0
+)
+# PyTorch DDP: fp16 buckets during the last micro-batch's backward (copies into and out of them, 2 + 2 B each)
+PAPER_TORCH_DDP = Software(
+    grad_reduce_bytes=2.0, overlap_grad_reduce=True, step_bytes=_PAPER_STEP_BYTES, copy_bytes=8.0
+)
+PAPER_SOFTWARE = {"local": PAPER_LOCAL_DDP, "torch": PAPER_TORCH_DDP}
+
+
+@dataclass(frozen=True)
+class PaperRun:
+    """How the paper ran one point (the sc21 scripts): micro-batch, chunks per pipeline rank, DDP kind."""
+
+    micro_batch: int = 1
+    vp: int = 1  # (layers / p) / --num-layers-per-virtual-pipeline-stage; 1: plain 1F1B
+    ddp: str = "local"
+
+    @property
+    def software(self) -> Software:
+        return PAPER_SOFTWARE[self.ddp]
+
 
 @dataclass(frozen=True)
 class PublishedRow:
@@ -32,14 +61,14 @@ class PublishedRow:
     world_size: int
     tflops_per_gpu: float
     percent_of_peak: float | None
+    run: PaperRun
     config_name: str = ""  # configs/paper/<name>.yaml (Table 1)
     model: tuple[int, int, int] = (0, 0, 0)  # (layers, hidden, heads) for Table 2
     layout: tuple[int, int, int] = (0, 0, 0)  # (tp, pp, global batch) for Table 2
 
-    def config(self, paper_schedule: bool = True) -> Config:
-        """The row's config at the paper's schedule (`paper_schedule`) or the configs' plain 1F1B."""
-        base = self._plain_config()
-        return with_paper_schedule(base) if paper_schedule else base
+    def config(self) -> Config:
+        """The row's config as the paper ran it (micro-batch, schedule, scatter/gather)."""
+        return as_paper_ran(self._plain_config(), self.run)
 
     def _plain_config(self) -> Config:
         if self.config_name:
@@ -61,53 +90,37 @@ class PublishedRow:
         )
 
 
-# Megatron-LM of 2021 (local DDP, fp16 mixed precision): the gradients are reduced in 16 bits (it kept fp32
-# gradients only for bf16) as one contiguous buffer after the pipeline flush, overlapping nothing
-PAPER_SOFTWARE = Software(grad_reduce_bytes=2.0, overlap_grad_reduce=False)
-
-
-def paper_vp(layers_per_stage: int) -> int:
-    """The chunks per pipeline rank the planner assumes for the paper's interleaved runs: the smallest v > 1
-    dividing the layers per stage (1 when the stage holds one layer)."""
-    return next((v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0), 1)
-
-
-def with_paper_schedule(config: Config, world_size: int | None = None, vp: int | None = None) -> Config:
-    """`config` at the paper's schedule: interleaved with `vp` (default `paper_vp`) chunks and scatter/gather
-    where there is a pipeline and the micro-batches m allow it (Megatron's 2021 rule: m a multiple of p,
-    checked when `world_size` is given), else plain 1F1B with scatter/gather."""
-    par, train = config.parallel, config.train
-    p = par.pp_size
-    chunks = vp if vp is not None else paper_vp(config.model.num_layers // p)
-    if world_size is not None:
-        dp = world_size // (par.tp_size * p)
-        m = train.global_batch_size // (train.micro_batch_size * max(1, dp))
-        chunks = chunks if m % p == 0 else 1
-    if p == 1:
-        chunks = 1
+def as_paper_ran(config: Config, run: PaperRun) -> Config:
+    """`config` with the run's micro-batch and schedule (interleaved with `run.vp` chunks, else plain 1F1B)
+    and scatter/gather on, as Megatron-LM 2021 ran it (its interleaved schedule needed p > 2 and the
+    micro-batches a multiple of p; every published run satisfies both)."""
+    chunks = run.vp if config.parallel.pp_size > 1 else 1
     schedule = "interleaved" if chunks > 1 else "1f1b"
-    parallel = dataclasses.replace(par, vp_size=chunks, schedule=schedule, scatter_gather=True)
-    return dataclasses.replace(config, parallel=parallel)
+    parallel = dataclasses.replace(config.parallel, vp_size=chunks, schedule=schedule, scatter_gather=True)
+    train = dataclasses.replace(config.train, micro_batch_size=run.micro_batch)
+    return dataclasses.replace(config, parallel=parallel, train=train)
 
 
+# run_table_1.sh: MBS, layers per virtual stage (76B: 5 of 15, 145B: 5 of 10, 310B: 3 of 6, 530B: 1 of 3)
+# and DDP per model
 TABLE_1 = [
-    PublishedRow("1.7B", 32, 137, 44, "gpt_1.7b"),
-    PublishedRow("3.6B", 64, 138, 44, "gpt_3.6b"),
-    PublishedRow("7.5B", 128, 142, 46, "gpt_7.5b"),
-    PublishedRow("18.4B", 256, 135, 43, "gpt_18.4b"),
-    PublishedRow("39.1B", 512, 138, 44, "gpt_39.1b"),
-    PublishedRow("76.1B", 1024, 140, 45, "gpt_76.1b"),
-    PublishedRow("145.6B", 1536, 148, 47, "gpt_145.6b"),
-    PublishedRow("310.1B", 1920, 155, 50, "gpt_310.1b"),
-    PublishedRow("529.6B", 2520, 163, 52, "gpt_529.6b"),
-    PublishedRow("1008.0B", 3072, 163, 52, "gpt_1t"),
+    PublishedRow("1.7B", 32, 137, 44, PaperRun(16, 1, "torch"), "gpt_1.7b"),
+    PublishedRow("3.6B", 64, 138, 44, PaperRun(16, 1, "torch"), "gpt_3.6b"),
+    PublishedRow("7.5B", 128, 142, 46, PaperRun(16, 1, "torch"), "gpt_7.5b"),
+    PublishedRow("18.4B", 256, 135, 43, PaperRun(8, 1, "torch"), "gpt_18.4b"),
+    PublishedRow("39.1B", 512, 138, 44, PaperRun(4, 1), "gpt_39.1b"),
+    PublishedRow("76.1B", 1024, 140, 45, PaperRun(2, 3), "gpt_76.1b"),
+    PublishedRow("145.6B", 1536, 148, 47, PaperRun(2, 2), "gpt_145.6b"),
+    PublishedRow("310.1B", 1920, 155, 50, PaperRun(1, 2), "gpt_310.1b"),
+    PublishedRow("529.6B", 2520, 163, 52, PaperRun(1, 3), "gpt_529.6b"),
+    PublishedRow("1008.0B", 3072, 163, 52, PaperRun(1, 2), "gpt_1t"),
 ]
 
 TABLE_2_PTDP = [
-    PublishedRow(f"{name} on {gpus} GPUs", gpus, tflops, None, model=model, layout=layout)
-    for name, model, layout, runs in (
-        ("174.6B", (96, 12288, 96), (8, 12, 1536), ((384, 153), (768, 149), (1536, 141))),
-        ("529.6B", (105, 20480, 128), (8, 35, 2240), ((560, 171), (1120, 167), (2240, 159))),
+    PublishedRow(f"{name} on {gpus} GPUs", gpus, tflops, None, PaperRun(1, vp), model=model, layout=layout)
+    for name, model, layout, vp, runs in (
+        ("174.6B", (96, 12288, 96), (8, 12, 1536), 4, ((384, 153), (768, 149), (1536, 141))),
+        ("529.6B", (105, 20480, 128), (8, 35, 2240), 3, ((560, 171), (1120, 167), (2240, 159))),
     )
     for gpus, tflops in runs
 ]
@@ -124,5 +137,5 @@ def observations(rows: list[PublishedRow]) -> list:
         vocab = config.model.padded_vocab_size(par.tp_size)
         flops = iteration_flops(config.model, vocab, config.train, par.pp_size * par.vp_size).with_recompute
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
-        result.append(Observation(row.label, config, row.world_size, seconds, PAPER_SOFTWARE))
+        result.append(Observation(row.label, config, row.world_size, seconds, row.run.software))
     return result

@@ -2,8 +2,8 @@
 
     python scripts/plan_paper_tables.py [--cluster configs/clusters/dgx_a100_80gb.yaml] [--report] [--figures]
 
-Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2 at the paper's schedule
-(interleaved with scatter/gather, chunks set by planner.published.paper_vp), predicted against published, as
+Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2 as the paper ran them
+(planner/published.py: the sc21 scripts' micro-batches, chunks and DDP kinds), predicted against published, as
 markdown. --report first runs the fit report (planner/fit_report.py: the fit on all ten rows, and the two
 leave-half-out fits; several minutes of CPU) and prints the tables with the all-rows constants. --figures
 prints every published effect of Figures 7 and 11-18 (planner/paper_figures.py) against the prediction.
@@ -24,16 +24,17 @@ def table(cluster, rows, title: str) -> list[str]:
     lines = [
         f"**{title}**",
         "",
-        "| model | GPUs | tp | pp | dp | batch | published TF/GPU (% of peak) | predicted TF/GPU | error | "
+        "| model | GPUs | tp | pp | vp | dp | mb | batch | published TF/GPU (% of peak) | predicted TF/GPU | error | "
         "predicted s/iter | bubble | tp comm | dp comm | memory GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        p = predict(row.config(), cluster, row.world_size, published.PAPER_SOFTWARE)
+        p = predict(row.config(), cluster, row.world_size, row.run.software)
         lay, frac = p.layout, {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
         percent = f" ({row.percent_of_peak:.0f}%)" if row.percent_of_peak else ""
         lines.append(
-            f"| {row.label} | {row.world_size} | {lay.tp_size} | {lay.pp_size} | {lay.dp_size} | "
+            f"| {row.label} | {row.world_size} | {lay.tp_size} | {lay.pp_size} | {lay.vp_size} | {lay.dp_size} | "
+            f"{p.micro_batch_size} | "
             f"{row.config().train.global_batch_size} | {row.tflops_per_gpu:.0f}{percent} | "
             f"{p.tflops_per_gpu:.1f} | {p.tflops_per_gpu / row.tflops_per_gpu - 1:+.1%} | "
             f"{p.iteration_seconds:.2f} | {frac['bubble']:.1%} | {frac['tp_comm']:.1%} | "

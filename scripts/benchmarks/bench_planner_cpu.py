@@ -6,7 +6,7 @@ Runs pretrain_gpt.py (torchrun for more than one rank, gloo, one thread per rank
 hidden 256, sequence 256, fp32, global batch 16) in six layouts, each `--rounds` times, and keeps each layout's
 best round (the median ms/iteration of its logged iterations after the first): the machine is shared, so the
 best round is the least disturbed. `tools/plan.py --calibrate`'s fit (planner/calibrate.py: gemm_max, hbm,
-latency_us) runs on CALIBRATE; HELD_OUT are predicted with the fitted constants and never seen by the fit.
+nvlink_latency_us) runs on CALIBRATE; HELD_OUT are predicted with the fitted constants and never seen by the fit.
 Prints measured against predicted ms/iteration side by side. Cluster: configs/clusters/cpu_2core.yaml
 (ranks share the 2 cores: planner/costs.py `device_share`).
 """
@@ -31,7 +31,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 # compute; the other busy processes the scheduler shares the 2 cores with (pp2 against 1 process tells it);
 # gloo's cost per collective call (tp2 tells it)
-FIT_KEYS = ("gemm_max", "competing_processes", "latency_us")
+FIT_KEYS = ("gemm_max", "competing_processes", "nvlink_latency_us")
 
 MODEL = [
     "model.num_layers=8",

@@ -45,7 +45,7 @@ def test_one_stage_has_no_bubble_and_pipelines_match_the_simulator():
     assert flat.breakdown["bubble"] == pytest.approx(0.0, abs=1e-9) and flat.breakdown["pp_comm"] == 0.0
     # with equal costs per stage and free communication the planner's bubble is the simulator's (p-1)/m
     config = paper("76.1b", "parallel.scatter_gather=false")
-    free = cluster.with_efficiency(latency_us=0.0, network=1.0)
+    free = cluster.with_efficiency(latency_us=0.0, nvlink_latency_us=0.0, network=1.0)
     p = predict(config, free, 1024)
     lay = p.layout
     lists = [build_schedule(lay.schedule, lay.pp_size, r, lay.num_microbatches) for r in range(lay.pp_size)]
@@ -58,10 +58,9 @@ def test_one_stage_has_no_bubble_and_pipelines_match_the_simulator():
 def test_tables_1_and_2_within_8_percent_at_the_paper_schedule(row):
     # the constants are fitted to Table 1 (planner/fit_report.py); Table 2 is never fitted
     config = row.config()
-    assert config.parallel.pp_size == 1 or config.parallel.vp_size == published.paper_vp(
-        config.model.num_layers // config.parallel.pp_size
-    )
-    p = predict(config, load_cluster(A100), row.world_size, published.PAPER_SOFTWARE)
+    assert config.train.micro_batch_size == row.run.micro_batch
+    assert config.parallel.vp_size == (row.run.vp if config.parallel.pp_size > 1 else 1)
+    p = predict(config, load_cluster(A100), row.world_size, row.run.software)
     assert p.tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.08)
     assert p.fits
 
@@ -85,8 +84,10 @@ def fig13_config(tp, pp, batch=128, vp=1, mb=1):
 def test_tensor_parallelism_beyond_a_node_collapses_throughput():
     cluster = load_cluster(A100)
     tflops = {tp: predict(fig13_config(tp, 64 // tp), cluster, 64).tflops_per_gpu for tp in (4, 8, 16, 32)}
-    # the published direction is asserted in test_paper_figures.py (Figure 13); here the size of the drops
-    assert tflops[8] > tflops[4] and tflops[8] > 1.1 * tflops[16] and tflops[16] > 1.3 * tflops[32]
+    # the published direction is asserted in test_paper_figures.py (Figure 13); here the size of the drops:
+    # each doubling beyond a node costs a tenth or more (tp 16 -> 32 was 1.3x while every ring step paid the
+    # network latency; NCCL's own count, 2 (k - 1) of the 2 (n - 1) steps across nodes, gives 1.28x)
+    assert tflops[8] > tflops[4] and tflops[8] > 1.1 * tflops[16] and tflops[16] > 1.2 * tflops[32]
 
 
 def test_interleaving_helps_more_at_small_batch():
