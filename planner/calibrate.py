@@ -34,6 +34,7 @@ BOUNDS = {
     "network": (0.01, 1.0),
     "latency_us": (0.1, 1e5),
     "nvlink_latency_us": (0.1, 1e5),
+    "collective_base_us": (0.1, 1e5),
     "competing_processes": (0.01, 100.0),
 }
 

@@ -30,9 +30,9 @@ class Efficiency:
     rate (small GEMMs, from a small hidden size or a large tp, run below peak), and short row counts (small
     micro-batches) filling the GPU's tiles less well.
     Memory-bound kernels (norms, dropout, GeLU, softmax, the optimizer) move bytes at hbm * HBM bandwidth;
-    collectives and sends reach nvlink / network of the link bandwidth plus, per ring step (NCCL's ring: the
-    steps crossing a node boundary and the others), `latency_us` across nodes and `nvlink_latency_us` inside
-    a node (on a CPU node: shared memory).
+    collectives and sends reach nvlink / network of the link bandwidth plus NCCL's latency model: a fixed
+    `collective_base_us` per call and, per ring step, `latency_us` for the steps crossing a node boundary and
+    `nvlink_latency_us` for the others (on a CPU node, shared memory; gloo on a loaded CPU pays per call).
     `competing_processes` (CPU nodes only): other busy processes the scheduler shares the cores with.
     `attention`: "materialized" (softmax over the [s, s] scores in HBM, as Megatron-LM 2021) or "flash"
     (a fused kernel keeps no [s, s] tensor; the trainer's scaled_dot_product_attention on GPU).
@@ -46,6 +46,7 @@ class Efficiency:
     network: float = 0.8
     latency_us: float = 10.0  # NCCL's tuning table: ~9.6 us per ring step over the network (Simple protocol)
     nvlink_latency_us: float = 3.4  # and 3.4 us per step over NVLink
+    collective_base_us: float = 8.4  # and 8.4 us per call (its base latency)
     competing_processes: float = 0.0  # CPU nodes: other busy processes sharing node.cores (a shared machine)
     attention: str = "materialized"
 
@@ -59,6 +60,7 @@ class Efficiency:
             "network",
             "latency_us",
             "nvlink_latency_us",
+            "collective_base_us",
         )
         for key in (*numbers, "competing_processes"):
             value = getattr(self, key)
@@ -68,11 +70,15 @@ class Efficiency:
             value = getattr(self, key)
             if not 0.0 < value <= 1.0:
                 raise ClusterError(f"{where}: efficiency.{key}={value} must be in (0, 1]")
-        lows = (self.gemm_half_flops, self.gemm_half_rows, self.latency_us, self.nvlink_latency_us)
+        lows = (
+            self.gemm_half_flops,
+            self.gemm_half_rows,
+            self.latency_us,
+            self.nvlink_latency_us,
+            self.collective_base_us,
+        )
         if min(*lows, self.competing_processes) < 0:
-            raise ClusterError(
-                f"{where}: efficiency.gemm_half_flops, gemm_half_rows, latency_us, nvlink_latency_us must be >= 0"
-            )
+            raise ClusterError(f"{where}: efficiency.gemm_half_flops, gemm_half_rows and the latencies must be >= 0")
         if self.attention not in ("materialized", "flash"):
             raise ClusterError(f"{where}: efficiency.attention={self.attention!r} is not materialized or flash")
 

@@ -5,9 +5,9 @@
 - Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
   materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
 - Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
-  network card between nodes; the slower of the two carries the time, plus a latency per ring step as NCCL's
-  own cost model counts it (graph/tuning.cc): the steps that cross a node boundary pay the network's
-  latency, the others NVLink's (so tensor parallelism beyond a node pays both).
+  network card between nodes; the slower of the two carries the time, plus the latency as NCCL's own cost
+  model counts it (graph/tuning.cc): a base latency per call, and per ring step the network's latency for
+  the steps that cross a node boundary, NVLink's for the others (tensor parallelism beyond a node pays both).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class Hardware:
             return 0.0
         spec, eff = self.cluster, self.cluster.efficiency
         rate = spec.network_gbs_per_gpu * eff.network if inter_node else spec.nvlink_one_way_gbs * eff.nvlink
-        latency = eff.latency_us if inter_node else eff.nvlink_latency_us
+        hop = eff.latency_us if inter_node else eff.nvlink_latency_us
+        latency = eff.collective_base_us + hop  # one call, one hop
         return nbytes / (rate * 1e9) + latency * 1e-6
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, per_node: int) -> float:
@@ -90,7 +91,7 @@ class Hardware:
         # a ring all-reduce takes 2 (n - 1) steps (reduce-scatter, all-gather: n - 1), of which the ring crosses
         # the k nodes' boundaries 2 (k - 1) times
         steps, inter_steps = factor * (n - 1), factor * (k - 1)
-        latency = inter_steps * eff.latency_us + (steps - inter_steps) * eff.nvlink_latency_us
+        latency = eff.collective_base_us + inter_steps * eff.latency_us + (steps - inter_steps) * eff.nvlink_latency_us
         return max(intra, inter) + latency * 1e-6
 
 

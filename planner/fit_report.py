@@ -9,8 +9,8 @@ see it (the small models, whose materialised [s, s] attention is a third of thei
 others keep it near the prior. The rest cannot be told apart by Table 1 and are fixed priors (FIXED):
 every row with tensor parallelism has t <= 8 inside a node (nvlink 0.75: NCCL all-reduce bus bandwidth on
 DGX A100, ~230 of 300 GB/s), the data-parallel reduction is at most a few % of any row (network 0.92: NCCL
-over one 200 Gb/s HDR port, ~23 of 25 GB/s), the latencies are NCCL's own tuning table's per ring step
-(10 us across nodes, 3.4 over NVLink), and `gemm_half_flops` 2e9 (a fixed ~8 us per GEMM) is invisible to
+over one 200 Gb/s HDR port, ~23 of 25 GB/s), the latencies are NCCL's own tuning table's (8.4 us per call,
+per ring step 10 us across nodes and 3.4 over NVLink), and `gemm_half_flops` 2e9 (a fixed ~8 us per GEMM) is invisible to
 GEMMs of 1e11 FLOPs and more.
 
 The report: in-sample errors of the fit on all ten rows, then the two halves (fit rows 1-5 and predict
@@ -31,7 +31,14 @@ START = {"gemm_max": 0.8, "hbm": 0.75}  # priors: where every fit starts, kept i
 SENSITIVITY = 0.01  # a key is fitted only if scaling it by e^-0.5 moves some fitted row by 1% or more
 ROW_ERROR = 0.03  # the log error expected of one published row (rounded TF/GPU, run-to-run spread, model)
 PRIOR_SIGMA = {"hbm": 0.2 / ROW_ERROR}  # hbm's prior width (20%) in units of one row's error
-FIXED = {"nvlink": 0.75, "network": 0.92, "latency_us": 10.0, "nvlink_latency_us": 3.4, "gemm_half_flops": 2.0e9}
+FIXED = {
+    "nvlink": 0.75,
+    "network": 0.92,
+    "latency_us": 10.0,
+    "nvlink_latency_us": 3.4,
+    "collective_base_us": 8.4,
+    "gemm_half_flops": 2.0e9,
+}
 
 
 @dataclass
@@ -94,7 +101,7 @@ def leave_half_out(
 
 def report_lines(results: list[FitResult]) -> list[str]:
     """The fit report as markdown: constants, then one column of errors per fit (held-out rows marked *)."""
-    lines = [f"free parameters: {', '.join(FIT_KEYS)}; fixed: " + ", ".join(f"{k} {v}" for k, v in FIXED.items())]
+    lines = [f"free parameters: {', '.join(FIT_KEYS)}; fixed: " + ", ".join(f"{k} {v:g}" for k, v in FIXED.items())]
     for r in results:
         values = ", ".join(f"{k} {v:.4g}" for k, v in r.constants.items())
         lines.append(f"- fit on {r.name} ({len(r.fitted_on)} points): {values}")

@@ -5,7 +5,8 @@ Table 1 (weak scaling, the ten configs of configs/paper/) and the PTD-P rows of 
 authors published with it (Megatron-LM examples/academic_paper_scripts/sc21, for Megatron-LM commit 6985e58):
 sequence 2048, vocabulary 51,200, fp16 with full ("uniform") activation recomputation, and per row the
 micro-batch size, the chunks of the interleaved schedule (`--num-layers-per-virtual-pipeline-stage`; rows
-without it ran plain 1F1B, the 1T row among them) and the data-parallel implementation: PyTorch DDP for rows
+without it ran plain 1F1B, except that the 1T row, whose script has none, runs at 2 chunks: §5.1 says Table 1
+ran the interleaved schedule, and plain 1F1B leaves that row the one outlier, at -10%) and the data-parallel implementation: PyTorch DDP for rows
 1-4 (buckets overlapping the last micro-batch's backward), Megatron's local DDP for the others (one flattened
 all-reduce after the pipeline flush). Scatter/gather was on (the default). Table 2 has no script: its 530B row
 is Table 1's run, and its 175B rows take the 175B model's settings from the Figure 12/18 scripts (t 8, p 12,
@@ -101,8 +102,8 @@ def as_paper_ran(config: Config, run: PaperRun) -> Config:
     return dataclasses.replace(config, parallel=parallel, train=train)
 
 
-# run_table_1.sh: MBS, layers per virtual stage (76B: 5 of 15, 145B: 5 of 10, 310B: 3 of 6, 530B: 1 of 3)
-# and DDP per model
+# run_table_1.sh: MBS, layers per virtual stage (76B: 5 of 15, 145B: 5 of 10, 310B: 3 of 6, 530B: 1 of 3;
+# 1T: none in the script, 2 chunks from §5.1, see above) and DDP per model
 TABLE_1 = [
     PublishedRow("1.7B", 32, 137, 44, PaperRun(16, 1, "torch"), "gpt_1.7b"),
     PublishedRow("3.6B", 64, 138, 44, PaperRun(16, 1, "torch"), "gpt_3.6b"),

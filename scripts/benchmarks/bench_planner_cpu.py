@@ -6,7 +6,7 @@ Runs pretrain_gpt.py (torchrun for more than one rank, gloo, one thread per rank
 hidden 256, sequence 256, fp32, global batch 16) in six layouts, each `--rounds` times, and keeps each layout's
 best round (the median ms/iteration of its logged iterations after the first): the machine is shared, so the
 best round is the least disturbed. `tools/plan.py --calibrate`'s fit (planner/calibrate.py: gemm_max, hbm,
-nvlink_latency_us) runs on CALIBRATE; HELD_OUT are predicted with the fitted constants and never seen by the fit.
+collective_base_us) runs on CALIBRATE; HELD_OUT are predicted with the fitted constants and never seen by the fit.
 Prints measured against predicted ms/iteration side by side. Cluster: configs/clusters/cpu_2core.yaml
 (ranks share the 2 cores: planner/costs.py `device_share`).
 """
@@ -30,8 +30,8 @@ from training.setup import DEFAULT_CONFIG
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # compute; the other busy processes the scheduler shares the 2 cores with (pp2 against 1 process tells it);
-# gloo's cost per collective call (tp2 tells it)
-FIT_KEYS = ("gemm_max", "competing_processes", "nvlink_latency_us")
+# gloo's cost per call (tp2 tells it)
+FIT_KEYS = ("gemm_max", "competing_processes", "collective_base_us")
 
 MODEL = [
     "model.num_layers=8",

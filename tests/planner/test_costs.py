@@ -82,7 +82,11 @@ def test_gemm_efficiency_curve():
 
 
 def test_memory_and_link_terms():
-    hw = Hardware(a100(hbm=0.5, nvlink=1.0, network=1.0, latency_us=0.0, nvlink_latency_us=0.0), fp32=False, grid=TP8)
+    hw = Hardware(
+        a100(hbm=0.5, nvlink=1.0, network=1.0, latency_us=0.0, nvlink_latency_us=0.0, collective_base_us=0.0),
+        fp32=False,
+        grid=TP8,
+    )
     assert hw.memory_seconds(2039e9) == pytest.approx(2.0)
     assert hw.link_seconds(25e9, inter_node=True) == pytest.approx(1.0)  # one IB card per GPU
     assert hw.link_seconds(300e9, inter_node=False) == pytest.approx(1.0)  # 600 GB/s both ways
@@ -119,7 +123,7 @@ def test_rank_grid_is_megatrons_order():
 
 
 def test_scatter_gather_cuts_inter_node_bytes_by_tp():
-    hw = Hardware(a100(latency_us=0.0, nvlink_latency_us=0.0), fp32=False, grid=TP8)
+    hw = Hardware(a100(latency_us=0.0, nvlink_latency_us=0.0, collective_base_us=0.0), fp32=False, grid=TP8)
     plain = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=False)
     scattered = p2p_seconds(shape(), hw, inter_node=True, scatter_gather=True)
     nbytes = 2048 * 12288 * 2
@@ -172,12 +176,12 @@ def test_planner_imports_no_training_code():
 
 
 def test_ring_latency_counts_steps_inside_and_across_nodes_as_nccl_does():
-    # NCCL's tuning model: an all-reduce over n ranks on k nodes takes 2 (n - 1) ring steps, 2 (k - 1) of them
-    # across nodes (network latency), the rest over NVLink
-    hw = Hardware(a100(latency_us=10.0, nvlink_latency_us=3.0), fp32=False, grid=TP8)
+    # NCCL's tuning model: a base latency per call, and an all-reduce over n ranks on k nodes takes 2 (n - 1)
+    # ring steps, 2 (k - 1) of them across nodes (network latency), the rest over NVLink
+    hw = Hardware(a100(latency_us=10.0, nvlink_latency_us=3.0, collective_base_us=8.0), fp32=False, grid=TP8)
     tiny = 1.0  # bytes: the latency is all that is left
-    assert hw.collective_seconds("all_reduce", tiny, 8, 8) == pytest.approx(14 * 3e-6, rel=1e-3)
-    assert hw.collective_seconds("all_reduce", tiny, 32, 8) == pytest.approx((6 * 10 + 56 * 3) * 1e-6, rel=1e-3)
-    assert hw.collective_seconds("all_gather", tiny, 32, 8) == pytest.approx((3 * 10 + 28 * 3) * 1e-6, rel=1e-3)
-    assert hw.link_seconds(tiny, inter_node=False) == pytest.approx(3e-6, rel=1e-3)
-    assert hw.link_seconds(tiny, inter_node=True) == pytest.approx(10e-6, rel=1e-3)
+    assert hw.collective_seconds("all_reduce", tiny, 8, 8) == pytest.approx((8 + 14 * 3) * 1e-6, rel=1e-3)
+    assert hw.collective_seconds("all_reduce", tiny, 32, 8) == pytest.approx((8 + 6 * 10 + 56 * 3) * 1e-6, rel=1e-3)
+    assert hw.collective_seconds("all_gather", tiny, 32, 8) == pytest.approx((8 + 3 * 10 + 28 * 3) * 1e-6, rel=1e-3)
+    assert hw.link_seconds(tiny, inter_node=False) == pytest.approx((8 + 3) * 1e-6, rel=1e-3)
+    assert hw.link_seconds(tiny, inter_node=True) == pytest.approx((8 + 10) * 1e-6, rel=1e-3)

@@ -45,7 +45,7 @@ def test_one_stage_has_no_bubble_and_pipelines_match_the_simulator():
     assert flat.breakdown["bubble"] == pytest.approx(0.0, abs=1e-9) and flat.breakdown["pp_comm"] == 0.0
     # with equal costs per stage and free communication the planner's bubble is the simulator's (p-1)/m
     config = paper("76.1b", "parallel.scatter_gather=false")
-    free = cluster.with_efficiency(latency_us=0.0, nvlink_latency_us=0.0, network=1.0)
+    free = cluster.with_efficiency(latency_us=0.0, nvlink_latency_us=0.0, collective_base_us=0.0, network=1.0)
     p = predict(config, free, 1024)
     lay = p.layout
     lists = [build_schedule(lay.schedule, lay.pp_size, r, lay.num_microbatches) for r in range(lay.pp_size)]
