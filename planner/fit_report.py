@@ -24,20 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner import calibrate, published
-from planner.cluster import ClusterSpec
+from planner.cluster import ClusterSpec, Efficiency
 
 FIT_KEYS = ("gemm_max", "hbm")
 START = {"gemm_max": 0.8, "hbm": 0.75}  # priors: where every fit starts, kept if not identifiable
 SENSITIVITY = 0.01  # a key is fitted only if scaling it by e^-0.5 moves some fitted row by 1% or more
 ROW_ERROR = 0.03  # the log error expected of one published row (rounded TF/GPU, run-to-run spread, model)
 PRIOR_SIGMA = {"hbm": 0.2 / ROW_ERROR}  # hbm's prior width (20%) in units of one row's error
+_NCCL_LATENCIES = ("latency_us", "nvlink_latency_us", "collective_base_us")  # Efficiency's defaults: NCCL's table
 FIXED = {
     "nvlink": 0.75,
     "network": 0.92,
-    "latency_us": 10.0,
-    "nvlink_latency_us": 3.4,
-    "collective_base_us": 8.4,
     "gemm_half_flops": 2.0e9,
+    **{k: getattr(Efficiency(), k) for k in _NCCL_LATENCIES},
 }
 
 

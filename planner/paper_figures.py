@@ -58,9 +58,8 @@ class Setting:
                 f"train.recompute={self.recompute}",
             ],
         )
-        base = as_paper_ran(base, PaperRun(self.micro_batch, self.vp))  # 2021 Megatron-LM, local DDP
-        parallel = dataclasses.replace(base.parallel, scatter_gather=self.scatter_gather)
-        return dataclasses.replace(base, parallel=parallel)
+        run = PaperRun(self.micro_batch, self.vp, scatter_gather=self.scatter_gather)  # 2021, local DDP
+        return as_paper_ran(base, run)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class PaperRun:
     micro_batch: int = 1
     vp: int = 1  # (layers / p) / --num-layers-per-virtual-pipeline-stage; 1: plain 1F1B
     ddp: str = "local"
+    scatter_gather: bool = True  # the default; only Figure 18's baseline turned it off
 
     @property
     def software(self) -> Software:
@@ -92,12 +93,14 @@ class PublishedRow:
 
 
 def as_paper_ran(config: Config, run: PaperRun) -> Config:
-    """`config` with the run's micro-batch and schedule (interleaved with `run.vp` chunks, else plain 1F1B)
-    and scatter/gather on, as Megatron-LM 2021 ran it (its interleaved schedule needed p > 2 and the
+    """`config` with the run's micro-batch, schedule (interleaved with `run.vp` chunks, else plain 1F1B) and
+    scatter/gather, as Megatron-LM 2021 ran it (its interleaved schedule needed p > 2 and the
     micro-batches a multiple of p; every published run satisfies both)."""
     chunks = run.vp if config.parallel.pp_size > 1 else 1
     schedule = "interleaved" if chunks > 1 else "1f1b"
-    parallel = dataclasses.replace(config.parallel, vp_size=chunks, schedule=schedule, scatter_gather=True)
+    parallel = dataclasses.replace(
+        config.parallel, vp_size=chunks, schedule=schedule, scatter_gather=run.scatter_gather
+    )
     train = dataclasses.replace(config.train, micro_batch_size=run.micro_batch)
     return dataclasses.replace(config, parallel=parallel, train=train)
 

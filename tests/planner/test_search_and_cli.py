@@ -124,9 +124,8 @@ def write_run(run_dir, config, world, seconds):
         handle.write(json.dumps({"iteration": 40, "val_loss": 4.0}) + "\n")
 
 
-def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
-    cluster = load_cluster(A100)
-    truth = cluster.with_efficiency(gemm_max=0.5, hbm=0.4)
+def two_runs(tmp_path, truth) -> list[str]:
+    """Two run folders whose times are `truth`'s predictions (1.7B on 8 GPUs, 3.6B at pp 2 on 16)."""
     runs = []
     for i, (name, world, overrides) in enumerate(
         [("gpt_1.7b.yaml", 8, []), ("gpt_3.6b.yaml", 16, ["parallel.pp_size=2"])]
@@ -137,6 +136,12 @@ def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
         run_dir = str(tmp_path / f"run{i}")
         write_run(run_dir, config, world, predict(config, truth, world).iteration_seconds)
         runs.append(run_dir)
+    return runs
+
+
+def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
+    cluster = load_cluster(A100)
+    runs = two_runs(tmp_path, cluster.with_efficiency(gemm_max=0.5, hbm=0.4))
     observations = [calibrate.load_run(r) for r in runs]
     assert [o.world_size for o in observations] == [8, 16]
     before = calibrate.error_table(cluster, observations)
@@ -147,6 +152,18 @@ def test_calibration_recovers_the_constants_of_a_run(tmp_path, capsys):
     assert code == 0, err
     assert "model error after the fit: at most" in out
     assert load_cluster(str(tmp_path / "fitted.yaml")).efficiency.gemm_max < cluster.efficiency.gemm_max
+
+
+def test_a_prior_holds_a_constant_near_its_start(tmp_path):
+    # calibrate.fit's MAP prior: a tight prior keeps hbm near where the fit starts, and gemm_max takes up what
+    # it can of the difference; without the prior hbm goes to the truth
+    cluster = load_cluster(A100)
+    observations = [calibrate.load_run(r) for r in two_runs(tmp_path, cluster.with_efficiency(gemm_max=0.5, hbm=0.4))]
+    free = calibrate.fit(cluster, observations, keys=("gemm_max", "hbm"))
+    held = calibrate.fit(cluster, observations, keys=("gemm_max", "hbm"), prior_sigma={"hbm": 0.01})
+    assert free.efficiency.hbm == pytest.approx(0.4, rel=0.02)
+    assert held.efficiency.hbm == pytest.approx(cluster.efficiency.hbm, rel=0.05)
+    assert held.efficiency.gemm_max < cluster.efficiency.gemm_max
 
 
 def test_calibrate_rejects_a_folder_without_metrics(tmp_path, capsys):
