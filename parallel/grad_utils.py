@@ -57,13 +57,12 @@ def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel) 
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""
     shared = _unique_params(chunks, "shared_embedding")
-    if len(shared) == 2:
-        # The V-shaped placement (zb-v) puts the first and the last stage on one rank: sum the two copies
-        # here; the rest of the embedding group holds no copy and skips the all-reduce as well.
+    if shared and state.stages.embedding_pp_ranks == (state.pp_rank,):
+        # One rank holds both ends in different chunks (zb-v's V placement): sum the two copies here.
         first, last = (ddp.owned_main_grad(p) for p in shared)
         first.add_(last)
         last.copy_(first)
-    elif state.pp_size > 1 and state.embedding_group is not None:
+    elif shared and state.embedding_group is not None:
         all_reduce_coalesced([ddp.owned_main_grad(p) for p in shared], state.embedding_group)
     if state.tp_size > 1:
         replicated = _unique_params(chunks, "sequence_parallel")

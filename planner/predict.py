@@ -14,17 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.shape import iteration_flops, rank_params
+from model.shape import rank_params
 from parallel.layout import Layout, build_layout, uses_v_shape
 from parallel.pipeline.p2p import produced_message
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.simulator import simulate_lists
-from parallel.pipeline.stages import virtual_stage
 from parallel.rank_grid import RankGrid
+from parallel.run_shape import TIED_GROUP, RunShape
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
 from planner.costs import Hardware, head_times, layer_times, optimizer_seconds, p2p_seconds
-from planner.memory import GIB, MemoryEstimate, layout_memory, rank_roles
+from planner.memory import GIB, MemoryEstimate, layout_memory
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
@@ -130,12 +130,11 @@ class _Costs:
     def __init__(self, config: Any, layout: Layout, hw: Hardware, shape: Any):
         model, train = config.model, config.train
         p, v = layout.pp_size, layout.vp_size
-        self.layout = layout
-        per_chunk = model.num_layers // (p * v)
+        self.layout, self.run = layout, RunShape.of(config, layout)
+        per_chunk = self.run.stages.layers_per_chunk(model.num_layers)
         layer = layer_times(shape, model, hw, train.recompute)
         self.recompute_per_chunk = per_chunk * layer.recompute
-        vocab = model.padded_vocab_size(layout.tp_size)
-        head_f, head_b = head_times(shape, model, hw, vocab)
+        head_f, head_b = head_times(shape, model, hw, self.run.padded_vocab)
         sbh_bytes = shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes
         boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, hw.per_node("tp"))  # embedding / head
         embed = hw.memory_seconds(3 * sbh_bytes)
@@ -163,8 +162,8 @@ class _Costs:
         cost = self._cache.get(key)
         if cost is None:
             p, v = self.layout.pp_size, self.layout.vp_size
-            v_shape = uses_v_shape(self.layout.schedule)
-            stage = virtual_stage(pp_rank, action.chunk, p, v_shape)
+            v_shape = self.run.stages.v_shape
+            stage = self.run.stages.virtual_stage(pp_rank, action.chunk)
             match action.op:
                 case Op.FORWARD:
                     compute, tp = self.forward[stage]
@@ -237,8 +236,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
     memory = memory_of(config, layout, cluster, shape)
-    vocab = model.padded_vocab_size(layout.tp_size)
-    flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
+    flops = costs.run.flops.with_recompute  # the paper's
     recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     return Prediction(
         layout,
@@ -270,7 +268,7 @@ def _rank_parts(
     compute = sum(c.compute for c in spent)
     tp_comm = sum(c.tp_comm for c in spent)
     pp_comm = sum(c.pp_comm for c in spent)
-    params = rank_params(model, layout.tp_size, layout.pp_size, rank_roles(layout, pp_rank))
+    params = rank_params(model, layout.tp_size, layout.pp_size, costs.run.chunk_roles(pp_rank))
     # gradients are reduced over dp x cp (the cp ranks hold replicas of every parameter)
     dp, dp_node = layout.dp_size * layout.cp_size, hw.per_node("dp", "cp")
     kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
@@ -282,9 +280,8 @@ def _rank_parts(
     if par.distributed_optimizer:
         param_bytes = 4.0 if train.precision == "fp32" else 2.0
         dp_comm += hw.collective_seconds("all_gather", param_bytes * params, dp, dp_node)
-    holds_tied_copy = model.tie_embeddings and layout.pp_size > 1 and pp_rank in (0, layout.pp_size - 1)
-    if holds_tied_copy:
-        embedding_bytes = 4.0 * model.padded_vocab_size(layout.tp_size) // layout.tp_size * model.hidden_size
+    if costs.run.roles(pp_rank).tied_reduction == TIED_GROUP:  # zb-v's rank 0 sums its two copies itself
+        embedding_bytes = 4.0 * costs.run.vocab_local * model.hidden_size
         dp_comm += hw.collective_seconds("all_reduce", embedding_bytes, 2, 1)
     optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw, software.step_bytes, software.copy_bytes)
     bubble = max(0.0, end - (compute + tp_comm + pp_comm))  # rounding can leave -1e-16 on one stage

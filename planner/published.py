@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass
 
 from config.schema import Config, config_from_dict, load_config
-from model.shape import iteration_flops
+from parallel.layout import layout_from_config
+from parallel.run_shape import RunShape
 from planner.predict import Software
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,9 +138,7 @@ def observations(rows: list[PublishedRow]) -> list:
     result = []
     for row in rows:
         config = row.config()  # full recomputation: the achieved FLOPs are the paper's equation (3)
-        par = config.parallel
-        vocab = config.model.padded_vocab_size(par.tp_size)
-        flops = iteration_flops(config.model, vocab, config.train, par.pp_size * par.vp_size).with_recompute
+        flops = RunShape.of(config, layout_from_config(config, row.world_size)).flops.with_recompute
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
         result.append(Observation(row.label, config, row.world_size, seconds, row.run.software))
     return result

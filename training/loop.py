@@ -164,8 +164,8 @@ def train(run: Run) -> None:
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
     iteration_one = run.progress.iteration + 1
     stats = IntervalStats(
-        run.flops_per_iter,
-        cfg.train.global_batch_size * cfg.model.seq_length,
+        run.shape.flops,
+        run.shape.tokens_per_iteration,
         run.env.world_size,
         run.env.device.type,
         peak_tflops(cfg.logging.peak_tflops, run.env.device.type, cfg.train.precision),

@@ -9,8 +9,9 @@ from config.schema import load_config
 from model.shape import rank_params, total_params
 from parallel.layout import Layout, layout_from_config
 from parallel.pipeline.schedules import build_schedule
+from parallel.run_shape import RunShape
 from planner.activations import ActivationShape, head_activation_bytes, layer_activation_bytes, shape_from_config
-from planner.memory import layout_memory, max_in_flight, rank_roles, state_bytes_per_param
+from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 
@@ -34,7 +35,8 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
     layout = layout_from_config(config, par.tp_size * par.pp_size)
     for pp_rank in range(par.pp_size):
         meta = count(meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1))
-        assert rank_params(config.model, par.tp_size, par.pp_size, rank_roles(layout, pp_rank)) == meta
+        roles = RunShape.of(config, layout).chunk_roles(pp_rank)
+        assert rank_params(config.model, par.tp_size, par.pp_size, roles) == meta
     assert total_params(config.model) == total_parameters(config)
 
 
