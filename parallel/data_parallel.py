@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from model.param_info import param_info
-from parallel.comm import reduce_scatter_into
 
 
 @dataclass
@@ -222,9 +220,9 @@ class DataParallel:
         if self.distributed_optimizer:
             start, end = bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(flat, group=self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.all_reduce(flat, self.state.dp_cp_group, async_op=True)
 
     # ---- layout queries ---------------------------------------------------------------------
     def _all_buckets(self):

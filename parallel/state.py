@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from parallel.comm import Collectives, CommRecorder
 from parallel.layout import Layout, derive_dp_size
 from parallel.pipeline.stages import StageMap
 from parallel.rank_grid import RankGrid
@@ -26,6 +27,9 @@ class ParallelState:
     every parameter, so gradients and the distributed optimizer's shards go over `dp_cp_group` (dp x cp),
     while the data (which samples a rank reads) follows the dp rank alone. With cp = 1, dp_cp_group is
     dp_group itself (and no group is created for it).
+
+    `comm` is the one door for every collective and p2p on these groups (parallel/comm.py), which knows each
+    group by the dimensions it spans and reports every call to its recorder, if any.
 
     Build it with `ParallelState.create(...)` after `torch.distributed.init_process_group`; build a
     single-process state (no torch.distributed) with `ParallelState.single()`.
@@ -50,6 +54,7 @@ class ParallelState:
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     cp_ranks: list[int] = field(default_factory=list)
+    comm: Collectives = field(default_factory=Collectives)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -69,15 +74,26 @@ class ParallelState:
         )
 
     @classmethod
-    def from_layout(cls, layout: Layout) -> ParallelState:
-        """The state of `layout` for this process: `single()` for one process, else `create(...)`."""
+    def from_layout(cls, layout: Layout, recorder: CommRecorder | None = None) -> ParallelState:
+        """The state of `layout` for this process: `single()` for one process, else `create(...)`; `recorder`
+        sees every collective issued through `comm`."""
         if layout.world_size == 1:
-            return cls.single()
-        return cls.create(layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape)
+            state = cls.single()
+            state.comm.recorder = recorder
+            return state
+        return cls.create(
+            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder
+        )
 
     @classmethod
     def create(
-        cls, tp_size: int, pp_size: int, vp_size: int = 1, cp_size: int = 1, v_shape: bool = False
+        cls,
+        tp_size: int,
+        pp_size: int,
+        vp_size: int = 1,
+        cp_size: int = 1,
+        v_shape: bool = False,
+        recorder: CommRecorder | None = None,
     ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -91,28 +107,29 @@ class ParallelState:
             vp_size=vp_size,
             cp_size=cp_size,
             v_shape=v_shape,
+            comm=Collectives(recorder),
         )
         grid = state.grid
         for ranks in grid.groups("tp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.tp_group, state.tp_ranks = group, ranks
+                state.tp_group, state.tp_ranks = state._named(group, "tp", ranks), ranks
         for ranks in grid.groups("dp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.dp_group, state.dp_ranks = group, ranks
+                state.dp_group, state.dp_ranks = state._named(group, "dp", ranks), ranks
         for ranks in grid.groups("pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.pp_group, state.pp_ranks = group, ranks
+                state.pp_group, state.pp_ranks = state._named(group, "pp", ranks), ranks
             embedding_ranks = [ranks[pp_rank] for pp_rank in state.stages.embedding_pp_ranks]
             emb_group = dist.new_group(embedding_ranks)
             if rank in embedding_ranks and len(embedding_ranks) > 1:
-                state.embedding_group = emb_group
+                state.embedding_group = state._named(emb_group, "embedding", embedding_ranks)
         for ranks in grid.groups("tp", "pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.model_parallel_group = group
+                state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
             state._create_cp_groups()
         return state
@@ -121,11 +138,16 @@ class ParallelState:
         for ranks in self.grid.groups("cp"):
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.cp_group, self.cp_ranks = group, ranks
+                self.cp_group, self.cp_ranks = self._named(group, "cp", ranks), ranks
         for ranks in self.grid.groups("cp", "dp"):
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.dp_x_cp_group = group
+                self.dp_x_cp_group = self._named(group, "dp_cp", ranks)
+
+    def _named(self, group: Any, name: str, ranks: list[int]) -> Any:
+        """`group`, registered under `name` with `comm` (the records name groups by their dimensions)."""
+        self.comm.register(group, name, len(ranks))
+        return group
 
     # ---- coordinates --------------------------------------------------------------------------
     @property

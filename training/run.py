@@ -18,6 +18,7 @@ import yaml
 from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
+from parallel.comm import CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters
@@ -187,7 +188,7 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
     par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
-    state = ParallelState.from_layout(layout)
+    state = ParallelState.from_layout(layout, CommRecorder())  # the latest collectives of this rank, always kept
     logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
     eod_id, datasets, resume_plan = prepare_data(config, env, logger)
     dtype = param_dtype(train_cfg.precision)
@@ -242,7 +243,7 @@ def _all_reduce_int(value: int, group: dist.ProcessGroup | None, state: Parallel
     if not state.is_distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, group=group)
+    state.comm.all_reduce(tensor, group)
     return int(tensor.item())
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
@@ -112,11 +111,11 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     if state.is_distributed:
         total = total.reshape(1)
         if state.cp_size > 1:
-            dist.all_reduce(total, group=state.cp_group)
+            state.comm.all_reduce(total, state.cp_group)
         if state.pp_size > 1:
-            dist.all_reduce(total, group=state.pp_group)
+            state.comm.all_reduce(total, state.pp_group)
         if state.dp_size > 1:
-            dist.all_reduce(total, group=state.dp_group)
+            state.comm.all_reduce(total, state.dp_group)
             total /= state.dp_size
     return float(total.reshape(()))
 
