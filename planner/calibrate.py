@@ -24,7 +24,8 @@ from config.schema import ConfigError, load_config
 from parallel.layout import layout_from_config
 from parallel.run_shape import RunShape
 from planner.cluster import ClusterSpec
-from planner.predict import TRAINER, Software, predict
+from planner.predict import predict
+from planner.software import TRAINER, Software
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {

@@ -18,8 +18,8 @@ from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from planner.activations import shape_from_config
+from planner.collectives import LayoutCollectives
 from planner.memory import layout_memory
-from planner.ring import ring_bytes_per_layer
 
 
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
@@ -95,9 +95,9 @@ def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[s
         f"{memory['weights'] + memory['grads'] + memory['optimizer']:.1f} GiB, activations "
         f"{memory['activations'] + memory['working_set']:.1f} GiB, total {memory['total']:.1f} GiB"
     )
-    if par.cp_size > 1:
-        value_bytes = 4 if train.precision == "fp32" else 2
-        forward, backward = ring_bytes_per_layer(m, train.micro_batch_size, par.tp_size, par.cp_size, value_bytes)
+    if par.cp_size > 1:  # what one layer's ring attention sends, as the planner lists it
+        ring = LayoutCollectives(config, layout)
+        forward, backward = (sum(c.nbytes for c in ring.ring(1, way) if c.kind == "send") for way in (True, False))
         lines.append(
             f"ring attention (cp {par.cp_size}, {shape.local_seq_length} tokens per rank): each rank sends "
             f"{forward / 2**20:.1f} MiB forward + {backward / 2**20:.1f} MiB backward per layer and micro-batch"
