@@ -95,7 +95,7 @@ def megatron_args(cfg: ModelConfig, layout: tuple[int, int, int], iteration: int
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vp) if vp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=StageMap(pp, vp).layers_per_chunk(cfg.num_layers) if vp > 1 else None,
         transformer_impl="local",
         params_dtype=torch.float32,
         iteration=iteration,

@@ -124,7 +124,8 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
         for stage in range(stages.num_stages)
         for op in (Op.FORWARD, Op.BACKWARD)
     )
-    per_microbatch = (model.num_layers // layout.pp_size) * (layer.forward + layer.backward)
+    layers_per_rank = sum(len(chunk.layer_ids) for chunk in comms.run.chunks(0))
+    per_microbatch = layers_per_rank * (layer.forward + layer.backward)
     per_microbatch += collectives / layout.pp_size
     bubble = (layout.pp_size - 1) / (layout.vp_size * layout.num_microbatches)
     return layout.num_microbatches * per_microbatch * (1.0 + bubble)
