@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
+from evaluation.in_training import zero_shot_tasks
 from parallel.layout import layout_from_config
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from training.loop import run_training
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = layout_from_config(config, world_size)  # every layout rule, before any work
         use_cuda = check_devices(config.train, os.environ)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
+        extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             warning = lock.stale_warning()
             if warning is not None:
                 print(warning, file=sys.stderr)
-            return run_training(config, env, layout, preemption)
+            return run_training(config, env, layout, preemption, extra_evaluation)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_INTERRUPTED
