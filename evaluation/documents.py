@@ -19,7 +19,7 @@ class EvalInputError(ValueError):
 def read_text_file(path: str, what: str) -> str:
     """The UTF-8 text of `path`; EvalInputError for a missing, unreadable, binary, non-UTF-8 or empty file."""
     if not os.path.exists(path):
-        raise EvalInputError(f"{path}: no such file (the {what})")
+        raise EvalInputError(f"{path}: no such file (give the {what})")
     if os.path.isdir(path):
         raise EvalInputError(f"{path} is a folder: give the {what} file itself")
     try:
@@ -28,19 +28,19 @@ def read_text_file(path: str, what: str) -> str:
     except OSError as err:
         raise EvalInputError(f"{path}: cannot read it ({err.strerror})") from None
     if b"\0" in raw:
-        raise EvalInputError(f"{path} holds NUL bytes: it is a binary file, not the {what} (UTF-8 text)")
+        raise EvalInputError(f"{path} holds NUL bytes: a binary file, not the {what} (UTF-8 text)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise EvalInputError(f"{path}: not UTF-8 text (byte {err.start}): the {what} is a UTF-8 text file") from None
+        raise EvalInputError(f"{path}: not UTF-8 text (byte {err.start}): give the {what} (UTF-8 text)") from None
     if not text.strip():
-        raise EvalInputError(f"{path} is empty: the {what} needs text to score")
+        raise EvalInputError(f"{path} is empty: give the {what}")
     return text
 
 
 def read_wikitext(path: str) -> str:
     """The raw text of a WikiText file (wiki.test.tokens of WikiText-103, or any text in its format)."""
-    text = read_text_file(path, "WikiText file (wiki.test.tokens)")
+    text = read_text_file(path, "WikiText file, such as WikiText-103's wiki.test.tokens")
     first = text.lstrip().split("\n", 1)[0]
     if first.startswith("{") and _is_json_object(first):
         raise EvalInputError(
@@ -54,7 +54,7 @@ def read_lambada(path: str) -> list[str]:
     """The texts of a LAMBADA file: one JSON object with a non-empty "text" string per line (blank lines
     skipped); the last word of each text is the target."""
     texts = []
-    for number, line in enumerate(read_text_file(path, "LAMBADA file (lambada_test.jsonl)").splitlines(), start=1):
+    for number, line in enumerate(read_text_file(path, "LAMBADA file, lambada_test.jsonl of the GPT-2 release").splitlines(), start=1):
         if not line.strip():
             continue
         try:

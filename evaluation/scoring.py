@@ -62,8 +62,10 @@ class WindowScore:
 
     @property
     def total(self) -> float:
-        """Summed log-likelihood of the scored targets."""
-        return float(self.logprobs.sum())
+        """Summed log-likelihood of the scored targets, summed in fp32 by torch as lm-evaluation-harness sums a
+        window's (`float(logits.sum())`): a long request's total then differs from the harness's by the
+        per-token differences only, not by fp32's rounding of the sum (~1e-4 over a few hundred tokens)."""
+        return float(torch.from_numpy(self.logprobs.astype(np.float32)).sum())
 
     @property
     def all_greedy(self) -> bool:

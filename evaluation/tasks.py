@@ -77,7 +77,7 @@ def wikitext_task(text: str, encode: Callable[[str], list[int]], eod: int, windo
     size = sum(len(article.encode("utf-8")) for article in articles)
 
     def figures(scores: list[WindowScore]) -> Figures:
-        loss = -sum(s.total for s in scores[: len(megatron)]) / (len(tokens) - 1)
+        loss = -sum(float(s.logprobs.sum()) for s in scores[: len(megatron)]) / (len(tokens) - 1)  # fp64 sum
         ratio = (len(tokens) - 1) / (original - 1)
         loglikelihood = sum(s.total for s in scores[len(megatron) :])
         return {

@@ -58,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--split", choices=SPLITS, default="all", help="loss: which split of the dataset")
     parser.add_argument("--batches", type=int, default=None, help="loss: global batches (default: one epoch)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp_size=2")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def dataset_prefix(path: str) -> str:
