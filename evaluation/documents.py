@@ -54,7 +54,9 @@ def read_lambada(path: str) -> list[str]:
     """The texts of a LAMBADA file: one JSON object with a non-empty "text" string per line (blank lines
     skipped); the last word of each text is the target."""
     texts = []
-    for number, line in enumerate(read_text_file(path, "LAMBADA file, lambada_test.jsonl of the GPT-2 release").splitlines(), start=1):
+    for number, line in enumerate(
+        read_text_file(path, "LAMBADA file, lambada_test.jsonl of the GPT-2 release").splitlines(), start=1
+    ):
         if not line.strip():
             continue
         try:
