@@ -57,16 +57,17 @@ class ModelSource:
 
 
 def run_config(checkpoint: str | None, hf: str | None, overrides: list[str]) -> tuple[Config, ModelSource]:
-    """The run config to evaluate with and the weights' source. A checkpoint brings its saved config (its
-    logging keys and zero-shot files dropped: they belong to the training run); a transformers folder its
-    model and tokenizer. Overrides apply on top; dropout is off (evaluation runs in eval mode anyway)."""
+    """The run config to evaluate with and the weights' source. A checkpoint brings its saved config without
+    its parallel, logging and eval sections (the layout it trained at, its W&B run and its zero-shot files
+    belong to the training run: the overrides choose the layout here); a transformers folder brings its model
+    and tokenizer. Overrides apply on top; dropout is off (evaluation runs in eval mode anyway)."""
     if (checkpoint is None) == (hf is None):
         raise EvalInputError("give one model: --checkpoint DIR or --hf DIR")
     if checkpoint is not None:
         iter_dir = checkpoint_iteration(checkpoint)[1]
         raw = read_run_config(iter_dir)
-        raw.pop("logging", None)
-        raw.pop("eval", None)
+        for section in ("parallel", "logging", "eval"):
+            raw.pop(section, None)
         source = ModelSource(iter_dir=iter_dir)
     else:
         assert hf is not None

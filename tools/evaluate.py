@@ -40,6 +40,7 @@ from evaluation.model_source import (
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, wikitext_task
 from parallel.layout import layout_from_config
+from training.logging import json_safe
 from training.setup import DistEnv, check_devices, init_distributed
 
 TASKS = ("wikitext", "lambada", "loss")
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     if env_holder[0].rank == 0:
         if args.json:
-            print(json.dumps(record))
+            print(json.dumps(json_safe(record)))  # an overflowing perplexity: null, named under "nonfinite"
         else:
             print_table(record)
     return 0

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+import tests.tools.test_convert_checkpoint as convert_tests
 import tools.evaluate as evaluate_tool
 from evaluation.documents import read_lambada
 from evaluation.model_source import load_model, run_config, run_tokenizer
@@ -16,6 +17,8 @@ from evaluation.scoring import WindowScorer
 from evaluation.tasks import lambada_task
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks
+from tests.tools.test_convert_checkpoint import tokenizer_files  # noqa: F401  (a module fixture)
+from tools.convert_checkpoint import to_hf
 from training.setup import DistEnv
 
 
@@ -201,3 +204,18 @@ def test_layouts_give_the_figures_of_one_process(layout, eval_model, eval_files,
                 assert close(many[key], value, 1e-5), (one["task"], key)
             elif key not in ("layout", "convention"):
                 assert many[key] == value, (one["task"], key)
+
+
+def test_a_checkpoint_saved_at_tp2_pp2_evaluates_on_one_process(tokenizer_files, eval_files, tmp_path, capsys):  # noqa: F811
+    """The layout a checkpoint was trained at is not imposed on its evaluation, and its figures are its
+    transformers export's."""
+    config = convert_tests.run_config(convert_tests.GPT, tokenizer_files, tp=2, pp=2)
+    run_ranks(4, convert_tests._save_at_layout, config, str(tmp_path / "ckpt"))
+    to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    capsys.readouterr()
+    ours = run_tool(capsys, "wikitext", "--data", eval_files["wikitext"], "--checkpoint", str(tmp_path / "ckpt"))
+    theirs = run_tool(capsys, "wikitext", "--data", eval_files["wikitext"], "--hf", str(tmp_path / "hf"))
+    assert ours["layout"].startswith("world 1 = tp 1") and ours["iteration"] == 3 and theirs["iteration"] is None
+    for key, value in ours.items():
+        if isinstance(value, float):
+            assert close(theirs[key], value, 1e-5), key
