@@ -113,6 +113,7 @@ class WindowScorer:
     def __init__(self, ctx: ForwardOnlyContext, pad_id: int, progress: Progress | None = None):
         self.ctx, self.pad_id, self.progress = ctx, pad_id, progress
         self.micro_batch_size = ctx.activation_shape[1]
+        self.max_positions = ctx.chunks[0].cfg.max_positions
         state, layout = ctx.state, ctx.layout
         self.cp_size, self.cp_rank = state.cp_size, state.cp_rank
         # The sequence is cut into 2 * cp chunks and, with sequence parallelism, over tp: pad it to both.
@@ -160,7 +161,8 @@ class WindowScorer:
         mb: Microbatch = {
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(length).expand(b, length).contiguous(),
+            # padding past the model's positions (the length rounded up for cp / sp) reads the last position
+            "position_ids": torch.arange(length).clamp(max=self.max_positions - 1).expand(b, length).contiguous(),
             "loss_mask": torch.ones(b, length),
         }
         if self.cp_size > 1:

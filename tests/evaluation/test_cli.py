@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 import tools.evaluate as evaluate_tool
+from data.indexed_dataset import IndexedDatasetBuilder
 from data.tokenizer_training import train_gpt2_bpe
 from tests.conftest import REPO_ROOT
 
@@ -17,6 +20,10 @@ def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[st
     (tmp_path / "empty.tokens").write_text("", encoding="utf-8")
     (tmp_path / "fake.bin").write_bytes(b"not tokens")
     (tmp_path / "fake.idx").write_bytes(b"not an index")
+    builder = IndexedDatasetBuilder(str(tmp_path / "ids.bin"), np.uint16)
+    for document in range(4):
+        builder.add_document([(7 * k + document) % 500 if k != 50 else 600 for k in range(100)])
+    builder.finalize(str(tmp_path / "ids.idx"))
     other = train_gpt2_bpe(["a small text to train another tokenizer on, " * 20], 300, str(tmp_path / "other"))
     return {
         "missing file": (["wikitext", "--data", str(tmp_path / "nope.tokens"), *checkpoint], "error: "),
@@ -24,6 +31,7 @@ def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[st
         "wikitext as lambada": (["lambada", "--data", eval_files["wikitext"], *checkpoint], "error: "),
         "lambada as wikitext": (["wikitext", "--data", eval_files["lambada"], *checkpoint], "error: "),
         "not a dataset": (["loss", "--data", str(tmp_path / "fake"), *checkpoint], "error: "),
+        "token outside the vocabulary": (["loss", "--data", str(tmp_path / "ids"), *checkpoint], "error: token id 600"),
         "missing checkpoint": (["lambada", "--data", eval_files["lambada"], "--checkpoint", str(tmp_path)], "error: "),
         "vocabulary mismatch": (
             [
