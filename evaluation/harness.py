@@ -7,8 +7,9 @@ runs on a checkpoint without converting it (and on a transformers folder through
 
 `python -m evaluation.harness` is lm_eval's own command line (every option, task and output the same) with
 "ptdp" registered first: lm_eval 0.4.13 finds models only in its registry, which nothing outside lm_eval fills
-before its command line parses `--model` (no entry-point discovery). From Python, importing this module
-registers it: `lm_eval.simple_evaluate(model="ptdp", model_args="checkpoint=...")`.
+before its command line parses `--model` (no entry-point discovery). Later lm_eval versions read the
+`lm_eval.models` entry point pyproject.toml declares, and plain `lm_eval --model ptdp` works there. From
+Python, importing this module registers it: `lm_eval.simple_evaluate(model="ptdp", model_args="checkpoint=...")`.
 
 model_args: `checkpoint=DIR` or `hf=DIR`, `dtype=fp32|bf16`, `max_length=N` (default: eval.seq_length, else
 the model's positions), `max_gen_toks=N` (256), and any `section.key=value` override of the run config
