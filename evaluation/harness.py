@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     """lm_eval's command line with the "ptdp" model registered; a bad model input: one line, exit 2."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    saved_argv = sys.argv
+    if argv is not None:  # lm_eval's parser reads sys.argv
+        sys.argv = [saved_argv[0], *argv]
     try:
         cli_evaluate()
     except ModelInputError as err:
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
+        sys.argv = saved_argv
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
