@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import torch.distributed as dist
+
 from config.schema import Config
 from data.builder import SPLIT_NAMES, BuildOptions, build_train_valid_test_datasets
 from evaluation.documents import EvalInputError
 from evaluation.tasks import Figures, capped_perplexity
 from training.guards import agree, bad_token_message, find_bad_token
-from training.setup import DistEnv, barrier, data_iterator
+from training.setup import DistEnv, data_iterator
 from training.train_step import ForwardOnlyContext, evaluate
 
 SPLITS = ("all", *SPLIT_NAMES)
@@ -50,9 +52,18 @@ def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> Any:
             [prefix], ratios, config.model.seq_length, config.train.seed, counts, data.cache_dir, options
         )[index]
 
-    datasets = build() if env.rank == 0 else None
-    barrier(env)
-    dataset = datasets if datasets is not None else build()
+    dataset, problem = None, [""]
+    if env.rank == 0:
+        try:
+            dataset = build()
+        except (ValueError, OSError) as err:  # (an empty split, a split without tokens) named by rank 0 ...
+            problem[0] = str(err)
+    if env.world_size > 1:  # ... and known to every rank, none left waiting for the index caches
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ReportedError(problem[0], 0)
+    if env.rank != 0:
+        dataset = build()
     if dataset is None:
         raise EvalInputError(f"{prefix}: data.split={data.split!r} gives the {split} split no documents")
     return dataset
