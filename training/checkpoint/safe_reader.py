@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from typing import IO, Any
 
 import torch
@@ -85,22 +86,53 @@ class MetadataUnpickler(pickle.Unpickler):
         return target
 
 
+def _is_shape(value: Any, ndim: int | None = None) -> bool:
+    return isinstance(value, tuple) and all(type(n) is int for n in value) and ndim in (None, len(value))
+
+
+def _is_tensor_entry(entry: Any) -> bool:
+    """A TensorStorageMetadata with a shape, a dtype and chunks of that rank (what every reader relies on)."""
+    size, chunks = getattr(entry, "size", None), getattr(entry, "chunks", None)
+    if not isinstance(size, tuple) or not isinstance(chunks, list) or not isinstance(entry, TensorStorageMetadata):
+        return False
+    ndim = len(size)
+    return (
+        _is_shape(size)
+        and isinstance(getattr(getattr(entry, "properties", None), "dtype", None), torch.dtype)
+        and all(
+            _is_shape(getattr(c, "offsets", None), ndim) and _is_shape(getattr(c, "sizes", None), ndim) for c in chunks
+        )
+    )
+
+
+def _is_data_file(info: Any) -> bool:
+    """A _StorageInfo naming a file of the folder itself (no path: a crafted one could read any file)."""
+    name = getattr(info, "relative_path", None)
+    return (
+        isinstance(name, str)
+        and os.path.basename(name) == name
+        and name not in ("", ".", "..")
+        and type(getattr(info, "offset", None)) is int
+        and type(getattr(info, "length", None)) is int
+    )
+
+
 def _check_shape(metadata: Any, path: str) -> Metadata:
     """The unpickled object, if it is an index of tensors stored in files of the folder itself."""
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
-    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
     if not isinstance(entries, dict) or not all(
-        isinstance(key, str) and isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata))
+        isinstance(key, str) and (isinstance(entry, BytesStorageMetadata) or _is_tensor_entry(entry))
         for key, entry in entries.items()
     ):
         raise CheckpointError(f"{path} is not checkpoint metadata (its index of tensors is malformed)")
-    if storage is not None and not isinstance(storage, dict):
+    if storage is not None and not (
+        isinstance(storage, dict)
+        and all(isinstance(getattr(index, "fqn", None), str) and _is_data_file(info) for index, info in storage.items())
+    ):
         raise CheckpointError(f"{path} is not checkpoint metadata (its index of data files is malformed)")
-    for info in (storage or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise CheckpointError(f"{path} names a data file outside its folder ({name!r}): not a checkpoint")
     return metadata
 
 
@@ -112,6 +144,8 @@ def read_metadata_file(path: str) -> Metadata:
             metadata = MetadataUnpickler(handle, path).load()
     except CheckpointError:
         raise
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror or type(err).__name__}") from None
     except Exception as err:  # unpickling errors have many types; name the file either way
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise CheckpointError(f"{path} cannot be read: {reason}") from None
@@ -150,7 +184,9 @@ def load_weights_file(path: str) -> Any:
     """torch.load(path, weights_only=True): tensors, numbers, strings and plain containers, nothing that runs.
     CheckpointError (one line naming the file, and the refused global if that is why) otherwise."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a pickle protocol before refusing: one line is ours
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling and zip errors have many types; name the file either way
         text = str(err)
         refused = REFUSED_GLOBAL.search(text)
