@@ -20,7 +20,6 @@ from tests.payloads import (
     PAYLOAD_GLOBAL,
     arm_dcp_metadata,
     arm_torch_file,
-    assert_payload_is_live,
     assert_refused,
     match_checksums,
 )
@@ -52,13 +51,6 @@ def hf_folder(trained, tmp_path_factory) -> str:
     torch.save(load_file(safetensors), os.path.join(out, "pytorch_model.bin"))
     os.remove(safetensors)
     return out
-
-
-@pytest.fixture
-def marker(tmp_path) -> str:
-    path = str(tmp_path / "payload_ran")
-    assert_payload_is_live(path)
-    return path
 
 
 def _copy_run(trained: str, tmp_path) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from convert.megatron import load_megatron_checkpoint
 from convert.model_weights import build_model_from_state, load_global_state
 from parallel.tensor_parallel import param_shardings
 from tests.conftest import REPO_ROOT, run_ranks
-from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, assert_payload_is_live, assert_refused
+from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, assert_refused
 from tests.tools.megatron_runs import SEQ, TOKENS, VOCAB, megatron_ranks
 
 LEGACY = {  # name: (style, tp, pp, vp)
@@ -157,9 +157,8 @@ def _assert_refused(root, tmp_path, bad_file, marker):
     )
 
 
-def test_code_in_a_legacy_file_is_refused(megatron_dir, tmp_path):
-    root, marker = tmp_path / "evil", str(tmp_path / "payload_ran")
-    assert_payload_is_live(marker)
+def test_code_in_a_legacy_file_is_refused(megatron_dir, tmp_path, marker):
+    root = tmp_path / "evil"
     os.makedirs(root / "iter_0000007" / "mp_rank_00")
     payload = torch.load(
         os.path.join(megatron_dir, "gpt_pp2", "iter_0000007", "mp_rank_00_000", "model_optim_rng.pt"),
@@ -172,11 +171,10 @@ def test_code_in_a_legacy_file_is_refused(megatron_dir, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["common.pt", ".metadata"])
-def test_code_in_a_torch_dist_checkpoint_is_refused(megatron_dir, tmp_path, target):
+def test_code_in_a_torch_dist_checkpoint_is_refused(megatron_dir, tmp_path, marker, target):
     import shutil
 
-    root, marker = tmp_path / "evil", str(tmp_path / "payload_ran")
-    assert_payload_is_live(marker)
+    root = tmp_path / "evil"
     shutil.copytree(os.path.join(megatron_dir, "gpt_dist_tp2"), root)
     iter_dir = str(root / "iter_0000007")
     if target == "common.pt":

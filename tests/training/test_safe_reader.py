@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, arm_torch_file, assert_payload_is_live
+from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, arm_torch_file
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.safe_reader import load_weights_file, read_dcp_metadata
 
@@ -26,13 +26,6 @@ FIXTURE = os.path.join(
 def iter_dir(tmp_path) -> str:
     path = str(tmp_path / "iter_0000004")
     shutil.copytree(FIXTURE, path)
-    return path
-
-
-@pytest.fixture
-def marker(tmp_path) -> str:
-    path = str(tmp_path / "payload_ran")
-    assert_payload_is_live(path)
     return path
 
 
