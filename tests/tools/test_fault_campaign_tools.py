@@ -2,8 +2,9 @@
 about 5,400 processes) and --vocab-size named as the trainer's key, compare_runs.py's negative tolerance,
 generate.py's NaN temperature, prompt length and binary stdin, plan.py's `--tokens -1e9` and a GPU count no
 layout divides, a tokenizer_config.json naming an eos token the tokenizer.json lacks; and neighbours of the
-same classes (pipeline_timeline.py's unbounded drawings and NaN costs, deep or binary JSON lines). Each is
-one line naming the option or file and what to do, exit 2, nothing written."""
+same classes (pipeline_timeline.py's unbounded drawings and NaN costs, train_tokenizer.py's 10**11 vocabulary,
+deep or binary JSON lines). Each is one line naming the option or file and what to do, exit 2, nothing
+written."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from model.generation import SamplingConfig, generate_tokens
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_compare_runs import write_run
-from tools import compare_runs, generate, pipeline_timeline, plan, preprocess_data
+from tools import compare_runs, generate, pipeline_timeline, plan, preprocess_data, train_tokenizer
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 GPT_1T = os.path.join(REPO_ROOT, "configs", "paper", "gpt_1t.yaml")
@@ -233,3 +234,15 @@ def test_generate_under_torchrun_every_rank_learns_of_bad_stdin(tmp_path):
     run_ranks(2, _binary_stdin_on_rank_0, str(tmp_path), timeout=120)
     messages = {(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)}
     assert messages == {"the prompt piped to stdin is not UTF-8 text (byte 0 of 1): pipe text, or give --prompt"}
+
+
+@pytest.mark.parametrize("kind", ["gpt2bpe", "sentencepiece"])
+def test_train_tokenizer_refuses_a_vocabulary_it_cannot_allocate(tmp_path, capsys, kind):
+    """Before: --vocab-size 100000000000 aborted the process inside the Rust BPE trainer (exit 134)."""
+    (tmp_path / "in.jsonl").write_text('{"text": "hello world"}\n')
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--type", kind, "--vocab-size", str(10**11)]
+    with pytest.raises(SystemExit) as exit_info:
+        train_tokenizer.main([*argv, "--output-dir", str(tmp_path / "tok")])
+    assert exit_info.value.code == 2
+    assert one_line(capsys) == "error: vocab_size 100000000000 is larger than 4,194,304: give a real vocabulary size"
+    assert not (tmp_path / "tok").exists()
