@@ -139,17 +139,19 @@ def _is_link_loop(path: str) -> bool:
 
 
 def _unusable_run_dir_message(run_dir: str, err: OSError, lock_path: str) -> str:
-    """One line for a run.dir that cannot be created or written; a broken symbolic link on its way (which
-    makedirs reports as "File exists") is named as one."""
+    """One line for a run.dir that cannot be created or written; a broken symbolic link or a file where the
+    folder belongs (both of which makedirs reports as "File exists") is named as one."""
     path = err.filename if isinstance(err.filename, str) else lock_path
     if os.path.islink(path) and not os.path.exists(path):
         broken = (
             "loops back on itself" if _is_link_loop(path) else f"points to {os.readlink(path)}, which does not exist"
         )
         return (
-            f"run.dir={run_dir}: {path} is a symbolic link that {broken}: create the folder it should point to, "
-            f"or give run.dir a real folder"
+            f"run.dir={run_dir} cannot hold the run: {path} is a symbolic link that {broken}: create the folder it "
+            f"should point to, or give run.dir a real folder"
         )
+    if err.errno == errno.EEXIST and os.path.exists(path) and not os.path.isdir(path):
+        return f"run.dir={run_dir} cannot hold the run: {path} is a file, not a folder: give run.dir a folder"
     return (
         f"run.dir={run_dir} cannot hold the run: {err.strerror} ({path}): give run.dir a folder this user can "
         f"create and write"

@@ -202,18 +202,23 @@ def test_cpu_requests_are_bounded_by_the_cores():
         check_cpu_requests(9, 1, {"OMP_NUM_THREADS": "1"}, cores=8)
 
 
-@pytest.mark.parametrize("link", ["loop", "dangling"])
-def test_run_dir_a_broken_symbolic_link_is_named_as_one(tiny_corpus, tmp_path, capsys, link):
+@pytest.mark.parametrize("link", ["loop", "dangling", "file"])
+def test_run_dir_a_broken_symbolic_link_or_a_file_is_named_as_one(tiny_corpus, tmp_path, capsys, link):
     """Before: "cannot hold the run: File exists"."""
     run_dir = tmp_path / "run"
-    os.symlink(run_dir if link == "loop" else tmp_path / "gone" / "x", run_dir)
+    if link == "file":
+        run_dir.write_text("x")
+    else:
+        os.symlink(run_dir if link == "loop" else tmp_path / "gone" / "x", run_dir)
     assert run_main(tiny_corpus, str(run_dir), *QUICK) == EXIT_INPUT_ERROR
     line = one_error_line(capsys)
-    expected = (
-        "loops back on itself" if link == "loop" else f"points to {tmp_path / 'gone' / 'x'}, which does not exist"
-    )
-    assert f"{run_dir} is a symbolic link that {expected}" in line, line
-    assert os.path.islink(run_dir) and not (tmp_path / "gone").exists()
+    expected = {
+        "loop": "is a symbolic link that loops back on itself",
+        "dangling": f"is a symbolic link that points to {tmp_path / 'gone' / 'x'}, which does not exist",
+        "file": "is a file, not a folder: give run.dir a folder",
+    }[link]
+    assert line.startswith(f"error: run.dir={run_dir} cannot hold the run: {run_dir} {expected}"), line
+    assert not (tmp_path / "gone").exists() and (run_dir.is_file() or run_dir.is_symlink())
 
 
 def test_wandb_installed_but_not_importable_is_refused_at_start_up(tiny_corpus, tmp_path, capsys, monkeypatch):
