@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 MAX_DEPTH = 64  # a config nests 2-3 levels, a cluster spec 3-4
+MAX_FILE_BYTES = 16 << 20  # a config is a few KB; a blend list of 100,000 prefixes a few MB
 MAX_ALIAS_EXPANSION = 10_000  # values aliases may add to a document (merge keys `<<: *base` included)
 
 
@@ -132,9 +133,11 @@ def read_yaml_file(path: str, kind: str, error: type[Exception]) -> Any:
     ("config", "cluster") and the path (and the line and key where there is one)."""
     try:
         with open(path, "rb") as handle:
-            raw = handle.read()
+            raw = handle.read(MAX_FILE_BYTES + 1)  # bounded: /dev/zero or a huge file is not read to the end
     except OSError as err:
         raise error(f"cannot read {kind} file {path}: {err.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise error(f"{kind} file {path} is larger than {MAX_FILE_BYTES >> 20} MiB: give the path of a .yaml file")
     if b"\0" in raw:
         raise error(f"{kind} file {path} is a binary file, not YAML text: give the path of a .yaml file")
     try:

@@ -98,6 +98,12 @@ def test_nesting_cycles_and_unreadable_values_are_one_line(tmp_path, text, expec
     assert expected in str(error.value) and str(error.value).startswith(f"config file {path}: "), error.value
 
 
+def test_an_endless_config_file_is_not_read_to_its_end():
+    """Before: --config /dev/zero read until memory ran out."""
+    with pytest.raises(ConfigError, match=r"^config file /dev/zero is larger than 16 MiB: give the path of a"):
+        load_config("/dev/zero")
+
+
 def test_aliases_within_the_bound_still_load():
     small = load_yaml_text("base: &b {lr: 0.1, wd: 0.0}\nrun: {<<: *b, wd: 0.1}\nlist: &l [1, 2]\nagain: [*l, *l]")
     assert small == {
