@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 import re
@@ -196,11 +195,6 @@ class LoggingConfig:
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
-        if self.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                f"logging.wandb_project={self.wandb_project} needs the wandb package: pip install wandb "
-                "(or drop the key)"
-            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
 
