@@ -18,6 +18,8 @@ import torch
 
 from data.atomic_files import honour_umask
 from data.tokenizers import EOD_TOKEN
+from training.checkpoint.files import CheckpointError
+from training.checkpoint.safe_reader import load_weights_file
 
 Tensors = dict[str, torch.Tensor]
 SAFE_INDEX = "model.safetensors.index.json"
@@ -216,8 +218,10 @@ def read_weights(folder: str) -> Tensors:
             return tensors
         legacy = os.path.join(folder, "pytorch_model.bin")
         if os.path.isfile(legacy):
-            return torch.load(legacy, map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors / unpickling errors have many types; name the folder
+            return load_weights_file(legacy)  # weights only; a refusal names the file and the global
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors errors have many types; name the folder
         raise HFFolderError(f"weights in {folder} cannot be read: {str(err).splitlines()[0]}") from None
     raise HFFolderError(f"{folder} holds no weights (model.safetensors, {SAFE_INDEX} or pytorch_model.bin)")
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from convert.safe_pickle import MetadataUnpickler, load_megatron_file
+from convert.safe_pickle import load_megatron_file
+from training.checkpoint.safe_reader import SafeFileSystemReader
 
 Tensors = dict[str, torch.Tensor]
 # A stacked layer tensor's key: the layer-local module path and the parameter.
@@ -51,27 +51,6 @@ def read_common(iter_dir: str) -> dict:
     return load_megatron_file(path)
 
 
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` goes through MetadataUnpickler instead of pickle.load."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's index, unpickled with the metadata allow-list."""
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as handle:
-            try:
-                metadata = MetadataUnpickler(handle, path).load()
-            except ValueError:
-                raise
-            except Exception as err:
-                raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
 def is_model_key(key: str, global_names: dict[str, str]) -> bool:
     """Model weights: the global tensors and the stacked layer tensors (optimizer keys have a prefix)."""
     return key in global_names or STACKED_KEY.match(key) is not None
@@ -79,7 +58,7 @@ def is_model_key(key: str, global_names: dict[str, str]) -> bool:
 
 def read_model_tensors(iter_dir: str, global_names: dict[str, str]) -> Tensors:
     """Every model tensor in full, stacked layers unstacked to `decoder.layers.N.<module>.<param>`."""
-    reader = SafeReader(iter_dir)
+    reader = SafeFileSystemReader(iter_dir)  # `.metadata` through the allow-list, read once
     entries = reader.read_metadata().state_dict_metadata
     wanted = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
