@@ -25,7 +25,7 @@ from model import kernels
 from model.config import ModelConfig
 from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
-from model.param_info import Sharding, param_info, set_param_info
+from model.param_info import Sharding, set_param_info
 from model.tp_hooks import AttentionFn, ContextParallelHooks, TensorParallelHooks, identity
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, b, 1, d]
@@ -298,8 +298,8 @@ class GPTModel(nn.Module):
 
     def _vocab_start_index(self) -> int:
         """First vocabulary id of this rank's logits [s, b, V(/tp)]: where its output-layer shard starts."""
-        weight = self.output_weight()
-        return param_info(weight).tp_rank * weight.shape[0]
+        # from the hooks, not the weight: under FSDP the forward sees the gathered weight, a new tensor
+        return self.tp_hooks.tp_rank * self.output_weight().shape[0]
 
     def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable | None) -> None:
         """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;

@@ -32,6 +32,7 @@ class TensorParallelHooks:
     """What GPTModel.forward calls where tensor parallelism changes the computation.
 
     tp_size                       the tensor-parallel size these hooks were made for
+    tp_rank                       this rank's place in its tp group (where its vocabulary shard starts)
     scatter_to_sequence_parallel  the embedding's output [s, b, h] -> this rank's [s/tp, b, h] under sequence
                                   parallelism (backward: all-gather); identity otherwise
     loss_fn                       per-token loss [s, b] from logits [s, b, V(/tp)] and labels [s, b]
@@ -42,6 +43,7 @@ class TensorParallelHooks:
     """
 
     tp_size: int = 1
+    tp_rank: int = 0
     scatter_to_sequence_parallel: TensorFn = identity
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_per_token
     head_input: TensorFn = identity

@@ -50,6 +50,9 @@ class ParallelState:
     dp_group: Any = None
     model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
     embedding_group: Any = None  # None unless this rank holds one of the tied copies on two ranks
+    fsdp_replicate: int = 1  # HSDP: the dp x cp ranks as this many replicas of an FSDP-sharded model
+    hsdp_shard_group: Any = None  # HSDP only: this rank's replica (dp x cp / fsdp_replicate ranks)
+    hsdp_replicate_group: Any = None  # HSDP only: the ranks holding the same shard in the other replicas
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
@@ -82,7 +85,13 @@ class ParallelState:
             state.comm.recorder = recorder
             return state
         return cls.create(
-            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder
+            layout.tp_size,
+            layout.pp_size,
+            layout.vp_size,
+            layout.cp_size,
+            layout.stages.v_shape,
+            recorder,
+            layout.fsdp_replicate if layout.fsdp else 1,
         )
 
     @classmethod
@@ -94,8 +103,10 @@ class ParallelState:
         cp_size: int = 1,
         v_shape: bool = False,
         recorder: CommRecorder | None = None,
+        fsdp_replicate: int = 1,
     ) -> ParallelState:
-        """Build every group; all ranks must call this in the same order (new_group is collective)."""
+        """Build every group; all ranks must call this in the same order (new_group is collective).
+        `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
         state = cls(
@@ -107,6 +118,7 @@ class ParallelState:
             vp_size=vp_size,
             cp_size=cp_size,
             v_shape=v_shape,
+            fsdp_replicate=fsdp_replicate,
             comm=Collectives(recorder),
         )
         grid = state.grid
@@ -132,7 +144,26 @@ class ParallelState:
                 state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
             state._create_cp_groups()
+        if fsdp_replicate > 1:
+            state._create_hsdp_groups()
         return state
+
+    def _create_hsdp_groups(self) -> None:
+        """HSDP cuts each dp x cp group (in dp_cp_rank order) into `fsdp_replicate` replicas of consecutive
+        ranks: FSDP shards over a replica ("dp_shard") and all-reduces over the ranks holding the same shard
+        in every replica ("dp_replicate"), as torchtitan's dp_replicate (outer) and dp_shard x cp (inner)."""
+        shard = self.dp_cp_size // self.fsdp_replicate
+        for ranks in self.grid.groups("cp", "dp"):  # ascending = dp_cp_rank order (cp varies faster)
+            replicas = [ranks[i * shard : (i + 1) * shard] for i in range(self.fsdp_replicate)]
+            for members in replicas:
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self.hsdp_shard_group = self._named(group, "dp_shard", members)
+            for index in range(shard):
+                members = [replica[index] for replica in replicas]
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self.hsdp_replicate_group = self._named(group, "dp_replicate", members)
 
     def _create_cp_groups(self) -> None:
         for ranks in self.grid.groups("cp"):

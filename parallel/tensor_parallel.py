@@ -71,6 +71,7 @@ def tensor_parallel_hooks(comm: TPComm, sequence_parallel: bool = False) -> Tens
     loss_comm = comm.with_scope("loss")
     return TensorParallelHooks(
         tp_size=comm.size,
+        tp_rank=comm.rank,
         # [s, b, h] replicated after the vocab all-reduce -> this rank's [s/tp, b, h] (backward: all-gather)
         scatter_to_sequence_parallel=(
             partial(scatter_to_sequence_parallel_region, comm=comm.with_scope("embedding"))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.data_parallel import Bucket, DataParallel
+from parallel.fsdp import ShardedDataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
 from training.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -49,7 +50,7 @@ class Segment:
     """One owned range [start, end) of chunk `bucket.chunk_index`'s grad buffer and its optimizer state.
     `pieces` are (param, segment offset, param-flat offset, length) of the params overlapping it."""
 
-    bucket: Bucket
+    bucket: Bucket | None  # None: a sharded parameter's segment (training/sharded_optimizer.py)
     start: int
     end: int
     grad: torch.Tensor  # [end - start] view into the grad buffer
@@ -110,10 +111,14 @@ class Optimizer:
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or ConstantLossScaler()
         self.step_count = 0
-        self.segments = [self._build_segment(b, *self._owned(b)) for b in ddp._all_buckets() if b.numel]
+        self.segments = self._build_segments()
         self.aliased = alias_fp32_params and self._alias_params()
 
     # ---- construction -----------------------------------------------------------------------
+    def _build_segments(self) -> list[Segment]:
+        """One segment per gradient bucket: the whole bucket, or (distributed) this rank's shard of it."""
+        return [self._build_segment(b, *self._owned(b)) for b in self.ddp._all_buckets() if b.numel]
+
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.start, bucket.end
 
@@ -235,7 +240,7 @@ class Optimizer:
             "dp_rank": self.state.dp_cp_rank,
             "segments": [
                 {
-                    "chunk": seg.bucket.chunk_index,
+                    "chunk": seg.bucket.chunk_index if seg.bucket is not None else 0,
                     "start": seg.start,
                     "end": seg.end,
                     "master": seg.master,
@@ -313,6 +318,7 @@ class DistributedOptimizer(Optimizer):
         segments = self.segments[::-1] if self.param_gather is not None else self.segments
         for seg in segments:
             bucket = seg.bucket
+            assert bucket is not None  # the distributed optimizer's segments are bucket shards
             dtypes = {p.dtype for p in bucket.params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
             full = torch.empty(bucket.numel, dtype=dtype, device=seg.master.device)  # [bucket] in param dtype
@@ -331,7 +337,7 @@ class DistributedOptimizer(Optimizer):
 # Twin of Optimizer.__init__'s signature (the same hyperparameters and defaults, forwarded by name).
 def build_optimizer(
     chunks: list[nn.Module],
-    ddp: DataParallel,
+    ddp: DataParallel | ShardedDataParallel,
     state,
     lr: float,
     weight_decay: float = 0.01,
@@ -342,7 +348,8 @@ def build_optimizer(
     loss_scale_cfg: dict[str, Any] | None = None,
     overlap_param_gather: bool = False,
 ) -> Optimizer:
-    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`.
+    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer; FSDP's shards with a
+    ShardedDataParallel) and `precision`.
 
     `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
     DynamicLossScaler arguments: initial, min, window, hysteresis. `overlap_param_gather` (distributed only)
@@ -353,11 +360,7 @@ def build_optimizer(
     if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
         raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
     scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
-    extra = dict(overlap_param_gather=overlap_param_gather) if ddp.distributed_optimizer else {}
-    cls = DistributedOptimizer if ddp.distributed_optimizer else Optimizer
-    return cls(
-        ddp,
-        state,
+    hyper: dict[str, Any] = dict(
         lr=lr,
         weight_decay=weight_decay,
         betas=betas,
@@ -365,5 +368,11 @@ def build_optimizer(
         clip_grad=clip_grad,
         loss_scaler=scaler,
         alias_fp32_params=precision == "fp32",
-        **extra,
     )
+    if isinstance(ddp, ShardedDataParallel):
+        from training.sharded_optimizer import ShardedOptimizer  # here: that module builds on this one
+
+        return ShardedOptimizer(ddp, state, **hyper)
+    if ddp.distributed_optimizer:
+        return DistributedOptimizer(ddp, state, overlap_param_gather=overlap_param_gather, **hyper)
+    return Optimizer(ddp, state, **hyper)

@@ -20,6 +20,7 @@ from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from parallel.comm import CommRecorder
 from parallel.data_parallel import DataParallel
+from parallel.fsdp import ShardedDataParallel
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters
 from parallel.random import RNGTracker, make_checkpoint_fn
@@ -110,18 +111,30 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
     return tokenizer.eod, datasets, resume_plan
 
 
-def build_optimizer_and_schedule(
-    config: Config, chunks: list[torch.nn.Module], state: ParallelState
-) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
-    """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
-    par, train_cfg, optim = config.parallel, config.train, config.optim
-    ddp = DataParallel(
+def build_data_parallel(
+    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
+) -> DataParallel | ShardedDataParallel:
+    """The data-parallel flavour: FSDP's shards (parallel.fsdp), or gradient buckets over whole parameters (with
+    the distributed optimizer: reduce-scattered into its shards). The step does not know which it got."""
+    par = config.parallel
+    if layout.fsdp:
+        compute_dtype = param_dtype(config.train.precision)
+        return ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
+    return DataParallel(
         chunks,
         state,
         bucket_size_mb=par.grad_bucket_size_mb,
         distributed_optimizer=par.distributed_optimizer,
         grad_dtype=torch.float32,
     )
+
+
+def build_optimizer_and_schedule(
+    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
+) -> tuple[DataParallel | ShardedDataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
+    """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
+    par, train_cfg, optim = config.parallel, config.train, config.optim
+    ddp = build_data_parallel(config, chunks, state, layout)
     optimizer = build_optimizer(
         chunks,
         ddp,
@@ -161,7 +174,8 @@ def build_chunks(
 ) -> list[GPTModel]:
     """This rank's model chunks (its virtual pipeline stages, tp-sharded), in the run's parameter dtype."""
     train_cfg, model_cfg = config.train, config.model
-    dtype = param_dtype(train_cfg.precision)
+    # FSDP keeps the sharded parameters in fp32 (the master weights) and computes in the run's precision
+    dtype = torch.float32 if layout.fsdp else param_dtype(train_cfg.precision)
     chunks = build_model_chunks(
         model_cfg,
         state,
@@ -196,7 +210,11 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     comm_counter = CommCounter()
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
     # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
-    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state)
+    if par.fsdp and not layout.fsdp:
+        logger.info(
+            "parallel.fsdp=true with one data-parallel rank (dp x cp = 1): nothing to shard, plain data parallelism"
+        )
+    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state, layout)
     shape = RunShape.of(config, layout)
     ctx = StepContext(
         chunks=chunks,

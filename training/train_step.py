@@ -17,6 +17,7 @@ import torch
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
+from parallel.fsdp import ShardedDataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
 from parallel.pipeline.executor import ForwardFn, Microbatch, execute_schedule
@@ -36,7 +37,7 @@ class StepContext:
     chunks: list[GPTModel]
     state: ParallelState
     layout: Layout
-    ddp: DataParallel
+    ddp: DataParallel | ShardedDataParallel  # the data-parallel flavour: the step calls the same methods on each
     optimizer: Optimizer | DistributedOptimizer
     activation_shape: tuple[int, int, int]  # [s(/tp with sequence parallelism), b, h] between stages
     activation_dtype: torch.dtype
