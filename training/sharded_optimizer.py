@@ -30,6 +30,9 @@ class ShardedOptimizer(Optimizer):
         super().__init__(ddp, state, *args, **kwargs)  # type: ignore[arg-type]
         self.aliased = True  # in every precision: FSDP keeps the fp32 shards and casts them for compute
 
+    def _alias_params(self) -> bool:
+        return True  # nothing to do: each segment's master is a view of the sharded parameter itself
+
     def _build_segments(self) -> list[Segment]:
         segments = []
         tp_rank = self.state.tp_rank
