@@ -177,7 +177,9 @@ class ShardedDataParallel:
         layers = [layer for _, layer in chunk.transformer_layers()]  # type: ignore[operator]
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(chunk, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        # the chunk's own parameters (embedding, final norm, head) are needed again first thing in backward:
+        # kept gathered from forward to backward (FSDP's own choice for a root unit when left unset)
+        fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False, mp_policy=policy)
         _carry_param_info(chunk, before)
         units: list[FSDPModule] = [*layers, chunk]  # type: ignore[list-item]
         for current, following in zip(layers, layers[1:]):  # layer i gathers layer i+1 while it computes
