@@ -19,7 +19,8 @@ priced by planner/costs.py (NCCL's ring over the shard group, 8 ranks of each no
 
 Memory: 16 bytes per parameter over the shard group (fp32 shard, fp32 gradient shard, the two Adam moments: the
 shard is the master) plus what is gathered at once: the chunk's unit and two layers (the current one and the
-prefetched one) in the gather dtype, one layer's unsharded gradient and its reduce-scatter buffer.
+prefetched one) in the gather dtype, one layer's unsharded gradient and its reduce-scatter buffer (per-parameter
+software: one parameter and the prefetch budget).
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ def sharded_state_bytes(sharded: ShardedCollectives, compute_bytes: float) -> tu
     shard = sharded.params_per_shard
     layer = float(sum(p.padded_numel(sharded.shards) for p in sharded.layers[0]))
     root = float(sum(p.padded_numel(sharded.shards) for p in sharded.root))
-    gathered = (root + 2 * layer) * sharded.gather_bytes
+    live = 2 * layer  # FSDP2: the layer computing and the one prefetched
+    if sharded.software.gather_per_param:  # per parameter: the one in use and the prefetch budget
+        largest = max(float(p.padded_numel(sharded.shards)) for p in sharded.layers[0])
+        live = largest + min(layer, sharded.software.prefetch_params)
+        layer = largest  # gradients too are reduced parameter by parameter
+    gathered = (root + live) * sharded.gather_bytes
     unsharded_grads = layer * (compute_bytes + sharded.reduce_bytes)
     return 4.0 * shard + gathered, 4.0 * shard + unsharded_grads, 8.0 * shard
