@@ -39,6 +39,8 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"--max-shard-size={text!r} is not a size like 5GB, 500MB or 1000000")
     number, unit = float(match.group(1)), match.group(2) or "B"
+    if number <= 0:
+        raise ValueError(f"--max-shard-size={text!r} must be above 0 (e.g. 5GB)")
     powers = {
         "B": 1,
         "KB": 10**3,

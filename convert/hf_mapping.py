@@ -148,6 +148,13 @@ class HFSettings:
             )
         return value
 
+    def flag(self, key: str, default: bool) -> bool:
+        """true or false, or the default when absent."""
+        value = self.config.get(key, default)
+        if not isinstance(value, bool):
+            raise UnsupportedModelError(f"{self.source}: {key} is {value!r}, not true or false")
+        return value
+
     def number(self, key: str, default: float) -> float:
         """A real number (epsilon, dropout, init range, rope theta), or the default when absent."""
         value = self.config.get(key, default)
@@ -175,7 +182,7 @@ def _gpt2_model_config(config: HFSettings) -> ModelConfig:
         normalization="layernorm",
         norm_epsilon=config.number("layer_norm_epsilon", 1e-5),
         activation=GELU_FROM_HF[act],
-        tie_embeddings=config.get("tie_word_embeddings", True),
+        tie_embeddings=config.flag("tie_word_embeddings", True),
         add_bias_linear=True,
         hidden_dropout=config.number("resid_pdrop", 0.1),
         attention_dropout=config.number("attn_pdrop", 0.1),
@@ -186,7 +193,7 @@ def _gpt2_model_config(config: HFSettings) -> ModelConfig:
 def _llama_model_config(config: HFSettings) -> ModelConfig:
     act = config.get("hidden_act", "silu")
     _refuse(act != "silu", f"hidden_act={act!r} (only 'silu', SwiGLU)")
-    attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
+    attention_bias, mlp_bias = config.flag("attention_bias", False), config.flag("mlp_bias", False)
     _refuse(
         attention_bias != mlp_bias,
         f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (one bias switch for every linear layer)",
@@ -218,7 +225,7 @@ def _llama_model_config(config: HFSettings) -> ModelConfig:
         normalization="rmsnorm",
         norm_epsilon=config.number("rms_norm_eps", 1e-6),
         activation="swiglu",
-        tie_embeddings=config.get("tie_word_embeddings", False),
+        tie_embeddings=config.flag("tie_word_embeddings", False),
         add_bias_linear=attention_bias,
         hidden_dropout=0.0,
         attention_dropout=config.number("attention_dropout", 0.0),

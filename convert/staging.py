@@ -75,7 +75,10 @@ def staged_folder(out_dir: str) -> Iterator[str]:
     with stop_raises():
         remove_stale_staging(out_dir)
         tmp = temporary_path(os.path.normpath(out_dir))
-        os.makedirs(tmp)
+        try:
+            os.makedirs(tmp)
+        except OSError as err:
+            raise ValueError(f"output {out_dir}: cannot create {tmp} beside it ({err.strerror})") from None
         try:
             yield tmp
             publish_folder(tmp, out_dir)
@@ -88,6 +91,9 @@ def staged_folder(out_dir: str) -> Iterator[str]:
 def staged_file(out_file: str) -> Iterator[str]:
     """The temporary path to write out_file under: renamed onto it when the block completes, removed when it
     fails or is stopped (Ctrl-C, SIGTERM)."""
+    folder = os.path.dirname(os.path.abspath(out_file))
+    if not os.path.isdir(folder):
+        raise ValueError(f"output {out_file}: its folder {folder} does not exist; create it first")
     with stop_raises():
         remove_stale_staging(out_file)
         with atomic_output(os.path.normpath(out_file)) as tmp:

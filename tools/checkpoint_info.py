@@ -28,6 +28,11 @@ from training.checkpoint.train_state import describe_layout, read_train_state
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     """Human-readable lines about the checkpoint in iter_dir."""
     if files.is_legacy(iter_dir):
+        if not os.path.isfile(os.path.join(iter_dir, "mp_rank_00_000", "dp_rank_000.pt")):  # format 1 writes it
+            raise CheckpointError(
+                f"{iter_dir} is not a checkpoint of this project: mp_rank folders without dp_rank files are "
+                "Megatron-LM's; convert it with tools/convert_checkpoint.py from-megatron"
+            )
         return [f"checkpoint {iter_dir}: per-rank format of earlier versions (loads only at its own layout)"]
     saved = read_train_state(iter_dir)
     metadata = read_dcp_metadata(iter_dir)

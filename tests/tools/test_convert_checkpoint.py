@@ -42,6 +42,17 @@ LLAMA = dict(
 SEED = 5
 
 
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A 300-entry byte-level BPE (padded to 384 rows by the model) trained on a few stdlib files."""
+    from data.tokenizer_training import train_gpt2_bpe
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = [open(os.path.join(stdlib, name), encoding="utf-8").read() for name in ("os.py", "abc.py", "glob.py")]
+    vocab, merges = train_gpt2_bpe(texts, 300, str(tmp_path_factory.mktemp("tokenizer")))
+    return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
+
+
 def run_config(style: dict, tokenizer: dict, tp=1, pp=1, vp=1, vocab_size=300) -> dict:
     return Config(
         model=ModelConfig(vocab_size=vocab_size, **style),

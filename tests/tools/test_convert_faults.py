@@ -60,6 +60,7 @@ def test_a_vocab_size_above_the_embedding_rows_is_refused(converter_sources, tmp
         (lambda c: {**c, "n_head": 0}, "config.json: n_head is 0, not a whole number >= 1"),
         (lambda c: {**c, "n_head": 5}, "model.hidden_size=64 is not divisible by model.num_attention_heads=5"),
         (lambda c: {**c, "layer_norm_epsilon": "small"}, "config.json: layer_norm_epsilon is 'small', not a number"),
+        (lambda c: {**c, "tie_word_embeddings": "yes"}, "config.json: tie_word_embeddings is 'yes', not true or false"),
     ],
     ids=[
         "hidden-size",
@@ -72,6 +73,7 @@ def test_a_vocab_size_above_the_embedding_rows_is_refused(converter_sources, tmp
         "zero-heads",
         "heads-not-dividing",
         "string-epsilon",
+        "string-flag",
     ],
 )
 def test_a_bad_config_json_is_one_line(converter_sources, tmp_path, capsys, change, expected):
@@ -221,6 +223,18 @@ def test_bad_weight_files_are_one_line(converter_sources, tmp_path, capsys, dama
 def test_layout_flags_are_checked_by_the_trainers_rules(converter_sources, tmp_path, capsys, command, flags, expected):
     source = {"to-megatron": "ours", "from-hf": "hf", "from-megatron": "megatron"}[command]
     assert refused(capsys, command, converter_sources[source], str(tmp_path / "out"), *flags).startswith(expected)
+
+
+def test_bad_output_paths_and_sizes_are_one_line(converter_sources, tmp_path, capsys):
+    ours = converter_sources["ours"]
+    assert refused(capsys, "to-hf", ours, str(tmp_path / "out"), "--max-shard-size", "0") == (
+        "--max-shard-size='0' must be above 0 (e.g. 5GB)"
+    )
+    missing = str(tmp_path / "no-such-folder" / "model.pt")
+    assert main(["consolidate", ours, missing]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: output {missing}: its folder {tmp_path / 'no-such-folder'} does not exist; create it first"
+    ]
 
 
 # ---- staging folders: SIGTERM, and what kill -9 leaves ---------------------------------------------

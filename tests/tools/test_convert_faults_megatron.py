@@ -186,6 +186,16 @@ def test_a_null_json_file_of_our_checkpoint_is_one_line(converter_sources, tmp_p
     assert capsys.readouterr().err.startswith(f"error: checkpoint file {path} is corrupt")
 
 
+def test_checkpoint_info_names_a_megatron_checkpoint(converter_sources, capsys):
+    """Megatron-LM's mp_rank folders are not this project's format 1 (which writes dp_rank files beside them)."""
+    iter_dir = os.path.join(converter_sources["megatron"], "iter_0000003")
+    assert checkpoint_info.main([iter_dir]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {iter_dir} is not a checkpoint of this project: mp_rank folders without dp_rank files are "
+        "Megatron-LM's; convert it with tools/convert_checkpoint.py from-megatron"
+    ]
+
+
 def _save_cp2(rank, world_size, config, root):
     state = ParallelState.create(1, 1, cp_size=2)
     chunks = build_model_chunks(ModelConfig(**config["model"]), state, 0, torch.device("cpu"), torch.float32)
