@@ -44,38 +44,40 @@ def test_a_vocab_size_above_the_embedding_rows_is_refused(converter_sources, tmp
     )
 
 
-@pytest.mark.parametrize(
-    "change,expected",
-    [
-        (lambda c: {**c, "n_embd": 96}, "and the weights disagree: tensor transformer.wte.weight is [300, 64] in the"),
-        (lambda c: None, "config.json holds null, not a JSON object"),
-        (lambda c: [c], "config.json holds list, not a JSON object"),
-        (
-            lambda c: {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64},
-            "model_type='bert'",
-        ),
-        (lambda c: {**c, "model_type": "llama"}, "config.json: hidden_size is missing; a llama config needs it"),
-        (lambda c: {k: v for k, v in c.items() if k != "n_layer"}, "config.json: n_layer is missing"),
-        (lambda c: {**c, "n_layer": "4"}, "config.json: n_layer is '4', not a whole number >= 1"),
-        (lambda c: {**c, "n_head": 0}, "config.json: n_head is 0, not a whole number >= 1"),
-        (lambda c: {**c, "n_head": 5}, "model.hidden_size=64 is not divisible by model.num_attention_heads=5"),
-        (lambda c: {**c, "layer_norm_epsilon": "small"}, "config.json: layer_norm_epsilon is 'small', not a number"),
-        (lambda c: {**c, "tie_word_embeddings": "yes"}, "config.json: tie_word_embeddings is 'yes', not true or false"),
-    ],
-    ids=[
-        "hidden-size",
-        "null",
-        "list",
-        "bert",
-        "llama-keys-missing",
-        "no-n_layer",
-        "string-size",
-        "zero-heads",
-        "heads-not-dividing",
-        "string-epsilon",
-        "string-flag",
-    ],
-)
+BAD_CONFIGS = {
+    "hidden-size": (
+        lambda c: {**c, "n_embd": 96},
+        "and the weights disagree: tensor transformer.wte.weight is [300, 64] in the",
+    ),
+    "null": (lambda c: None, "config.json holds null, not a JSON object"),
+    "list": (lambda c: [c], "config.json holds list, not a JSON object"),
+    "bert": (
+        lambda c: {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64},
+        "model_type='bert'",
+    ),
+    "llama-keys-missing": (
+        lambda c: {**c, "model_type": "llama"},
+        "config.json: hidden_size is missing; a llama config needs it",
+    ),
+    "no-n_layer": (lambda c: {k: v for k, v in c.items() if k != "n_layer"}, "config.json: n_layer is missing"),
+    "string-size": (lambda c: {**c, "n_layer": "4"}, "config.json: n_layer is '4', not a whole number >= 1"),
+    "zero-heads": (lambda c: {**c, "n_head": 0}, "config.json: n_head is 0, not a whole number >= 1"),
+    "heads-not-dividing": (
+        lambda c: {**c, "n_head": 5},
+        "model.hidden_size=64 is not divisible by model.num_attention_heads=5",
+    ),
+    "string-epsilon": (
+        lambda c: {**c, "layer_norm_epsilon": "small"},
+        "config.json: layer_norm_epsilon is 'small', not a number",
+    ),
+    "string-flag": (
+        lambda c: {**c, "tie_word_embeddings": "yes"},
+        "config.json: tie_word_embeddings is 'yes', not true or false",
+    ),
+}
+
+
+@pytest.mark.parametrize("change,expected", list(BAD_CONFIGS.values()), ids=list(BAD_CONFIGS))
 def test_a_bad_config_json_is_one_line(converter_sources, tmp_path, capsys, change, expected):
     hf = copy(converter_sources["hf"], tmp_path)
     edit_json(os.path.join(hf, "config.json"), change)
@@ -96,35 +98,29 @@ def _cut_merges(hf: str, lines: int, mid_line: bool = False) -> None:
         handle.writelines(kept[:lines] + ([kept[lines].split(" ")[0]] if mid_line else []))
 
 
-@pytest.mark.parametrize(
-    "damage,expected",
-    [
-        (lambda hf: cut(os.path.join(hf, "vocab.json")), "{hf}/vocab.json: cannot read GPT-2 vocabulary: "),
-        (lambda hf: _keep_first_entries(os.path.join(hf, "vocab.json"), 280), "which {hf}/vocab.json does not hold"),
-        (lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: None), "vocab.json is not a GPT-2 vocabulary"),
-        (
-            lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: {**v, "<|endoftext|>": 5000}),
-            "vocab.json: the ids must number its 300 entries 0..299; '<|endoftext|>' has id 5000",
-        ),
-        (lambda hf: _cut_merges(hf, 10, mid_line=True), "{hf}/merges.txt:11: expected 'a b', got"),
-        (
-            lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: {**v, "extra": len(v)}),
-            "tokenizer {hf}/vocab.json has 301 entries but the model's vocabulary is model.vocab_size=300",
-        ),
-    ],
-    ids=[
-        "vocab-cut-mid-json",
-        "vocab-missing-entries",
-        "vocab-null",
-        "vocab-id-outside",
-        "merges-cut-mid-line",
-        "more-entries-than-rows",
-    ],
-)
-def test_tokenizer_files_that_do_not_belong_together_are_refused(converter_sources, tmp_path, capsys, damage, expected):
-    hf = copy(converter_sources["hf"], tmp_path)
-    damage(hf)
-    assert expected.format(hf=hf) in refused(capsys, "from-hf", hf, str(tmp_path / "out"))
+UNMATCHED_TOKENIZERS = {  # run by test_bad_tokenizer_and_weight_files_are_one_line below
+    "vocab-cut-mid-json": (
+        lambda hf: cut(os.path.join(hf, "vocab.json")),
+        "{hf}/vocab.json: cannot read GPT-2 vocabulary: ",
+    ),
+    "vocab-missing-entries": (
+        lambda hf: _keep_first_entries(os.path.join(hf, "vocab.json"), 280),
+        "which {hf}/vocab.json does not hold",
+    ),
+    "vocab-null": (
+        lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: None),
+        "vocab.json is not a GPT-2 vocabulary",
+    ),
+    "vocab-id-outside": (
+        lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: {**v, "<|endoftext|>": 5000}),
+        "vocab.json: the ids must number its 300 entries 0..299; '<|endoftext|>' has id 5000",
+    ),
+    "merges-cut-mid-line": (lambda hf: _cut_merges(hf, 10, mid_line=True), "{hf}/merges.txt:11: expected 'a b', got"),
+    "more-entries-than-rows": (
+        lambda hf: edit_json(os.path.join(hf, "vocab.json"), lambda v: {**v, "extra": len(v)}),
+        "tokenizer {hf}/vocab.json has 301 entries but the model's vocabulary is model.vocab_size=300",
+    ),
+}
 
 
 def test_a_merges_txt_cut_at_a_line_end_warns(converter_sources, tmp_path, capsys):
@@ -178,29 +174,40 @@ def _shard(hf: str, index) -> None:
         handle.write(index(names))
 
 
+BAD_WEIGHTS = {
+    "int64": (
+        lambda hf: _retype(hf, "transformer.h.0.mlp.c_fc.weight", torch.int64),
+        "{hf}: tensor transformer.h.0.mlp.c_fc.weight holds int64 values, not weights in fp32, bf16, fp16 or fp64",
+    ),
+    "fp8": (lambda hf: _retype(hf, "transformer.ln_f.weight", torch.float8_e4m3fn), "holds float8_e4m3fn values"),
+    "truncated": (
+        lambda hf: cut(os.path.join(hf, "model.safetensors")),
+        "{hf}/model.safetensors cannot be read: Error while",
+    ),
+    "index-null": (
+        lambda hf: _shard(hf, lambda names: "null"),
+        "model.safetensors.index.json holds null, not a JSON object",
+    ),
+    "index-no-map": (lambda hf: _shard(hf, lambda names: "{}"), "model.safetensors.index.json has no weight_map"),
+    "index-escapes": (
+        lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "../../x.safetensors" for n in names}})),
+        "names shard '../../x.safetensors', which is not a file name inside {hf}",
+    ),
+    "index-missing-shard": (
+        lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "c.safetensors" for n in names}})),
+        "names shard c.safetensors, which {hf} lacks",
+    ),
+}
+
+
 @pytest.mark.parametrize(
     "damage,expected",
-    [
-        (
-            lambda hf: _retype(hf, "transformer.h.0.mlp.c_fc.weight", torch.int64),
-            "{hf}: tensor transformer.h.0.mlp.c_fc.weight holds int64 values, not weights in fp32, bf16, fp16 or fp64",
-        ),
-        (lambda hf: _retype(hf, "transformer.ln_f.weight", torch.float8_e4m3fn), "holds float8_e4m3fn values"),
-        (lambda hf: cut(os.path.join(hf, "model.safetensors")), "{hf}/model.safetensors cannot be read: Error while"),
-        (lambda hf: _shard(hf, lambda names: "null"), "model.safetensors.index.json holds null, not a JSON object"),
-        (lambda hf: _shard(hf, lambda names: "{}"), "model.safetensors.index.json has no weight_map"),
-        (
-            lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "../../x.safetensors" for n in names}})),
-            "names shard '../../x.safetensors', which is not a file name inside {hf}",
-        ),
-        (
-            lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "c.safetensors" for n in names}})),
-            "names shard c.safetensors, which {hf} lacks",
-        ),
-    ],
-    ids=["int64", "fp8", "truncated", "index-null", "index-no-map", "index-escapes", "index-missing-shard"],
+    [*UNMATCHED_TOKENIZERS.values(), *BAD_WEIGHTS.values()],
+    ids=[*UNMATCHED_TOKENIZERS, *BAD_WEIGHTS],
 )
-def test_bad_weight_files_are_one_line(converter_sources, tmp_path, capsys, damage, expected):
+def test_bad_tokenizer_and_weight_files_are_one_line(converter_sources, tmp_path, capsys, damage, expected):
+    """Tokenizer files that do not belong together (or to the model), weights of the wrong dtype, damaged
+    safetensors files and shard indexes."""
     hf = copy(converter_sources["hf"], tmp_path)
     damage(hf)
     assert expected.format(hf=hf) in refused(capsys, "from-hf", hf, str(tmp_path / "out"))

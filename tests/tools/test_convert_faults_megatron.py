@@ -52,51 +52,44 @@ def _short_weight(root: str) -> None:
     torch.save(payload, os.path.join(root, RANK0))
 
 
-@pytest.mark.parametrize(
-    "damage,expected",
-    [
-        (lambda root: cut(os.path.join(root, RANK0)), "{root}/{rank0} cannot be read (PytorchStreamReader failed"),
-        (
-            lambda root: write_bytes(os.path.join(root, RANK0), b""),
-            "{root}/{rank0} cannot be read (Expected input to be",
-        ),
-        (
-            _short_weight,
-            "{root}/{rank0}: tensor layers.1.mlp.fc1.weight is [125, 64] but the model its args describe holds "
-            "[128, 64] on tp rank 0 of 2: the file is damaged or its args are not its own",
-        ),
-        (
-            lambda root: write_bytes(os.path.join(root, TRACKER), b"\xff\xfe\x00junk"),
-            "{root}/latest_checkpointed_iteration.txt cannot be read as text (UnicodeDecodeError): not a Megatron",
-        ),
-        (
-            lambda root: write_bytes(os.path.join(root, TRACKER), b"junk"),
-            "{root}/latest_checkpointed_iteration.txt holds",
-        ),
-        (
-            lambda root: shutil.copytree(*(os.path.join(root, "iter_0000003", f"mp_rank_0{r}") for r in (1, 3))),
-            "{root}/iter_0000003/mp_rank_03 is unexpected: the args say tp=2 x pp=1; move it out of",
-        ),
-        (
-            lambda root: shutil.rmtree(os.path.join(root, "iter_0000003", "mp_rank_01")),
-            "{root}/iter_0000003 misses mp_rank_01 (1 of the 2 mp_rank folders of tp=2 x pp=1 missing)",
-        ),
-        (
-            lambda root: os.remove(os.path.join(root, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")),
-            "{root}/iter_0000003/mp_rank_01/model_optim_rng.pt is missing: the checkpoint is incomplete",
-        ),
-    ],
-    ids=[
-        "half-length",
-        "empty",
-        "short-weight",
-        "binary-tracker",
-        "junk-tracker",
-        "extra-mp-rank",
-        "missing-mp-rank",
-        "missing-rank-file",
-    ],
-)
+DAMAGED_LEGACY = {
+    "half-length": (
+        lambda root: cut(os.path.join(root, RANK0)),
+        "{root}/{rank0} cannot be read (PytorchStreamReader failed",
+    ),
+    "empty": (
+        lambda root: write_bytes(os.path.join(root, RANK0), b""),
+        "{root}/{rank0} cannot be read (Expected input to be",
+    ),
+    "short-weight": (
+        _short_weight,
+        "{root}/{rank0}: tensor layers.1.mlp.fc1.weight is [125, 64] but the model its args describe holds "
+        "[128, 64] on tp rank 0 of 2: the file is damaged or its args are not its own",
+    ),
+    "binary-tracker": (
+        lambda root: write_bytes(os.path.join(root, TRACKER), b"\xff\xfe\x00junk"),
+        "{root}/latest_checkpointed_iteration.txt cannot be read as text (UnicodeDecodeError): not a Megatron",
+    ),
+    "junk-tracker": (
+        lambda root: write_bytes(os.path.join(root, TRACKER), b"junk"),
+        "{root}/latest_checkpointed_iteration.txt holds",
+    ),
+    "extra-mp-rank": (
+        lambda root: shutil.copytree(*(os.path.join(root, "iter_0000003", f"mp_rank_0{r}") for r in (1, 3))),
+        "{root}/iter_0000003/mp_rank_03 is unexpected: the args say tp=2 x pp=1; move it out of",
+    ),
+    "missing-mp-rank": (
+        lambda root: shutil.rmtree(os.path.join(root, "iter_0000003", "mp_rank_01")),
+        "{root}/iter_0000003 misses mp_rank_01 (1 of the 2 mp_rank folders of tp=2 x pp=1 missing)",
+    ),
+    "missing-rank-file": (
+        lambda root: os.remove(os.path.join(root, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")),
+        "{root}/iter_0000003/mp_rank_01/model_optim_rng.pt is missing: the checkpoint is incomplete",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage,expected", list(DAMAGED_LEGACY.values()), ids=list(DAMAGED_LEGACY))
 def test_a_damaged_megatron_checkpoint_is_one_line(converter_sources, tmp_path, capsys, damage, expected):
     root = copy(converter_sources["megatron"], tmp_path)
     damage(root)
@@ -112,21 +105,29 @@ def _flip(path: str, offset: int) -> None:
         handle.write(bytes([byte[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize(
-    "damage,expected",
-    [
-        (lambda it: os.remove(os.path.join(it, "__1_0.distcp")), "checkpoint file {it}/__1_0.distcp (holding "),
-        (lambda it: cut(os.path.join(it, "__0_1.distcp")), "checkpoint file {it}/__0_1.distcp is too short for "),
-        (
-            lambda it: write_bytes(os.path.join(it, "metadata.json"), b"null"),
-            "{it}/metadata.json is not dist_checkpoint",
-        ),
-        (lambda it: cut(os.path.join(it, ".metadata")), "{it}/.metadata cannot be read"),
-        (lambda it: os.remove(os.path.join(it, ".metadata")), "{it}/.metadata is missing"),
-        (lambda it: cut(os.path.join(it, "common.pt")), "{it}/common.pt cannot be read (PytorchStreamReader"),
-    ],
-    ids=["missing-shard", "truncated-distcp", "null-metadata-json", "truncated-metadata", "no-metadata", "half-common"],
-)
+DAMAGED_TORCH_DIST = {
+    "missing-shard": (
+        lambda it: os.remove(os.path.join(it, "__1_0.distcp")),
+        "checkpoint file {it}/__1_0.distcp (holding ",
+    ),
+    "truncated-distcp": (
+        lambda it: cut(os.path.join(it, "__0_1.distcp")),
+        "checkpoint file {it}/__0_1.distcp is too short for ",
+    ),
+    "null-metadata-json": (
+        lambda it: write_bytes(os.path.join(it, "metadata.json"), b"null"),
+        "{it}/metadata.json is not dist_checkpoint",
+    ),
+    "truncated-metadata": (lambda it: cut(os.path.join(it, ".metadata")), "{it}/.metadata cannot be read"),
+    "no-metadata": (lambda it: os.remove(os.path.join(it, ".metadata")), "{it}/.metadata is missing"),
+    "half-common": (
+        lambda it: cut(os.path.join(it, "common.pt")),
+        "{it}/common.pt cannot be read (PytorchStreamReader",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage,expected", list(DAMAGED_TORCH_DIST.values()), ids=list(DAMAGED_TORCH_DIST))
 def test_a_damaged_torch_dist_checkpoint_is_one_line(torch_dist, tmp_path, capsys, damage, expected):
     root = copy(torch_dist, tmp_path)
     iter_dir = os.path.join(root, "iter_0000007")
