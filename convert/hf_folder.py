@@ -15,8 +15,15 @@ from typing import Any
 
 import torch
 
-from convert.hf_mapping import global_names, hf_architecture, to_hf_state_dict
-from convert.model_weights import meta_state
+from convert.hf_mapping import (
+    UnsupportedModelError,
+    from_hf_state_dict,
+    global_names,
+    hf_architecture,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
+from convert.model_weights import check_dtypes, check_finite, meta_state
 from convert.safe_pickle import first_line
 from data.atomic_files import honour_umask
 from data.tokenizers import EOD_TOKEN
@@ -311,6 +318,25 @@ def check_hf_shapes(cfg: ModelConfig, hf: Tensors, source: str) -> None:
             f"{source} and the weights disagree: tensor {name} is {got} in the weights but {want} by the config "
             "(hidden size, heads, layers, vocab_size); use the config.json saved with these weights"
         )
+
+
+def hf_model_config(folder: str) -> ModelConfig:
+    """Our model section for the config.json of a transformers folder, checked (one line naming the file)."""
+    return model_config_from_hf(read_config(folder), os.path.join(folder, "config.json"))
+
+
+def read_hf_weights(folder: str, cfg: ModelConfig) -> Tensors:
+    """Our global state dict from the weights of a transformers folder, checked before and after the mapping:
+    dtypes, shapes against config.json (hf_model_config's `cfg`), finite values. One line naming the file."""
+    weights = read_weights(folder)
+    check_dtypes(weights, folder)
+    check_hf_shapes(cfg, weights, os.path.join(folder, "config.json"))
+    try:
+        tensors = from_hf_state_dict(cfg, weights)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{folder}: {err}") from None
+    check_finite(tensors, folder)  # NaN weights convert into a checkpoint that only looks fine
+    return tensors
 
 
 def tokenizer_section(folder: str) -> dict[str, Any] | None:

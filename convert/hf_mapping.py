@@ -369,7 +369,10 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
 
     def take(name: str) -> torch.Tensor:
         if name not in hf:
-            raise UnsupportedModelError(f"transformers tensor {name} is missing")
+            raise UnsupportedModelError(
+                f"transformers tensor {name} is missing: the weights hold less than the config's "
+                f"{cfg.num_layers} layers describe"
+            )
         used.add(name)
         return hf[name]
 
@@ -394,6 +397,13 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:
             used.add(theirs)  # transformers may store the tied copy; ours is the embedding itself
+            if theirs in hf and not torch.equal(
+                hf[theirs], ours["embedding.word_embeddings.weight"][: len(hf[theirs])]
+            ):
+                raise UnsupportedModelError(
+                    f"tie_word_embeddings is true but the weights hold a {theirs} of their own (not the embedding): "
+                    "the config does not belong to these weights"
+                )
             continue
         ours[our] = shardings[our].padded(take(theirs), padded)
     if cfg.tie_embeddings:
@@ -401,6 +411,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     left = sorted(set(hf) - used - {n for n in hf if n.endswith((".attn.bias", ".attn.masked_bias"))})
     if left:
         raise UnsupportedModelError(
-            f"transformers tensor {left[0]} has no counterpart in this model ({len(left)} such tensors)"
+            f"transformers tensor {left[0]} has no counterpart in this model ({len(left)} such tensors): the "
+            f"weights hold more than the config's {cfg.num_layers} layers, or parts this project does not convert"
         )
     return {name: t.contiguous() for name, t in ours.items()}

@@ -36,12 +36,11 @@ from convert.hf_folder import (
     DTYPES,
     HF_DTYPE_NAMES,
     HFFolderError,
-    check_hf_shapes,
     check_tokenizer_files,
+    hf_model_config,
     hf_tokenizer_json,
     parse_size,
-    read_config,
-    read_weights,
+    read_hf_weights,
     sentencepiece_normalizer,
     tokenizer_section,
     write_tokenizer,
@@ -49,13 +48,10 @@ from convert.hf_folder import (
 )
 from convert.hf_mapping import (
     UnsupportedModelError,
-    from_hf_state_dict,
     hf_config,
-    model_config_from_hf,
     to_hf_state_dict,
 )
 from convert.model_weights import (
-    check_dtypes,
     check_finite,
     check_layout,
     checkpoint_iteration,
@@ -181,14 +177,9 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
     """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout. The config,
     the weights and the tokenizer files are checked against each other before anything is written."""
     check_output_free(out)  # before reading the weights
-    config_path = os.path.join(hf_dir, "config.json")
-    cfg = model_config_from_hf(read_config(hf_dir), config_path)
-    parallel = layout_section(cfg, tp, pp, vp)
-    weights = read_weights(hf_dir)
-    check_dtypes(weights, hf_dir)
-    check_hf_shapes(cfg, weights, config_path)
-    tensors = from_hf_state_dict(cfg, weights)
-    check_finite(tensors, hf_dir)
+    cfg = hf_model_config(hf_dir)
+    parallel = layout_section(cfg, tp, pp, vp)  # before reading the weights too
+    tensors = read_hf_weights(hf_dir, cfg)
     data = tokenizer_section(hf_dir)
     if data is not None:
         check_tokenizer_files(data, cfg.vocab_size or 0)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -48,6 +49,10 @@ BAD_CONFIGS = {
     "hidden-size": (
         lambda c: {**c, "n_embd": 96},
         "and the weights disagree: tensor transformer.wte.weight is [300, 64] in the",
+    ),
+    "fewer-layers": (
+        lambda c: {**c, "n_layer": 5},
+        "transformer.h.4.ln_1.weight is missing: the weights hold less than the config's 5 layers describe",
     ),
     "null": (lambda c: None, "config.json holds null, not a JSON object"),
     "list": (lambda c: [c], "config.json holds list, not a JSON object"),
@@ -157,7 +162,7 @@ def _retype(hf: str, name: str, dtype: torch.dtype) -> None:
 
     path = os.path.join(hf, "model.safetensors")
     weights = load_file(path)
-    weights[name] = weights[name].to(dtype)
+    weights[name] = weights[name].to(dtype) if name in weights else torch.rand(300, 64)  # an untied head
     save_file(weights, path, metadata={"format": "pt"})
 
 
@@ -192,6 +197,10 @@ BAD_WEIGHTS = {
     "index-escapes": (
         lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "../../x.safetensors" for n in names}})),
         "names shard '../../x.safetensors', which is not a file name inside {hf}",
+    ),
+    "untied-head-of-a-tied-config": (
+        lambda hf: _retype(hf, "lm_head.weight", torch.float32),
+        "tie_word_embeddings is true but the weights hold a lm_head.weight of their own (not the embedding)",
     ),
     "index-missing-shard": (
         lambda hf: _shard(hf, lambda names: json.dumps({"weight_map": {n: "c.safetensors" for n in names}})),
@@ -232,6 +241,19 @@ def test_layout_flags_are_checked_by_the_trainers_rules(converter_sources, tmp_p
     assert refused(capsys, command, converter_sources[source], str(tmp_path / "out"), *flags).startswith(expected)
 
 
+def test_generate_checks_a_transformers_folder_as_from_hf_does(converter_sources, tmp_path, capsys):
+    from tools import generate
+
+    hf = copy(converter_sources["hf"], tmp_path)
+    edit_json(os.path.join(hf, "config.json"), lambda c: {**c, "vocab_size": 1000})
+    assert generate.main(["--checkpoint", hf, "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"error: {hf}/config.json says vocab_size=1000 but the embedding transformer.wte.weight has 300 "
+        "rows: the config and the weights disagree; use the config.json saved with these weights (vocab_size=300)"
+    ]
+
+
 def test_bad_output_paths_and_sizes_are_one_line(converter_sources, tmp_path, capsys):
     ours = converter_sources["ours"]
     assert refused(capsys, "to-hf", ours, str(tmp_path / "out"), "--max-shard-size", "0") == (
@@ -248,8 +270,10 @@ def test_bad_output_paths_and_sizes_are_one_line(converter_sources, tmp_path, ca
 # Runs the converter with its last step (the rename into place) replaced by a wait, so that a signal is sure to
 # arrive while the output is staged: real processes, real signals.
 STAGED_THEN_WAIT = """
-import sys, time
+import faulthandler, signal, sys, time
 import convert.staging, data.atomic_files
+
+faulthandler.register(signal.SIGUSR1)  # a process that outlives its signal shows where it is
 
 def wait(*args, **kwargs):
     print("staged", flush=True)
@@ -272,6 +296,17 @@ def start_staged(*argv: str) -> subprocess.Popen:
         start_new_session=True,  # a signal for it alone (and none of the terminal's reaches it)
     )
     return process
+
+
+def finish(process: subprocess.Popen, timeout: float = 300.0) -> str:
+    """Its stderr once it has exited (both pipes drained meanwhile); where it hangs, if it does not."""
+    try:
+        return process.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack to stderr
+        time.sleep(2)
+        process.kill()
+        raise AssertionError(f"still running {timeout} s after its signal: {process.communicate()[1]}") from None
 
 
 def wait_until_staged(process: subprocess.Popen) -> None:
@@ -301,19 +336,19 @@ def test_sigterm_removes_the_staging_folder_and_a_rerun_removes_a_killed_ones(co
         wait_until_staged(killed)
         killed.kill()  # kill -9: no handler runs, the staging folder stays
         for command, process in processes.items():
-            assert process.wait(timeout=120) == 128 + signal.SIGTERM, (command, process.stderr.read())
-            assert process.stderr.read().strip().splitlines()[-1] == (
+            stderr = finish(process)
+            assert process.returncode == 128 + signal.SIGTERM, (command, stderr)
+            assert stderr.strip().splitlines()[-1] == (
                 f"stopped by SIGTERM: {outs[command]} was not written (nothing half-written left)"
             )
             assert not os.path.exists(outs[command]) and not staging_paths(outs[command]), command
-        assert killed.wait(timeout=120) == -signal.SIGKILL
+        finish(killed)
+        assert killed.returncode == -signal.SIGKILL
     finally:
         for process in [*processes.values(), killed]:
             if process.poll() is None:
                 process.kill()
-                process.wait()
-            process.stdout.close()
-            process.stderr.close()
+                process.communicate()
     (stale,) = staging_paths(killed_out)
     assert stale == f"{killed_out}.tmp-{socket.gethostname()}-{killed.pid}" and os.path.isdir(stale)
     assert main(["to-hf", converter_sources["ours"], killed_out]) == 0
