@@ -28,6 +28,7 @@ from convert.safe_pickle import first_line
 from data.atomic_files import honour_umask
 from data.tokenizers import EOD_TOKEN
 from model.config import ModelConfig
+from training.checkpoint.safe_reader import load_weights_file
 
 Tensors = dict[str, torch.Tensor]
 SAFE_INDEX = "model.safetensors.index.json"
@@ -286,13 +287,15 @@ def read_weights(folder: str) -> Tensors:
 
     tensors: Tensors = {}
     for path in weight_files(folder):
-        try:
-            if path.endswith(".bin"):
-                loaded = torch.load(path, map_location="cpu", weights_only=True)
-            else:
+        if path.endswith(".bin"):
+            loaded = load_weights_file(path)  # weights only; a refusal names the file and the global
+        else:
+            try:
                 loaded = load_file(path)
-        except Exception as err:  # safetensors / unpickling errors have many types; name the file
-            raise HFFolderError(f"{path} cannot be read: {first_line(err)}; re-download or re-save the model") from None
+            except Exception as err:  # safetensors errors have many types; name the file
+                raise HFFolderError(
+                    f"{path} cannot be read: {first_line(err)}; re-download or re-save the model"
+                ) from None
         if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
             raise HFFolderError(f"{path} holds no state dict of tensors: re-save the model")
         tensors.update(loaded)

@@ -19,15 +19,15 @@ import json
 import math
 import os
 import re
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from convert.safe_pickle import MetadataUnpickler, first_line, load_megatron_file
+from convert.safe_pickle import first_line, load_megatron_file
 from training.checkpoint.files import CheckpointError, check_storage_extents
+from training.checkpoint.safe_reader import SafeFileSystemReader
 
 Tensors = dict[str, torch.Tensor]
 # A stacked layer tensor's key: the layer-local module path and the parameter.
@@ -59,27 +59,6 @@ def read_common(iter_dir: str) -> dict:
     return load_megatron_file(path)
 
 
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` goes through MetadataUnpickler instead of pickle.load."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's index, unpickled with the metadata allow-list."""
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as handle:
-            try:
-                metadata = MetadataUnpickler(handle, path).load()
-            except ValueError:
-                raise
-            except Exception as err:
-                raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
 def read_index(reader: dcp.FileSystemReader, iter_dir: str) -> Metadata:
     """reader.read_metadata() with any failure one line naming the `.metadata` file: a flipped byte surfaces
     as many exception types (unpickling, decoding, DCP's own), not all of which name it."""
@@ -90,7 +69,7 @@ def read_index(reader: dcp.FileSystemReader, iter_dir: str) -> Metadata:
         return reader.read_metadata()
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         message = first_line(err)
-        if isinstance(err, ValueError) and path in message:
+        if path in message:  # the reader's own refusal (CheckpointError) names it already
             raise ValueError(message) from None
         raise ValueError(f"{path} cannot be read ({message}): the checkpoint is damaged; copy it again") from None
 
@@ -124,9 +103,7 @@ def check_index(iter_dir: str, metadata: Metadata, model: dict[str, TensorStorag
             if volume != math.prod(shape):
                 raise ValueError(f"the chunks of {key} hold {volume} values, its shape {shape} {math.prod(shape)}")
             wanted_bytes += volume * entry.properties.dtype.itemsize
-        names = {info.relative_path for info in (metadata.storage_data or {}).values()}
-        if any(not isinstance(name, str) or os.path.basename(name) != name for name in names):
-            raise ValueError("a storage entry names no file of the checkpoint folder")
+        names = {info.relative_path for info in (metadata.storage_data or {}).values()}  # plain names: the reader
         check_storage_extents(iter_dir, metadata)  # a missing or truncated __R_N.distcp named
     except CheckpointError as err:  # a file cut short, or an extent in the index changed by the damage
         raise ValueError(f"{err}, or {path} is damaged: copy the checkpoint again") from None
@@ -144,7 +121,7 @@ def is_model_key(key: str, global_names: dict[str, str]) -> bool:
 
 def read_model_tensors(iter_dir: str, global_names: dict[str, str]) -> Tensors:
     """Every model tensor in full, stacked layers unstacked to `decoder.layers.N.<module>.<param>`."""
-    reader = SafeReader(iter_dir)
+    reader = SafeFileSystemReader(iter_dir)  # `.metadata` through the allow-list, read once
     metadata = read_index(reader, iter_dir)
     entries = metadata.state_dict_metadata
     model = {

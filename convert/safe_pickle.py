@@ -4,8 +4,8 @@ Megatron-LM's training loop pickles more than tensors: `args` (argparse.Namespac
 `rng_state` (numpy's RandomState tuple: an ndarray and a dtype), Transformer Engine's `_extra_state` (an
 io.BytesIO in older versions). torch.load(weights_only=True) refuses all of these; we allow exactly the
 constructors that build them (arrays, dtypes, byte buffers, a namespace) and nothing else. Megatron's own
-classes become inert placeholders. torch_dist's `.metadata` is a plain pickle that
-torch.distributed.checkpoint would unpickle unrestricted: MetadataUnpickler allows only its dataclasses.
+classes become inert placeholders. torch_dist's `.metadata` is read by training/checkpoint/safe_reader.py,
+the one reader of DCP metadata (ours and Megatron's).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import argparse
 import importlib
 import io
 import os
-import pickle
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,36 +110,3 @@ def load_megatron_file(path: str) -> dict:
     if not isinstance(payload, dict):
         raise ValueError(f"{path} holds a {type(payload).__name__}, not a Megatron checkpoint's dict")
     return payload
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """torch.distributed.checkpoint's `.metadata`: its own dataclasses and enums, torch.Size, dtypes, layouts."""
-
-    DCP_MODULES = (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.planner",
-        "torch.distributed.checkpoint.filesystem",
-    )
-
-    def __init__(self, file: IO[bytes], path: str) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        """Resolve only the classes a DCP metadata file is made of; refuse anything else by name."""
-        target = None
-        if module in self.DCP_MODULES and not name.startswith("__"):
-            candidate = super().find_class(module, name)
-            target = candidate if isinstance(candidate, (type, dict)) else None  # classes and enum tables
-        elif (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout")):
-            target = super().find_class(module, name)
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            target = getattr(torch, name)
-        elif (module, name) == ("collections", "OrderedDict"):
-            target = super().find_class(module, name)
-        if target is None:
-            raise ValueError(
-                f"{self.path} pickles {module}.{name}, which is not on the allow-list "
-                "(torch.distributed.checkpoint metadata classes, torch.Size, dtypes)"
-            )
-        return target

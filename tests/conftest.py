@@ -102,6 +102,16 @@ def ranks():
     return run_ranks
 
 
+@pytest.fixture
+def marker(tmp_path) -> str:
+    """Where a crafted pickle of tests/payloads.py creates its file if anything runs it (checked live first)."""
+    from tests.payloads import assert_payload_is_live
+
+    path = str(tmp_path / "payload_ran")
+    assert_payload_is_live(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> dict:
     """Session-wide tiny corpus for trainer tests."""

@@ -10,15 +10,17 @@ per whole stage per micro-batch (a chunk costs 1/vp of it). By default communica
 schedule alone sets the timeline: the bubble fraction (a rank's idle time divided by its ideal compute time)
 is (p-1)/m for gpipe and 1f1b, (p-1)/(vp*m) for interleaved; zero bubble (zb-h1, zb-v) splits the backward
 into B (input gradient) and W (weight gradient, --weight-cost of --backward-cost). Boxes have three colours:
-F, B and W. --compare draws several schedules stacked on one time axis. With --comm-cost (per message) or --overlap the
-executor's communication plan is simulated (simulator.simulate_plans): batches of sends and receives that
-complete together, and with --overlap computation while a batch is in flight (parallel.overlap_p2p_comm).
+F, B and W. --compare draws several schedules stacked on one time axis. With --comm-cost (per batch of messages) or
+--overlap the executor's communication plan is simulated too (the planner's simulator, simulator.simulate with a
+CommPlan): batches of sends and receives that complete together, and with --overlap computation while a batch is
+in flight (parallel.overlap_p2p_comm).
 Invalid input prints one line and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -30,9 +32,9 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-from parallel.layout import SCHEDULES, check_schedule, uses_v_shape
-from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
-from parallel.pipeline.simulator import Timeline, simulate, simulate_plans
+from parallel.layout import SCHEDULES, check_schedule
+from parallel.pipeline.schedules import Op, unhandled_op
+from parallel.pipeline.simulator import CommPlan, Timeline, simulate_schedule
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
 DEFAULT_DIR = os.path.join("runs", "timeline")  # relative to where the tool runs, as run.dir
@@ -166,11 +168,25 @@ def _compared(spec: str) -> list[tuple[str, int]]:
     return pairs
 
 
+MAX_DRAWN_STEPS = 2048  # pp x vp x micro-batches: --pp 16 --microbatches 128 takes ~45 s to draw on one core
+
+
 def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
     """The (schedule, vp) pairs to draw; ValueError (LayoutError included) names a bad value."""
     pairs = _compared(args.compare) if args.compare else [(args.schedule, args.vp)]
     for schedule, vp in pairs:
         check_schedule(schedule, args.pp, vp, args.microbatches)
+        if args.pp * vp * args.microbatches > MAX_DRAWN_STEPS:  # matplotlib draws a box per step: minutes past it
+            raise ValueError(
+                f"--pp {args.pp} x vp {vp} x --microbatches {args.microbatches} is more than the "
+                f"{MAX_DRAWN_STEPS:,} forward steps a timeline draws: give fewer ranks or micro-batches"
+            )
+    for option in ("forward_cost", "backward_cost", "weight_cost", "comm_cost", "xmax"):
+        value = getattr(args, option)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{option.replace('_', '-')} ({value}) must be a finite number")
+    if args.xmax is not None and args.xmax <= 0:
+        raise ValueError(f"--xmax ({args.xmax}) must be > 0")
     if args.forward_cost <= 0 or args.backward_cost <= 0:
         raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost ({args.backward_cost}) must be > 0")
     if args.weight_cost is not None and not 0 < args.weight_cost < args.backward_cost:
@@ -181,14 +197,10 @@ def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def _timeline(args: argparse.Namespace, schedule: str, vp: int) -> Timeline:
-    costs = (args.forward_cost, args.backward_cost)
-    if args.comm_cost or args.overlap:
-        lists = [build_schedule(schedule, args.pp, r, args.microbatches, vp) for r in range(args.pp)]
-        v_shape = uses_v_shape(check_schedule(schedule, args.pp, vp, args.microbatches))
-        return simulate_plans(
-            lists, vp, args.microbatches, *costs, args.comm_cost, args.overlap, args.weight_cost, v_shape
-        )
-    return simulate(schedule, args.pp, args.microbatches, vp, *costs, args.weight_cost)
+    comm = CommPlan(args.comm_cost, args.overlap) if args.comm_cost or args.overlap else None
+    return simulate_schedule(
+        schedule, args.pp, args.microbatches, vp, args.forward_cost, args.backward_cost, args.weight_cost, comm
+    )
 
 
 def main(argv=None) -> int:

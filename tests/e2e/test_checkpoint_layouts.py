@@ -2,6 +2,7 @@
 (8 ranks), resume at other layouts. Each resume continues the curve of the uninterrupted 8-rank run (rtol 1e-5
 over the 5 iterations after the resume) and holds, right after loading, exactly the saved Adam state and weights
 in the global view (the resumed run saves a copy before it trains; every tensor of both checkpoints is equal).
+Every pipeline schedule as a load target (zb-v's V placement included): tests/e2e/test_checkpoint_schedules.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ our forward on each converted checkpoint gives megatron-core's logits; Megatron'
 at tp2). megatron-core is in requirements-dev.txt: without it this module fails to import (never skips)."""
 
 import os
-import pickle
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from convert.megatron import load_megatron_checkpoint
 from convert.model_weights import build_model_from_state, load_global_state
 from parallel.tensor_parallel import param_shardings
 from tests.conftest import REPO_ROOT, run_ranks
+from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, assert_refused
 from tests.tools.megatron_runs import SEQ, TOKENS, VOCAB, megatron_ranks
 
 LEGACY = {  # name: (style, tp, pp, vp)
@@ -143,57 +143,47 @@ def _as_legacy(state: dict) -> dict:
     return {"language_model": legacy}
 
 
-class Exploit:
-    """Unpickling this would run a shell command."""
-
-    def __reduce__(self):
-        return (os.system, ("touch /tmp/pwned_by_megatron_test",))
-
-
-def _assert_refused(root, tmp_path, bad_file, name):
+def _assert_refused(root, tmp_path, bad_file, marker):
     result = convert("from-megatron", str(root), str(tmp_path / "out"))
-    assert result.returncode == 2 and not (tmp_path / "out").exists()
-    assert result.stderr.strip().splitlines() == [
-        f"error: {bad_file} pickles {name}, which is not on the allow-list "
+    assert_refused(result.returncode, result.stderr, bad_file, marker)
+    assert not (tmp_path / "out").exists()
+    assert result.stderr.strip() == (
+        f"error: {bad_file} pickles {PAYLOAD_GLOBAL}, which is not on the allow-list "
         + (
             "(argparse.Namespace, numpy arrays and dtypes, io.BytesIO, megatron.* as inert placeholders)"
             if bad_file.endswith(".pt")
             else "(torch.distributed.checkpoint metadata classes, torch.Size, dtypes)"
         )
-    ]
+    )
 
 
-def test_code_in_a_legacy_file_is_refused(megatron_dir, tmp_path):
+def test_code_in_a_legacy_file_is_refused(megatron_dir, tmp_path, marker):
     root = tmp_path / "evil"
     os.makedirs(root / "iter_0000007" / "mp_rank_00")
     payload = torch.load(
         os.path.join(megatron_dir, "gpt_pp2", "iter_0000007", "mp_rank_00_000", "model_optim_rng.pt"),
         weights_only=False,
     )
-    payload["rng_state"].append(Exploit())
+    payload["rng_state"].append(CreatesFile(marker))
     torch.save(payload, root / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text("7")
-    _assert_refused(root, tmp_path, f"{root}/iter_0000007/mp_rank_00/model_optim_rng.pt", "posix.system")
+    _assert_refused(root, tmp_path, f"{root}/iter_0000007/mp_rank_00/model_optim_rng.pt", marker)
 
 
 @pytest.mark.parametrize("target", ["common.pt", ".metadata"])
-def test_code_in_a_torch_dist_checkpoint_is_refused(megatron_dir, tmp_path, target):
+def test_code_in_a_torch_dist_checkpoint_is_refused(megatron_dir, tmp_path, marker, target):
     import shutil
 
     root = tmp_path / "evil"
     shutil.copytree(os.path.join(megatron_dir, "gpt_dist_tp2"), root)
-    path = root / "iter_0000007" / target
+    iter_dir = str(root / "iter_0000007")
     if target == "common.pt":
-        common = torch.load(path, weights_only=False)
-        torch.save({**common, "hook": Exploit()}, path)
+        common = torch.load(os.path.join(iter_dir, target), weights_only=False)
+        torch.save({**common, "hook": CreatesFile(marker)}, os.path.join(iter_dir, target))
+        bad_file = os.path.join(iter_dir, target)
     else:
-        with open(path, "rb") as handle:
-            metadata = pickle.load(handle)
-        metadata.planner_data = Exploit()
-        with open(path, "wb") as handle:
-            pickle.dump(metadata, handle)
-    _assert_refused(root, tmp_path, str(path), "posix.system")
-    assert not os.path.exists("/tmp/pwned_by_megatron_test")
+        bad_file = arm_dcp_metadata(iter_dir, marker)
+    _assert_refused(root, tmp_path, bad_file, marker)
 
 
 def test_tokenizer_named_in_args(tmp_path):

@@ -89,3 +89,19 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(
 def test_block_intersection():
     assert Block(0, 4, 0, 3, 8, 0).intersect(2, 9, 1, 2) == Block(2, 4, 1, 2, 8, 0)
     assert Block(0, 4, 0, 3).intersect(4, 5, 0, 3) is None
+
+
+def test_two_copies_of_a_tensor_on_one_rank_are_both_loaded(tmp_path):
+    """zb-v's rank 0 holds the tied embedding and the head's copy of it: two pieces at the same offsets of one
+    key. Each is filled (DCP's ReadItem names the piece by its index), not only the first."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = torch.randn(6, 4)
+    write_checkpoint(SaveJob(str(tmp_path), 1, {"w": GlobalPieces((6, 4), [((0, 0), stored)])}, None))
+    embedding, head_copy = torch.zeros(6, 4), torch.zeros(6, 4)
+    wanted = {"w": GlobalPieces((6, 4), [((0, 0), embedding), ((0, 0), head_copy)])}
+    reader = dcp.FileSystemReader(str(tmp_path / "iter_0000001"))
+    dcp.load(wanted, storage_reader=reader, planner=PiecesLoadPlanner(), no_dist=True)
+    assert torch.equal(embedding, stored) and torch.equal(head_copy, stored)
+    with pytest.raises(ValueError, match="2 pieces of w at offsets"):  # without the index: refused, not half-filled
+        wanted["w"].piece_at("w", torch.Size((0, 0)))

@@ -65,12 +65,17 @@ class GlobalPieces:
             for chunk, (_, view) in zip(self.chunks(), self.pieces)
         ]
 
-    def piece_at(self, fqn: str, offsets: torch.Size | None) -> torch.Tensor:
-        """The view of the piece at global `offsets` (those of a WriteItem's or ReadItem's index)."""
-        for piece_offsets, view in self.pieces:
-            if torch.Size(piece_offsets) == offsets:
-                return view
-        raise ValueError(f"no piece of {fqn} at offsets {offsets} on this rank")
+    def piece_at(self, fqn: str, offsets: torch.Size | None, index: int | None = None) -> torch.Tensor:
+        """The view of the piece at global `offsets` (those of a WriteItem's or ReadItem's index). `index`,
+        the position in `chunks()` DCP records in a ReadItem's dest_index, picks among pieces at the same
+        offsets: one rank may hold two copies of a tensor (zb-v's rank 0 holds the tied embedding and the
+        head's copy of it), and each must be filled."""
+        if index is not None and index < len(self.pieces) and torch.Size(self.pieces[index][0]) == offsets:
+            return self.pieces[index][1]
+        found = [view for piece_offsets, view in self.pieces if torch.Size(piece_offsets) == offsets]
+        if len(found) != 1:  # none, or copies DCP gave no index for: never fill only one of them silently
+            raise ValueError(f"{len(found)} pieces of {fqn} at offsets {offsets} on this rank (expected one)")
+        return found[0]
 
 
 class PiecesSavePlanner(DefaultSavePlanner):
@@ -135,7 +140,7 @@ class PiecesLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The part of the destination piece this read fills: DCP copies the stored data into it."""
         index = read_item.dest_index
-        view = self.pieces[index.fqn].piece_at(index.fqn, index.offset)
+        view = self.pieces[index.fqn].piece_at(index.fqn, index.offset, index.index)
         return _narrow(view, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from parallel.state import ParallelState
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.safe_reader import load_weights_file
 from training.optimizer import Optimizer
 
 
@@ -28,11 +28,7 @@ def rank_dir(iter_dir: str, tp_rank: int, pp_rank: int) -> str:
 def _load_file(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # unpickling errors have many types; name the file either way
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {reason}") from None
+    return load_weights_file(path)
 
 
 def legacy_main_file(iter_dir: str, tp_rank: int = 0, pp_rank: int = 0) -> dict:

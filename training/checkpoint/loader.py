@@ -1,5 +1,6 @@
 """Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
 then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
+DCP's `.metadata` is read only through training/checkpoint/safe_reader.py (a pickle: nothing in it may run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.safe_reader import SafeFileSystemReader, load_weights_file, read_dcp_metadata
 from training.checkpoint.state import (
     check_against_metadata,
     optimizer_pieces,
@@ -31,15 +33,6 @@ from training.write_errors import reraise_interrupt
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def read_dcp_metadata(iter_dir: str) -> Metadata:
-    try:
-        return dcp.FileSystemReader(iter_dir).read_metadata()
-    except Exception as err:
-        raise CheckpointError(
-            f"checkpoint file {os.path.join(iter_dir, files.DCP_METADATA)} cannot be read: {type(err).__name__}"
-        ) from None
 
 
 def verify_share(iter_dir: str, group: dist.ProcessGroup | None = None) -> None:
@@ -70,7 +63,7 @@ def load_pieces(
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 wanted,
-                storage_reader=dcp.FileSystemReader(iter_dir),
+                storage_reader=SafeFileSystemReader(iter_dir, metadata),
                 planner=PiecesLoadPlanner(),
                 process_group=group,
                 no_dist=not _distributed(),
@@ -136,10 +129,7 @@ def load_rng(iter_dir: str, rank: int) -> dict | None:
     path = rng_path(iter_dir, rank)
     if not os.path.exists(path):
         return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {type(err).__name__}") from None
+    return load_weights_file(path)
 
 
 def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -159,7 +149,8 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(iter_dir), planner=PiecesLoadPlanner(), no_dist=True)
+            reader = SafeFileSystemReader(iter_dir, metadata)
+            dcp.load(wanted, storage_reader=reader, planner=PiecesLoadPlanner(), no_dist=True)
         except BaseException as err:
             reraise_interrupt(err)
             raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None

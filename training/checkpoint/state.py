@@ -7,7 +7,8 @@ Keys: the model weight under its global name (`layers.5.mlp.fc1.weight`), the op
 checkpoint: replicated-over-tp params by tp rank 0; dp replicas by one dp rank (params dealt round-robin over
 dp, so every dp rank writes a share); with the distributed optimizer each dp rank writes its own shard of the
 state. The last pipeline stage's copy of a tied embedding is never written (the first stage writes it) but
-is loaded from the same key.
+is loaded from the same key (under zb-v on the rank that holds the embedding: two pieces at the same offsets,
+each filled, dcp_planners.GlobalPieces.piece_at).
 """
 
 from __future__ import annotations
