@@ -12,7 +12,7 @@ import os
 import torch
 
 from config.data_config import DataConfig, resolve_data_file
-from config.schema import config_from_dict
+from config.schema import ParallelConfig, TrainConfig, config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from parallel.model_builder import build_model_chunks
@@ -59,6 +59,38 @@ def check_finite(tensors: Tensors, source: str) -> None:
                 f"{source}: tensor {name} holds non-finite values (NaN or inf): these weights are broken (a "
                 f"diverged run or a bad export); use another checkpoint or model"
             )
+
+
+# The floating-point types a weight file may hold (converted to the checkpoint's fp32 on load).
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtypes(tensors: Tensors, source: str) -> None:
+    """ValueError naming `source` and the first tensor that is not fp32 / bf16 / fp16 / fp64: integers or
+    booleans would be converted to weights silently, fp8 needs scales this project does not read."""
+    for name, tensor in tensors.items():
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"{source}: tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values, not weights in "
+                "fp32, bf16, fp16 or fp64: the file is damaged or quantized; use an unquantized export"
+            )
+
+
+def meta_state(cfg: ModelConfig) -> Tensors:
+    """cfg's global state dict as meta tensors: the shape of every parameter (vocabulary tables padded to
+    padded_vocab_size(1)) without memory, to check weights against before mapping them."""
+    with torch.device("meta"):
+        return dict(GPTModel(cfg, cfg.padded_vocab_size(1)).state_dict())
+
+
+def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> ParallelConfig:
+    """The parallel section of a conversion to (tp, pp, vp), checked by the trainer's own rules
+    (parallel/layout.py): a layout the trainer would refuse is refused with the trainer's message."""
+    from parallel.layout import build_layout
+
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
+    build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
+    return parallel
 
 
 def checkpoint_iteration(path: str) -> tuple[int, str]:
