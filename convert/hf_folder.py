@@ -144,40 +144,13 @@ def check_tokenizer_files(data: dict[str, Any], vocab_size: int, exact: bool = F
 
 
 def check_gpt2_files(vocab_file: str, merge_file: str) -> None:
-    """vocab.json an object of token -> id numbering its entries 0..n-1 with every byte symbol, and every merge
-    of merges.txt made of and making tokens it holds (a truncated vocab.json fails here, not as a KeyError
-    when some text is encoded); many tokens that no merge makes (a truncated merges.txt) warn."""
-    from data.bpe import bytes_to_unicode, load_vocab_and_merges
+    """vocab.json and merges.txt that belong together (data.bpe.check_vocab_and_merges); its warning printed."""
+    from data.bpe import check_vocab_and_merges, load_vocab_and_merges
 
     vocab, merges = load_vocab_and_merges(vocab_file, merge_file)
-    if not isinstance(vocab, dict) or not all(type(i) is int and isinstance(t, str) for t, i in vocab.items()):
-        raise ValueError(f"{vocab_file} is not a GPT-2 vocabulary: expected a JSON object of token -> integer id")
-    if sorted(vocab.values()) != list(range(len(vocab))):
-        outside = [token for token, i in vocab.items() if not 0 <= i < len(vocab)]
-        detail = f"{outside[0]!r} has id {vocab[outside[0]]}" if outside else "some ids repeat"
-        raise ValueError(f"{vocab_file}: the ids must number its {len(vocab)} entries 0..{len(vocab) - 1}; {detail}")
-    symbols = set(bytes_to_unicode().values())
-    missing = sorted(symbols - set(vocab))
-    if missing:
-        raise ValueError(
-            f"{vocab_file} lacks {len(missing)} of the 256 byte symbols (e.g. {missing[0]!r}): not a complete "
-            "GPT-2 byte-level vocabulary (truncated?)"
-        )
-    for number, (left, right) in enumerate(merges, 1):
-        for token in (left, right, left + right):
-            if token not in vocab:
-                raise ValueError(
-                    f"{merge_file}: merge {number} ({left} {right}) needs {token!r}, which {vocab_file} does not "
-                    "hold: the two files do not belong together (a truncated or another model's vocab.json?)"
-                )
-    made = symbols | {left + right for left, right in merges} | {EOD_TOKEN}
-    unmade = [token for token in vocab if token not in made]
-    if len(unmade) > max(8, len(vocab) // 100):
-        print(
-            f"warning: {len(unmade)} of the {len(vocab)} tokens of {vocab_file} are made by no merge of "
-            f"{merge_file} (e.g. {unmade[0]!r}): a truncated merges.txt encodes text differently",
-            file=sys.stderr,
-        )
+    warning = check_vocab_and_merges(vocab, merges, vocab_file, merge_file, {EOD_TOKEN})
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, max_length: int) -> dict[str, int]:
