@@ -12,12 +12,14 @@ import torch
 
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
+from model.kernels import KernelSelection
+from model.rank_spec import RankSpec
 from model.shape import iteration_flops
 from parallel.layout import Layout, layout_from_config, uses_v_shape
-from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
+from parallel.model_builder import build_chunk_modules
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import tensor_parallel_hooks, tp_comm
 from planner.activations import shape_from_config
 from planner.memory import layout_memory
 from planner.ring import ring_bytes_per_layer
@@ -36,16 +38,9 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
         vp_size=par.vp_size,
         cp_size=par.cp_size,
     )
-    chunks = []
-    hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
-    v_shape = uses_v_shape(par.schedule)  # zb-v: chunks in a V (parallel/pipeline/stages.py)
-    for chunk in range(par.vp_size):
-        layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
-        pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
-        with torch.device("meta"):
-            model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post, tp_hooks=hooks)
-            chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))
-    return chunks
+    # the parameters depend on the tp split alone: the spec of the rank's tp group, nothing else
+    spec = RankSpec(kernels=KernelSelection(), tp=tensor_parallel_hooks(tp_comm(state), par.sequence_parallel))
+    return build_chunk_modules(model_cfg, state, spec, v_shape=uses_v_shape(par.schedule))
 
 
 def count(chunks: list[GPTModel]) -> int:

@@ -51,7 +51,9 @@ def test_triton_runs_where_expected():
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 37), True), ((1, 2, 50), False)])
 def test_bias_gelu(device, dtype, shape, bias):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
@@ -61,7 +63,9 @@ def test_bias_gelu(device, dtype, shape, bias):
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 2 * 37), True), ((1, 1, 2 * 24), False)])
 def test_bias_swiglu(device, dtype, shape, bias):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
@@ -79,7 +83,7 @@ def test_bias_dropout_add(device, dtype, p, bias):
     residual = _leaf(3, 1, 45, device=device, dtype=dtype)
     b = _leaf(45, device=device, dtype=dtype) if bias else None
     dropout = nn.Dropout(p)
-    selection = kernels.KernelSelection(frozenset({"bias_dropout_add"}))
+    selection = kernels.KernelSelection(frozenset({"bias_dropout_add"})).registered()
 
     def fused(y, b, residual):
         torch.manual_seed(7)
@@ -104,7 +108,9 @@ def test_bias_dropout_add(device, dtype, p, bias):
     ],
 )  # 600 rows: several row blocks
 def test_norms(device, dtype, kind, shape):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     hidden = shape[-1]
     x = _leaf(*shape, device=device, dtype=dtype, scale=3.0)
@@ -127,7 +133,9 @@ def test_norms(device, dtype, kind, shape):
 @pytest.mark.parametrize("s,b,nq,nkv,d", [(3, 2, 4, 2, 10), (1, 2, 3, 3, 6)])
 def test_rotary(device, dtype, s, b, nq, nkv, d):
     from model.gpt import rotary_cos_sin
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     q = _leaf(s, b, nq, d, device=device, dtype=dtype)
     k = _leaf(s, b, nkv, d, device=device, dtype=dtype)
