@@ -115,4 +115,6 @@ def _check_names_and_shapes(model: GPTModel, tensors: Tensors) -> None:
         raise ValueError(f"the weights do not fit the model config: the state dict {what}")
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"the weights do not fit the model config: {name} is {tuple(tensors[name].shape)}, the model's {shape}")
+            raise ValueError(
+                f"the weights do not fit the model config: {name} is {tuple(tensors[name].shape)}, the model's {shape}"
+            )

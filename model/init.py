@@ -3,9 +3,10 @@
 
 So any tensor-parallel size and any pipeline cut gets exactly the weights one process gets, whatever order
 ranks build in, and memory peaks at one full weight. `materialize_parameters` is the same cut with the full
-tensors taken from elsewhere (a global state dict: convert/model_weights.build_model_from_state). Reads the parameter's ParamInfo (model/param_info.py):
-`init_name` (the last stage's copy of a tied embedding seeds from the embedding's name), `full_shape` and
-the `sharding` record with the rank's place in its tp group (set by parallel/'s layers), which cuts the shard.
+tensors taken from elsewhere (a global state dict: convert/model_weights.build_model_from_state). Reads the
+parameter's ParamInfo (model/param_info.py): `init_name` (the last stage's copy of a tied embedding seeds from
+the embedding's name), `full_shape` and the `sharding` record with the rank's place in its tp group (set by
+parallel/'s layers), which cuts the shard.
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ def rank_spec(
     )
 
 
-def build_chunk_modules(cfg: ModelConfig, state: ParallelState, spec: RankSpec, v_shape: bool = False) -> list[GPTModel]:
+def build_chunk_modules(
+    cfg: ModelConfig, state: ParallelState, spec: RankSpec, v_shape: bool = False
+) -> list[GPTModel]:
     """The vp_size chunks of this pipeline rank, built whole from `spec` on the meta device (no weights yet);
     `v_shape` places the two chunks in a V (zb-v, parallel/pipeline/stages.py)."""
     chunks = []

@@ -212,7 +212,12 @@ class VocabParallelEmbedding(nn.Module):
         rows_local = num_embeddings // comm.size
         self.vocab_start, self.vocab_end = comm.rank * rows_local, (comm.rank + 1) * rows_local
         self.weight = _new_param(
-            (rows_local, embedding_dim), device, dtype, comm, Sharding(dim=0), full_shape=(num_embeddings, embedding_dim)
+            (rows_local, embedding_dim),
+            device,
+            dtype,
+            comm,
+            Sharding(dim=0),
+            full_shape=(num_embeddings, embedding_dim),
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import Sharding, param_info
-from parallel.state import ParallelState
 from parallel.model_builder import rank_spec
+from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
 from training.checkpoint.pieces import global_shape, tp_blocks
 

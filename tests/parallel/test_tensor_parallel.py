@@ -8,9 +8,9 @@ from torch import nn
 from model.config import ModelConfig
 from model.gpt import GPTModel, StreamDropout
 from model.init import initialize_parameters
+from model.param_info import Sharding, full_shape, param_info
 from model.rank_spec import Recompute
 from model.tp_hooks import identity
-from model.param_info import Sharding, full_shape, param_info
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import LayoutError, check_tensor_parallel

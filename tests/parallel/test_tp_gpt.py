@@ -17,9 +17,9 @@ from model.init import initialize_parameters
 from model.rank_spec import Recompute
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
+from parallel.model_builder import rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.model_builder import rank_spec
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
