@@ -28,6 +28,8 @@ from planner.ring import ring_bytes_per_layer
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
     par, model_cfg = config.parallel, config.model
+    if not (0 <= tp_rank < par.tp_size and 0 <= pp_rank < par.pp_size):
+        raise ValueError(f"no rank tp {tp_rank}, pp {pp_rank} at tp_size {par.tp_size}, pp_size {par.pp_size}")
     grid = RankGrid.megatron(tp=par.tp_size, cp=par.cp_size, dp=dp_size, pp=par.pp_size)
     state = ParallelState(
         world_size=grid.world_size,

@@ -54,8 +54,8 @@ class ScheduleResult:
 
 def deallocate_output(out: torch.Tensor) -> bool:
     """Replace `out.data` by a 1-element tensor (keeping its graph); False when that is not safe."""
-    if autograd_engine() is None or is_view(out) is not False or out.grad_fn is None:
-        return False  # a view shares its base's storage; a leaf (e.g. the input passed through) has no graph
+    if autograd_engine() is None or is_view(out) in (True, None) or out.grad_fn is None:
+        return False  # a view (or one torch cannot tell) shares its base's storage; a leaf has no graph
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
     return True
 

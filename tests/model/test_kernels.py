@@ -224,6 +224,33 @@ def test_kernel_selection_from_config_and_errors():
         ModelConfig(fused_kernel_names=["norm"]).validate()
 
 
+def test_ops_are_registered_by_the_build_not_on_import():
+    """Importing the model registers no op; building a model with fused kernels registers them all, once: a
+    second build (or call) looks them up; a selection never registered says how to get its ops."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    code = (
+        "import torch, model.gpt, model.kernels, model.kernels.ops, model.kernels.registry as r\n"
+        "ns = torch.ops.gpt_kernels\n"
+        "assert not any(hasattr(ns, name) for name in r.OP_TABLE)\n"
+        "from model.config import ModelConfig\n"
+        "cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50, fused_kernels=True)\n"
+        "with torch.device('meta'):\n"
+        "    first, second = model.gpt.GPTModel(cfg, 64), model.gpt.GPTModel(cfg, 64)\n"
+        "assert all(hasattr(ns, name) for name in r.OP_TABLE)\n"
+        "assert first.kernels.fused_ops() == second.kernels.fused_ops() == r.register_kernel_ops()\n"
+        "assert first.layers['0'].mlp.kernels is first.kernels\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+    from model.kernels import KernelSelection
+
+    with pytest.raises(RuntimeError, match=r"never registered: build the model from a RankSpec"):
+        KernelSelection(frozenset({"norm"})).fused_ops()
+
+
 def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):
     """fused_kernels=true on a CPU without TRITON_INTERPRET: references and the chunked torch loss, and the
     log line says so."""

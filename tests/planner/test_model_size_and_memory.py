@@ -33,7 +33,7 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
     par = config.parallel
     layout = layout_from_config(config, par.tp_size * par.pp_size)
     for pp_rank in range(par.pp_size):
-        meta = count(meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1))
+        meta = count(meta_chunks(config, tp_rank=par.tp_size - 1, pp_rank=pp_rank, dp_size=1))
         assert rank_params(config.model, par.tp_size, par.pp_size, rank_roles(layout, pp_rank)) == meta
     assert total_params(config.model) == total_parameters(config)
 
