@@ -16,8 +16,10 @@ import sys
 
 import torch.distributed as dist
 
+from config.cli import one_config_file
 from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
+from evaluation.in_training import zero_shot_tasks
 from parallel.layout import layout_from_config
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from training.loop import run_training
@@ -25,20 +27,27 @@ from training.preemption import Interrupted, PreemptionHandler
 from training.run_lock import RunLock, take_run_lock
 from training.setup import DEFAULT_CONFIG, check_devices, init_distributed
 from training.size_check import check_fits
+from training.threads import check_cpu_requests, usable_cores
+from training.wandb_logging import check_wandb_importable
 
 __all__ = ["DEFAULT_CONFIG", "main", "parse_args"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """--config and the section.key=value overrides. A Megatron-LM flag (`--train-iters 50`) exits 2 with one
-    line naming the override that replaces it (config/megatron_flags.py, docs/megatron_flags.md)."""
+    line naming the override that replaces it (config/megatron_flags.py, docs/megatron_flags.md); so does a
+    second --config (config/cli.py)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/gpt_tiny.yaml)")
+    parser.add_argument("--config", action="append", help="YAML config, given once (default: configs/gpt_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.train_iters=50")
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"error: {unknown_option_message(unknown, argv)}", file=sys.stderr)
-        raise SystemExit(EXIT_INPUT_ERROR)
+    try:
+        if unknown:
+            raise ConfigError(unknown_option_message(unknown, argv))
+        args.config = one_config_file(args.config, DEFAULT_CONFIG)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_INPUT_ERROR) from None
     return args
 
 
@@ -66,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         layout = layout_from_config(config, world_size)  # every layout rule, before any work
         use_cuda = check_devices(config.train, os.environ)
+        check_cpu_requests(config.train.num_threads, config.data.num_workers, os.environ, usable_cores())
+        check_wandb_importable(config.logging)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
+        extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
@@ -83,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             warning = lock.stale_warning()
             if warning is not None:
                 print(warning, file=sys.stderr)
-            return run_training(config, env, layout, preemption)
+            return run_training(config, env, layout, preemption, extra_evaluation)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_INTERRUPTED

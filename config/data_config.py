@@ -28,10 +28,13 @@ def resolve_data_file(path: str | None, base: str, base_first: bool = False) -> 
     return path
 
 
+DEFAULT_SPLIT = "969,30,1"
+
+
 @dataclass
 class DataConfig:
     data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
-    split: str = "969,30,1"
+    split: str = DEFAULT_SPLIT
     # Megatron's separate splits: each a blend list as data_path, all of its documents in that split (instead
     # of data_path and split)
     train_data_path: list = field(default_factory=list)
@@ -97,3 +100,33 @@ class DataConfig:
             )
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
+
+    def check_sources(self) -> None:
+        """What a new run is asked to read: an empty file or folder name (data.cache_dir="" would silently keep
+        the indices in memory), and with per-split paths data.split (ignored) and a prefix of
+        data.train_data_path in valid or test (evaluation on training data). Not part of validate(): a
+        checkpoint's saved config is still converted and sampled from as it was."""
+        for key in (*self.FILE_KEYS, "cache_dir"):
+            if getattr(self, key) == "":
+                raise ValueError(f"data.{key} is an empty string: give a path, or leave the key out")
+        if not self.train_data_path:
+            return
+        if self.split != DEFAULT_SPLIT:
+            raise ValueError(
+                f"data.split={self.split!r} is not used with data.train_data_path (each split reads its own "
+                f"path): drop data.split, or give data.data_path instead of the per-split paths"
+            )
+        from data.builder import parse_data_path
+
+        def data_files(key: str) -> list[tuple[str, str]]:  # (prefix, its .bin with every link resolved)
+            prefixes = parse_data_path(getattr(self, key), f"data.{key}")[1] if getattr(self, key) else []
+            return [(prefix, os.path.realpath(prefix + ".bin")) for prefix in prefixes]
+
+        train = {resolved for _, resolved in data_files("train_data_path")}
+        for key in self.SPLIT_KEYS[1:]:
+            shared = [prefix for prefix, resolved in data_files(key) if resolved in train]
+            if shared:
+                raise ValueError(
+                    f"data.{key} and data.train_data_path both hold {shared[0]}: evaluating on it would "
+                    f"measure the training data; give it documents of its own (or data.data_path with data.split)"
+                )

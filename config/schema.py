@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 import re
@@ -26,8 +25,10 @@ import yaml
 
 from config.data_config import DataConfig, resolve_data_file
 from config.key_hints import closest_key
-from config.yaml_reader import read_yaml_file
+from config.yaml_reader import YamlBoundError, load_yaml_text, read_yaml_file
 from model.config import ModelConfig
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,8 @@ class TrainConfig:
         for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad", "num_threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+        if not 0 <= self.seed < 2**32:  # numpy's RandomState (the data order) takes no other seed
+            raise ConfigError(f"train.seed={self.seed} must be in [0, {2**32 - 1}]")
 
 
 @dataclass
@@ -192,13 +195,32 @@ class LoggingConfig:
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
-        if self.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                f"logging.wandb_project={self.wandb_project} needs the wandb package: pip install wandb "
-                "(or drop the key)"
-            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    """Zero-shot tasks (evaluation/, docs/evaluation.md): tools/evaluate.py reads these keys, and the trainer
+    runs the tasks of the files given every `interval` iterations and at the end."""
+
+    interval: int = 0  # 0 = the trainer runs no zero-shot task
+    wikitext_file: str | None = None  # a WikiText file such as WikiText-103's wiki.test.tokens
+    lambada_file: str | None = None  # lambada_test.jsonl of the GPT-2 release
+    seq_length: int | None = None  # tokens per window; None: the model's max_position_embeddings
+    overlapping_eval: int = 32  # Megatron's WikiText: each window after the first scores its last N tokens
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"eval.interval={self.interval} must be >= 0")
+        for key in ("seq_length", "overlapping_eval"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        for key in ("wikitext_file", "lambada_file"):  # read (and checked) by evaluation/ before training
+            path = getattr(self, key)
+            setattr(self, key, os.path.expanduser(path) if path else None)
+        if self.interval and not (self.wikitext_file or self.lambada_file):
+            raise ConfigError(f"eval.interval={self.interval} needs eval.wikitext_file or eval.lambada_file")
 
 
 @dataclass
@@ -220,6 +242,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:
@@ -268,6 +291,10 @@ def _type_matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _coerce_float(value: Any, annotation: Any) -> Any:
     """PyYAML reads `1e-4` (no dot) as a string; accept it where a float is expected."""
     accepts_float = annotation is float or float in typing.get_args(annotation)
@@ -293,10 +320,16 @@ def _build_section(cls: type, values: dict, section: str) -> Any:
             if value is None:  # `key=` on the command line, or `key:` with nothing after it in YAML
                 raise ConfigError(f"{section}.{key} is given no value: give it a {expected}, or leave it out")
             raise ConfigError(f"{section}.{key}={value!r} has the wrong type: expected {expected}")
-        if hints[key] is float and isinstance(value, int):
-            values[key] = float(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{section}.{key}={value} must be a finite number")
+        if float in (hints[key], *typing.get_args(hints[key])) and _is_number(value) and abs(value) > FLOAT32_MAX:
+            raise ConfigError(
+                f"{section}.{key}={value} is past float32's range ({FLOAT32_MAX:.4g}): give a smaller number"
+            )
+        if hints[key] is float and isinstance(value, int):
+            values[key] = float(value)
+        if any(isinstance(item, str) and "\0" in item for item in (value if isinstance(value, list) else [value])):
+            raise ConfigError(f"{section}.{key}={value!r} holds a NUL character (\\0): no path or name can hold one")
     return cls(**values)
 
 
@@ -327,7 +360,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         dotted, text = item.split("=", 1)
         section, key = dotted.split(".", 1)
         try:
-            value = yaml.safe_load(text) if text != "" else None
+            value = load_yaml_text(text) if text != "" else None
+        except YamlBoundError as err:
+            raise ConfigError(f"override {dotted}=...: {err}") from None
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: value {text!r} is not valid YAML") from None
         raw.setdefault(section, {})
@@ -382,6 +417,10 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> Config:
         if key in file_keys and key not in overridden:
             raise ConfigError(f"config file {path}: {err}") from None
         raise
+    try:  # a new run's data choices (not in validate: a checkpoint's saved config is loaded as it was)
+        config.data.check_sources()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if path is not None:
         for key in DataConfig.FILE_KEYS:
             setattr(config.data, key, resolve_data_file(getattr(config.data, key), os.path.dirname(path)))

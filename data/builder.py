@@ -51,6 +51,8 @@ def parse_data_path(data_path: list, key: str = "data.data_path") -> tuple[list[
     entries = [str(x).strip() for x in data_path]
     if not entries:
         raise ValueError(f"{key} is empty")
+    if "" in entries:
+        raise ValueError(f"{key}={entries}: entry {entries.index('')} is empty: give a data prefix (or a weight)")
     numbers = [_as_number(x) for x in entries]
     if all(n is None for n in numbers):
         return None, entries

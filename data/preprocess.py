@@ -72,6 +72,8 @@ class _Encoder:
             return line_no, f"not valid UTF-8 ({exc.reason} at byte {exc.start})", len(raw)
         except ValueError as exc:
             return line_no, f"not valid JSON ({exc})", len(raw)
+        except RecursionError:  # json's decoder recurses once per nesting level
+            return line_no, "JSON nested too deeply to be a document", len(raw)
         out = {}
         for key in settings["json_keys"]:
             if not isinstance(record, dict) or key not in record:
@@ -157,9 +159,11 @@ def preprocess_jsonl(
     tmp = {key: (bin_path(p) + ".tmp", idx_path(p) + ".tmp") for key, p in prefixes.items()}
     builders: dict[str, IndexedDatasetBuilder] = {}
     stats, pool = PreprocessStats(), None
+    out_dir = os.path.dirname(os.path.abspath(next(iter(prefixes.values()))))  # every key's files go here
+    made_dir = not os.path.isdir(out_dir)  # removed again (when empty) if the run fails
     try:
+        os.makedirs(out_dir, exist_ok=True)
         for key in json_keys:
-            os.makedirs(os.path.dirname(os.path.abspath(prefixes[key])), exist_ok=True)
             builders[key] = IndexedDatasetBuilder(tmp[key][0], settings["dtype"])
         pool, results = _start_encoding(input_path, settings, workers)
         cpu_before = _cpu_seconds(pool is not None)
@@ -179,6 +183,8 @@ def preprocess_jsonl(
             for path in paths:
                 if os.path.exists(path):
                     os.remove(path)
+        if made_dir and not stats.outputs and os.path.isdir(out_dir) and not os.listdir(out_dir):
+            os.rmdir(out_dir)
     _report(stats, workers, log)
     return stats
 

@@ -12,6 +12,14 @@ from collections.abc import Iterable, Iterator
 
 from data.tokenizers import EOD_TOKEN
 
+MAX_VOCAB_SIZE = 1 << 22  # 16x the largest vocabularies in use (~256k); the trainers allocate by it up front
+
+
+def check_not_too_large(vocab_size: int) -> None:
+    """A vocabulary past MAX_VOCAB_SIZE: ValueError (the Rust BPE trainer aborts the process on 10**11)."""
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size} is larger than {MAX_VOCAB_SIZE:,}: give a real vocabulary size")
+
 
 def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:
     """Yield `json_key` of every line of a JSONL file; a bad line raises ValueError naming it."""
@@ -21,7 +29,7 @@ def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:
                 continue
             try:
                 value = json.loads(raw.decode("utf-8"))[json_key]
-            except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise ValueError(f"{path}:{line_no}: bad JSONL line ({type(exc).__name__}: {exc})") from None
             if not isinstance(value, str):
                 raise ValueError(f"{path}:{line_no}: {json_key!r} is not a string")
@@ -36,6 +44,7 @@ def train_gpt2_bpe(
 
     if vocab_size < 257:
         raise ValueError(f"vocab_size {vocab_size} is too small for byte-level BPE (needs >= 257)")
+    check_not_too_large(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     # Same pre-tokenisation as GPT-2 (the regex split, no prefix space), so merges never cross pieces.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -64,6 +73,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_prefix: str
     """Train a SentencePiece model (with eos, used as end of document); return the .model path."""
     import sentencepiece
 
+    check_not_too_large(vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(texts),

@@ -138,13 +138,28 @@ class SentencePieceTokenizer:
 _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<|eot_id|>", "<eos>", "<|im_end|>")
 
 
+def _configured_eos(config_path: str) -> str | None:
+    """The eos_token a tokenizer_config.json names (None when it names none); unreadable: ValueError naming it."""
+    try:
+        with open(config_path, encoding="utf-8") as handle:
+            settings = json.load(handle)
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"{config_path}: cannot read it as JSON ({err}): fix or remove the file") from None
+    eos = settings.get("eos_token") if isinstance(settings, dict) else None
+    if isinstance(eos, dict):  # AddedToken form: {"content": "</s>", ...}
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise ValueError(f"{config_path}: eos_token {eos!r} is not a token string: give the token's text")
+    return eos
+
+
 class HuggingFaceTokenizer:
     """A HuggingFace `tokenizer.json` (the `tokenizers` library, the engine of transformers' fast tokenizers).
 
     `tokenizer_model` is the file or the folder holding it. Text is encoded without special tokens (no BOS),
     as the GPT-2 tokenizer here: documents are separated by `eod` only. The end of document is the
-    `eos_token` of a tokenizer_config.json beside the file, else the first of <|endoftext|>,
-    <|end_of_text|>, </s>, <|eot_id|>, <eos>, <|im_end|> it holds.
+    `eos_token` of a tokenizer_config.json beside the file (an error when the tokenizer lacks it), else the
+    first of <|endoftext|>, <|end_of_text|>, </s>, <|eot_id|>, <eos>, <|im_end|> it holds.
     """
 
     def __init__(self, tokenizer_model: str):
@@ -159,14 +174,16 @@ class HuggingFaceTokenizer:
         self._eod = self._find_eod(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
 
     def _find_eod(self, config_path: str) -> int:
+        eos = _configured_eos(config_path) if os.path.isfile(config_path) else None
+        if eos is not None:  # the configured token or nothing: another one would end documents where it does not
+            token_id = self.tokenizer.token_to_id(eos)
+            if token_id is None:
+                raise ValueError(
+                    f"{config_path} names eos_token {eos!r}, which {self.path} does not hold: add the token to "
+                    f"the tokenizer.json, or correct eos_token"
+                )
+            return token_id
         names = list(_EOD_CANDIDATES)
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as handle:
-                eos = json.load(handle).get("eos_token")
-            if isinstance(eos, dict):  # AddedToken form: {"content": "</s>", ...}
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.insert(0, eos)
         for name in names:
             token_id = self.tokenizer.token_to_id(name)
             if token_id is not None:

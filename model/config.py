@@ -70,6 +70,14 @@ class ModelConfig:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("num_query_groups", "ffn_hidden_size", "max_position_embeddings", "vocab_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1 (or leave it out for the default)")
+        for key in ("norm_epsilon", "init_std"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0")
+        if self.rotary_base <= 0:
+            raise ValueError(f"model.rotary_base={self.rotary_base} must be > 0")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "

@@ -8,6 +8,7 @@ costs one token's forward against the cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,14 +31,15 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the option when a value is out of range."""
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature={self.temperature} must be > 0 (use --greedy for argmax)")
+        # `not x > 0` rather than `x <= 0`: NaN fails every comparison and would pass the latter
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"--temperature={self.temperature} must be a number > 0 (use --greedy for argmax)")
         if self.top_k < 0:
             raise ValueError(f"--top-k={self.top_k} must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p={self.top_p} must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"--repetition-penalty={self.repetition_penalty} must be > 0")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"--repetition-penalty={self.repetition_penalty} must be a number > 0")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -104,7 +106,10 @@ def generate_tokens(
     total = len(prompt_ids) + max_new_tokens
     if max_length is not None:
         if len(prompt_ids) >= max_length:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model takes at most {max_length}")
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens and the model reads at most {max_length} positions: "
+                f"shorten it to at most {max_length - 1} tokens, so that a new token fits"
+            )
         total = min(total, max_length)
     cache = KVCache(total)
     seen = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, t]

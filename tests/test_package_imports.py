@@ -9,7 +9,7 @@ import os
 
 from tests.conftest import REPO_ROOT
 
-PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert")
+PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert", "evaluation")
 # package -> the packages of ours it may import (its own modules aside)
 ALLOWED = {
     "compat": set(),
@@ -20,6 +20,7 @@ ALLOWED = {
     "planner": {"config", "model", "parallel"},
     "training": {"compat", "config", "data", "model", "parallel", "planner"},
     "convert": {"compat", "config", "data", "model", "parallel", "training"},
+    "evaluation": {"compat", "config", "convert", "data", "model", "parallel", "training"},
 }
 NO_TORCH_DISTRIBUTED = ("compat", "model")
 NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")

@@ -25,6 +25,8 @@ import math
 import os
 import sys
 
+from config.cli import numbers_as_values
+
 
 class BadInput(Exception):
     """A run that cannot be compared: the message says which file and why."""
@@ -39,14 +41,20 @@ def read_metrics_file(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
         raise BadInput(f"no metrics file {path}")
     train: dict[int, dict] = {}
     valid: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise BadInput(
+                    f"{path}:{number}: not UTF-8 text (byte {err.start}): give a run's metrics.jsonl"
+                ) from None
             except json.JSONDecodeError as err:
                 raise BadInput(f"{path}:{number}: malformed JSON ({err.msg})") from None
+            except RecursionError:
+                raise BadInput(f"{path}:{number}: JSON nested too deeply to be a metrics record") from None
             if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
                 raise BadInput(f"{path}:{number}: not a metrics record with an integer 'iteration'")
             if "lm_loss" in record:
@@ -94,6 +102,18 @@ def compare(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str, toleranc
     return len(common), failures[:1]
 
 
+NUMBER_OPTIONS = ("--rtol", "--drift-rtol", "--strict-iters")
+
+
+def check_tolerances(args: argparse.Namespace) -> None:
+    """A negative or non-finite tolerance would pass or fail every comparison: BadInput naming the option."""
+    for option, value in (("--rtol", args.rtol), ("--drift-rtol", args.drift_rtol)):
+        if not 0 <= value < math.inf:
+            raise BadInput(f"{option} {value} must be a finite number >= 0 (0: bitwise equal)")
+    if args.strict_iters < -1:
+        raise BadInput(f"--strict-iters {args.strict_iters} must be >= -1 (-1: --rtol at every iteration)")
+
+
 def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_a")
@@ -108,9 +128,10 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
     parser.add_argument(
         "--key", action="append", dest="keys", help="training metric to compare (repeatable; default lm_loss)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv, NUMBER_OPTIONS))
     keys = args.keys or ["lm_loss"]
     try:
+        check_tolerances(args)
         train_a, valid_a = read_metrics_file(args.run_a)
         train_b, valid_b = read_metrics_file(args.run_b)
     except BadInput as err:

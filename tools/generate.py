@@ -17,10 +17,12 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from config.cli import numbers_as_values
 from config.schema import ConfigError, config_from_dict
 from convert.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
 from convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
@@ -84,8 +86,35 @@ def read_prompt(args: argparse.Namespace, rank: int) -> str:
     if args.prompt is not None:
         return args.prompt
     if rank == 0 and not sys.stdin.isatty():
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"the prompt piped to stdin is not UTF-8 text (byte {err.start} of {len(data)}): pipe text, "
+                f"or give --prompt"
+            ) from None
     return ""
+
+
+NUMBER_OPTIONS = ("--max-new-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty", "--seed")
+
+
+def shared_prompt(args: argparse.Namespace, env, tokenizer) -> tuple[str, list[int]]:
+    """(prompt text, its ids) on every rank: stdin is read on rank 0 and its ids (or why it could not be read,
+    raised on every rank, so no rank waits for a broadcast that never comes) sent to the others."""
+    try:
+        prompt, problem = read_prompt(args, env.rank), None
+    except ValueError as err:
+        prompt, problem = "", str(err)
+    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod]
+    if env.world_size > 1:  # every rank runs the same prompt
+        holder: list[Any] = [prompt_ids, problem]
+        dist.broadcast_object_list(holder, src=0)
+        prompt_ids, problem = holder
+    if problem is not None:
+        raise ValueError(problem)
+    return prompt, prompt_ids
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -102,7 +131,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    return parser.parse_args(argv)
+    return parser.parse_args(numbers_as_values(argv, NUMBER_OPTIONS))  # `--temperature -1e-3`: refused in one line
 
 
 def prepare(args: argparse.Namespace, env):
@@ -136,13 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(announce_threads=False)  # stdout is the generated text
     try:
         try:
+            if not 0 <= args.seed < 2**64:  # torch.Generator's range (else "Overflow when unpacking long long")
+                raise ValueError(f"--seed={args.seed} must be in [0, 2**64 - 1]")
             model, cfg, state, tokenizer, sampling = prepare(args, env)
-            prompt = read_prompt(args, env.rank)
-            prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod]
-            if env.world_size > 1:  # every rank runs the same prompt (stdin is read on rank 0)
-                holder = [prompt_ids]
-                dist.broadcast_object_list(holder, src=0)
-                prompt_ids = holder[0]
+            prompt, prompt_ids = shared_prompt(args, env, tokenizer)
             generator = torch.Generator().manual_seed(args.seed)
             tokens = generate_tokens(
                 make_logits_fn(model, cfg, state),

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from config.cli import one_config_file
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
 from model.kernels import KernelSelection
@@ -99,12 +100,12 @@ def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", action="append", required=True, help="YAML config, given once")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (for the optimizer share)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(one_config_file(args.config, None), args.overrides)
         if config.model.vocab_size is None:
             raise ConfigError("model.vocab_size must be set for model_stats (no tokenizer is loaded)")
         if args.dp < 1:

@@ -19,6 +19,7 @@ Invalid input prints one line and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -166,11 +167,25 @@ def _compared(spec: str) -> list[tuple[str, int]]:
     return pairs
 
 
+MAX_DRAWN_STEPS = 2048  # pp x vp x micro-batches: --pp 16 --microbatches 128 takes ~45 s to draw on one core
+
+
 def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
     """The (schedule, vp) pairs to draw; ValueError (LayoutError included) names a bad value."""
     pairs = _compared(args.compare) if args.compare else [(args.schedule, args.vp)]
     for schedule, vp in pairs:
         check_schedule(schedule, args.pp, vp, args.microbatches)
+        if args.pp * vp * args.microbatches > MAX_DRAWN_STEPS:  # matplotlib draws a box per step: minutes past it
+            raise ValueError(
+                f"--pp {args.pp} x vp {vp} x --microbatches {args.microbatches} is more than the "
+                f"{MAX_DRAWN_STEPS:,} forward steps a timeline draws: give fewer ranks or micro-batches"
+            )
+    for option in ("forward_cost", "backward_cost", "weight_cost", "comm_cost", "xmax"):
+        value = getattr(args, option)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{option.replace('_', '-')} ({value}) must be a finite number")
+    if args.xmax is not None and args.xmax <= 0:
+        raise ValueError(f"--xmax ({args.xmax}) must be > 0")
     if args.forward_cost <= 0 or args.backward_cost <= 0:
         raise ValueError(f"--forward-cost ({args.forward_cost}) and --backward-cost ({args.backward_cost}) must be > 0")
     if args.weight_cost is not None and not 0 < args.weight_cost < args.backward_cost:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
 
 import yaml
 
+from config.cli import numbers_as_values, one_config_file
 from config.schema import ConfigError, load_config
+from config.yaml_reader import read_yaml_file
 from model.shape import total_params
 from parallel.layout import LayoutError
 from planner import calibrate
@@ -35,10 +38,13 @@ from planner.search import (
     why_best_wins,
 )
 
+MAX_GPUS = 2**20  # ten times the largest clusters; --search's divisor loop is linear in it
+NUMBER_OPTIONS = ("--gpus", "--top", "--tokens")  # `--tokens -1e9` is then a value, refused in one line
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="model/run config YAML (configs/...)")
+    parser.add_argument("--config", action="append", help="model/run config YAML (configs/...), given once")
     parser.add_argument("--cluster", required=True, help="cluster spec YAML (configs/clusters/...)")
     parser.add_argument("--gpus", type=int, help="number of GPUs (the world size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -49,7 +55,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", help="with --calibrate: write the cluster spec with the fitted constants")
     parser.add_argument("--tokens", type=float, help="print the end-to-end training time for this many tokens")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    return parser.parse_args(argv)
+    return parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv, NUMBER_OPTIONS))
+
+
+def no_layout_message(config: Any, gpus: int) -> str:
+    """Why --search found nothing to rank: no layout of this model and batch divides the GPU count."""
+    model, train = config.model, config.train
+    return (
+        f"no layout divides --gpus {gpus}: tp must divide model.num_attention_heads={model.num_attention_heads}, "
+        f"pp model.num_layers={model.num_layers}, and dp train.global_batch_size={train.global_batch_size} "
+        f"(with the micro-batch); give a GPU count these divide"
+    )
 
 
 def format_prediction(p: Prediction) -> list[str]:
@@ -137,8 +153,7 @@ def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
         print(f"model error after the fit: at most {worst:.1%} over {len(after)} run(s)")
         print(efficiency_yaml(fitted.efficiency).rstrip())
     if args.output:
-        with open(args.cluster, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
+        raw = read_yaml_file(args.cluster, "cluster", ClusterError)
         raw["efficiency"] = dataclasses.asdict(fitted.efficiency)
         raw["calibration"] = f"fitted by tools/plan.py --calibrate to {', '.join(args.calibrate)}"
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
@@ -151,9 +166,13 @@ def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
 def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     if not args.config or args.gpus is None:
         raise ConfigError("--config and --gpus are needed (or --calibrate RUN)")
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus} must be >= 1")
-    config = load_config(args.config, args.overrides)
+    if not 1 <= args.gpus <= MAX_GPUS:  # the layout search enumerates divisors one by one
+        raise ConfigError(f"--gpus {args.gpus} must be in [1, {MAX_GPUS:,}]")
+    if args.tokens is not None and not 0 < args.tokens < math.inf:
+        raise ConfigError(f"--tokens {args.tokens:g} must be a positive number of training tokens")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top} must be >= 1")
+    config = load_config(one_config_file(args.config, None), args.overrides)
     if config.model.vocab_size is None:
         raise ConfigError("model.vocab_size must be set for the planner (no tokenizer is loaded)")
     if args.plot:
@@ -163,6 +182,8 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
             print(f"wrote {path}", file=sys.stderr)
     if args.search:
         result = search(config, cluster, args.gpus)
+        if not result.considered:
+            raise ConfigError(no_layout_message(config, args.gpus))
         reason = why_best_wins(result)
         if args.json:
             print(

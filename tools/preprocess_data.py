@@ -7,6 +7,9 @@ Example:
 """
 
 import argparse
+import os
+import sys
+from typing import NoReturn
 
 from data.indexed_dataset import IndexedDatasetError
 from data.preprocess import PreprocessError, preprocess_jsonl
@@ -51,11 +54,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    """Run preprocessing; errors exit non-zero with one line."""
-    args = parse_args(argv)
+def usage_error(args: argparse.Namespace) -> str | None:
+    """The first bad option, in one line naming it, or None; checked before any process is forked."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.workers < 1:
-        raise SystemExit(f"error: --workers must be >= 1, got {args.workers}")
+        return f"--workers {args.workers} must be >= 1"
+    if args.workers > cores:  # every worker holds a tokenizer: 100000 of them would exhaust the machine
+        return f"--workers {args.workers} is more than the {cores} cores this process may use: give at most {cores}"
+    if args.vocab_size is not None and args.vocab_size < 1:
+        return f"--vocab-size {args.vocab_size} must be >= 1 (NullTokenizer's ids are 0 .. V-1)"
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        return "--tokenizer-type NullTokenizer needs --vocab-size V (its ids are 0 .. V-1, the end of document V)"
+    if args.log_interval < 0:
+        return f"--log-interval {args.log_interval} must be >= 0 (0: no progress lines)"
+    return None
+
+
+def fail(message: str) -> NoReturn:
+    """One `error:` line on stderr, exit status 2 (bad input, as the trainer's)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv=None) -> None:
+    """Run preprocessing; errors exit 2 with one line."""
+    args = parse_args(argv)
+    problem = usage_error(args)
+    if problem is not None:
+        fail(problem)
     try:
         preprocess_jsonl(
             args.input,
@@ -71,10 +97,10 @@ def main(argv=None) -> None:
             args.skip_bad_lines,
             parse_special_tokens=args.parse_special_tokens,
             allow_empty=args.allow_empty,
-            vocab_size=args.vocab_size + 1 if args.vocab_size else None,
+            vocab_size=None if args.vocab_size is None else args.vocab_size + 1,
         )
     except (PreprocessError, IndexedDatasetError, ValueError, OSError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+        fail(str(exc))
     except KeyboardInterrupt:
         raise SystemExit("interrupted: no output written") from None
 

@@ -8,12 +8,13 @@ Examples:
 
 import argparse
 import os
+import sys
 
 from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe, train_sentencepiece
 
 
 def main(argv=None) -> None:
-    """Train and write the tokenizer files; errors exit non-zero with one line."""
+    """Train and write the tokenizer files; errors exit 2 with one line."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL file(s)")
     p.add_argument("--json-key", default="text")
@@ -35,7 +36,8 @@ def main(argv=None) -> None:
             model = train_sentencepiece(texts(), args.vocab_size, os.path.join(args.output_dir, "tokenizer"))
             print(f"wrote {model}")
     except (ValueError, OSError, RuntimeError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

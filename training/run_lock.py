@@ -11,6 +11,7 @@ broken silently: the message says which file to delete once that process is know
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -129,6 +130,34 @@ class RunLock:
             os.remove(self.path)
 
 
+def _is_link_loop(path: str) -> bool:
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
+
+
+def _unusable_run_dir_message(run_dir: str, err: OSError, lock_path: str) -> str:
+    """One line for a run.dir that cannot be created or written; a broken symbolic link or a file where the
+    folder belongs (both of which makedirs reports as "File exists") is named as one."""
+    path = err.filename if isinstance(err.filename, str) else lock_path
+    if os.path.islink(path) and not os.path.exists(path):
+        broken = (
+            "loops back on itself" if _is_link_loop(path) else f"points to {os.readlink(path)}, which does not exist"
+        )
+        return (
+            f"run.dir={run_dir} cannot hold the run: {path} is a symbolic link that {broken}: create the folder it "
+            f"should point to, or give run.dir a real folder"
+        )
+    if err.errno == errno.EEXIST and os.path.exists(path) and not os.path.isdir(path):
+        return f"run.dir={run_dir} cannot hold the run: {path} is a file, not a folder: give run.dir a folder"
+    return (
+        f"run.dir={run_dir} cannot hold the run: {err.strerror} ({path}): give run.dir a folder this user can "
+        f"create and write"
+    )
+
+
 def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.device) -> str | None:
     """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce, collective
     over the world). Returns the error ("" on ranks other than 0, which print nothing), or None."""
@@ -140,11 +169,7 @@ def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.devic
         except RunLockError as err:
             error = str(err)
         except OSError as err:  # run.dir a file, not writable, on a full or read-only disk: name the key
-            run_dir = os.path.dirname(lock.path)
-            error = (
-                f"run.dir={run_dir} cannot hold the run: {err.strerror} ({err.filename or lock.path}): give "
-                f"run.dir a folder this user can create and write"
-            )
+            error = _unusable_run_dir_message(os.path.dirname(lock.path), err, lock.path)
     if world_size > 1:
         import torch  # here only: the lock itself is plain Python (tools and tests use it without torch)
         import torch.distributed as dist

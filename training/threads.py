@@ -69,6 +69,25 @@ def plan_threads(requested: int, environ: Mapping[str, str], local_ranks: int, c
     return ThreadPlan(max(1, cores // local_ranks), source, cores, local_ranks)
 
 
+def check_cpu_requests(num_threads: int, data_workers: int, environ: Mapping[str, str], cores: int) -> None:
+    """Refuse (ValueError, one line) a thread count (train.num_threads, else OMP_NUM_THREADS) or a number of
+    data loader processes (data.num_workers) above the `cores` this process may use: more never helps, and
+    huge ones kill the run (torch.set_num_threads(100000) ends in SIGSEGV; 100000 workers exhaust memory)."""
+    plan = plan_threads(num_threads, environ, 1, cores)
+    if plan.threads > cores and not plan.source.startswith("auto"):
+        fix = (
+            f"give at most {cores} (0: share the cores among the node's ranks)"
+            if num_threads > 0
+            else f"export at most {cores}, or set train.num_threads"
+        )
+        raise ValueError(f"{plan.source} is more threads than the {cores} cores this process may use: {fix}")
+    if data_workers > cores:
+        raise ValueError(
+            f"data.num_workers={data_workers} is more loader processes than the {cores} cores this process may "
+            f"use: give at most {cores} (0: load in the training process)"
+        )
+
+
 def set_threads(requested: int, local_ranks: int, environ: Mapping[str, str] | None = None) -> ThreadPlan:
     """Choose (see `plan_threads`) and apply this rank's intra-op thread count; returns the plan to log."""
     plan = plan_threads(requested, os.environ if environ is None else environ, local_ranks, usable_cores())

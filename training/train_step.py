@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,24 @@ class StepContext:
     @property
     def num_microbatches(self) -> int:
         return self.layout.num_microbatches
+
+
+class ForwardOnlyContext(Protocol):
+    """What a forward-only pass (`evaluate`) reads: a StepContext, or evaluation/'s context of a model loaded
+    for evaluation (no gradient buffers, no optimizer state)."""
+
+    chunks: list[GPTModel]
+    state: ParallelState
+    layout: Layout
+    eval_plan: PipelinePlan
+    activation_shape: tuple[int, int, int]
+    activation_dtype: torch.dtype
+    device: torch.device
+    scatter_gather: bool
+    overlap_p2p_comm: bool
+
+    @property
+    def num_microbatches(self) -> int: ...
 
 
 @dataclass
@@ -160,7 +179,7 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    ctx: StepContext,
+    ctx: ForwardOnlyContext,
     data_iter: Iterator[dict],
     eval_iters: int,
     check_batch: Callable[[list[dict], int], None] | None = None,

@@ -1,8 +1,8 @@
 """Optional Weights & Biases logging, next to metrics.jsonl and TensorBoard (logging.wandb_project).
 
-wandb is imported only when the key is set (config validation refuses the key in one line when wandb is not
-installed). Only the logging rank opens a W&B run; it gets the same records as metrics.jsonl, plotted against
-`iteration`. The run's id is kept in run.dir/wandb_run_id, so a resumed run (checkpoint.load=true) continues
+wandb is imported only when the key is set (`check_wandb_importable` refuses the key in one line at the
+trainer's start-up when wandb is not installed or cannot be imported). Only the
+logging rank opens a W&B run; it gets the same records as metrics.jsonl, plotted against `iteration`. The run's id is kept in run.dir/wandb_run_id, so a resumed run (checkpoint.load=true) continues
 the same W&B run. Offline (`WANDB_MODE=offline`, no network needed) the run is written under run.dir/wandb/
 for a later `wandb sync`.
 """
@@ -10,11 +10,12 @@ for a later `wandb sync`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import uuid
 from typing import Any
 
-from config.schema import Config
+from config.schema import Config, LoggingConfig
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -57,6 +58,29 @@ def run_id(run_dir: str) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(new_id + "\n")
     return new_id
+
+
+def check_wandb_importable(logging_config: LoggingConfig) -> None:
+    """With logging.wandb_project set, import wandb now: a broken install (find_spec sees the package, the
+    import fails on a missing dependency) is then one line naming the key before any work, not a traceback
+    after the run folder is made."""
+    if not logging_config.wandb_project:
+        return
+    # Checked here, at the trainer's start, not in LoggingConfig.validate: a checkpoint's saved config is
+    # validated too, and converting or generating from a run that logged to W&B must not need wandb.
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"logging.wandb_project={logging_config.wandb_project} needs the wandb package: pip install wandb "
+            "(or drop the key)"
+        )
+    try:
+        import wandb  # noqa: F401
+    except Exception as err:  # whatever a broken package raises while importing
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+        raise ValueError(
+            f"logging.wandb_project={logging_config.wandb_project} needs wandb, which cannot be imported "
+            f"({reason}): repair it (pip install --force-reinstall wandb) or drop the key"
+        ) from None
 
 
 def open_wandb(config: Config, enabled: bool) -> WandbSink | None:

@@ -19,6 +19,7 @@ from tests.conftest import REPO_ROOT
 
 SCANNED = (
     "config",
+    "evaluation",
     "data",
     "model",
     "parallel",

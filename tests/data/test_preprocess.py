@@ -60,12 +60,13 @@ BAD_LINES = [
 
 
 @pytest.mark.parametrize("content,line,reason", BAD_LINES)
-def test_bad_line_stops_with_line_number_and_leaves_nothing(tmp_path, tok_files, content, line, reason):
+def test_bad_line_stops_with_line_number_and_leaves_nothing(tmp_path, tok_files, capsys, content, line, reason):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(content)
     with pytest.raises(SystemExit) as info:
         _run(tok_files, str(inp), str(tmp_path / "out"), "--workers", "2")
-    message = str(info.value.code)
+    message = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and message.startswith("error: ")
     assert f"in.jsonl:{line}:" in message and reason in message and "\n" not in message
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 

@@ -11,6 +11,7 @@ import pytest
 import pretrain_gpt
 from data import atomic_files, gpt_dataset
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
+from tests.e2e.faults import copy_corpus
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 
@@ -103,7 +104,7 @@ def test_separate_split_paths_train(tiny_corpus, tmp_path, capsys):
             pretrain_gpt.DEFAULT_CONFIG,
             *args,
             f"data.train_data_path=[{prefix}]",
-            f"data.valid_data_path=[{prefix}]",
+            f"data.valid_data_path=[{copy_corpus(tiny_corpus, str(tmp_path))}]",  # the train prefix is refused
         ]
     )
     assert code == EXIT_OK

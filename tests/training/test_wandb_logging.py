@@ -66,3 +66,17 @@ def test_key_without_wandb_is_one_clear_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: logging.wandb_project=demo needs the wandb package: pip install wandb (or drop the key)"]
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_saved_config_with_the_key_validates_without_wandb(monkeypatch):
+    """Converting or generating from a run that logged to W&B validates its saved config: that must not need
+    wandb (only the trainer's start-up checks that it imports)."""
+    from config.schema import Config
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else real_find_spec(name, *rest)
+    )
+    config = Config()
+    config.logging.wandb_project = "demo"
+    config.validate()
