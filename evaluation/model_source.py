@@ -25,9 +25,10 @@ from data.tokenizers import build_tokenizer
 from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
-from parallel.layout import Layout, uses_v_shape
+from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
+from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from training.checkpointing import CheckpointError, load_model_weights
 from training.guards import weights_are_finite
@@ -134,7 +135,6 @@ def load_model(
         env.device,
         dtype,
         rank_spec(cfg, state, layout.sequence_parallel),
-        v_shape=uses_v_shape(layout.schedule),
     )
     if source.iter_dir is not None:
         load_model_weights(source.iter_dir, chunks, state)
@@ -145,7 +145,6 @@ def load_model(
         raise EvalInputError(f"{source.describe()}: the weights hold NaN or inf (a diverged run or a bad export)")
     for chunk in chunks:
         chunk.eval()
-    seq_local = cfg.seq_length // layout.cp_size // (layout.tp_size if layout.sequence_parallel else 1)
     return EvalContext(
         chunks=chunks,
         state=state,
@@ -153,7 +152,7 @@ def load_model(
         eval_plan=build_plan(
             layout.schedule, layout.pp_size, state.pp_rank, layout.num_microbatches, layout.vp_size, forward_only=True
         ),
-        activation_shape=(seq_local, config.train.micro_batch_size, cfg.hidden_size),
+        activation_shape=RunShape.of(config, layout).activation_shape,
         activation_dtype=dtype,
         device=env.device,
         scatter_gather=config.parallel.scatter_gather and not layout.sequence_parallel,

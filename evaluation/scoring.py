@@ -213,7 +213,7 @@ class WindowScorer:
         """The last stage's results on every rank: broadcast over pp, all-gathered over dp."""
         state = self.ctx.state
         if state.pp_size > 1:  # the last virtual stage: on the last rank, on the first in zb-v's V
-            holder = state.pp_ranks[0] if self.ctx.eval_plan.v_shape else state.pp_ranks[-1]
+            holder = state.pp_ranks[state.stages.head_pp_rank]
             dist.broadcast(local, src=holder, group=state.pp_group)
         if state.dp_size > 1:
             parts = [torch.empty_like(local) for _ in range(state.dp_size)]

@@ -285,7 +285,7 @@ class GPTModel(nn.Module):
                 self._tie_output_to_embedding()
         self._mark_split_tied_embedding()
         self.kernels = spec.kernels
-        self.recompute_layer_ids = spec.recompute.layer_ids([int(i) for i in layer_ids])
+        self.recompute_layer_ids = set(spec.recompute.layer_ids([int(i) for i in layer_ids]))
         self.checkpoint_fn: CheckpointFn | None = spec.recompute.checkpoint_fn
 
     def transformer_layers(self) -> list[tuple[int, TransformerLayer]]:

@@ -10,7 +10,7 @@ a plain value or callable).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,11 +48,11 @@ class Recompute:
     num_layers: int = 1
     checkpoint_fn: CheckpointFn | None = None
 
-    def layer_ids(self, chunk_layer_ids: list[int]) -> set[int]:
-        """The layers of a chunk that full recomputation checkpoints."""
+    def layer_ids(self, chunk_layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """The layers of a chunk (its global layer ids, in order) that full recomputation checkpoints."""
         if self.mode != "full":
-            return set()
-        return set(chunk_layer_ids if self.method == "uniform" else chunk_layer_ids[: self.num_layers])
+            return ()
+        return tuple(chunk_layer_ids if self.method == "uniform" else chunk_layer_ids[: self.num_layers])
 
 
 @dataclass(frozen=True)

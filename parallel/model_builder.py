@@ -18,7 +18,6 @@ from model.param_info import param_info
 from model.rank_spec import RankSpec, Recompute
 from parallel.context_parallel import context_parallel_hooks
 from parallel.layout import check_tensor_parallel
-from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.random import RNGTracker, dropout_streams
 from parallel.state import ParallelState
 from parallel.tensor_parallel import tensor_parallel_hooks, tp_comm
@@ -46,19 +45,21 @@ def rank_spec(
     )
 
 
-def build_chunk_modules(
-    cfg: ModelConfig, state: ParallelState, spec: RankSpec, v_shape: bool = False
-) -> list[GPTModel]:
-    """The vp_size chunks of this pipeline rank, built whole from `spec` on the meta device (no weights yet);
-    `v_shape` places the two chunks in a V (zb-v, parallel/pipeline/stages.py)."""
+def build_chunk_modules(cfg: ModelConfig, state: ParallelState, spec: RankSpec) -> list[GPTModel]:
+    """The vp_size chunks of this pipeline rank, built whole from `spec` on the meta device (no weights yet).
+    Which layers each chunk holds is the state's stage map (`state.stages`: interleaved, or zb-v's V)."""
     chunks = []
-    for chunk in range(state.vp_size):
-        layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
-        pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
+    for placement in state.stages.placements(cfg.num_layers, state.pp_rank):
         with torch.device("meta"):
-            chunks.append(
-                GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), layer_ids, pre_process, post_process, spec=spec)
+            model = GPTModel(
+                cfg,
+                cfg.padded_vocab_size(state.tp_size),
+                placement.layer_ids,
+                placement.pre_process,
+                placement.post_process,
+                spec=spec,
             )
+        chunks.append(model)
     return chunks
 
 
@@ -71,11 +72,10 @@ def build_model_chunks(
     spec: RankSpec | None = None,
     compile_layers: bool = False,
     compile_backend: str = "inductor",
-    v_shape: bool = False,
 ) -> list[GPTModel]:
     """This rank's chunks with their initial weights on `device` (`spec` default: `rank_spec(cfg, state)`);
     `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
-    chunks = build_chunk_modules(cfg, state, spec or rank_spec(cfg, state), v_shape)
+    chunks = build_chunk_modules(cfg, state, spec or rank_spec(cfg, state))
     for model in chunks:
         initialize_parameters(model, cfg, seed, device=device, dtype=dtype)
         if compile_layers:

@@ -50,7 +50,7 @@ from parallel.tp_mappings import CommCounter, TPComm, all_reduce, scatter_to_seq
 
 def tp_comm(state: ParallelState, counter: CommCounter | None = None, scope: str = "layer") -> TPComm:
     """The TPComm of this rank's tp group."""
-    return TPComm(group=state.tp_group, rank=state.tp_rank, size=state.tp_size, counter=counter, scope=scope)
+    return TPComm(state.tp_group, state.tp_rank, state.tp_size, counter, scope, state.comm)
 
 
 def _column_linear(

@@ -53,6 +53,11 @@ def save(run: Run) -> None:
     the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
     if run.checkpointer is None or run.last_saved == run.progress.iteration:
         return
+    with run.state.comm.region("checkpoint"):
+        _save(run)
+
+
+def _save(run: Run) -> None:
     ctx = run.ctx
     ctx.optimizer.finish_param_gather()  # overlap_param_gather: the params are complete before they are read
     if not weights_are_finite(ctx.chunks, run.state, run.env.device):
@@ -113,7 +118,8 @@ def run_evaluation(run: Run, extra: dict[str, float] | None = None) -> None:
         def check(microbatches: list[Microbatch], batch: int) -> None:
             check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
 
-        val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
+        with state.comm.region("eval"):
+            val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
         val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
         run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
         record.update(val_loss=val_loss, val_ppl=val_ppl)
@@ -175,22 +181,26 @@ def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
     iteration_one = run.progress.iteration + 1
     stats = IntervalStats(
-        run.flops_per_iter,
-        cfg.train.global_batch_size * cfg.model.seq_length,
+        run.shape.flops,
+        run.shape.tokens_per_iteration,
         run.env.world_size,
         run.env.device.type,
         peak_tflops(cfg.logging.peak_tflops, run.env.device.type, cfg.train.precision),
     )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
+    comm = state.comm  # labels what each collective below belongs to in the rank's record (parallel/comm.py)
     while run.progress.iteration < train_cfg.train_iters:
         microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
-        if iteration_boundary(run, microbatches, job_start):
-            break
+        iteration = run.progress.iteration + 1
+        with comm.region("boundary", iteration):
+            if iteration_boundary(run, microbatches, job_start):
+                break
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(
-            run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
-        )
+        with comm.region("train", iteration):
+            result = train_step(
+                run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
+            )
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
         after_step(run, stats, result, lr, time.perf_counter() - started)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
@@ -131,11 +130,11 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     if state.is_distributed:
         total = total.reshape(1)
         if state.cp_size > 1:
-            dist.all_reduce(total, group=state.cp_group)
+            state.comm.all_reduce(total, state.cp_group)
         if state.pp_size > 1:
-            dist.all_reduce(total, group=state.pp_group)
+            state.comm.all_reduce(total, state.pp_group)
         if state.dp_size > 1:
-            dist.all_reduce(total, group=state.dp_group)
+            state.comm.all_reduce(total, state.dp_group)
             total /= state.dp_size
     return float(total.reshape(()))
 
