@@ -57,7 +57,7 @@ def test_chunk_parameters_list_the_built_chunks_in_order(config_name, overrides)
     par = config.parallel
     shape = RunShape.of(config, layout_from_config(config, par.tp_size * par.pp_size))
     for pp_rank in range(par.pp_size):
-        built = meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1)
+        built = meta_chunks(config, tp_rank=par.tp_size - 1, pp_rank=pp_rank, dp_size=1)
         for chunk, placement in zip(built, shape.chunks(pp_rank), strict=True):
             listed = chunk_parameters(
                 config.model,
