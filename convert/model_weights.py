@@ -15,9 +15,11 @@ from config.data_config import DataConfig, resolve_data_file
 from config.schema import ParallelConfig, TrainConfig, config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
-from parallel.model_builder import build_model_chunks
+from model.init import materialize_parameters
+from model.param_info import full_shape
+from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, param_shardings, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import param_shardings
 from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 
 Tensors = dict[str, torch.Tensor]
@@ -131,10 +133,27 @@ def build_model_from_state(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
-    """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode."""
+    """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode:
+    built on the meta device from the rank's description, then each parameter given its shard of the global
+    tensor (the cut model/init.py makes of an initial value)."""
     state = state or ParallelState.single()
-    model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), tp_hooks=tensor_parallel_hooks(tp_comm(state)))
-    model.load_state_dict(resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size)))
-    model = apply_tensor_parallel(model, state)
-    model.tie_weights()
-    return model.to(device=device, dtype=dtype).eval()
+    with torch.device("meta"):
+        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), spec=rank_spec(cfg, state))
+    padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size))
+    _check_names_and_shapes(model, padded)
+    materialize_parameters(model, lambda name, shape: padded[name].to(torch.float32), device, dtype)
+    return model.eval()
+
+
+def _check_names_and_shapes(model: GPTModel, tensors: Tensors) -> None:
+    """ValueError naming the first tensor the model lacks or does not hold, or whose shape differs."""
+    shapes = {name: full_shape(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    missing, unexpected = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"holds {unexpected[0]}, which the model does not have"
+        raise ValueError(f"the weights do not fit the model config: the state dict {what}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"the weights do not fit the model config: {name} is {tuple(tensors[name].shape)}, the model's {shape}"
+            )

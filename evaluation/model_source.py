@@ -25,7 +25,7 @@ from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
 from parallel.layout import Layout
-from parallel.model_builder import build_model_chunks
+from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
@@ -133,7 +133,7 @@ def load_model(
         config.train.seed,
         env.device,
         dtype,
-        layout.sequence_parallel,
+        rank_spec(cfg, state, layout.sequence_parallel),
     )
     if source.iter_dir is not None:
         load_model_weights(source.iter_dir, chunks, state)
