@@ -44,17 +44,9 @@ from parallel.pipeline.p2p import Step, plan_steps
 from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import ChunkPlacement
 from parallel.run_shape import TIED_GROUP, RunShape
+from planner.collective import Collective
+from planner.sharded import ShardedCollectives
 from planner.software import TRAINER, Software
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective or one send / receive of one rank (parallel/comm.py records the same fields)."""
-
-    kind: str  # all_reduce, all_gather, reduce_scatter, send, recv
-    group: str  # tp, cp, pp, dp, dp_cp, embedding, tp_pp, world
-    group_size: int
-    nbytes: int  # the full buffer: an all-gather's output, a reduce-scatter's input, the tensor otherwise
 
 
 @dataclass(frozen=True)
@@ -103,9 +95,7 @@ class LayoutCollectives:
         self.scatter = bool(par.scatter_gather) and not lay.sequence_parallel and lay.tp_size > 1
         self.scatter = self.scatter and message % lay.tp_size == 0
         self._actions: dict[tuple[int, Op], ActionCollectives] = {}
-        # ZeRO-3 / FSDP: its gathers and reductions replace the buckets (here: that module builds on this one)
-        from planner.sharded import ShardedCollectives
-
+        # ZeRO-3 / FSDP: its gathers and reductions replace the buckets
         self.sharded = ShardedCollectives(config, layout, self.run, software) if layout.fsdp else None
 
     # ---- the pipeline ------------------------------------------------------------------------------

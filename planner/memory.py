@@ -24,6 +24,7 @@ from planner.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
+from planner.sharded import ShardedCollectives, sharded_state_bytes
 from planner.software import TRAINER, Software
 
 GIB = 2.0**30
@@ -176,8 +177,6 @@ def config_memory(
     """layout_memory of a config (model, parallel and train sections), FSDP's sharded model state included."""
     model_state = None
     if layout.fsdp:
-        from planner.sharded import ShardedCollectives, sharded_state_bytes  # here: it imports the collectives
-
         sharded = ShardedCollectives(config, layout, RunShape(config.model, layout, config.train), software)
         model_state = sharded_state_bytes(sharded, float(shape.value_bytes))
     return layout_memory(

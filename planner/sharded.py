@@ -31,7 +31,7 @@ from typing import Any
 from model.shape import ParamShape, chunk_parameters
 from parallel.layout import Layout
 from parallel.run_shape import RunShape
-from planner.collectives import Collective
+from planner.collective import Collective
 from planner.software import Software
 
 

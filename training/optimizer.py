@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.data_parallel import Bucket, DataParallel
-from parallel.fsdp import ShardedDataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
 from training.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -334,10 +333,36 @@ class DistributedOptimizer(Optimizer):
             copy_bucket_to_params(self.ddp, bucket, full)
 
 
+def optimizer_settings(
+    lr: float,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    precision: str = "fp32",
+    loss_scale_cfg: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Optimizer.__init__'s keyword arguments for these hyperparameters and `precision` (the loss scaler: dynamic
+    for fp16 with `loss_scale_cfg`'s initial, min, window, hysteresis). Shared by every data-parallel flavour's
+    optimizer (training/sharded_optimizer.py for FSDP)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
+    return dict(
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        clip_grad=clip_grad,
+        loss_scaler=scaler,
+        alias_fp32_params=precision == "fp32",
+    )
+
+
 # Twin of Optimizer.__init__'s signature (the same hyperparameters and defaults, forwarded by name).
 def build_optimizer(
     chunks: list[nn.Module],
-    ddp: DataParallel | ShardedDataParallel,
+    ddp: DataParallel,
     state,
     lr: float,
     weight_decay: float = 0.01,
@@ -348,31 +373,16 @@ def build_optimizer(
     loss_scale_cfg: dict[str, Any] | None = None,
     overlap_param_gather: bool = False,
 ) -> Optimizer:
-    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer; FSDP's shards with a
-    ShardedDataParallel) and `precision`.
+    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`; FSDP's
+    (a ShardedDataParallel) is training/sharded_optimizer.build_sharded_optimizer.
 
     `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
     DynamicLossScaler arguments: initial, min, window, hysteresis. `overlap_param_gather` (distributed only)
     gathers the updated params in the background until the next forward.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
         raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
-    scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
-    hyper: dict[str, Any] = dict(
-        lr=lr,
-        weight_decay=weight_decay,
-        betas=betas,
-        eps=eps,
-        clip_grad=clip_grad,
-        loss_scaler=scaler,
-        alias_fp32_params=precision == "fp32",
-    )
-    if isinstance(ddp, ShardedDataParallel):
-        from training.sharded_optimizer import ShardedOptimizer  # here: that module builds on this one
-
-        return ShardedOptimizer(ddp, state, **hyper)
+    hyper = optimizer_settings(lr, weight_decay, betas, eps, clip_grad, precision, loss_scale_cfg)
     if ddp.distributed_optimizer:
         return DistributedOptimizer(ddp, state, overlap_param_gather=overlap_param_gather, **hyper)
     return Optimizer(ddp, state, **hyper)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from training.setup import (
     param_dtype,
     resolve_sample_data,
 )
+from training.sharded_optimizer import build_sharded_optimizer
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
 
@@ -136,11 +138,7 @@ def build_optimizer_and_schedule(
     """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
     par, train_cfg, optim = config.parallel, config.train, config.optim
     ddp = build_data_parallel(config, chunks, state, layout)
-    optimizer = build_optimizer(
-        chunks,
-        ddp,
-        state,
-        lr=optim.lr,
+    hyperparameters: dict[str, Any] = dict(
         weight_decay=optim.weight_decay,
         betas=(optim.adam_beta1, optim.adam_beta2),
         eps=optim.adam_eps,
@@ -152,8 +150,14 @@ def build_optimizer_and_schedule(
             window=optim.loss_scale_window,
             hysteresis=optim.hysteresis,
         ),
-        overlap_param_gather=par.overlap_param_gather,
     )
+    optimizer: Optimizer
+    if isinstance(ddp, ShardedDataParallel):
+        optimizer = build_sharded_optimizer(chunks, ddp, state, optim.lr, **hyperparameters)
+    else:
+        optimizer = build_optimizer(
+            chunks, ddp, state, optim.lr, overlap_param_gather=par.overlap_param_gather, **hyperparameters
+        )
     lr_schedule = LRSchedule(
         optim.lr,
         optim.min_lr,

@@ -19,7 +19,7 @@ import torch
 
 from parallel.fsdp import ShardedDataParallel, local_shard, local_tensor
 from parallel.grad_utils import counts_in_grad_norm
-from training.optimizer import Optimizer, Segment, StepStats, _runs, decays
+from training.optimizer import Optimizer, Segment, StepStats, _runs, decays, optimizer_settings
 
 
 class ShardedOptimizer(Optimizer):
@@ -92,3 +92,12 @@ class ShardedOptimizer(Optimizer):
             "a checkpoint in the per-rank format of earlier versions loads only at its own layout, without "
             "parallel.fsdp: resume it without FSDP once (the next save is layout-free), then with FSDP"
         )
+
+
+def build_sharded_optimizer(
+    chunks: list[torch.nn.Module], ddp: ShardedDataParallel, state: Any, lr: float, **hyperparameters: Any
+) -> ShardedOptimizer:
+    """training/optimizer.build_optimizer's twin for FSDP: the same hyperparameters (optimizer_settings)."""
+    if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
+        raise ValueError("build_sharded_optimizer: chunks are not the ones ShardedDataParallel was built on")
+    return ShardedOptimizer(ddp, state, **optimizer_settings(lr, **hyperparameters))
