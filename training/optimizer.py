@@ -92,7 +92,7 @@ class Optimizer:
 
     distributed = False
 
-    # Twin of build_optimizer's signature: it forwards these hyperparameters by name, defaults alike.
+    # The hyperparameters optimizer_settings forwards by name (build_optimizer, build_sharded_optimizer), defaults alike.
     def __init__(
         self,
         ddp: DataParallel,
@@ -359,30 +359,24 @@ def optimizer_settings(
     )
 
 
-# Twin of Optimizer.__init__'s signature (the same hyperparameters and defaults, forwarded by name).
 def build_optimizer(
     chunks: list[nn.Module],
     ddp: DataParallel,
     state,
     lr: float,
-    weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    precision: str = "fp32",
-    loss_scale_cfg: dict[str, Any] | None = None,
     overlap_param_gather: bool = False,
+    **hyperparameters: Any,
 ) -> Optimizer:
-    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and `precision`; FSDP's
+    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and the precision; FSDP's
     (a ShardedDataParallel) is training/sharded_optimizer.build_sharded_optimizer.
 
-    `chunks` must be the chunks `ddp` was built on. `loss_scale_cfg` (fp16 only) holds the
-    DynamicLossScaler arguments: initial, min, window, hysteresis. `overlap_param_gather` (distributed only)
-    gathers the updated params in the background until the next forward.
+    `chunks` must be the chunks `ddp` was built on; `hyperparameters` are optimizer_settings' (weight_decay,
+    betas, eps, clip_grad, precision, loss_scale_cfg). `overlap_param_gather` (distributed only) gathers the
+    updated params in the background until the next forward.
     """
     if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
         raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
-    hyper = optimizer_settings(lr, weight_decay, betas, eps, clip_grad, precision, loss_scale_cfg)
+    hyper = optimizer_settings(lr, **hyperparameters)
     if ddp.distributed_optimizer:
         return DistributedOptimizer(ddp, state, overlap_param_gather=overlap_param_gather, **hyper)
     return Optimizer(ddp, state, **hyper)

@@ -24,13 +24,12 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import tempfile
 import weakref
 
 import torch
-import torch.multiprocessing as mp
+from bench_models import fork_ranks, set_rank_environment, short_run
 
 from config.schema import load_config
 from parallel.comm import CommRecorder
@@ -108,14 +107,7 @@ class StateMeter:
 
 
 def _rank(rank: int, world_size: int, port: int, overrides: list[str], meter_memory: bool, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    set_rank_environment(rank, world_size, port)
     logging.disable(logging.INFO)
     config = load_config(DEFAULT_CONFIG, overrides)
     buffers = BufferMeter()
@@ -138,19 +130,9 @@ def _rank(rank: int, world_size: int, port: int, overrides: list[str], meter_mem
         torch.distributed.destroy_process_group()
 
 
-def measure(world_size: int, overrides: list[str], tmp: str, meter_memory: bool) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("fork")
-    results = ctx.SimpleQueue()
-    run_dir = tempfile.mkdtemp(dir=tmp)
-    mp.start_processes(
-        _rank,
-        args=(world_size, port, [*overrides, f"run.dir={run_dir}"], meter_memory, results),
-        nprocs=world_size,
-        start_method="fork",
-    )
+def measure(world_size: int, overrides: list[str], meter_memory: bool) -> dict:
+    """Rank 0's figures of one run."""
+    results = fork_ranks(_rank, world_size, overrides, meter_memory)
     return dict(results.get() for _ in range(world_size))[0]
 
 
@@ -170,24 +152,15 @@ def main() -> None:
             "model.attention_dropout=0.0",
             "train.micro_batch_size=2",
             "train.global_batch_size=8",
-            "optim.lr_warmup_iters=1",
-            "train.eval_iters=0",
             "data.num_workers=0",
             f"data.cache_dir={os.path.join(tmp, 'index-cache')}",
-            "checkpoint.save=false",
-            "logging.tensorboard=false",
-            "logging.log_interval=1",
         ]
         rows = {}
         for name, world, extra in CASES:  # timed without the meter's hooks, then measured with them (2 iterations)
-            rows[name] = measure(world, model + extra + [f"train.train_iters={args.iters}"], tmp, False)
-            rows[name].update(
-                {
-                    k: v
-                    for k, v in measure(world, model + extra + ["train.train_iters=2"], tmp, True).items()
-                    if k != "ms"
-                }
-            )
+            timed = short_run(args.iters, tempfile.mkdtemp(dir=tmp))
+            rows[name] = measure(world, model + extra + timed, False)
+            metered = measure(world, model + extra + short_run(2, tempfile.mkdtemp(dir=tmp)), True)
+            rows[name].update({k: v for k, v in metered.items() if k != "ms"})
     one = rows["one process"]
     quarter = (one["params"] + one["grads"] + one["optimizer"]) / 4
     print(f"model: {args.layers} layers, hidden {args.hidden}; fp32; rank 0 of each run; MiB")
