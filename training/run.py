@@ -28,6 +28,7 @@ from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
+from training.faults import FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
@@ -41,8 +42,10 @@ from training.setup import (
     param_dtype,
     resolve_sample_data,
 )
+from training.straggler import StragglerReport
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
+from training.watchdog import HangGuard
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Run:
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
+    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (training/watchdog.py)
+    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (training/straggler.py)
 
     @property
     def vocab_size(self) -> int:
@@ -184,12 +189,37 @@ def build_chunks(
     return chunks
 
 
-def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+def build_state(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    guard: HangGuard | None,
+    fault: FaultSpec | None,
+    logger: logging.Logger,
+) -> ParallelState:
+    """The parallel state with its recorder (the latest collectives of this rank, always kept), its groups on the
+    start-up timeout, the hang guard started, and the fault-injection test hook on the rank it names."""
+    state = ParallelState.from_layout(layout, CommRecorder(), config.parallel.init_timeout_s)
+    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    if guard is not None:
+        guard.start(state)
+    if fault is not None:
+        logger.info(fault.describe())
+        if fault.rank == env.rank and state.comm.recorder is not None:
+            if env.rank != 0:
+                logger.warning(fault.describe())
+            state.comm.before_issue = FaultInjector(fault, state.comm.recorder, logger)
+    return state
+
+
+def build_run(
+    config: Config, env: DistEnv, layout: Layout, guard: HangGuard | None = None, fault: FaultSpec | None = None
+) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked.
+    `guard` (timeouts and watchdog) starts as soon as the state exists; `fault` is PTDP_INJECT_FAULT's."""
     par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
-    state = ParallelState.from_layout(layout, CommRecorder())  # the latest collectives of this rank, always kept
-    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    state = build_state(config, env, layout, guard, fault, logger)
     eod_id, datasets, resume_plan = prepare_data(config, env, logger)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
@@ -235,7 +265,15 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         logger=logger,
         checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
         resume_plan=resume_plan,
-        checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
+        checkpointer=(
+            Checkpointer(config.checkpoint.async_save, logger.info, state.comm, par.init_timeout_s)
+            if config.checkpoint.save
+            else None
+        ),
+        hang_guard=guard,
+        straggler=StragglerReport(
+            config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
+        ),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,13 +73,16 @@ def check_devices(train: TrainConfig, environ) -> bool:
     return True
 
 
-def init_distributed(use_cuda: bool | None = None, num_threads: int = 0, announce_threads: bool = True) -> DistEnv:
+def init_distributed(
+    use_cuda: bool | None = None, num_threads: int = 0, announce_threads: bool = True, timeout_s: float | None = None
+) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
     `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
     train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py);
-    `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output).
+    `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output);
+    `timeout_s` bounds the world group's collectives (parallel.init_timeout_s; None: torch's default).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -94,10 +98,11 @@ def init_distributed(use_cuda: bool | None = None, num_threads: int = 0, announc
         log_thread_plan(plan, rank, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
-            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(world_size, rank, local_rank, local_world_size, device)
 
 
