@@ -195,9 +195,10 @@ class CollectiveError(RuntimeError):
 
 
 def _first_line(error: BaseException) -> str:
-    """torch's message without gloo's source location prefix ("[.../pair.cc:553] Connection closed ...")."""
+    """torch's message, its first sentence, without gloo's source location ("[.../pair.cc:553] Connection
+    closed by peer [10.0.0.2]:41354. This is typically caused by ..." -> "Connection closed by peer ...")."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
-    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0])
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]).split(". ")[0]
 
 
 class P2P(NamedTuple):

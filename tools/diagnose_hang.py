@@ -61,7 +61,8 @@ class RankDump:
         """The call this rank was stuck in: the one that failed, else the latest it was waiting in."""
         failed = [r for r in self.records if r["state"] == "failed"]
         waiting = [r for r in self.records if r["state"] == "waiting"]
-        return (failed or waiting or [None])[-1]
+        stuck = failed or waiting
+        return stuck[-1] if stuck else None
 
     def main_frames(self, count: int = 3) -> str:
         """The innermost `count` frames of the main thread's stack ("file:line in function < ...")."""
@@ -118,7 +119,10 @@ def why_behind(dump: RankDump, missing: dict[str, Any]) -> tuple[bool, str]:
         return False, f"it is blocked in {describe(blocked)}"
     last = dump.records[-1] if dump.records else None
     since = f"its last call {describe(last)} {last['state']}; " if last else ""
-    return False, f"it is stuck outside any collective ({dump.raw['cause']}: {since}main thread at {dump.main_frames()})"
+    return (
+        False,
+        f"it is stuck outside any collective ({dump.raw['cause']}: {since}main thread at {dump.main_frames()})",
+    )
 
 
 def group_instances(dumps: dict[int, RankDump]) -> dict[tuple[str, tuple[int, ...]], list[RankDump]]:
@@ -210,7 +214,9 @@ def analyse(raw_dumps: list[dict[str, Any]]) -> list[str]:
             waiting = [d.rank for d in members if (d.blocked() or {}).get("group") == name]
             absent = [rank for rank in ranks if rank not in dumps]
             if waiting:
-                lines.append(f"ranks {ranks_text(waiting)} wait on {name} for rank(s) without a dump: {ranks_text(absent)}")
+                lines.append(
+                    f"ranks {ranks_text(waiting)} wait on {name} for rank(s) without a dump: {ranks_text(absent)}"
+                )
     lines += unsent(dumps)
     if len(lines) == 1 + bool(missing):
         lines.append("no rank is behind another on any group: every rank's latest calls match")
@@ -238,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         lines = analyse(raw)
     except (ValueError, KeyError, TypeError, StopIteration) as err:
         what = f"a dump lacks the field {err}" if isinstance(err, KeyError) else str(err)
-        print(f"error: {args.run_dir}: {what}" if not str(err).startswith(args.run_dir) else f"error: {err}", file=sys.stderr)
+        print(
+            f"error: {args.run_dir}: {what}" if not str(err).startswith(args.run_dir) else f"error: {err}",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(lines))
     return 0

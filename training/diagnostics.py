@@ -118,8 +118,20 @@ def write_dump(
         "threads": threads,
         "stacks": stacks,
     }
-    _write_whole(stem + ".json", json.dumps(dump, indent=1) + "\n")
+    _write_whole(stem + ".json", _readable_json(dump))
     return stem + ".json"
+
+
+def _readable_json(dump: dict[str, Any]) -> str:
+    """JSON with one field per line and one record per line (a dump is also read by eye)."""
+    fields = []
+    for key, value in dump.items():
+        if key == "records":
+            rows = ",\n".join(f"  {json.dumps(record)}" for record in value)
+            fields.append(f' "records": [\n{rows}\n ]' if value else ' "records": []')
+        else:
+            fields.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
 def read_dumps(folder: str) -> list[dict[str, Any]]:

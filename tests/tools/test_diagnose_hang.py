@@ -8,7 +8,6 @@ from tools import diagnose_hang
 from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem
 
 
-
 def record(order, group, seq, kind, iteration, region, state="completed", nbytes=24, peer=-1, error=""):
     return dict(
         order=order, group=group, seq=seq, kind=kind, nbytes=nbytes, iteration=iteration, region=region, peer=peer,
@@ -59,7 +58,23 @@ Thread 0x00007f0000000001 (most recent call first):
 
 def test_a_rank_stuck_outside_any_collective_is_named_with_the_call_it_did_not_reach(tmp_path, capsys):
     for rank in (0, 1, 3):
-        write(tmp_path, rank, BEFORE + [record(2, "world", 8, "all_reduce", 5, "boundary", "failed", error="[x.cc:1] Timed out waiting 20000ms. More")])
+        write(
+            tmp_path,
+            rank,
+            BEFORE
+            + [
+                record(
+                    2,
+                    "world",
+                    8,
+                    "all_reduce",
+                    5,
+                    "boundary",
+                    "failed",
+                    error="[x.cc:1] Timed out waiting 20000ms. More",
+                )
+            ],
+        )
     write(tmp_path, 2, BEFORE, cause="watchdog", stacks=STUCK_STACK)
     out = report(tmp_path, capsys)
     assert out.splitlines()[1] == (

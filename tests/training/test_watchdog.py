@@ -43,9 +43,7 @@ def _rank(rank: int, world_size: int, port: int, run_dir: str) -> None:
 
 
 def test_a_timeout_and_a_watchdog_both_dump_and_exit_5(tmp_path, capfd):
-    context = mp.start_processes(
-        _rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="fork"
-    )
+    context = mp.start_processes(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method="fork")
     started = time.monotonic()
     for process in context.processes:
         process.join(60)
