@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+import pretrain_gpt
 from parallel.comm import CommRecorder
 from training.faults import FaultInjector, FaultSpec, fault_from_env, parse_fault
 
@@ -91,3 +92,12 @@ def test_slow_sleeps_as_long_as_the_rank_computed_since_its_last_call_returned(m
         assert inject("p2p", "pp", True)
         after = time.perf_counter()
     assert len(naps) == 1 and before - returned <= naps[0] <= after - returned
+
+
+def test_the_trainer_refuses_a_malformed_value_in_one_line_before_any_work(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PTDP_INJECT_FAULT", "rank=1,iteration=3,kind=slow")  # one process: no rank 1
+    assert pretrain_gpt.main([f"run.dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == (
+        "error: PTDP_INJECT_FAULT='rank=1,iteration=3,kind=slow': rank=1 is outside this run's 1 rank(s)\n"
+    )
+    assert not (tmp_path / "run").exists()
