@@ -96,7 +96,8 @@ class StragglerReport:
     every rank (the all-gather is collective); returns the summary on the logging rank when one is due."""
 
     def __init__(self, interval: int, threshold: float, state: ParallelState, device: torch.device):
-        self.interval, self.threshold, self.state, self.device = interval, threshold, state, device
+        self.interval = interval if state.is_distributed else 0  # one process has no stragglers
+        self.threshold, self.state, self.device = threshold, state, device
         self._compute = self._wait = 0.0
         self._iterations = 0
         self._started = self._waited_before = 0.0
@@ -124,11 +125,9 @@ class StragglerReport:
         mine = torch.tensor([self._compute, self._wait], dtype=torch.float64, device=self.device) * (1000.0 / measured)
         self._compute = self._wait = 0.0
         self._iterations = 0
-        everyone = mine
-        if state.is_distributed:
-            everyone = torch.empty(2 * state.world_size, dtype=torch.float64, device=self.device)
-            with state.comm.region("report", iteration):
-                state.comm.all_gather_into(everyone, mine)
+        everyone = torch.empty(2 * state.world_size, dtype=torch.float64, device=self.device)
+        with state.comm.region("report", iteration):
+            state.comm.all_gather_into(everyone, mine)
         if state.rank != 0:
             return None
         rows = everyone.view(-1, 2).tolist()

@@ -84,10 +84,19 @@ def diagnosis(run_dir: str, capsys) -> str:
     return capsys.readouterr().out
 
 
-def assert_hang_exit(code: int, output: str, after_fault: float | None) -> None:
+def hung_run(corpus: dict, run_dir: str, kind: str, marker: str) -> str:
+    """The tp2 x pp2 run with rank 2's fault `kind` at iteration 5: every rank exits 5 within the training timeout
+    + 30 s of the fault taking effect (the line holding `marker`). Returns the output."""
+    started = time.monotonic()
+    code, output, after_fault = run_torchrun(
+        command(corpus, run_dir, *LAYOUT), f"rank=2,iteration=5,kind={kind}", marker
+    )
+    assert after_fault is not None, output[-3000:]
+    print(f"{kind}: the job ended {after_fault:.1f} s after the fault ({time.monotonic() - started:.1f} s in all)")
     assert code == 1, output[-3000:]  # torchrun exits 1 when its ranks fail; each rank's code is in its summary
     assert output.count(f"exitcode  : {EXIT_HUNG} ") == 4, output[-3000:]
-    assert after_fault is not None and after_fault <= TRAIN_TIMEOUT_S + 30, (after_fault, output[-3000:])
+    assert after_fault <= TRAIN_TIMEOUT_S + 30, output[-3000:]
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +109,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(tiny_corpus, tmp_path, reference, capsys):
     run_dir = str(tmp_path / "run")
-    started = time.monotonic()
-    code, output, after_fault = run_torchrun(
-        command(tiny_corpus, run_dir, *LAYOUT), "rank=2,iteration=5,kind=sleep", "PTDP_INJECT_FAULT: rank 2 stalls"
-    )
-    print(f"sleep: the job ended {after_fault:.1f} s after the stall ({time.monotonic() - started:.1f} s in all)")
-    assert_hang_exit(code, output, after_fault)
+    output = hung_run(tiny_corpus, run_dir, "sleep", "PTDP_INJECT_FAULT: rank 2 stalls")
     assert f"error: {RANK2} at iteration 5: no progress for " in output  # its watchdog
     seq = rank0_failed_seq(run_dir)
     assert (
@@ -125,12 +129,7 @@ def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(ti
 
 def test_a_skipped_collective_is_where_the_ranks_part(tiny_corpus, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
-    started = time.monotonic()
-    code, output, after_fault = run_torchrun(
-        command(tiny_corpus, run_dir, *LAYOUT), "rank=2,iteration=5,kind=skip", "PTDP_INJECT_FAULT: rank 2 leaves out"
-    )
-    print(f"skip: the job ended {after_fault:.1f} s after the skip ({time.monotonic() - started:.1f} s in all)")
-    assert_hang_exit(code, output, after_fault)
+    hung_run(tiny_corpus, run_dir, "skip", "PTDP_INJECT_FAULT: rank 2 leaves out")
     seq = rank0_failed_seq(run_dir)
     assert (
         f"the ranks part on world [0, 1, 2, 3] at #{seq}: ranks 0, 1, 3 entered all_reduce #{seq} (24 B, "
@@ -162,15 +161,9 @@ def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_
 
 
 def _forked_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
-    """One rank of a forked run of the trainer, exiting with its code (os._exit: no gloo teardown)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    """One rank of a forked run of the trainer, exiting with its code (os._exit: no gloo teardown). The trainer
+    reads LOCAL_RANK / LOCAL_WORLD_SIZE with defaults that fit one CPU node."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os._exit(pretrain_gpt.main(argv))
 
 
