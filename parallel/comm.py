@@ -34,8 +34,7 @@ FSDP `set_custom_all_gather` / `set_custom_reduce_scatter` hook calling `all_gat
 Compatibility: torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
 `all_gather_single` / `reduce_scatter_single`, while torch 2.11 (the GPU machine) may lack the new names;
 `_gather_into` / `_scatter_into` pick whichever exists. `set_group_timeout` uses the public
-`ProcessGroup.set_timeout` where it exists and else torch's private `distributed_c10d._set_pg_timeout` (as
-torchtitan's set_pg_timeouts does): the one private torch name here, for the compatibility module.
+`ProcessGroup.set_timeout` where it exists and else a private torch function (compat/torch_private.py).
 """
 
 from __future__ import annotations
@@ -53,6 +52,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from compat import torch_private
 
 WORLD = "world"
 P2P_KINDS = ("send", "recv")
@@ -224,15 +225,9 @@ def _scatter_into(output: torch.Tensor, input_: torch.Tensor, group: Any, async_
     return scatter(output, input_, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def set_group_timeout(group: Any, seconds: float) -> None:
-    """Make `seconds` the timeout of `group`'s future collectives (gloo and NCCL)."""
-    timeout = timedelta(seconds=seconds)
-    setter = getattr(group, "set_timeout", None)  # public ProcessGroup.set_timeout (torch 2.13 has it)
-    if setter is not None:
-        setter(timeout)
-        return
-    # Private torch name (torchtitan's set_pg_timeouts calls it too), for the compatibility module: older torch.
-    dist.distributed_c10d._set_pg_timeout(timeout, group)
+def set_group_timeout(group: Any, seconds: float) -> bool:
+    """Make `seconds` the timeout of `group`'s future collectives (gloo and NCCL); False if torch cannot."""
+    return torch_private.set_group_timeout(group, timedelta(seconds=seconds))
 
 
 class RecordedWork:
