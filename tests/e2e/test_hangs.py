@@ -84,7 +84,7 @@ def diagnosis(run_dir: str, capsys) -> str:
     return capsys.readouterr().out
 
 
-def hung_run(corpus: dict, run_dir: str, kind: str, marker: str) -> str:
+def hung_run(corpus: dict, run_dir: str, kind: str, marker: str, capsys) -> str:
     """The tp2 x pp2 run with rank 2's fault `kind` at iteration 5: every rank exits 5 within the training timeout
     + 30 s of the fault taking effect (the line holding `marker`). Returns the output."""
     started = time.monotonic()
@@ -92,7 +92,10 @@ def hung_run(corpus: dict, run_dir: str, kind: str, marker: str) -> str:
         command(corpus, run_dir, *LAYOUT), f"rank=2,iteration=5,kind={kind}", marker
     )
     assert after_fault is not None, output[-3000:]
-    print(f"{kind}: the job ended {after_fault:.1f} s after the fault ({time.monotonic() - started:.1f} s in all)")
+    with capsys.disabled():  # the figure for docs/operations.md, on the terminal
+        print(
+            f"\n{kind}: the job ended {after_fault:.1f} s after the fault ({time.monotonic() - started:.1f} s in all)"
+        )
     assert code == 1, output[-3000:]  # torchrun exits 1 when its ranks fail; each rank's code is in its summary
     assert output.count(f"exitcode  : {EXIT_HUNG} ") == 4, output[-3000:]
     assert after_fault <= TRAIN_TIMEOUT_S + 30, output[-3000:]
@@ -109,7 +112,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(tiny_corpus, tmp_path, reference, capsys):
     run_dir = str(tmp_path / "run")
-    output = hung_run(tiny_corpus, run_dir, "sleep", "PTDP_INJECT_FAULT: rank 2 stalls")
+    output = hung_run(tiny_corpus, run_dir, "sleep", "PTDP_INJECT_FAULT: rank 2 stalls", capsys)
     assert f"error: {RANK2} at iteration 5: no progress for " in output  # its watchdog
     seq = rank0_failed_seq(run_dir)
     assert (
@@ -129,7 +132,7 @@ def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(ti
 
 def test_a_skipped_collective_is_where_the_ranks_part(tiny_corpus, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
-    hung_run(tiny_corpus, run_dir, "skip", "PTDP_INJECT_FAULT: rank 2 leaves out")
+    hung_run(tiny_corpus, run_dir, "skip", "PTDP_INJECT_FAULT: rank 2 leaves out", capsys)
     seq = rank0_failed_seq(run_dir)
     assert (
         f"the ranks part on world [0, 1, 2, 3] at #{seq}: ranks 0, 1, 3 entered all_reduce #{seq} (24 B, "
