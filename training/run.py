@@ -19,7 +19,7 @@ from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
-from parallel.comm import CommRecorder
+from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
@@ -89,11 +89,13 @@ class Run:
         return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker)
 
 
-def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
+def prepare_data(
+    config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
+) -> tuple[int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
     and verified before anything is written) and datasets; then the resolved config is saved.
     Returns the end-of-document id, the datasets and the resume plan."""
-    resolve_sample_data(config, env, logger)
+    resolve_sample_data(config, env, logger, comm)
     data = config.data
     tokenizer = build_tokenizer(
         data.tokenizer_type,
@@ -106,7 +108,7 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
     resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
-    datasets = build_datasets(config, env, config.train.global_batch_size)
+    datasets = build_datasets(config, env, config.train.global_batch_size, comm)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
         resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
@@ -219,7 +221,7 @@ def build_run(
     par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
     state = build_state(config, env, layout, guard, fault, logger)
-    eod_id, datasets, resume_plan = prepare_data(config, env, logger)
+    eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()

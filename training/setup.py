@@ -16,6 +16,7 @@ from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
+from parallel.comm import Collectives
 from training.preemption import ignore_stop_signals, stop_at_once
 from training.threads import log_thread_plan, set_threads
 
@@ -106,9 +107,13 @@ def init_distributed(
     return DistEnv(world_size, rank, local_rank, local_world_size, device)
 
 
-def barrier(env: DistEnv) -> None:
+def barrier(env: DistEnv, comm: Collectives | None = None) -> None:
+    """Every rank meets (through `comm` when given: recorded, and a timeout is a CollectiveError)."""
     if env.world_size > 1:
-        dist.barrier()
+        if comm is not None:
+            comm.barrier()
+        else:
+            dist.barrier()
 
 
 def check_sample_corpus_fits(config: Config) -> None:
@@ -127,8 +132,9 @@ def check_sample_corpus_fits(config: Config) -> None:
         )
 
 
-def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
-    """With no data path, use the bundled sample corpus (built on first use by local rank 0)."""
+def resolve_sample_data(config: Config, env: DistEnv, logger, comm: Collectives | None = None) -> None:
+    """With no data path, use the bundled sample corpus (built on first use by local rank 0; the others wait in
+    a barrier through `comm`, when given)."""
     data = config.data
     if data.has_data:
         return
@@ -137,7 +143,7 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     with stop_at_once("building the sample corpus"):
         if env.local_rank == 0:
             info = ensure_sample_corpus(root, progress=env.rank == 0)
-        barrier(env)
+        barrier(env, comm)
         if env.local_rank != 0:
             info = ensure_sample_corpus(root, progress=False)
     data.data_path = [info["data_prefix"]]
@@ -146,7 +152,7 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     logger.info(f"data: sample corpus {info['data_prefix']}")
 
 
-def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
+def build_datasets(config: Config, env: DistEnv, gbs: int, comm: Collectives | None = None) -> DatasetSplits:
     """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them.
 
     The test split is not built: the trainer never evaluates on it. A split with fewer samples than the
@@ -171,7 +177,7 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
 
     with stop_at_once("building the data indices"):
         datasets: tuple | None = build() if env.rank == 0 else None
-        barrier(env)
+        barrier(env, comm)  # a start-up timeout here: rank 0's index building took longer than init_timeout_s
         datasets = datasets if datasets is not None else build()
     for k, (dataset, needed) in enumerate(zip(datasets, num_samples)):
         if needed and (dataset is None or len(dataset) < needed):

@@ -133,9 +133,13 @@ class HangGuard:
         """Write the dump and the one-line error naming this rank, what happened and where the dump is."""
         state = self.state
         assert state is not None
-        who = describe_rank(state.rank, self._identity["coords"])
+        try:  # again: groups registered since the start (the checkpoint group) are named too
+            identity = rank_identity(state)
+        except Exception:  # a dump must not fail on it: the start's will do
+            identity = self._identity
+        who = describe_rank(state.rank, identity["coords"])
         try:
-            path = write_dump(self.run_dir, self._identity, cause, what, self.iteration, state.comm.recorder)
+            path = write_dump(self.run_dir, identity, cause, what, self.iteration, state.comm.recorder)
             where = f"diagnostics in {path}"
         except OSError as err:
             where = f"no diagnostics written ({err})"
