@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from config.schema import Config
+from data.microbatch import Microbatch
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch
 from training.checkpointing import CheckpointError, save_checkpoint
 from training.guards import (
     EXIT_DIVERGED,

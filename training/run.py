@@ -115,7 +115,7 @@ def build_optimizer_and_schedule(
     config: Config, chunks: list[torch.nn.Module], state: ParallelState
 ) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
     """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
-    par, train_cfg, optim = config.parallel, config.train, config.optim
+    par = config.parallel
     ddp = DataParallel(
         chunks,
         state,
@@ -124,30 +124,9 @@ def build_optimizer_and_schedule(
         grad_dtype=torch.float32,
     )
     optimizer = build_optimizer(
-        chunks,
-        ddp,
-        state,
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2),
-        eps=optim.adam_eps,
-        clip_grad=train_cfg.clip_grad,
-        precision=train_cfg.precision,
-        loss_scale_cfg=dict(
-            initial=optim.initial_loss_scale,
-            min=optim.min_loss_scale,
-            window=optim.loss_scale_window,
-            hysteresis=optim.hysteresis,
-        ),
-        overlap_param_gather=par.overlap_param_gather,
+        chunks, ddp, state, config.optim, config.train, overlap_param_gather=par.overlap_param_gather
     )
-    lr_schedule = LRSchedule(
-        optim.lr,
-        optim.min_lr,
-        optim.lr_warmup_iters,
-        optim.lr_decay_iters or train_cfg.train_iters,
-        optim.lr_decay_style,
-    )
+    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     return ddp, optimizer, lr_schedule
 
 
@@ -174,8 +153,7 @@ def build_chunks(
         env.device,
         dtype,
         spec,
-        compile_layers=train_cfg.compile,
-        compile_backend=train_cfg.compile_backend,
+        compile_backend=train_cfg.compile_backend if train_cfg.compile else None,
     )
     log_kernel_choices(
         chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)

@@ -25,6 +25,7 @@ import time
 import torch
 from bench_models import model_config
 
+from config.schema import OptimConfig, ParallelConfig, TrainConfig
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
@@ -38,8 +39,9 @@ def build(layers: int, hidden: int):
     cfg = model_config(layers, hidden, heads=8, seq_length=128, vocab_size=8192)
     state = ParallelState.single()
     chunks = build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)
-    ddp = DataParallel(chunks, state)
-    optimizer = build_optimizer(chunks, ddp, state, lr=1e-4)
+    parallel, optim = ParallelConfig(), OptimConfig(lr=1e-4)
+    ddp = DataParallel(chunks, state, parallel.grad_bucket_size_mb, parallel.distributed_optimizer)
+    optimizer = build_optimizer(chunks, ddp, state, optim, TrainConfig(), overlap_param_gather=False)
     return cfg, state, chunks, ddp, optimizer
 
 
@@ -62,7 +64,11 @@ def one_save(built, checkpointer: Checkpointer, root: str, iteration: int) -> di
     cfg, state, chunks, ddp, optimizer = built
     async_save = checkpointer.async_save
     parts = CheckpointParts(
-        state, chunks, optimizer, LRSchedule(1e-4, 1e-5, 0, 100), RNGTracker.seeded(1234, 0, 0, torch.device("cpu"))
+        state,
+        chunks,
+        optimizer,
+        LRSchedule(1e-4, 1e-5, 0, 100, "cosine"),
+        RNGTracker.seeded(1234, 0, 0, torch.device("cpu")),
     )
     job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, False)
     started = time.perf_counter()
