@@ -72,9 +72,8 @@ def _save(run: Run) -> None:
         run.checkpoint_parts(),
         run.progress,
         run.config.to_dict(),
-        run.config.parallel.distributed_optimizer,
-        checkpointer=run.checkpointer,
         keep_last=run.config.checkpoint.keep_last,
+        checkpointer=run.checkpointer,
     )
     run.last_saved = run.progress.iteration
 

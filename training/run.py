@@ -27,6 +27,7 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
 from training.logging import MetricsWriter, get_logger
@@ -80,8 +81,11 @@ class Run:
 
     def checkpoint_parts(self) -> CheckpointParts:
         """What this run's checkpoints are written from and loaded into."""
-        ctx = self.ctx
-        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker)
+        ctx, layout = self.ctx, self.layout
+        recorded = CheckpointLayout.of(
+            self.state, layout.sequence_parallel, self.config.parallel.distributed_optimizer, layout.schedule
+        )
+        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker, recorded)
 
 
 def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:

@@ -30,6 +30,7 @@ from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress, build_save_job
 from training.lr_schedule import LRSchedule
 from training.optimizer import build_optimizer
@@ -69,8 +70,9 @@ def one_save(built, checkpointer: Checkpointer, root: str, iteration: int) -> di
         optimizer,
         LRSchedule(1e-4, 1e-5, 0, 100, "cosine"),
         RNGTracker.seeded(1234, 0, 0, torch.device("cpu")),
+        CheckpointLayout.of(state, sequence_parallel=False, distributed_optimizer=False, schedule="1f1b"),
     )
-    job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, False)
+    job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, keep_last=0)
     started = time.perf_counter()
     checkpointer.save(job)
     steps = []
