@@ -12,7 +12,8 @@ from typing import Any
 from parallel.state import ParallelState
 
 SIZE_NAMES = ("tp", "cp", "pp", "vp", "dp")  # CheckpointLayout.sizes, in this order
-FLAG_KINDS: dict[str, type] = {"schedule": str, "sequence_parallel": bool, "distributed_optimizer": bool}  # else sizes
+# The fields besides the sizes (whole numbers >= 1), with their types.
+OTHER_TYPES: dict[str, type] = {"schedule": str, "sequence_parallel": bool, "distributed_optimizer": bool}
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class CheckpointLayout:
             value = saved.get(f.name)
             if value is None:
                 continue
-            kind = FLAG_KINDS.get(f.name)
+            kind = OTHER_TYPES.get(f.name)
             if kind is None and (type(value) is not int or value < 1):
                 raise ValueError(f"layout {f.name}={value!r} is not a whole number >= 1")
             if kind is not None and not isinstance(value, kind):
@@ -85,7 +86,8 @@ class CheckpointLayout:
         return self.tp, self.cp, self.pp, self.vp, self.dp
 
     def same_sizes(self, other: CheckpointLayout) -> bool:
-        return self.sizes == other.sizes
+        """Whether both record the same (tp, cp, pp, vp, dp), every one known."""
+        return None not in self.sizes and self.sizes == other.sizes
 
     def describe(self) -> str:
         """The layout as words ("tp 2 x cp 2 x pp 1 x vp 1 x dp 1 (world 4, sequence parallel)"); every report
