@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from config.schema import Config
+from data.microbatch import Microbatch
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch
 from training.checkpointing import CheckpointError, save_checkpoint
 from training.guards import (
     EXIT_DIVERGED,
@@ -72,9 +72,8 @@ def _save(run: Run) -> None:
         run.checkpoint_parts(),
         run.progress,
         run.config.to_dict(),
-        run.config.parallel.distributed_optimizer,
-        checkpointer=run.checkpointer,
         keep_last=run.config.checkpoint.keep_last,
+        checkpointer=run.checkpointer,
     )
     run.last_saved = run.progress.iteration
 
