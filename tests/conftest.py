@@ -96,6 +96,15 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
         raise AssertionError("\n".join(messages) or str(exc)) from None
 
 
+def pytest_configure(config) -> None:
+    """PTDP_TEST_COSTS=<file> records each test's CPU seconds by cause (tests/cpu_costs.py, docs/testing.md)."""
+    path = os.environ.get("PTDP_TEST_COSTS")
+    if path:
+        from tests.cpu_costs import CostRecorder
+
+        config.pluginmanager.register(CostRecorder(path), "ptdp_cpu_costs")
+
+
 @pytest.fixture
 def ranks():
     """Fixture form of `run_ranks` for tests that prefer injection."""
