@@ -39,7 +39,7 @@ class TestCost:
     cpu_children: float = 0.0
     cpu_pool: float = 0.0
     fixtures: Counter = field(default_factory=Counter)  # CPU s of each fixture set up for this test
-    launches: Counter = field(default_factory=Counter)  # "python", "torchrun", "other", "forked ranks"
+    launches: Counter = field(default_factory=Counter)  # processes started: "python", "torchrun", "other"
 
     def cpu(self) -> float:
         return self.cpu_self + self.cpu_children + self.cpu_pool
@@ -92,10 +92,6 @@ class CostRecorder:
     def add_pool_cpu(self, seconds: float) -> None:
         if self.current is not None:
             self.current.cpu_pool += seconds
-
-    def add_forked_ranks(self, world_size: int) -> None:
-        if self.current is not None:
-            self.current.launches["forked ranks"] += world_size
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
