@@ -19,6 +19,7 @@ import torch.distributed as dist
 from config.cli import one_config_file
 from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
+from evaluation.in_training import zero_shot_tasks
 from parallel.layout import layout_from_config
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from training.loop import run_training
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         check_cpu_requests(config.train.num_threads, config.data.num_workers, os.environ, usable_cores())
         check_wandb_importable(config.logging)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
+        extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             warning = lock.stale_warning()
             if warning is not None:
                 print(warning, file=sys.stderr)
-            return run_training(config, env, layout, preemption)
+            return run_training(config, env, layout, preemption, extra_evaluation)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -200,6 +200,30 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Zero-shot tasks (evaluation/, docs/evaluation.md): tools/evaluate.py reads these keys, and the trainer
+    runs the tasks of the files given every `interval` iterations and at the end."""
+
+    interval: int = 0  # 0 = the trainer runs no zero-shot task
+    wikitext_file: str | None = None  # a WikiText file such as WikiText-103's wiki.test.tokens
+    lambada_file: str | None = None  # lambada_test.jsonl of the GPT-2 release
+    seq_length: int | None = None  # tokens per window; None: the model's max_position_embeddings
+    overlapping_eval: int = 32  # Megatron's WikiText: each window after the first scores its last N tokens
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"eval.interval={self.interval} must be >= 0")
+        for key in ("seq_length", "overlapping_eval"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        for key in ("wikitext_file", "lambada_file"):  # read (and checked) by evaluation/ before training
+            path = getattr(self, key)
+            setattr(self, key, os.path.expanduser(path) if path else None)
+        if self.interval and not (self.wikitext_file or self.lambada_file):
+            raise ConfigError(f"eval.interval={self.interval} needs eval.wikitext_file or eval.lambada_file")
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/gpt_tiny"  # everything a run writes goes under it
 
@@ -218,6 +242,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:

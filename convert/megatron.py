@@ -36,6 +36,7 @@ from convert.model_weights import resize_vocab_rows
 from convert.safe_pickle import load_megatron_file
 from model.config import ModelConfig
 from model.param_info import Sharding
+from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
 
 Tensors = dict[str, torch.Tensor]
@@ -308,9 +309,9 @@ def _legacy_tensors(iter_dir: str, first: dict, cfg: ModelConfig) -> Tensors:
     for (_tp_rank, pp_rank), path in sorted(files.items()):
         payload = first if path == files[min(files)] else load_megatron_file(path)
         chunks = _chunks(payload, path)
-        per_chunk = cfg.num_layers // (pp * len(chunks))
+        stages = StageMap(pp, len(chunks))  # Megatron's interleaving
         for chunk_index, chunk in enumerate(chunks):
-            offset = (chunk_index * pp + pp_rank) * per_chunk
+            offset = stages.placement(cfg.num_layers, pp_rank, chunk_index).layer_ids[0]
             for name, tensor in rename_chunk(chunk, offset).items():
                 shards.setdefault(name, []).append(tensor)
     shardings = param_shardings(cfg)

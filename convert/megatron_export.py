@@ -22,6 +22,7 @@ import os
 import torch
 
 from model.config import ModelConfig
+from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
 
 Tensors = dict[str, torch.Tensor | None]
@@ -94,7 +95,7 @@ def megatron_args(cfg: ModelConfig, layout: tuple[int, int, int], iteration: int
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=cfg.num_layers // (pp * vp) if vp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=StageMap(pp, vp).layers_per_chunk(cfg.num_layers) if vp > 1 else None,
         transformer_impl="local",
         params_dtype=torch.float32,
         iteration=iteration,
@@ -128,13 +129,12 @@ def chunk_state(
         if ours in tensors:
             state[megatron_name] = shardings[ours].shard(tensors[ours], tp_rank, tp).clone()
 
-    first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vp - 1
+    placement = StageMap(pp, vp).placement(cfg.num_layers, pp_rank, chunk)  # Megatron's interleaving
+    first, last = placement.pre_process, placement.post_process
     if first:
         put("embedding.word_embeddings.weight", "embedding.word_embeddings.weight")
         put("embedding.position_embeddings.weight", "embedding.position_embeddings.weight")
-    per = cfg.num_layers // (pp * vp)
-    for local in range(per):
-        layer = (chunk * pp + pp_rank) * per + local
+    for local, layer in enumerate(placement.layer_ids):
         for ours, theirs in MCORE_LAYER_NAMES.items():
             for kind in ("weight", "bias"):
                 put(f"decoder.layers.{local}.{theirs}.{kind}", f"layers.{layer}.{ours}.{kind}")

@@ -28,11 +28,7 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
     read through the layout-free loader at layout 1. Relative tokenizer files in the saved config are
     resolved against the checkpoint root (the folder holding iter_XXXXXXX), where the converters copy them."""
     iter_dir = resolve_checkpoint(path)
-    config = read_saved_config(iter_dir)
-    data = config.get("data") or {}
-    for key in DataConfig.FILE_KEYS:
-        if key in data:
-            data[key] = resolve_data_file(data[key], os.path.dirname(iter_dir), base_first=True)
+    config = read_run_config(iter_dir)
     state = ParallelState.single()
     chunks = build_model_chunks(
         config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32
@@ -41,6 +37,17 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
     tensors = chunks[0].state_dict()
     check_finite(tensors, iter_dir)
     return config, tensors
+
+
+def read_run_config(iter_dir: str) -> dict:
+    """The run config saved with a checkpoint's iteration folder, its relative tokenizer files resolved
+    against the checkpoint root (the folder holding iter_XXXXXXX), where the converters copy them."""
+    config = read_saved_config(iter_dir)
+    data = config.get("data") or {}
+    for key in DataConfig.FILE_KEYS:
+        if key in data:
+            data[key] = resolve_data_file(data[key], os.path.dirname(iter_dir), base_first=True)
+    return config
 
 
 def check_finite(tensors: Tensors, source: str) -> None:

@@ -14,6 +14,7 @@ twice the forward. For the paper's GPT-3 style (GeLU, 4h MLP, one kv head per qu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,6 +170,73 @@ def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[
     for pre, post in chunk_roles:
         total += (embedding_params(cfg, tp_size) if pre else 0) + (head_params(cfg, tp_size, pre) if post else 0)
     return total
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of a chunk as one tp rank holds it, in the order `chunk.parameters()` yields it."""
+
+    name: str  # the chunk's parameter name (`layers.5.mlp.fc1.weight`, global layer index)
+    numel: int  # elements on one tp rank
+    shared_embedding: bool = False  # a tied-embedding copy on a chunk without the other end
+    sequence_parallel: bool = False  # replicated over tp, gradient partial under sequence parallelism
+
+
+def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
+    kinds = ("weight", "bias") if cfg.normalization == "layernorm" else ("weight",)
+    return [ParamShape(f"{prefix}.{kind}", cfg.hidden_size, sequence_parallel=sp) for kind in kinds]
+
+
+def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[ParamShape]:
+    """Weight and bias of one GEMM on one tp rank; a row-parallel bias is replicated (partial grad under SP)."""
+    found = [ParamShape(f"{prefix}.weight", gemm.weights // tp_size)]
+    if gemm.bias:
+        column = gemm.split == "column"
+        bias = gemm.out_features // tp_size if column else gemm.out_features
+        found.append(ParamShape(f"{prefix}.bias", bias, sequence_parallel=sp and not column))
+    return found
+
+
+def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> list[ParamShape]:
+    """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, fc1, fc2."""
+    qkv, proj, fc1, fc2 = layer_gemms(cfg)
+    prefix = f"layers.{layer}"
+    return (
+        _norm_parameters(cfg, f"{prefix}.input_norm", sp)
+        + _gemm_parameters(qkv, f"{prefix}.attention.qkv", tp_size, sp)
+        + _gemm_parameters(proj, f"{prefix}.attention.proj", tp_size, sp)
+        + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
+        + _gemm_parameters(fc1, f"{prefix}.mlp.fc1", tp_size, sp)
+        + _gemm_parameters(fc2, f"{prefix}.mlp.fc2", tp_size, sp)
+    )
+
+
+def chunk_parameters(
+    cfg: ModelConfig,
+    tp_size: int,
+    layer_ids: Sequence[int],
+    pre_process: bool,
+    post_process: bool,
+    sequence_parallel: bool = False,
+) -> list[ParamShape]:
+    """The parameters of one model chunk on one tp rank, in `chunk.parameters()` order (a tied output layer
+    on the embedding's chunk is the embedding: listed once). What the gradient buckets of
+    parallel/data_parallel.py are cut from; tests/model/test_shape.py checks it against built chunks."""
+    sp = sequence_parallel and tp_size > 1
+    vocab_local = cfg.padded_vocab_size(tp_size) // tp_size
+    tied_copy = cfg.tie_embeddings and pre_process != post_process
+    found = []
+    if pre_process:
+        found.append(ParamShape("embedding.word_embeddings.weight", vocab_local * cfg.hidden_size, tied_copy))
+        if cfg.position_embedding_type == "learned":
+            found.append(ParamShape("embedding.position_embeddings.weight", cfg.max_positions * cfg.hidden_size))
+    for layer in layer_ids:
+        found += _layer_parameters(cfg, layer, tp_size, sp)
+    if post_process:
+        found += _norm_parameters(cfg, "final_norm", sp)
+        if not (cfg.tie_embeddings and pre_process):
+            found.append(ParamShape("output_layer.weight", vocab_local * cfg.hidden_size, tied_copy))
+    return found
 
 
 def total_params(cfg: ModelConfig) -> int:

@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from model.tp_hooks import ContextParallelHooks
+from parallel.comm import P2P, Collectives
 
 Selection = tuple[slice, slice, bool]  # query rows, key columns (of the two local chunks), causal
 
@@ -122,19 +122,16 @@ def block_grads(
 class _Ring:
     """The cp group seen by one rank: its neighbours and asynchronous exchanges with them."""
 
-    def __init__(self, group: Any, ranks: list[int], cp_rank: int):
-        self.group, self.cp_size, self.cp_rank = group, len(ranks), cp_rank
+    def __init__(self, comm: Collectives, group: Any, ranks: list[int], cp_rank: int):
+        self.comm, self.group, self.cp_size, self.cp_rank = comm, group, len(ranks), cp_rank
         self.next_rank = ranks[(cp_rank + 1) % self.cp_size]
         self.prev_rank = ranks[(cp_rank - 1) % self.cp_size]
 
     def pass_on(self, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
         """Post: send `send` to the next rank, receive the previous rank's into a new buffer; wait later."""
         received = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self.next_rank, self.group),
-            dist.P2POp(dist.irecv, received, self.prev_rank, self.group),
-        ]
-        return received, dist.batch_isend_irecv(ops)
+        ops = [P2P("send", send, self.next_rank, self.group), P2P("recv", received, self.prev_rank, self.group)]
+        return received, self.comm.batch_isend_irecv(ops)
 
 
 def _wait(works: list[Any]) -> None:
@@ -262,7 +259,7 @@ def context_parallel_hooks(state: Any) -> ContextParallelHooks:
     """The model's cp seam for this rank: ring attention over its cp group (one process: the defaults)."""
     if state.cp_size == 1:
         return ContextParallelHooks()
-    ring = _Ring(state.cp_group, state.cp_ranks, state.cp_rank)
+    ring = _Ring(state.comm, state.cp_group, state.cp_ranks, state.cp_rank)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return RingAttention.apply(q, k, v, mask, ring)

@@ -19,15 +19,14 @@ so the first and last pipeline stages shard it identically (see parallel/grad_ut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from model.param_info import param_info
-from parallel.comm import reduce_scatter_into
 
 
 @dataclass
@@ -50,8 +49,20 @@ class Bucket:
 
     def shard_range(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """Buffer range [start, end) of dp rank `dp_rank`'s shard of this bucket."""
-        size = self.numel // dp_size
-        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+        return shard_range(self.start, self.end, dp_rank, dp_size)
+
+
+def shard_range(start: int, end: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """Buffer range [start, end) of dp rank `dp_rank`'s shard of the bucket [start, end) (padded to dp)."""
+    size = (end - start) // dp_size
+    return start + dp_rank * size, start + (dp_rank + 1) * size
+
+
+def owned_slice(shard: tuple[int, int], start: int, end: int) -> tuple[int, int]:
+    """[lo, hi) in the param's own elements of the param at buffer range [start, end) inside `shard`
+    (maybe empty: (0, 0))."""
+    lo, hi = max(shard[0], start), min(shard[1], end)
+    return (lo - start, hi - start) if lo < hi else (0, 0)
 
 
 @dataclass
@@ -64,27 +75,35 @@ class ParamRange:
     bucket: Bucket
 
 
-def _plan_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
-    """Group params (already in launch order) into lists of about `bucket_numel` elements; the shared
-    embedding weight always gets a list of its own."""
-    groups: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
+def plan_buckets(sizes: Sequence[tuple[int, bool]], bucket_numel: int, pad_to: int) -> list[tuple[int, int, list[int]]]:
+    """(start, end, param indices) of each bucket of one chunk's grad buffer, in launch order. `sizes` are
+    (numel, is the shared embedding) of the params in launch order (reversed registration); a bucket closes
+    once it holds `bucket_numel` elements, the shared embedding weight always gets one of its own, and each
+    bucket is padded to a multiple of `pad_to` (dp x cp with the distributed optimizer, else 1). The planner
+    cuts its listed reductions with this same function (planner/collectives.py)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
     size = 0
-    for param in params:
-        if param_info(param).shared_embedding:
+    for index, (numel, shared) in enumerate(sizes):
+        if shared:
             if current:
                 groups.append(current)
-            groups.append([param])
+            groups.append([index])
             current, size = [], 0
             continue
-        current.append(param)
-        size += param.numel()
+        current.append(index)
+        size += numel
         if size >= bucket_numel:
             groups.append(current)
             current, size = [], 0
     if current:
         groups.append(current)
-    return groups
+    layout, offset = [], 0
+    for group in groups:
+        padded = -(-sum(sizes[i][0] for i in group) // pad_to) * pad_to
+        layout.append((offset, offset + padded, group))
+        offset += padded
+    return layout
 
 
 class DataParallel:
@@ -125,18 +144,15 @@ class DataParallel:
     # ---- construction -----------------------------------------------------------------------
     def _build_chunk(self, chunk_index: int, chunk: nn.Module) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad]  # parameters() skips tied duplicates
-        groups = _plan_buckets(list(reversed(params)), self.bucket_numel)
+        ordered = list(reversed(params))  # roughly the order backward produces gradients
         pad_to = self.state.dp_cp_size if self.distributed_optimizer else 1
-        layout, offset = [], 0
-        for index, group in enumerate(groups):
-            numel = sum(p.numel() for p in group)
-            padded = -(-numel // pad_to) * pad_to
-            layout.append((index, offset, offset + padded, group))
-            offset += padded
+        sizes = [(p.numel(), param_info(p).shared_embedding) for p in ordered]
+        layout = plan_buckets(sizes, self.bucket_numel, pad_to)
         device = params[0].device if params else torch.device("cpu")
-        buffer = torch.zeros(offset, dtype=self.grad_dtype, device=device)
+        buffer = torch.zeros(layout[-1][1] if layout else 0, dtype=self.grad_dtype, device=device)
         buckets = []
-        for index, start, end, group in layout:
+        for index, (start, end, indices) in enumerate(layout):
+            group = [ordered[i] for i in indices]
             bucket = Bucket(chunk_index, index, start, end, group)
             position = start
             for param in group:
@@ -222,9 +238,9 @@ class DataParallel:
         if self.distributed_optimizer:
             start, end = bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(flat, group=self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.all_reduce(flat, self.state.dp_cp_group, async_op=True)
 
     # ---- layout queries ---------------------------------------------------------------------
     def _all_buckets(self):
@@ -235,9 +251,8 @@ class DataParallel:
         where = self.param_ranges[param]
         if not self.distributed_optimizer:
             return 0, param.numel()
-        start, end = where.bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
-        lo, hi = max(start, where.start), min(end, where.end)
-        return (lo - where.start, hi - where.start) if lo < hi else (0, 0)
+        shard = where.bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
+        return owned_slice(shard, where.start, where.end)
 
     def owned_main_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The flat part of `param.main_grad` that holds reduced gradients after finish_grad_sync: all of

@@ -24,16 +24,18 @@ import torch.distributed as dist
 from torch import nn
 
 from model.param_info import ParamInfo, param_info
+from parallel.comm import Collectives
 from parallel.data_parallel import DataParallel
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum `tensors` over `group` in one collective (flatten, all_reduce, copy back)."""
+def all_reduce_coalesced(tensors: list[torch.Tensor], comm: Collectives, group: Any) -> None:
+    """Sum `tensors` over `group` in one collective (flatten, all_reduce, copy back); nothing when they are
+    all empty (a distributed-optimizer rank that owns none of them)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group)
     offset = 0
     for tensor in tensors:
         tensor.view(-1).copy_(flat[offset : offset + tensor.numel()])
@@ -57,17 +59,16 @@ def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel) 
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""
     shared = _unique_params(chunks, "shared_embedding")
-    if len(shared) == 2:
-        # The V-shaped placement (zb-v) puts the first and the last stage on one rank: sum the two copies
-        # here; the rest of the embedding group holds no copy and skips the all-reduce as well.
+    if shared and state.stages.embedding_pp_ranks == (state.pp_rank,):
+        # One rank holds both ends in different chunks (zb-v's V placement): sum the two copies here.
         first, last = (ddp.owned_main_grad(p) for p in shared)
         first.add_(last)
         last.copy_(first)
-    elif state.pp_size > 1 and state.embedding_group is not None:
-        all_reduce_coalesced([ddp.owned_main_grad(p) for p in shared], state.embedding_group)
+    elif shared and state.embedding_group is not None:
+        all_reduce_coalesced([ddp.owned_main_grad(p) for p in shared], state.comm, state.embedding_group)
     if state.tp_size > 1:
         replicated = _unique_params(chunks, "sequence_parallel")
-        all_reduce_coalesced([ddp.owned_main_grad(p) for p in replicated], state.tp_group)
+        all_reduce_coalesced([ddp.owned_main_grad(p) for p in replicated], state.comm, state.tp_group)
 
 
 # ---- global gradient norm --------------------------------------------------------------------------
@@ -88,12 +89,12 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cp
     return torch.stack(norms).pow(2).sum()
 
 
-def reduce_norm(local_sum_sq: torch.Tensor, groups: list[Any]) -> float:
+def reduce_norm(local_sum_sq: torch.Tensor, comm: Collectives, groups: list[Any]) -> float:
     """sqrt of the sum over `groups` (one after another; None entries skipped) of a local sum of squares."""
     total = local_sum_sq.clone()
     for group in groups:
         if group is not None:
-            dist.all_reduce(total, group=group)
+            comm.all_reduce(total, group)
     return math.sqrt(total.item())  # inf and nan pass through, to be reported
 
 
@@ -104,7 +105,9 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
     return max_norm / (grad_norm + 1.0e-6)
 
 
-def any_non_finite(tensors: list[torch.Tensor], groups: list[Any], device: torch.device | str = "cpu") -> bool:
+def any_non_finite(
+    tensors: list[torch.Tensor], comm: Collectives, groups: list[Any], device: torch.device | str = "cpu"
+) -> bool:
     """True if any element of `tensors` on any rank of `groups` is inf or nan (one host sync)."""
     flag = torch.zeros((), dtype=torch.float32, device=device)
     for tensor in tensors:
@@ -112,5 +115,5 @@ def any_non_finite(tensors: list[torch.Tensor], groups: list[Any], device: torch
             flag = torch.maximum(flag, (~torch.isfinite(tensor)).any().float())
     for group in groups:
         if group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)

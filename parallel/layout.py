@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from parallel.pipeline.stages import StageMap
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")  # backward split into input (B) and weight (W) gradients
 # Block attention backends of context parallelism and whether each returns the log-sum-exp that the ring's
@@ -48,6 +50,11 @@ class Layout:
     @property
     def model_parallel_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def stages(self) -> StageMap:
+        """Where this layout's virtual stages sit (interleaved, or in a V under zb-v)."""
+        return StageMap(self.pp_size, self.vp_size, uses_v_shape(self.schedule))
 
     def describe(self) -> str:
         """One line for the start-up log."""

@@ -11,7 +11,6 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
 from parallel.context_parallel import context_parallel_hooks
-from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
@@ -33,26 +32,23 @@ def build_model_chunks(
     recompute_num_layers: int = 1,
     compile_layers: bool = False,
     compile_backend: str = "inductor",
-    v_shape: bool = False,
 ) -> list[GPTModel]:
     """The vp_size chunks of this pipeline rank: built on the meta device with the tp group's hooks
     (parallel/tensor_parallel.tensor_parallel_hooks), sharded over tp, then each
     parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
-    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use); `v_shape`
-    places the two chunks in a V (zb-v, parallel/pipeline/stages.py)."""
+    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use). Which layers
+    each chunk holds is the state's stage map (`state.stages`: interleaved, or zb-v's V)."""
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel)
     cp_hooks = context_parallel_hooks(state)
-    for chunk in range(state.vp_size):
-        layer_ids = chunk_layer_ids(cfg.num_layers, state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
-        pre_process, post_process = chunk_roles(state.pp_size, state.pp_rank, state.vp_size, chunk, v_shape)
+    for placement in state.stages.placements(cfg.num_layers, state.pp_rank):
         with torch.device("meta"):
             model = GPTModel(
                 cfg,
                 cfg.padded_vocab_size(state.tp_size),
-                layer_ids,
-                pre_process,
-                post_process,
+                placement.layer_ids,
+                placement.pre_process,
+                placement.post_process,
                 tp_hooks=hooks,
                 cp_hooks=cp_hooks,
             )

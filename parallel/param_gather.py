@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.comm import all_gather_into
 from parallel.data_parallel import Bucket, DataParallel
 
 
@@ -70,7 +69,7 @@ class ParamGather:
 
     def launch(self, bucket: Bucket, full: torch.Tensor, local: torch.Tensor) -> None:
         """Start gathering `bucket` (its shard `local` already written into `full`)."""
-        work = all_gather_into(full, local, self.group, async_op=True)
+        work = self.ddp.state.comm.all_gather_into(full, local, self.group, async_op=True)
         self.pending[id(bucket)] = PendingGather(bucket, full, work)
 
     def wait(self, bucket: Bucket) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from parallel.comm import Collectives, CommRecorder
 from parallel.layout import Layout, derive_dp_size
+from parallel.pipeline.stages import StageMap
 from parallel.rank_grid import RankGrid
 
 
@@ -16,14 +18,18 @@ class ParallelState:
     """Ranks and process groups of a tp x cp x dp x pp layout (plus vp model chunks per pipeline rank).
 
     Rank order: parallel/rank_grid.py (Megatron-LM's: tp varies fastest, then cp, dp, pp), from which
-    every group here is built. The embedding group holds the first and
-    last pipeline stage of one (tp_rank, dp_rank) column: with tied embeddings those two stages each keep a
-    copy of the word embedding and all-reduce its gradient over this group.
+    every group here is built. The embedding group holds the pipeline ranks of one (tp_rank, cp_rank,
+    dp_rank) column that keep a copy of a tied word embedding (`StageMap.embedding_pp_ranks`: the first and
+    the last stage; they all-reduce its gradient over this group). Under zb-v's V placement one rank holds
+    both copies and sums them itself: no rank gets an embedding group then.
 
     Context parallelism (cp) splits each micro-batch's sequence over the cp group; its ranks hold replicas of
     every parameter, so gradients and the distributed optimizer's shards go over `dp_cp_group` (dp x cp),
     while the data (which samples a rank reads) follows the dp rank alone. With cp = 1, dp_cp_group is
     dp_group itself (and no group is created for it).
+
+    `comm` is the one door for every collective and p2p on these groups (parallel/comm.py), which knows each
+    group by the dimensions it spans and reports every call to its recorder, if any.
 
     Build it with `ParallelState.create(...)` after `torch.distributed.init_process_group`; build a
     single-process state (no torch.distributed) with `ParallelState.single()`.
@@ -36,17 +42,19 @@ class ParallelState:
     dp_size: int
     vp_size: int = 1
     cp_size: int = 1
+    v_shape: bool = False  # zb-v's V placement of the two chunks per rank (parallel/pipeline/stages.py)
     tp_group: Any = None
     cp_group: Any = None  # ring attention's group: ranks holding other chunks of the same sequence
     dp_x_cp_group: Any = None  # the dp x cp group when cp > 1 (read it as `dp_cp_group`)
     pp_group: Any = None
     dp_group: Any = None
     model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
-    embedding_group: Any = None  # None unless this rank is on the first or last stage and pp > 1
+    embedding_group: Any = None  # None unless this rank holds one of the tied copies on two ranks
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     cp_ranks: list[int] = field(default_factory=list)
+    comm: Collectives = field(default_factory=Collectives)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -66,14 +74,27 @@ class ParallelState:
         )
 
     @classmethod
-    def from_layout(cls, layout: Layout) -> ParallelState:
-        """The state of `layout` for this process: `single()` for one process, else `create(...)`."""
+    def from_layout(cls, layout: Layout, recorder: CommRecorder | None = None) -> ParallelState:
+        """The state of `layout` for this process: `single()` for one process, else `create(...)`; `recorder`
+        sees every collective issued through `comm`."""
         if layout.world_size == 1:
-            return cls.single()
-        return cls.create(layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size)
+            state = cls.single()
+            state.comm.recorder = recorder
+            return state
+        return cls.create(
+            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder
+        )
 
     @classmethod
-    def create(cls, tp_size: int, pp_size: int, vp_size: int = 1, cp_size: int = 1) -> ParallelState:
+    def create(
+        cls,
+        tp_size: int,
+        pp_size: int,
+        vp_size: int = 1,
+        cp_size: int = 1,
+        v_shape: bool = False,
+        recorder: CommRecorder | None = None,
+    ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
@@ -85,28 +106,30 @@ class ParallelState:
             dp_size=dp_size,
             vp_size=vp_size,
             cp_size=cp_size,
+            v_shape=v_shape,
+            comm=Collectives(recorder),
         )
         grid = state.grid
         for ranks in grid.groups("tp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.tp_group, state.tp_ranks = group, ranks
+                state.tp_group, state.tp_ranks = state._named(group, "tp", ranks), ranks
         for ranks in grid.groups("dp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.dp_group, state.dp_ranks = group, ranks
+                state.dp_group, state.dp_ranks = state._named(group, "dp", ranks), ranks
         for ranks in grid.groups("pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.pp_group, state.pp_ranks = group, ranks
-            embedding_ranks = sorted({ranks[0], ranks[-1]})
+                state.pp_group, state.pp_ranks = state._named(group, "pp", ranks), ranks
+            embedding_ranks = [ranks[pp_rank] for pp_rank in state.stages.embedding_pp_ranks]
             emb_group = dist.new_group(embedding_ranks)
-            if rank in embedding_ranks and pp_size > 1:
-                state.embedding_group = emb_group
+            if rank in embedding_ranks and len(embedding_ranks) > 1:
+                state.embedding_group = state._named(emb_group, "embedding", embedding_ranks)
         for ranks in grid.groups("tp", "pp"):
             group = dist.new_group(ranks)
             if rank in ranks:
-                state.model_parallel_group = group
+                state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
             state._create_cp_groups()
         return state
@@ -115,17 +138,27 @@ class ParallelState:
         for ranks in self.grid.groups("cp"):
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.cp_group, self.cp_ranks = group, ranks
+                self.cp_group, self.cp_ranks = self._named(group, "cp", ranks), ranks
         for ranks in self.grid.groups("cp", "dp"):
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.dp_x_cp_group = group
+                self.dp_x_cp_group = self._named(group, "dp_cp", ranks)
+
+    def _named(self, group: Any, name: str, ranks: list[int]) -> Any:
+        """`group`, registered under `name` with `comm` (the records name groups by their dimensions)."""
+        self.comm.register(group, name, len(ranks))
+        return group
 
     # ---- coordinates --------------------------------------------------------------------------
     @property
     def grid(self) -> RankGrid:
         """This layout's rank grid (the rank order)."""
         return RankGrid.of(self)
+
+    @property
+    def stages(self) -> StageMap:
+        """Where the virtual stages sit (parallel/pipeline/stages.py)."""
+        return StageMap(self.pp_size, self.vp_size, self.v_shape)
 
     @property
     def tp_rank(self) -> int:

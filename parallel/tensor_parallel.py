@@ -60,7 +60,7 @@ LAYER_PLAN: tuple[tuple[str, type[ColumnParallelLinear] | type[RowParallelLinear
 
 def tp_comm(state: ParallelState, counter: CommCounter | None = None, scope: str = "layer") -> TPComm:
     """The TPComm of this rank's tp group."""
-    return TPComm(group=state.tp_group, rank=state.tp_rank, size=state.tp_size, counter=counter, scope=scope)
+    return TPComm(state.tp_group, state.tp_rank, state.tp_size, counter, scope, state.comm)
 
 
 def tensor_parallel_hooks(comm: TPComm, sequence_parallel: bool = False) -> TensorParallelHooks:

@@ -11,20 +11,21 @@ Each function is a pair of conjugate collectives: what forward does, backward un
     reduce_scatter_to_sequence_parallel_region
                                            fwd reduce-scatter dim 0 bwd all-gather dim 0
 
-A `TPComm` carries what a collective needs (group, rank, size) plus an optional `CommCounter` and a scope
-label ("layer", "embedding", "output", "loss") so the per-transformer-layer count can be checked apart.
+A `TPComm` carries what a collective needs (group, rank, size, and the state's `Collectives`, through which
+every collective is issued: parallel/comm.py) plus an optional `CommCounter` and a scope label ("layer",
+"embedding", "output", "loss") so the per-transformer-layer count can be checked apart.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parallel.comm import all_gather_into, reduce_scatter_into
+from parallel.comm import Collectives
 
 
 class CommCounter:
@@ -75,6 +76,7 @@ class TPComm:
     size: int
     counter: CommCounter | None = None
     scope: str = "layer"
+    collectives: Collectives = field(default_factory=Collectives)  # the state's door (records every call)
 
     def with_scope(self, scope: str) -> TPComm:
         return replace(self, scope=scope)
@@ -93,7 +95,7 @@ def all_reduce(
         return x
     comm.record("all_reduce", phase, x)
     x = x.contiguous()
-    dist.all_reduce(x, op=op, group=comm.group)
+    comm.collectives.all_reduce(x, comm.group, op=op)
     return x
 
 
@@ -109,7 +111,7 @@ def _gather_last(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
     comm.record("all_gather", phase, x)
     # Gather along dim 0 (contiguous), then move the rank axis next to the last dim.
     out = torch.empty((comm.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    all_gather_into(out, x.contiguous(), group=comm.group)
+    comm.collectives.all_gather_into(out, x.contiguous(), comm.group)
     return torch.cat(out.unbind(0), dim=-1)
 
 
@@ -128,7 +130,7 @@ def _gather_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
         return x
     comm.record("all_gather", phase, x)
     out = torch.empty((x.shape[0] * comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_into(out, x.contiguous(), group=comm.group)
+    comm.collectives.all_gather_into(out, x.contiguous(), comm.group)
     return out
 
 
@@ -141,7 +143,7 @@ def _reduce_scatter_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Te
         )
     comm.record("reduce_scatter", phase, x)
     out = torch.empty((x.shape[0] // comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_into(out, x.contiguous(), group=comm.group)
+    comm.collectives.reduce_scatter_into(out, x.contiguous(), comm.group)
     return out
 
 

@@ -2,7 +2,8 @@
 
 An observation is a config, a world size and a measured time per iteration: from a run folder of the trainer
 (`config.yaml`, the resolved config it wrote, and `metrics.jsonl`, whose training records carry `ms_per_iter`
-and `tflops_per_device`, from which the world size follows), or a published figure (planner/published.py).
+and `world_size`; records written before `world_size` was logged give it through `tflops_per_device`), or a
+published figure (planner/published.py).
 The fit minimises the squared log error over the observations (Levenberg-Marquardt in log space) over at most
 as many constants as there are observations: gemm_max, hbm, gemm_half_flops; with one observation, one
 common scale of gemm_max and hbm.
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import ConfigError, load_config
-from model.shape import iteration_flops
+from parallel.layout import layout_from_config
+from parallel.run_shape import RunShape
 from planner.cluster import ClusterSpec
-from planner.predict import TRAINER, Software, predict
+from planner.predict import predict
+from planner.software import TRAINER, Software
 
 FITTED = ("gemm_max", "hbm", "gemm_half_flops")
 BOUNDS = {
@@ -60,7 +63,11 @@ def _training_records(path: str) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError(f"{path}:{number} is not valid JSON") from None
-            if isinstance(record, dict) and "ms_per_iter" in record and "tflops_per_device" in record:
+            if (
+                isinstance(record, dict)
+                and "ms_per_iter" in record
+                and ("world_size" in record or "tflops_per_device" in record)
+            ):
                 records.append(record)
     return records
 
@@ -78,12 +85,22 @@ def load_run(run_dir: str) -> Observation:
         raise ConfigError(f"{metrics_path} holds no training record with ms_per_iter")
     kept = records[1:] if len(records) > 1 else records
     seconds = statistics.median(r["ms_per_iter"] for r in kept) / 1000.0
-    model, train = config.model, config.train
-    vocab, chunks = model.padded_vocab_size(config.parallel.tp_size), config.parallel.pp_size * config.parallel.vp_size
-    flops = iteration_flops(model, vocab, train, chunks).with_recompute  # as the trainer's tflops_per_device
-    tflops = statistics.median(r["tflops_per_device"] for r in kept)
-    world = max(1, round(flops / (seconds * tflops * 1e12))) if tflops > 0 else 1
-    return Observation(run_dir, config, world, seconds)
+    if "world_size" in kept[-1]:
+        return Observation(run_dir, config, int(kept[-1]["world_size"]), seconds)
+    return Observation(run_dir, config, _world_from_tflops(config, kept, seconds), seconds)
+
+
+def _world_from_tflops(config: Any, records: list[dict], seconds: float) -> int:
+    """The world size of a run logged before metrics.jsonl carried it: the iteration's FLOPs (RunShape, the
+    trainer's figure, which does not depend on dp) over seconds x logged TFLOP/s per device."""
+    par = config.parallel
+    try:
+        layout = layout_from_config(config, par.tp_size * par.cp_size * par.pp_size)
+    except ValueError as err:
+        raise ConfigError(f"cannot recover the world size of an old run from its config: {err}") from None
+    flops = RunShape.of(config, layout).flops.with_recompute  # as the trainer's tflops_per_device
+    tflops = statistics.median(r.get("tflops_per_device") or 0.0 for r in records)
+    return max(1, round(flops / (seconds * tflops * 1e12))) if tflops > 0 else 1
 
 
 def predicted_seconds(cluster: ClusterSpec, observations: list[Observation]) -> list[float]:

@@ -4,7 +4,8 @@
   the efficiency rises with the GEMM's size (hidden size, micro-batch, 1/tp) and row count towards gemm_max.
 - Memory-bound kernels (norms, bias + dropout + residual, GeLU/SwiGLU, the softmax and dropout of a
   materialised attention, the optimizer): bytes / (hbm * HBM bandwidth).
-- Collectives over a group of n GPUs with g per node: NCCL's ring, NVLink inside the node and each GPU's own
+- Collectives (planner/collectives.py lists them; `collective_seconds_of` prices each) over a group of n GPUs
+  with g per node: NCCL's ring, NVLink inside the node and each GPU's own
   network card between nodes; the slower of the two carries the time, plus the latency as NCCL's own cost
   model counts it (graph/tuning.cc): a base latency per call, and per ring step the network's latency for
   the steps that cross a node boundary, NVLink's for the others (tensor parallelism beyond a node pays both).
@@ -12,14 +13,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from model.config import ModelConfig
 from model.shape import attention_matmul_flops, layer_gemm_flops, output_gemm
-from parallel.rank_grid import RankGrid
+from parallel.rank_grid import MEGATRON_ORDER, RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
-from planner.ring import exposed_ring_seconds, kv_block_bytes
+from planner.collectives import ActionCollectives, Collective
+
+# the dimensions each named group spans (parallel/state.py names them; "embedding" joins two pipeline ends)
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "dp_cp": ("dp", "cp"),
+    "pp": ("pp",),
+    "tp_pp": ("tp", "pp"),
+    "world": MEGATRON_ORDER,
+    "embedding": ("pp",),
+}
 
 
 @dataclass(frozen=True)
@@ -30,14 +44,21 @@ class Hardware:
     cluster: ClusterSpec
     fp32: bool
     grid: RankGrid
+    _placement: dict[tuple[str, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     def per_node(self, *dims: str) -> int:
         """Members of a group along `dims` ("tp"; "dp", "cp" for the gradient reduction) that share a node."""
-        return self.grid.per_node(self.cluster.gpus_per_node, *dims)
+        key = ("per_node", *dims)
+        if key not in self._placement:  # walks every group of the grid: once per run
+            self._placement[key] = self.grid.per_node(self.cluster.gpus_per_node, *dims)
+        return self._placement[key]
 
     def crosses_nodes(self, dim: str) -> bool:
         """Whether some `dim` group (e.g. a pipeline) spans two nodes."""
-        return self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
+        key = ("crosses", dim)
+        if key not in self._placement:
+            self._placement[key] = self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
+        return self._placement[key]
 
     @property
     def device_share(self) -> float:
@@ -97,14 +118,14 @@ class Hardware:
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Seconds of one transformer layer for one micro-batch on one GPU."""
+    """Compute seconds of one transformer layer for one micro-batch on one GPU (its collectives:
+    planner/collectives.py, priced by `action_comm_seconds`)."""
 
-    forward: float  # compute
-    backward: float  # compute, recomputation included
+    forward: float
+    backward: float  # recomputation included
     recompute: float  # the part of `backward` that re-runs the forward
-    tp_forward: float  # tensor-parallel collectives
-    tp_backward: float
     weight_grad: float = 0.0  # the part of `backward` only the weights need (their GEMMs): zb's WEIGHT action
+    core: float = 0.0  # the forward of the core attention (what ring attention's transfers overlap)
 
 
 def core_attention_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware) -> float:
@@ -139,9 +160,7 @@ def elementwise_bytes(shape: ActivationShape) -> float:
 
 def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recompute: str) -> LayerTimes:
     """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer, on this
-    rank's tokens (s/cp under context parallelism). The tp_* times hold the layer's exposed communication: tp's
-    collectives and, under cp, what the ring's key/value transfers take beyond the block attention they
-    overlap (planner/ring.py)."""
+    rank's tokens (s/cp under context parallelism)."""
     rows = shape.local_seq * shape.micro_batch
     gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(model, rows, shape.tp_size))
     core = core_attention_seconds(shape, model, hw)
@@ -149,28 +168,35 @@ def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recomp
     forward = gemm + core + other
     backward = 2 * forward
     recomputed = forward if recompute == "full" else core if recompute == "selective" else 0.0
-    # tp: 2 all-reduces (or all-gather + reduce-scatter pairs with sequence parallelism) each way
-    t = shape.tp_size
-    one = hw.collective_seconds(
-        "all_reduce", shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes, t, hw.per_node("tp")
-    )
-    ring_forward, ring_backward = ring_seconds(shape, model, hw, core)
-    tp_forward = 2 * one + ring_forward
-    tp_backward = 2 * one + ring_backward + (tp_forward if recompute == "full" else 0.0)
-    return LayerTimes(forward, backward + recomputed, recomputed, tp_forward, tp_backward, weight_grad=gemm)
+    return LayerTimes(forward, backward + recomputed, recomputed, weight_grad=gemm, core=core)
 
 
-def ring_seconds(shape: ActivationShape, model: ModelConfig, hw: Hardware, core: float) -> tuple[float, float]:
-    """(forward, backward) exposed time of context parallelism's ring in one layer: each key/value block
-    transfer overlaps one block's attention (1/cp of the rank's core attention; backward twice that)."""
-    cp = shape.cp_size
-    if cp == 1:
-        return 0.0, 0.0
-    block = kv_block_bytes(model, shape.micro_batch, shape.tp_size, cp, shape.value_bytes)
-    send = hw.link_seconds(block, hw.crosses_nodes("cp"))
-    forward = exposed_ring_seconds(send, core / cp, cp - 1)
-    backward = exposed_ring_seconds(send, 2 * core / cp, 2 * cp - 1)
-    return forward, backward
+def collective_seconds_of(hw: Hardware, collective: Collective) -> float:
+    """One listed collective: a send or a receive as one link transfer (across nodes when its group spans
+    two), every other kind as NCCL's ring over its group."""
+    dims = GROUP_DIMS[collective.group]
+    if collective.kind in ("send", "recv"):
+        return hw.link_seconds(collective.nbytes, hw.crosses_nodes(dims[0]))
+    per_node = 1 if collective.group == "embedding" else hw.per_node(*dims)  # the two ends of a pipeline
+    return hw.collective_seconds(collective.kind, collective.nbytes, collective.group_size, per_node)
+
+
+def action_comm_seconds(hw: Hardware, action: ActionCollectives, block_seconds: float) -> float:
+    """The exposed communication of one action: its tp collectives in full, and each of ring attention's
+    sends only beyond the block attention it overlaps (`block_seconds`: a forward block, 1/cp of the core
+    attention; backward blocks take twice that); a receive is the same transfer as its peer's send."""
+    tp = sum(collective_seconds_of(hw, c) for c in action.tp)
+    ring = [(c, block_seconds) for c in action.ring_forward] + [(c, 2 * block_seconds) for c in action.ring_backward]
+    exposed = sum(max(0.0, collective_seconds_of(hw, c) - block) for c, block in ring if c.kind == "send")
+    return tp + exposed
+
+
+def step_seconds(hw: Hardware, collectives: tuple[Collective, ...]) -> float:
+    """One batch of pipeline messages (planner/collectives.LayoutCollectives.step): its transfers run together,
+    the slowest sets the time; each scattered receive is then all-gathered over tp (paper section 4.1)."""
+    transfers = [collective_seconds_of(hw, c) for c in collectives if c.kind in ("send", "recv")]
+    gathers = sum(collective_seconds_of(hw, c) for c in collectives if c.kind not in ("send", "recv"))
+    return max(transfers, default=0.0) + gathers
 
 
 def head_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, padded_vocab: int) -> tuple[float, float]:
@@ -183,22 +209,6 @@ def head_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, padded_
     )
     backward = 2 * hw.gemm_seconds(flops, tokens) + hw.memory_seconds(2 * logits)
     return forward, backward
-
-
-def p2p_seconds(shape: ActivationShape, hw: Hardware, inter_node: bool, scatter_gather: bool) -> float:
-    """Sending one activation (or its gradient) [s, b, h] to the next stage, synchronously.
-
-    Sequence parallelism sends each rank's [s/t, b, h] shard. Scatter/gather (paper §4.1) sends 1/tp of the
-    replicated tensor per rank and all-gathers it over NVLink on the receiving stage.
-    """
-    nbytes = shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes
-    t = shape.tp_size
-    if shape.sequence_parallel:
-        return hw.link_seconds(nbytes / t, inter_node)
-    if scatter_gather and t > 1:
-        gather = hw.collective_seconds("all_gather", nbytes, t, hw.per_node("tp"))
-        return hw.link_seconds(nbytes / t, inter_node) + gather
-    return hw.link_seconds(nbytes, inter_node)
 
 
 def optimizer_seconds(

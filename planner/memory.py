@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from model.shape import rank_params
-from parallel.layout import uses_v_shape
+from parallel.layout import Layout
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
-from parallel.pipeline.stages import chunk_roles
+from parallel.run_shape import RunShape
 from planner.activations import (
     ActivationShape,
     attention_score_bytes,
@@ -86,15 +86,9 @@ class MemoryEstimate:
         return {**{k: v / GIB for k, v in fields.items()}, "total": self.total / GIB}
 
 
-def rank_roles(layout: Any, pp_rank: int) -> list[tuple[bool, bool]]:
-    """(holds the embedding, holds the head) of each model chunk of pipeline rank `pp_rank` (zb-v: a V)."""
-    v_shape = uses_v_shape(layout.schedule)
-    return [chunk_roles(layout.pp_size, pp_rank, layout.vp_size, c, v_shape) for c in range(layout.vp_size)]
-
-
 def rank_memory(
     model: Any,
-    layout: Any,
+    layout: Layout,
     train: Any,
     distributed_optimizer: bool,
     shape: ActivationShape,
@@ -104,22 +98,19 @@ def rank_memory(
 ) -> MemoryEstimate:
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
     is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead)."""
-    p, v = layout.pp_size, layout.vp_size
-    roles = rank_roles(layout, pp_rank)
-    params = rank_params(model, layout.tp_size, p, roles)
+    run = RunShape(model, layout, train)
+    roles = run.chunk_roles(pp_rank)
+    params = rank_params(model, layout.tp_size, layout.pp_size, roles)
     # the distributed optimizer shards over dp x cp (context-parallel ranks hold replicas too)
-    state = state_bytes_per_param(
-        train.precision, distributed_optimizer, layout.dp_size * getattr(layout, "cp_size", 1)
-    )
+    state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size * layout.cp_size)
     recompute = train.recompute
-    layers_per_chunk = model.num_layers // (p * v)
     per_layer = layer_activation_bytes(shape, recompute)
-    chunk_bytes = [layers_per_chunk * per_layer] * v
-    head = head_activation_bytes(shape, model.padded_vocab_size(layout.tp_size))
-    holds_head = any(post for _, post in roles)
+    chunk_bytes = [len(chunk.layer_ids) * per_layer for chunk in run.chunks(pp_rank)]
+    head = head_activation_bytes(shape, run.padded_vocab)
+    holds_head = run.roles(pp_rank).holds_head
     for chunk, (pre, post) in enumerate(roles):
         chunk_bytes[chunk] += (embedding_activation_bytes(shape) if pre else 0.0) + (head if post else 0.0)
-    actions = build_schedule(layout.schedule, p, pp_rank, layout.num_microbatches, v)
+    actions = build_schedule(layout.schedule, layout.pp_size, pp_rank, layout.num_microbatches, layout.vp_size)
     activations = peak_in_flight_bytes(actions, chunk_bytes)
     if recompute == "full":
         working = layer_activation_bytes(shape, "none")
@@ -128,10 +119,7 @@ def rank_memory(
     else:
         working = 0.0
     if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
-        working = max(
-            working,
-            4.0 * shape.local_seq * shape.micro_batch * model.padded_vocab_size(layout.tp_size) / layout.tp_size,
-        )
+        working = max(working, 4.0 * shape.local_seq * shape.micro_batch * run.vocab_local)
     return MemoryEstimate(
         pp_rank,
         params,
@@ -147,16 +135,17 @@ def rank_memory(
 
 def layout_memory(
     model: Any,
-    layout: Any,
+    layout: Layout,
     train: Any,
     distributed_optimizer: bool,
     shape: ActivationShape,
     allowance_bytes: float,
     activation_overhead: float = 0.0,
 ) -> MemoryEstimate:
-    """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the last
-    rank the output layer and the logits; the ranks between hold less than rank 0."""
-    ranks = {0, layout.pp_size - 1}
+    """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the head's
+    rank the output layer and the logits, the last rank (zb-v: the turn of the V) as many micro-batches as
+    rank 0 with the V placement; the ranks between hold less."""
+    ranks = {0, layout.stages.head_pp_rank, layout.pp_size - 1}
     estimates = [
         rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes, activation_overhead)
         for r in sorted(ranks)

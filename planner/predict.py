@@ -1,12 +1,14 @@
 """Predict one layout: iteration time, TFLOP/s per GPU, memory per GPU and where the time goes.
 
-The pipeline part is not a formula: every pipeline rank's action list from parallel.pipeline.schedules runs
-through parallel.pipeline.simulator with this layout's costs (a chunk's compute and tensor-parallel
-collectives, plus the synchronous send of its output when a peer needs it, the messages being those of
-parallel.pipeline.p2p), so the bubble and the communication stalls are those of the lists the trainer runs.
-After the pipeline: the data-parallel gradient reduction (overlapped with the last backward of each chunk,
-as the trainer's buckets are), the tied-embedding all-reduce, the optimizer step and, with the distributed
-optimizer, the parameter all-gather.
+The pipeline part is not a formula: every pipeline rank's action list from parallel.pipeline.schedules and the
+executor's plan of message batches (p2p.plan_steps) run through parallel.pipeline.simulator with this layout's
+costs: each action its compute and the collectives it issues, each batch its transfers (and, with
+scatter/gather, the receiving side's all-gather), with the trainer's overlap_p2p_comm. So the bubble and the
+communication stalls are those of the lists and the plan the trainer runs. After the pipeline: the
+data-parallel gradient reduction (overlapped with the last backward of each chunk, as the trainer's buckets
+are), the tied-embedding and sequence-parallel reductions, the optimizer step and, with the distributed
+optimizer, the parameter all-gathers. Every collective charged is one of planner/collectives.py's list for the
+layout (tests/planner/test_collectives.py: the list equals what the trainer issues).
 """
 
 from __future__ import annotations
@@ -14,45 +16,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.shape import iteration_flops, rank_params
-from parallel.layout import Layout, build_layout, uses_v_shape
-from parallel.pipeline.p2p import produced_message
-from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
-from parallel.pipeline.simulator import simulate_lists
-from parallel.pipeline.stages import virtual_stage
+from model.shape import rank_params
+from parallel.layout import Layout, build_layout
+from parallel.pipeline.p2p import Step, produced_message
+from parallel.pipeline.schedules import Action, Op, unhandled_op
+from parallel.pipeline.simulator import CommPlan, Event, simulate
 from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
-from planner.costs import Hardware, head_times, layer_times, optimizer_seconds, p2p_seconds
-from planner.memory import GIB, MemoryEstimate, layout_memory, rank_roles
+from planner.collectives import Collective, LayoutCollectives
+from planner.costs import (
+    Hardware,
+    action_comm_seconds,
+    collective_seconds_of,
+    head_times,
+    layer_times,
+    optimizer_seconds,
+    step_seconds,
+)
+from planner.memory import GIB, MemoryEstimate, layout_memory
+from planner.software import TRAINER, Software
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
 
 @dataclass(frozen=True)
-class Software:
-    """What the training software does that the config does not say: the bytes per gradient element it
-    reduces over dp, whether the reduction overlaps the backward (this trainer: fp32, bucketed), and the HBM
-    bytes its optimizer step moves per element of the rank's optimizer shard (`step_bytes`: this trainer's
-    AdamW reads grad, master, moments and writes master, moments) and per local parameter outside the shard
-    (`copy_bytes`: the grad-norm read and the 16-bit copy-back)."""
-
-    grad_reduce_bytes: float = 4.0
-    overlap_grad_reduce: bool = True
-    step_bytes: float = 28.0
-    copy_bytes: float = 6.0
-
-
-TRAINER = Software()
-
-
-@dataclass(frozen=True)
 class ActionCost:
-    """Seconds of one action on one rank, by kind."""
+    """Seconds of one action on one rank, by kind; `pp_comm` is the synchronous send of its output where the
+    software sends that way (Software.planned_p2p false), else 0 (the plan's batches carry the messages)."""
 
     compute: float
     tp_comm: float
-    pp_comm: float
+    pp_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -125,64 +120,76 @@ class Prediction:
 
 
 class _Costs:
-    """Per-action costs of one layout: compute and tp collectives per chunk, plus the send of its output."""
+    """Per-action costs of one layout: compute per chunk and the collectives each action issues (listed by
+    `comms`), and the seconds of each batch of pipeline messages."""
 
-    def __init__(self, config: Any, layout: Layout, hw: Hardware, shape: Any):
+    def __init__(self, config: Any, layout: Layout, hw: Hardware, shape: Any, comms: LayoutCollectives):
         model, train = config.model, config.train
-        p, v = layout.pp_size, layout.vp_size
-        self.layout = layout
-        per_chunk = model.num_layers // (p * v)
+        self.layout, self.hw, self.comms, self.run = layout, hw, comms, comms.run
+        per_chunk = self.run.stages.layers_per_chunk(model.num_layers)
         layer = layer_times(shape, model, hw, train.recompute)
         self.recompute_per_chunk = per_chunk * layer.recompute
-        vocab = model.padded_vocab_size(layout.tp_size)
-        head_f, head_b = head_times(shape, model, hw, vocab)
-        sbh_bytes = shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes
-        boundary = hw.collective_seconds("all_reduce", sbh_bytes, layout.tp_size, hw.per_node("tp"))  # embedding / head
-        embed = hw.memory_seconds(3 * sbh_bytes)
-        last = p * v - 1
+        self.block_seconds = layer.core / layout.cp_size  # one ring step's block attention
+        head_f, head_b = head_times(shape, model, hw, self.run.padded_vocab)
+        embed = hw.memory_seconds(3 * shape.local_seq * shape.micro_batch * shape.hidden * shape.value_bytes)
+        last = self.run.stages.last_stage
         self.forward, self.backward, self.weight = {}, {}, {}
-        for stage in range(p * v):
+        for stage in range(self.run.stages.num_stages):
             compute_f, compute_b = per_chunk * layer.forward, per_chunk * layer.backward
-            tp_f, tp_b = per_chunk * layer.tp_forward, per_chunk * layer.tp_backward
             if stage == 0:
-                compute_f, compute_b, tp_f = compute_f + embed, compute_b + embed, tp_f + boundary
+                compute_f, compute_b = compute_f + embed, compute_b + embed
             if stage == last:
-                compute_f, compute_b, tp_b = compute_f + head_f, compute_b + head_b, tp_b + boundary
-            self.forward[stage] = (compute_f, tp_f)
-            self.backward[stage] = (compute_b, tp_b)
+                compute_f, compute_b = compute_f + head_f, compute_b + head_b
+            self.forward[stage], self.backward[stage] = compute_f, compute_b
             # zero bubble's WEIGHT: the weight GEMMs; the first stage has no input gradient, so all of it
-            self.weight[stage] = (compute_b, tp_b) if stage == 0 else (per_chunk * layer.weight_grad, 0.0)
-        inter = hw.crosses_nodes("pp")
-        self.send = p2p_seconds(shape, hw, inter, bool(config.parallel.scatter_gather)) if p > 1 else 0.0
-
+            self.weight[stage] = compute_b if stage == 0 else per_chunk * layer.weight_grad
         self._cache: dict[tuple[int, Op, int], ActionCost] = {}
+        self._steps: dict[tuple[str, ...], float] = {}
 
     def of(self, pp_rank: int, action: Action) -> ActionCost:
         """The cost of `action` on pipeline rank `pp_rank` (the same for every micro-batch)."""
         key = (pp_rank, action.op, action.chunk)
         cost = self._cache.get(key)
         if cost is None:
-            p, v = self.layout.pp_size, self.layout.vp_size
-            v_shape = uses_v_shape(self.layout.schedule)
-            stage = virtual_stage(pp_rank, action.chunk, p, v_shape)
+            stage = self.run.stages.virtual_stage(pp_rank, action.chunk)
             match action.op:
                 case Op.FORWARD:
-                    compute, tp = self.forward[stage]
+                    compute = self.forward[stage]
                 case Op.BACKWARD:
-                    compute, tp = self.backward[stage]
+                    compute = self.backward[stage]
                 case Op.BACKWARD_INPUT:
-                    compute, tp = (b - w for b, w in zip(self.backward[stage], self.weight[stage]))
+                    compute = self.backward[stage] - self.weight[stage]
                 case Op.WEIGHT:
-                    compute, tp = self.weight[stage]
+                    compute = self.weight[stage]
                 case _:
                     unhandled_op(action.op)
-            out = produced_message(action, pp_rank, p, v, v_shape)
-            sends = out is not None and out[0] != pp_rank  # the turn of zb-v's V is local
-            cost = self._cache[key] = ActionCost(compute, tp, self.send if sends else 0.0)
+            comm = action_comm_seconds(self.hw, self.comms.action(stage, action.op), self.block_seconds)
+            cost = self._cache[key] = ActionCost(compute, comm, self._send(pp_rank, action))
         return cost
 
+    def _send(self, pp_rank: int, action: Action) -> float:
+        """Without the plan: the producer sends its output synchronously (transfer and, with scatter/gather,
+        the receiver's all-gather), as Megatron-LM 2021 did."""
+        if self.comms.software.planned_p2p:
+            return 0.0
+        out = produced_message(action, pp_rank, self.layout.pp_size, self.layout.vp_size, self.run.stages.v_shape)
+        if out is None or out[0] == pp_rank:  # no message, or the local turn of zb-v's V
+            return 0.0
+        return step_seconds(self.hw, self.comms.step(Step((("send", out[0], out[1]), ("recv", pp_rank, out[1])), None)))
 
-def _dp_exposed(events: list, dp_seconds: float, bucket_seconds: float) -> float:
+    def step(self, pp_rank: int, step: Step) -> float:
+        """Seconds of one batch of pipeline messages on `pp_rank` (all messages are the same size: the batch's
+        kinds decide)."""
+        kinds = tuple(kind for kind, _, _ in step.ops)
+        if kinds not in self._steps:
+            self._steps[kinds] = step_seconds(self.hw, self.comms.step(step))
+        return self._steps[kinds]
+
+    def seconds(self, collectives: list[Collective]) -> float:
+        return sum(collective_seconds_of(self.hw, c) for c in collectives)
+
+
+def _dp_exposed(events: list[Event], dp_seconds: float, bucket_seconds: float) -> float:
     """Gradient reduction left after the rank's pipeline ends: buckets launch during the last backward of
     each chunk (the trainer enables grad sync there), and the last bucket can only start at the very end."""
     if dp_seconds <= 0:
@@ -221,25 +228,30 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
     layout = build_layout(model, par, train, world_size)
     hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout))
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
-    costs = _Costs(config, layout, hw, shape)
-    p, v, m = layout.pp_size, layout.vp_size, layout.num_microbatches
-    lists = [build_schedule(layout.schedule, p, r, m, v) for r in range(p)]
-    timeline = simulate_lists(
-        lists, v, m, action_cost=lambda r, a: costs.of(r, a).total, v_shape=uses_v_shape(layout.schedule)
+    comms = LayoutCollectives(config, layout, software)
+    costs = _Costs(config, layout, hw, shape, comms)
+    plan = CommPlan(costs.step, par.overlap_p2p_comm, comms.plans) if software.planned_p2p else None
+    timeline = simulate(
+        comms.lists,
+        layout.vp_size,
+        layout.num_microbatches,
+        action_cost=lambda r, a: costs.of(r, a).total,
+        v_shape=comms.run.stages.v_shape,
+        comm=plan,
     )
-    events_by_rank: list[list] = [[] for _ in range(p)]
+    events_by_rank: list[list[Event]] = [[] for _ in range(layout.pp_size)]
     for event in timeline.events:
         events_by_rank[event.rank].append(event)
     critical, total, parts = 0, -1.0, {}
-    for r in range(p):
-        rank_parts = _rank_parts(config, layout, hw, costs, lists[r], r, events_by_rank[r], software)
+    for r in range(layout.pp_size):
+        rank_parts = _rank_parts(config, costs, r, events_by_rank[r], timeline, software)
         rank_total = sum(rank_parts.values())
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
     memory = memory_of(config, layout, cluster, shape)
-    vocab = model.padded_vocab_size(layout.tp_size)
-    flops = iteration_flops(model, vocab, train, layout.pp_size * layout.vp_size).with_recompute  # the paper's
-    recompute = sum(costs.recompute_per_chunk for a in lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
+    flops = comms.run.flops.with_recompute  # the paper's achieved FLOPs
+    backwards = (a for a in comms.lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
+    recompute = sum(costs.recompute_per_chunk for _ in backwards)
     return Prediction(
         layout,
         train.micro_batch_size,
@@ -255,39 +267,31 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
 
 
 def _rank_parts(
-    config: Any,
-    layout: Layout,
-    hw: Hardware,
-    costs: _Costs,
-    actions: list[Action],
-    pp_rank: int,
-    events: list,
-    software: Software,
+    config: Any, costs: _Costs, pp_rank: int, events: list[Event], timeline: Any, software: Software
 ) -> dict[str, float]:
     """The time of pipeline rank `pp_rank`, split as BREAKDOWN_KEYS (sums to the rank's iteration time)."""
-    model, par, train = config.model, config.parallel, config.train
-    spent = [costs.of(pp_rank, a) for a in actions]
+    layout, comms = costs.layout, costs.comms
+    spent = [costs.of(pp_rank, e.action) for e in events]
     compute = sum(c.compute for c in spent)
     tp_comm = sum(c.tp_comm for c in spent)
-    pp_comm = sum(c.pp_comm for c in spent)
-    params = rank_params(model, layout.tp_size, layout.pp_size, rank_roles(layout, pp_rank))
-    # gradients are reduced over dp x cp (the cp ranks hold replicas of every parameter)
-    dp, dp_node = layout.dp_size * layout.cp_size, hw.per_node("dp", "cp")
-    kind = "reduce_scatter" if par.distributed_optimizer else "all_reduce"
-    grad_bytes = software.grad_reduce_bytes * params
-    dp_seconds = hw.collective_seconds(kind, grad_bytes, dp, dp_node)
-    bucket = hw.collective_seconds(kind, min(grad_bytes, par.grad_bucket_size_mb * 2**20), dp, dp_node)
-    end = max(e.end for e in events)
-    dp_comm = _dp_exposed(events, dp_seconds, bucket) if software.overlap_grad_reduce else dp_seconds
-    if par.distributed_optimizer:
-        param_bytes = 4.0 if train.precision == "fp32" else 2.0
-        dp_comm += hw.collective_seconds("all_gather", param_bytes * params, dp, dp_node)
-    holds_tied_copy = model.tie_embeddings and layout.pp_size > 1 and pp_rank in (0, layout.pp_size - 1)
-    if holds_tied_copy:
-        embedding_bytes = 4.0 * model.padded_vocab_size(layout.tp_size) // layout.tp_size * model.hidden_size
-        dp_comm += hw.collective_seconds("all_reduce", embedding_bytes, 2, 1)
-    optimizer = optimizer_seconds(params, dp, par.distributed_optimizer, hw, software.step_bytes, software.copy_bytes)
-    bubble = max(0.0, end - (compute + tp_comm + pp_comm))  # rounding can leave -1e-16 on one stage
+    # the plan's batch transfers the rank waited for, or its synchronous sends
+    pp_comm = timeline.exposed_comm[pp_rank] + sum(c.pp_comm for c in spent)
+    bubble = max(0.0, timeline.finish[pp_rank] - (compute + tp_comm + pp_comm))  # rounding: -1e-16 on a stage
+    buckets = [collective_seconds_of(costs.hw, c) for c in comms.grad_reduction(pp_rank)]
+    dp_seconds = sum(buckets)
+    dp_comm = _dp_exposed(events, dp_seconds, buckets[-1]) if software.overlap_grad_reduce and buckets else dp_seconds
+    after = comms.finalize(pp_rank) + comms.optimizer(pp_rank) + comms.loss()
+    tp_comm += costs.seconds([c for c in after if c.group == "tp"])  # sequence-parallel grads
+    dp_comm += costs.seconds([c for c in after if c.group != "tp"])
+    params = rank_params(config.model, layout.tp_size, layout.pp_size, comms.run.chunk_roles(pp_rank))
+    optimizer = optimizer_seconds(
+        params,
+        layout.dp_size * layout.cp_size,  # the optimizer shards over dp x cp
+        config.parallel.distributed_optimizer,
+        costs.hw,
+        software.step_bytes,
+        software.copy_bytes,
+    )
     return {
         "compute": compute,
         "bubble": bubble,

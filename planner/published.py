@@ -20,8 +20,9 @@ import os
 from dataclasses import dataclass
 
 from config.schema import Config, config_from_dict, load_config
-from model.shape import iteration_flops
-from planner.predict import Software
+from parallel.layout import layout_from_config
+from parallel.run_shape import RunShape
+from planner.software import Software
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,11 +33,16 @@ _PAPER_STEP_BYTES = 52.0
 # local DDP: after the flush, one all-reduce of the flattened fp16 grads (flatten 2 + 2 B, divide 2 + 2,
 # copy back 2 + 2), overlapping nothing
 PAPER_LOCAL_DDP = Software(
-    grad_reduce_bytes=2.0, overlap_grad_reduce=False, step_bytes=_PAPER_STEP_BYTES, copy_bytes=12.0
+    grad_reduce_bytes=2.0,
+    bucketed_grads=False,
+    overlap_grad_reduce=False,
+    planned_p2p=False,  # Megatron-LM 2021's schedules: a synchronous batch per step, for the next action
+    step_bytes=_PAPER_STEP_BYTES,
+    copy_bytes=12.0,
 )
 # PyTorch DDP: fp16 buckets during the last micro-batch's backward (copies into and out of them, 2 + 2 B each)
 PAPER_TORCH_DDP = Software(
-    grad_reduce_bytes=2.0, overlap_grad_reduce=True, step_bytes=_PAPER_STEP_BYTES, copy_bytes=8.0
+    grad_reduce_bytes=2.0, overlap_grad_reduce=True, planned_p2p=False, step_bytes=_PAPER_STEP_BYTES, copy_bytes=8.0
 )
 PAPER_SOFTWARE = {"local": PAPER_LOCAL_DDP, "torch": PAPER_TORCH_DDP}
 
@@ -137,9 +143,7 @@ def observations(rows: list[PublishedRow]) -> list:
     result = []
     for row in rows:
         config = row.config()  # full recomputation: the achieved FLOPs are the paper's equation (3)
-        par = config.parallel
-        vocab = config.model.padded_vocab_size(par.tp_size)
-        flops = iteration_flops(config.model, vocab, config.train, par.pp_size * par.vp_size).with_recompute
+        flops = RunShape.of(config, layout_from_config(config, row.world_size)).flops.with_recompute
         seconds = flops / (row.tflops_per_gpu * 1e12 * row.world_size)
         result.append(Observation(row.label, config, row.world_size, seconds, row.run.software))
     return result

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel.layout import LayoutError, build_layout
+from parallel.pipeline.schedules import Op
 from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
-from planner.costs import Hardware, layer_times
+from planner.collectives import LayoutCollectives
+from planner.costs import Hardware, action_comm_seconds, layer_times
 from planner.memory import GIB
 from planner.predict import Prediction, memory_of, predict
 
@@ -114,9 +116,17 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
     hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout))
     layer = layer_times(shape, model, hw, train.recompute)
-    per_microbatch = (model.num_layers // layout.pp_size) * (
-        layer.forward + layer.backward + layer.tp_forward + layer.tp_backward
+    comms = LayoutCollectives(config, layout)
+    stages = comms.run.stages
+    block = layer.core / layout.cp_size
+    collectives = sum(  # what every virtual stage's forward and backward issue, spread over the pipeline
+        action_comm_seconds(hw, comms.action(stage, op), block)
+        for stage in range(stages.num_stages)
+        for op in (Op.FORWARD, Op.BACKWARD)
     )
+    layers_per_rank = sum(len(chunk.layer_ids) for chunk in comms.run.chunks(0))
+    per_microbatch = layers_per_rank * (layer.forward + layer.backward)
+    per_microbatch += collectives / layout.pp_size
     bubble = (layout.pp_size - 1) / (layout.vp_size * layout.num_microbatches)
     return layout.num_microbatches * per_microbatch * (1.0 + bubble)
 

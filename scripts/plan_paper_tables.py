@@ -1,12 +1,16 @@
 """The planner against the paper's published throughputs (Narayanan et al., SC21, DGX A100 80GB).
 
     python scripts/plan_paper_tables.py [--cluster configs/clusters/dgx_a100_80gb.yaml] [--report] [--figures]
+                                        [--trainer]
 
 Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2 as the paper ran them
 (planner/published.py: the sc21 scripts' micro-batches, chunks and DDP kinds), predicted against published, as
 markdown. --report first runs the fit report (planner/fit_report.py: the fit on all ten rows, and the two
 leave-half-out fits; several minutes of CPU) and prints the tables with the all-rows constants. --figures
 prints every published effect of Figures 7 and 11-18 (planner/paper_figures.py) against the prediction.
+--trainer predicts the same configs as this trainer would run them (planner.software.TRAINER: fp32 bucketed
+gradients, the executor's plan of pipeline messages with the config's overlap_p2p_comm) instead of as
+Megatron-LM ran them in 2021.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import time
 from planner import fit_report, paper_figures, published
 from planner.cluster import efficiency_yaml, load_cluster
 from planner.predict import predict
+from planner.software import TRAINER
 
 
-def table(cluster, rows, title: str) -> list[str]:
+def table(cluster, rows, title: str, trainer: bool = False) -> list[str]:
     lines = [
         f"**{title}**",
         "",
@@ -29,7 +34,7 @@ def table(cluster, rows, title: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        p = predict(row.config(), cluster, row.world_size, row.run.software)
+        p = predict(row.config(), cluster, row.world_size, TRAINER if trainer else row.run.software)
         lay, frac = p.layout, {k: v / p.iteration_seconds for k, v in p.breakdown.items()}
         percent = f" ({row.percent_of_peak:.0f}%)" if row.percent_of_peak else ""
         lines.append(
@@ -69,6 +74,7 @@ def main() -> int:
     parser.add_argument("--cluster", default="configs/clusters/dgx_a100_80gb.yaml")
     parser.add_argument("--report", action="store_true", help="run the fit report (and leave-half-out) first")
     parser.add_argument("--figures", action="store_true", help="the figures' effects against the planner")
+    parser.add_argument("--trainer", action="store_true", help="as this trainer would run them (not as in 2021)")
     args = parser.parse_args()
     cluster = load_cluster(args.cluster)
     if args.report:
@@ -79,9 +85,11 @@ def main() -> int:
     if args.figures:
         print("\n".join(figures(cluster)))
         return 0
-    print("\n".join(table(cluster, published.TABLE_1, "Table 1 (weak scaling)")))
+    how = ", as this trainer would run it" if args.trainer else ""
+    print("\n".join(table(cluster, published.TABLE_1, f"Table 1 (weak scaling){how}", args.trainer)))
     print()
-    print("\n".join(table(cluster, published.TABLE_2_PTDP, "Table 2, PTD-P rows (fixed batch, more GPUs)")))
+    title = f"Table 2, PTD-P rows (fixed batch, more GPUs){how}"
+    print("\n".join(table(cluster, published.TABLE_2_PTDP, title, args.trainer)))
     return 0
 
 

@@ -13,20 +13,20 @@ import torch
 from config.cli import one_config_file
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
-from model.shape import iteration_flops
-from parallel.layout import Layout, layout_from_config, uses_v_shape
-from parallel.pipeline.stages import chunk_layer_ids, chunk_roles
+from parallel.layout import Layout, layout_from_config
 from parallel.rank_grid import RankGrid
+from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from planner.activations import shape_from_config
+from planner.collectives import LayoutCollectives
 from planner.memory import layout_memory
-from planner.ring import ring_bytes_per_layer
 
 
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
-    par, model_cfg = config.parallel, config.model
+    par = config.parallel
+    shape = RunShape.of(config, layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size))
     grid = RankGrid.megatron(tp=par.tp_size, cp=par.cp_size, dp=dp_size, pp=par.pp_size)
     state = ParallelState(
         world_size=grid.world_size,
@@ -36,15 +36,20 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
         dp_size=dp_size,
         vp_size=par.vp_size,
         cp_size=par.cp_size,
+        v_shape=shape.stages.v_shape,
     )
     chunks = []
     hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
-    v_shape = uses_v_shape(par.schedule)  # zb-v: chunks in a V (parallel/pipeline/stages.py)
-    for chunk in range(par.vp_size):
-        layers = chunk_layer_ids(model_cfg.num_layers, par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
-        pre, post = chunk_roles(par.pp_size, pp_rank, par.vp_size, chunk, v_shape)
+    for placement in shape.chunks(pp_rank):  # zb-v: chunks in a V (parallel/pipeline/stages.py)
         with torch.device("meta"):
-            model = GPTModel(model_cfg, model_cfg.padded_vocab_size(par.tp_size), layers, pre, post, tp_hooks=hooks)
+            model = GPTModel(
+                config.model,
+                shape.padded_vocab,
+                placement.layer_ids,
+                placement.pre_process,
+                placement.post_process,
+                tp_hooks=hooks,
+            )
             chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))
     return chunks
 
@@ -63,39 +68,39 @@ def total_parameters(config: Config) -> int:
 def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[str]:
     """The report's lines; `layout` is the trainer's Layout of the config at this dp (built when not given)."""
     par, m, train = config.parallel, config.model, config.train
+    layout = layout or layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size)
+    shape = RunShape.of(config, layout)
     total = total_parameters(config)
     lines = [
         f"total parameters: {total:,} ({total / 1e9:.1f} B)",
         f"layout: tp {par.tp_size} x cp {par.cp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
-        f"padded vocabulary {m.padded_vocab_size(par.tp_size)}",
+        f"padded vocabulary {shape.padded_vocab}",
     ]
     for pp_rank in range(par.pp_size):
         chunks = meta_chunks(config, 0, pp_rank, dp_size)
         layers = sum(len(chunk.layers) for chunk in chunks)
         local = count(chunks)
         lines.append(f"  stage {pp_rank}: {layers} layers, {local:,} parameters per tp rank ({local / 1e9:.3f} B)")
-    flops = iteration_flops(m, m.padded_vocab_size(par.tp_size), train, par.pp_size * par.vp_size)
-    devices = par.tp_size * par.cp_size * par.pp_size * dp_size
+    flops, devices = shape.flops, layout.world_size
     lines.append(
         f"training FLOPs per iteration (batch {train.global_batch_size}): {flops.with_recompute:.4e} with "
         f"recompute {train.recompute} ({flops.with_recompute / devices / 1e12:.1f} TFLOP per device), "
         f"model FLOPs {flops.model:.4e} (recomputation excluded, for MFU)"
     )
     # the planner's estimate, as the trainer's size check uses it (no cluster allowance)
-    layout = layout or layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size)
-    shape = shape_from_config(m, par, train)
-    memory = layout_memory(m, layout, train, par.distributed_optimizer, shape, 0.0).as_gib()
+    activations = shape_from_config(m, par, train)
+    memory = layout_memory(m, layout, train, par.distributed_optimizer, activations, 0.0).as_gib()
     lines.append(
         f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
         f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "
         f"{memory['weights'] + memory['grads'] + memory['optimizer']:.1f} GiB, activations "
         f"{memory['activations'] + memory['working_set']:.1f} GiB, total {memory['total']:.1f} GiB"
     )
-    if par.cp_size > 1:
-        value_bytes = 4 if train.precision == "fp32" else 2
-        forward, backward = ring_bytes_per_layer(m, train.micro_batch_size, par.tp_size, par.cp_size, value_bytes)
+    if par.cp_size > 1:  # what one layer's ring attention sends, as the planner lists it
+        ring = LayoutCollectives(config, layout)
+        forward, backward = (sum(c.nbytes for c in ring.ring(1, way) if c.kind == "send") for way in (True, False))
         lines.append(
-            f"ring attention (cp {par.cp_size}, {m.seq_length // par.cp_size} tokens per rank): each rank sends "
+            f"ring attention (cp {par.cp_size}, {shape.local_seq_length} tokens per rank): each rank sends "
             f"{forward / 2**20:.1f} MiB forward + {backward / 2**20:.1f} MiB backward per layer and micro-batch"
         )
     return lines

@@ -10,9 +10,10 @@ per whole stage per micro-batch (a chunk costs 1/vp of it). By default communica
 schedule alone sets the timeline: the bubble fraction (a rank's idle time divided by its ideal compute time)
 is (p-1)/m for gpipe and 1f1b, (p-1)/(vp*m) for interleaved; zero bubble (zb-h1, zb-v) splits the backward
 into B (input gradient) and W (weight gradient, --weight-cost of --backward-cost). Boxes have three colours:
-F, B and W. --compare draws several schedules stacked on one time axis. With --comm-cost (per message) or --overlap the
-executor's communication plan is simulated (simulator.simulate_plans): batches of sends and receives that
-complete together, and with --overlap computation while a batch is in flight (parallel.overlap_p2p_comm).
+F, B and W. --compare draws several schedules stacked on one time axis. With --comm-cost (per batch of messages) or
+--overlap the executor's communication plan is simulated too (the planner's simulator, simulator.simulate with a
+CommPlan): batches of sends and receives that complete together, and with --overlap computation while a batch is
+in flight (parallel.overlap_p2p_comm).
 Invalid input prints one line and exits with code 2.
 """
 
@@ -31,9 +32,9 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
 
-from parallel.layout import SCHEDULES, check_schedule, uses_v_shape
-from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
-from parallel.pipeline.simulator import Timeline, simulate, simulate_plans
+from parallel.layout import SCHEDULES, check_schedule
+from parallel.pipeline.schedules import Op, unhandled_op
+from parallel.pipeline.simulator import CommPlan, Timeline, simulate_schedule
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "oo")  # one per model chunk
 DEFAULT_DIR = os.path.join("runs", "timeline")  # relative to where the tool runs, as run.dir
@@ -196,14 +197,10 @@ def _check(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def _timeline(args: argparse.Namespace, schedule: str, vp: int) -> Timeline:
-    costs = (args.forward_cost, args.backward_cost)
-    if args.comm_cost or args.overlap:
-        lists = [build_schedule(schedule, args.pp, r, args.microbatches, vp) for r in range(args.pp)]
-        v_shape = uses_v_shape(check_schedule(schedule, args.pp, vp, args.microbatches))
-        return simulate_plans(
-            lists, vp, args.microbatches, *costs, args.comm_cost, args.overlap, args.weight_cost, v_shape
-        )
-    return simulate(schedule, args.pp, args.microbatches, vp, *costs, args.weight_cost)
+    comm = CommPlan(args.comm_cost, args.overlap) if args.comm_cost or args.overlap else None
+    return simulate_schedule(
+        schedule, args.pp, args.microbatches, vp, args.forward_cost, args.backward_cost, args.weight_cost, comm
+    )
 
 
 def main(argv=None) -> int:

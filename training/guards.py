@@ -55,7 +55,7 @@ def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, b
         [signal_number, int(time_up), world - rank if bad_batch else 0], dtype=torch.int64, device=device
     )
     if state.is_distributed:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        state.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
     signal_number, time_up_flag, bad = (int(x) for x in flags.tolist())
     return Agreement(signal_number, bool(time_up_flag), world - bad if bad else -1)
 
@@ -142,5 +142,5 @@ def weights_are_finite(chunks: list, state: Any, device: torch.device) -> bool:
     ok = torch.stack([torch.isfinite(p).all() for p in params]).all() if params else torch.tensor(True)
     flag = ok.to(device=device, dtype=torch.int32).reshape(1)
     if state.is_distributed:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        state.comm.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

@@ -282,6 +282,7 @@ class IntervalStats:
             "model_tflops_per_device": model_tflops,
             "mfu": model_tflops / self.peak_tflops if self.peak_tflops else None,
             "memory_gib": peak_memory_gib(self.device_type),
+            "world_size": self.world_size,  # what the TFLOP/s divide by (planner/calibrate.py reads it)
             "skipped_iters": self.skipped,
             "skipped_total": progress.skipped_iters,
         }

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,12 +44,20 @@ from training.run import Run, build_run, resume_if_asked
 from training.setup import Dataset, DistEnv, barrier, data_iterator
 from training.train_step import StepResult, evaluate, take_microbatches, train_step
 
+# Figures an extra evaluation (the zero-shot tasks of eval.*) adds to the validation record; {} when not due.
+ExtraEvaluation = Callable[[Run], dict[str, float]]
+
 
 def save(run: Run) -> None:
     """Checkpoint the current iteration (sync, or copied aside and written in the background with async_save);
     the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
     if run.checkpointer is None or run.last_saved == run.progress.iteration:
         return
+    with run.state.comm.region("checkpoint"):
+        _save(run)
+
+
+def _save(run: Run) -> None:
     ctx = run.ctx
     ctx.optimizer.finish_param_gather()  # overlap_param_gather: the params are complete before they are read
     if not weights_are_finite(ctx.chunks, run.state, run.env.device):
@@ -95,21 +104,27 @@ def check_tokens(
     return verdict
 
 
-def run_evaluation(run: Run) -> None:
-    """Validation loss and perplexity on the first eval_iters global batches of the valid split."""
+def run_evaluation(run: Run, extra: dict[str, float] | None = None) -> None:
+    """Validation loss and perplexity on the first eval_iters global batches of the valid split, written with
+    the `extra` figures (the zero-shot tasks of eval.*) as one record."""
     train_cfg, state = run.config.train, run.state
-    if run.datasets[1] is None or train_cfg.eval_iters == 0:
-        return
-    # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
-    valid_iter = data_iterator(run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id, num_workers=0)
+    record: dict[str, float] = {"iteration": run.progress.iteration, **(extra or {})}
+    if run.datasets[1] is not None and train_cfg.eval_iters > 0:
+        # A fresh in-process iterator each time: every evaluation scores the same batches, so values compare.
+        valid_iter = data_iterator(
+            run.config, run.datasets[1], 0, state.dp_rank, state.dp_size, run.eod_id, num_workers=0
+        )
 
-    def check(microbatches: list[Microbatch], batch: int) -> None:
-        check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
+        def check(microbatches: list[Microbatch], batch: int) -> None:
+            check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
 
-    val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
-    val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
-    run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
-    run.metrics.write({"iteration": run.progress.iteration, "val_loss": val_loss, "val_ppl": val_ppl})
+        with state.comm.region("eval"):
+            val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
+        val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
+        run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
+        record.update(val_loss=val_loss, val_ppl=val_ppl)
+    if len(record) > 1:
+        run.metrics.write(record)
 
 
 def iteration_boundary(run: Run, microbatches: list[Microbatch], job_start: float) -> bool:
@@ -152,8 +167,10 @@ def after_step(run: Run, stats: IntervalStats, result: StepResult, lr: float, se
         run.metrics.write(record)
 
 
-def train(run: Run) -> None:
-    """The training loop: step, log, evaluate, save, until train_iters or an exit condition."""
+def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
+    """The training loop: step, log, evaluate, save, until train_iters or an exit condition.
+    `extra_evaluation(run)` (the zero-shot tasks of eval.*) runs after every iteration and returns the
+    figures to log with the validation loss, or nothing when it is not due."""
     cfg, train_cfg, state = run.config, run.config.train, run.state
     job_start = job_start_time()
     train_iter = data_iterator(
@@ -164,22 +181,26 @@ def train(run: Run) -> None:
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
     iteration_one = run.progress.iteration + 1
     stats = IntervalStats(
-        run.flops_per_iter,
-        cfg.train.global_batch_size * cfg.model.seq_length,
+        run.shape.flops,
+        run.shape.tokens_per_iteration,
         run.env.world_size,
         run.env.device.type,
         peak_tflops(cfg.logging.peak_tflops, run.env.device.type, cfg.train.precision),
     )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
+    comm = state.comm  # labels what each collective below belongs to in the rank's record (parallel/comm.py)
     while run.progress.iteration < train_cfg.train_iters:
         microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
-        if iteration_boundary(run, microbatches, job_start):
-            break
+        iteration = run.progress.iteration + 1
+        with comm.region("boundary", iteration):
+            if iteration_boundary(run, microbatches, job_start):
+                break
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
-        result = train_step(
-            run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
-        )
+        with comm.region("train", iteration):
+            result = train_step(
+                run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
+            )
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
         after_step(run, stats, result, lr, time.perf_counter() - started)
@@ -188,7 +209,7 @@ def train(run: Run) -> None:
         if run.progress.iteration == iteration_one:
             first_iteration_notes(run, started)
         nonfinite.check(result, run.progress.iteration)
-        if evaluate_and_save(run):
+        if evaluate_and_save(run, extra_evaluation):
             break
     finish(run)
 
@@ -210,12 +231,16 @@ def first_iteration_notes(run: Run, started: float) -> None:
         )
 
 
-def evaluate_and_save(run: Run) -> bool:
-    """After an iteration: validation at eval_interval and at the end; a checkpoint at save_interval, at the end
-    and at exit_interval. Returns True when exit_interval ends the run here."""
+def evaluate_and_save(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> bool:
+    """After an iteration: validation at eval_interval and at the end (with the zero-shot figures when they are
+    due); a checkpoint at save_interval, at the end and at exit_interval. Returns True when exit_interval ends
+    the run here."""
     train_cfg, progress = run.config.train, run.progress
+    extra = extra_evaluation(run) if extra_evaluation is not None else {}
     if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
-        run_evaluation(run)
+        run_evaluation(run, extra)
+    elif extra:
+        run.metrics.write({"iteration": progress.iteration, **extra})
     stop = bool(train_cfg.exit_interval and progress.iteration % train_cfg.exit_interval == 0)
     interval = run.config.checkpoint.save_interval
     if stop or progress.iteration == train_cfg.train_iters or (interval and progress.iteration % interval == 0):
@@ -237,18 +262,26 @@ def finish(run: Run) -> None:
     )
 
 
-def run_training(config: Config, env: DistEnv, layout: Layout, preemption: PreemptionHandler) -> int:
-    """Build, resume, train; returns the exit code (training.guards)."""
+def run_training(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    preemption: PreemptionHandler,
+    make_extra_evaluation: Callable[[Run], ExtraEvaluation] | None = None,
+) -> int:
+    """Build, resume, train; returns the exit code (training.guards). `make_extra_evaluation(run)` builds the
+    run's extra evaluation once the run exists (pretrain_gpt.py passes the zero-shot tasks of eval.*)."""
     try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
         run = build_run(config, env, layout)
         run.preemption = preemption
+        extra_evaluation = make_extra_evaluation(run) if make_extra_evaluation is not None else None
         resume_if_asked(run)
     except (ValueError, OSError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     try:
         try:
-            train(run)
+            train(run, extra_evaluation)
         except TrainingStopped:
             if run.checkpointer is not None:
                 run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.comm import all_gather_into
 from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
@@ -161,7 +160,7 @@ class Optimizer:
         """Global L2 norm of the (unscaled) main grads, each element counted once over tp, pp and dp."""
         views = [seg.grad[lo:hi] for seg in self.segments for lo, hi in seg.norm_runs]
         device = self.segments[0].grad.device if self.segments else "cpu"
-        return reduce_norm(sum_of_squares(views, device), self._norm_groups())
+        return reduce_norm(sum_of_squares(views, device), self.state.comm, self._norm_groups())
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepStats:
@@ -175,7 +174,7 @@ class Optimizer:
         if self.scaler.dynamic:
             world = [dist.group.WORLD] if self.state.is_distributed else []
             device = grads[0].device if grads else "cpu"
-            found_inf = any_non_finite(grads, world, device)
+            found_inf = any_non_finite(grads, self.state.comm, world, device)
             self.scaler.update(found_inf)
             if found_inf:
                 return StepStats(grad_norm=float("nan"), skipped=True, loss_scale=scale)
@@ -325,7 +324,7 @@ class DistributedOptimizer(Optimizer):
                 self.param_gather.launch(bucket, full, local)
                 continue
             if dp_size > 1:
-                all_gather_into(full, local, self.state.dp_cp_group)
+                self.state.comm.all_gather_into(full, local, self.state.dp_cp_group)
             copy_bucket_to_params(self.ddp, bucket, full)
 
 

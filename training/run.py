@@ -18,11 +18,12 @@ import yaml
 from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
-from model.shape import IterationFlops, iteration_flops
+from parallel.comm import CommRecorder
 from parallel.data_parallel import DataParallel
-from parallel.layout import Layout, uses_v_shape
+from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters
 from parallel.random import RNGTracker, make_checkpoint_fn
+from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
@@ -51,6 +52,7 @@ class Run:
     config: Config
     env: DistEnv
     layout: Layout
+    shape: RunShape  # what follows from the model and the layout: FLOPs, chunks, vocabulary, sequence
     state: ParallelState
     ctx: StepContext
     lr_schedule: LRSchedule
@@ -62,7 +64,6 @@ class Run:
     metrics: MetricsWriter
     logger: logging.Logger
     checkpoint_root: str
-    flops_per_iter: IterationFlops
     resume_plan: ResumePlan | None = None  # the checkpoint to start from; None: start fresh
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
@@ -176,7 +177,6 @@ def build_chunks(
         recompute_num_layers=train_cfg.recompute_num_layers,
         compile_layers=train_cfg.compile,
         compile_backend=train_cfg.compile_backend,
-        v_shape=uses_v_shape(layout.schedule),
     )
     log_kernel_choices(
         chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)
@@ -186,9 +186,9 @@ def build_chunks(
 
 def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
-    par, train_cfg, model_cfg = config.parallel, config.train, config.model
+    par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
-    state = ParallelState.from_layout(layout)
+    state = ParallelState.from_layout(layout, CommRecorder())  # the latest collectives of this rank, always kept
     logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
     eod_id, datasets, resume_plan = prepare_data(config, env, logger)
     dtype = param_dtype(train_cfg.precision)
@@ -197,14 +197,14 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
     # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state)
-    seq_local = model_cfg.seq_length // layout.cp_size // (layout.tp_size if layout.sequence_parallel else 1)
+    shape = RunShape.of(config, layout)
     ctx = StepContext(
         chunks=chunks,
         state=state,
         layout=layout,
         ddp=ddp,
         optimizer=optimizer,
-        activation_shape=(seq_local, train_cfg.micro_batch_size, model_cfg.hidden_size),
+        activation_shape=shape.activation_shape,
         activation_dtype=dtype,
         device=env.device,
         scatter_gather=par.scatter_gather and not layout.sequence_parallel,
@@ -212,17 +212,15 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
     )
     params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
     logger.info(
-        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {model_cfg.padded_vocab_size(state.tp_size)}"
+        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {shape.padded_vocab}"
         f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
         f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
-    )
-    flops = iteration_flops(
-        model_cfg, model_cfg.padded_vocab_size(state.tp_size), train_cfg, layout.pp_size * layout.vp_size
     )
     return Run(
         config=config,
         env=env,
         layout=layout,
+        shape=shape,
         state=state,
         ctx=ctx,
         lr_schedule=lr_schedule,
@@ -236,7 +234,6 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         ),
         logger=logger,
         checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
-        flops_per_iter=flops,
         resume_plan=resume_plan,
         checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
     )
@@ -246,7 +243,7 @@ def _all_reduce_int(value: int, group: dist.ProcessGroup | None, state: Parallel
     if not state.is_distributed:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, group=group)
+    state.comm.all_reduce(tensor, group)
     return int(tensor.item())
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
@@ -56,6 +56,24 @@ class StepContext:
     @property
     def num_microbatches(self) -> int:
         return self.layout.num_microbatches
+
+
+class ForwardOnlyContext(Protocol):
+    """What a forward-only pass (`evaluate`) reads: a StepContext, or evaluation/'s context of a model loaded
+    for evaluation (no gradient buffers, no optimizer state)."""
+
+    chunks: list[GPTModel]
+    state: ParallelState
+    layout: Layout
+    eval_plan: PipelinePlan
+    activation_shape: tuple[int, int, int]
+    activation_dtype: torch.dtype
+    device: torch.device
+    scatter_gather: bool
+    overlap_p2p_comm: bool
+
+    @property
+    def num_microbatches(self) -> int: ...
 
 
 @dataclass
@@ -112,11 +130,11 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
     if state.is_distributed:
         total = total.reshape(1)
         if state.cp_size > 1:
-            dist.all_reduce(total, group=state.cp_group)
+            state.comm.all_reduce(total, state.cp_group)
         if state.pp_size > 1:
-            dist.all_reduce(total, group=state.pp_group)
+            state.comm.all_reduce(total, state.pp_group)
         if state.dp_size > 1:
-            dist.all_reduce(total, group=state.dp_group)
+            state.comm.all_reduce(total, state.dp_group)
             total /= state.dp_size
     return float(total.reshape(()))
 
@@ -160,7 +178,7 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    ctx: StepContext,
+    ctx: ForwardOnlyContext,
     data_iter: Iterator[dict],
     eval_iters: int,
     check_batch: Callable[[list[dict], int], None] | None = None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.comm import P2P
 from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.stages import last_virtual_stage, stage_rank, virtual_stage
 from parallel.state import ParallelState
@@ -194,13 +195,13 @@ class StageComm:
                 flat = self.outbox.pop(message).view(-1)
                 if self.scatter:  # this tp rank's 1/tp slice
                     flat = flat.narrow(0, self.state.tp_rank * local, local)
-                ops.append(dist.P2POp(dist.isend, flat, peer_rank, group=self.state.pp_group))
+                ops.append(P2P("send", flat, peer_rank, self.state.pp_group))
                 sent.append(flat)
             else:
                 buffer = torch.empty(local, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, peer_rank, group=self.state.pp_group))
+                ops.append(P2P("recv", buffer, peer_rank, self.state.pp_group))
                 received.append((message, buffer))
-        return InFlight(dist.batch_isend_irecv(ops), received, sent)
+        return InFlight(self.state.comm.batch_isend_irecv(ops), received, sent)
 
     def complete(self, in_flight: InFlight | None) -> None:
         """Wait for a posted batch and hand its received tensors to the inbox (all-gathered over tp when
@@ -219,7 +220,7 @@ class StageComm:
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """All-gather the 1/tp slices of a flattened tensor over this stage's tp group."""
         full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        dist.all_gather(list(full.chunk(self.state.tp_size)), piece, group=self.state.tp_group)
+        self.state.comm.all_gather(list(full.chunk(self.state.tp_size)), piece, self.state.tp_group)
         return full
 
     def finish(self) -> None:

@@ -85,7 +85,7 @@ def main() -> None:
     config.train.train_iters = 10**6  # the loop never ends on its own here
     run = build_run(config, init_distributed(False, config.train.num_threads), layout_from_config(config, 1))
     data = data_iterator(config, run.datasets[0], 0, 0, 1, run.eod_id)
-    stats = IntervalStats(run.flops_per_iter, config.train.global_batch_size * config.model.seq_length, 1, "cpu", None)
+    stats = IntervalStats(run.shape.flops, run.shape.tokens_per_iteration, 1, "cpu", None)
     model, optimizer, batches = build_minimal(run)
     trainer_round(run, data, stats, 1)  # warm-up: allocator, first-call imports
     minimal_round(model, optimizer, batches, 1)

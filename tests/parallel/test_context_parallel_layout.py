@@ -14,7 +14,9 @@ from parallel.layout import LayoutError, layout_from_config
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
 from planner.activations import layer_activation_bytes, shape_from_config
-from planner.ring import exposed_ring_seconds, ring_bytes_per_layer
+from planner.cluster import load_cluster
+from planner.collectives import ActionCollectives, LayoutCollectives
+from planner.costs import Hardware, action_comm_seconds
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
 
@@ -102,11 +104,20 @@ def test_planner_activations_fall_with_cp_and_ring_bytes():
     assert per_layer[1] == pytest.approx(per_layer[0] / 4)
     # cp4: a kv block is 2 x 2048 tokens x b 4 x 4 groups x 32 dims x 4 bytes; 3 sends forward, 7 backward
     block = 2 * 2048 * 4 * 4 * 32 * 4
-    assert ring_bytes_per_layer(config(4).model, 4, 1, 4, 4) == (3 * block, 7 * block)
-    assert ring_bytes_per_layer(config(1).model, 4, 1, 1, 4) == (0.0, 0.0)
+
+    def sent(c, forward: bool) -> int:
+        ring = LayoutCollectives(c, layout_from_config(c, c.parallel.cp_size)).ring(1, forward)
+        return sum(x.nbytes for x in ring if x.kind == "send")
+
+    assert (sent(config(4), True), sent(config(4), False)) == (3 * block, 7 * block)
+    assert (sent(config(1), True), sent(config(1), False)) == (0, 0)
     # a transfer hidden behind its block's attention costs nothing; beyond it, the excess per send
-    assert exposed_ring_seconds(1.0, 2.0, 3) == 0.0  # a 1 s send hidden behind 2 s of block attention
-    assert exposed_ring_seconds(3.0, 2.0, 3) == pytest.approx(3.0)
+    cluster = load_cluster(os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml"))
+    hw = Hardware(cluster, fp32=True, grid=RankGrid.megatron(cp=4))
+    ring = LayoutCollectives(config(4), layout_from_config(config(4), 4)).ring(1, True)  # 3 sends and receives
+    link = hw.link_seconds(block, inter_node=False)
+    assert action_comm_seconds(hw, ActionCollectives(ring_forward=ring), 2 * link) == 0.0
+    assert action_comm_seconds(hw, ActionCollectives(ring_forward=ring), link / 2) == pytest.approx(1.5 * link)
 
 
 def test_model_stats_reports_cp():

@@ -9,7 +9,7 @@ from parallel.layout import SCHEDULES, LayoutError, check_schedule, uses_v_shape
 from parallel.pipeline.p2p import Message, plan_steps, produced_message
 from parallel.pipeline.plan import _last_backward_indices
 from parallel.pipeline.schedules import Action, Op, build_forward_only, build_schedule
-from parallel.pipeline.simulator import simulate, simulate_lists, simulate_plans
+from parallel.pipeline.simulator import CommPlan, simulate, simulate_schedule
 from parallel.pipeline.stages import virtual_stage
 
 
@@ -193,7 +193,7 @@ def test_bubble_formulas(costs):
     for schedule, p, m, v in layouts(ms=(1, 2, 3, 4, 8, 12, 16), ps=(1, 2, 3, 4, 8), vs=(1, 2, 3, 4)):
         if schedule.startswith("zb-"):
             continue  # test_zero_bubble_bubbles
-        timeline = simulate(schedule, p, m, v, *costs)
+        timeline = simulate_schedule(schedule, p, m, v, *costs)
         expected = (p - 1) / (m * v) if schedule == "interleaved" else (p - 1) / m
         assert abs(timeline.bubble_fraction - expected) < 1e-9, (schedule, p, m, v, costs)
 
@@ -201,7 +201,7 @@ def test_bubble_formulas(costs):
 def test_simulator_reports_deadlock():
     bad = [[Action(Op.BACKWARD, 0, 0), Action(Op.FORWARD, 0, 0)], [Action(Op.FORWARD, 0, 0), Action(Op.BACKWARD, 0, 0)]]
     with pytest.raises(RuntimeError, match="deadlock"):
-        simulate_lists(bad, 1, 1)
+        simulate(bad, 1, 1)
 
 
 def test_an_op_nobody_handles_fails_loudly():
@@ -214,7 +214,7 @@ def test_an_op_nobody_handles_fails_loudly():
     action = Action(Future.W, 0, 0)  # type: ignore[arg-type]
     for reader in (
         lambda: produced_message(action, 0, 2, 1),
-        lambda: simulate_lists([[action]], 1, 1),
+        lambda: simulate([[action]], 1, 1),
         lambda: _last_backward_indices([action]),
     ):
         with pytest.raises(ValueError, match="not handled"):
@@ -239,12 +239,12 @@ def test_overlap_shortens_the_interleaved_timeline():
     (overlap_p2p_comm) finishes earlier; without communication cost it reaches the schedule's ideal."""
     lists = all_lists("interleaved", 4, 8, 2)
     comm = 0.2 * 1.0 / 2
-    blocking = simulate_plans(lists, 2, 8, 1.0, 2.0, comm_cost=comm)
-    overlapped = simulate_plans(lists, 2, 8, 1.0, 2.0, comm_cost=comm, overlap=True)
+    blocking = simulate(lists, 2, 8, 1.0, 2.0, comm=CommPlan(comm))
+    overlapped = simulate(lists, 2, 8, 1.0, 2.0, comm=CommPlan(comm, overlap=True))
     assert overlapped.makespan < 0.9 * blocking.makespan
-    ideal = simulate_lists(lists, 2, 8, 1.0, 2.0)
-    assert simulate_plans(lists, 2, 8, 1.0, 2.0, overlap=True).makespan == pytest.approx(ideal.makespan)
-    assert simulate_plans(lists, 2, 8, 1.0, 2.0).makespan > ideal.makespan  # rendezvous stalls without overlap
+    ideal = simulate(lists, 2, 8, 1.0, 2.0)  # no plan: the schedule's own timeline
+    assert simulate(lists, 2, 8, 1.0, 2.0, comm=CommPlan(overlap=True)).makespan == pytest.approx(ideal.makespan)
+    assert simulate(lists, 2, 8, 1.0, 2.0, comm=CommPlan()).makespan > ideal.makespan  # rendezvous stalls
 
 
 @pytest.mark.parametrize("schedule,p,m,v", list(layouts(ms=(1, 2, 4, 8), ps=(2, 3, 4), vs=(1, 2))))
@@ -252,8 +252,8 @@ def test_overlap_never_slower_and_every_action_runs_once(schedule, p, m, v):
     lists = all_lists(schedule, p, m, v)
     v_shape = uses_v_shape(schedule)
     for comm in (0.0, 0.1, 0.5):
-        blocking = simulate_plans(lists, v, m, comm_cost=comm, v_shape=v_shape)
-        overlapped = simulate_plans(lists, v, m, comm_cost=comm, overlap=True, v_shape=v_shape)
+        blocking = simulate(lists, v, m, v_shape=v_shape, comm=CommPlan(comm))
+        overlapped = simulate(lists, v, m, v_shape=v_shape, comm=CommPlan(comm, overlap=True))
         assert overlapped.makespan <= blocking.makespan + 1e-9
         for timeline in (blocking, overlapped):
             for r in range(p):  # each rank runs its list, in order
@@ -269,9 +269,9 @@ def test_zero_bubble_bubbles(p, m):
     if m < p:
         pytest.skip("the formulas assume m >= p")
     costs = dict(forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
-    one_f_one_b = simulate("1f1b", p, m, **costs)
-    zb_h1 = simulate("zb-h1", p, m, **costs)
-    zb_v = simulate("zb-v", p, m, 2, **costs)
+    one_f_one_b = simulate_schedule("1f1b", p, m, **costs)
+    zb_h1 = simulate_schedule("zb-h1", p, m, **costs)
+    zb_v = simulate_schedule("zb-v", p, m, 2, **costs)
     assert one_f_one_b.makespan - one_f_one_b.ideal == pytest.approx((p - 1) * (1 + 1 + 1))
     assert zb_h1.makespan - zb_h1.ideal == pytest.approx((p - 1) * (1 + 1 - 1))
     assert zb_v.makespan - zb_v.ideal <= zb_h1.makespan - zb_h1.ideal + 1e-9

@@ -7,7 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel.pipeline.executor import execute_schedule
 from parallel.pipeline.plan import build_plan
-from parallel.pipeline.stages import chunk_roles, virtual_stage
+from parallel.pipeline.stages import StageMap
 from parallel.pipeline.weight_grad import backward_input
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
@@ -25,10 +25,10 @@ def _run(state, schedule: str, m: int, vp: int, v_shape: bool, forward_only: boo
     blocks = full_blocks()
     per = LAYERS // (state.pp_size * vp)
     chunks, stages = [], []
-    for c in range(vp):
-        k = virtual_stage(state.pp_rank, c, state.pp_size, v_shape)
+    for placement in StageMap(state.pp_size, vp, v_shape).placements(LAYERS, state.pp_rank):
+        k = placement.virtual_stage
         chunk = torch.nn.Sequential(*blocks[k * per : (k + 1) * per])
-        chunk.is_last = chunk_roles(state.pp_size, state.pp_rank, vp, c, v_shape)[1]
+        chunk.is_last = placement.post_process
         chunks.append(chunk)
         stages.append(k)
     plan = build_plan(schedule, state.pp_size, state.pp_rank, m, vp, forward_only=forward_only)

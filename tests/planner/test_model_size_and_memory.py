@@ -6,11 +6,13 @@ import os
 import pytest
 
 from config.schema import load_config
-from model.shape import rank_params, total_params
+from model.param_info import param_info
+from model.shape import chunk_parameters, rank_params, total_params
 from parallel.layout import Layout, layout_from_config
 from parallel.pipeline.schedules import build_schedule
+from parallel.run_shape import RunShape
 from planner.activations import ActivationShape, head_activation_bytes, layer_activation_bytes, shape_from_config
-from planner.memory import layout_memory, max_in_flight, rank_roles, state_bytes_per_param
+from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 
@@ -34,8 +36,46 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
     layout = layout_from_config(config, par.tp_size * par.pp_size)
     for pp_rank in range(par.pp_size):
         meta = count(meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1))
-        assert rank_params(config.model, par.tp_size, par.pp_size, rank_roles(layout, pp_rank)) == meta
+        roles = RunShape.of(config, layout).chunk_roles(pp_rank)
+        assert rank_params(config.model, par.tp_size, par.pp_size, roles) == meta
     assert total_params(config.model) == total_parameters(config)
+
+
+@pytest.mark.parametrize(
+    "config_name, overrides",
+    [
+        ("gpt_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.sequence_parallel=true"]),
+        ("llama_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2"]),
+        ("gpt_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
+        ("gpt_tiny.yaml", ["model.position_embedding_type=rope", "model.normalization=rmsnorm"]),
+    ],
+)
+def test_chunk_parameters_list_the_built_chunks_in_order(config_name, overrides):
+    """model/shape.chunk_parameters (what the planner cuts gradient buckets from) is the built chunk's
+    parameters() in order, with their sizes and the flags the gradient reductions read."""
+    config = load_config(os.path.join(REPO_ROOT, "configs", config_name), overrides + ["model.vocab_size=1000"])
+    par = config.parallel
+    shape = RunShape.of(config, layout_from_config(config, par.tp_size * par.pp_size))
+    for pp_rank in range(par.pp_size):
+        built = meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1)
+        for chunk, placement in zip(built, shape.chunks(pp_rank), strict=True):
+            listed = chunk_parameters(
+                config.model,
+                par.tp_size,
+                placement.layer_ids,
+                placement.pre_process,
+                placement.post_process,
+                par.sequence_parallel,
+            )
+            params = dict(chunk.named_parameters())
+            assert [p.name for p in listed] == list(params)
+            for p in listed:
+                info = param_info(params[p.name])
+                assert (p.numel, p.shared_embedding, p.sequence_parallel) == (
+                    params[p.name].numel(),
+                    info.shared_embedding,
+                    info.sequence_parallel,
+                ), p.name
 
 
 def test_paper_1t_total():

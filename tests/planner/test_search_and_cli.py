@@ -100,8 +100,10 @@ def test_cli_plots_three_pngs(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def write_run(run_dir, config, world, seconds):
-    """A run folder as pretrain_gpt.py writes it: config.yaml and metrics.jsonl with ms_per_iter."""
+def write_run(run_dir, config, world, seconds, logs_world_size=True):
+    """A run folder as pretrain_gpt.py writes it: config.yaml and metrics.jsonl with ms_per_iter and world_size;
+    `logs_world_size=False`: as a trainer wrote it before it logged world_size (the planner then recovers the
+    world size from tflops_per_device)."""
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
         yaml.safe_dump(config.to_dict(), handle)
@@ -117,6 +119,7 @@ def write_run(run_dir, config, world, seconds):
                         "ms_per_iter": ms,
                         "lm_loss": 5.0,
                         "tflops_per_device": flops / (ms / 1000) / world / 1e12,
+                        **({"world_size": world} if logs_world_size else {}),
                     }
                 )
                 + "\n"
@@ -134,7 +137,7 @@ def two_runs(tmp_path, truth) -> list[str]:
             os.path.join(REPO_ROOT, "configs", "paper", name), overrides + ["train.global_batch_size=64"]
         )
         run_dir = str(tmp_path / f"run{i}")
-        write_run(run_dir, config, world, predict(config, truth, world).iteration_seconds)
+        write_run(run_dir, config, world, predict(config, truth, world).iteration_seconds, logs_world_size=i == 1)
         runs.append(run_dir)
     return runs
 

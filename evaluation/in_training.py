@@ -1,0 +1,67 @@
+"""eval.* in the trainer: the zero-shot tasks on the live model chunks, at every eval.interval iterations and
+at the last one, their figures logged in the validation record (console, metrics.jsonl, TensorBoard, W&B:
+training/logging.py's sinks) as `wikitext_perplexity`, `wikitext_word_perplexity`, `lambada_accuracy`, ...
+
+They run through the run's own forward-only plan (StepContext.eval_plan) at the run's layout, so the
+figures at iteration N equal tools/evaluate.py's on the checkpoint of iteration N (tests/evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from config.schema import Config
+from evaluation.documents import read_lambada, read_wikitext
+from evaluation.model_source import run_tokenizer, window_length
+from evaluation.scoring import WindowScorer
+from evaluation.tasks import Task, lambada_task, trainer_record, wikitext_task
+from training.run import Run
+
+
+@dataclass
+class ZeroShotEvaluation:
+    """The prepared tasks of one run and when they are due."""
+
+    tasks: list[Task]
+    scorer: WindowScorer
+    interval: int
+    last_iteration: int
+
+    def __call__(self, run: Run) -> dict[str, float]:
+        """The tasks' figures after this iteration when due (a multiple of eval.interval, or the last), else {}."""
+        iteration = run.progress.iteration
+        if iteration == 0 or (iteration % self.interval and iteration != self.last_iteration):
+            return {}
+        record: dict[str, float] = {}
+        for task in self.tasks:
+            figures = trainer_record(task.run(self.scorer))
+            record.update(figures)
+            shown = " | ".join(f"{key} {value:.6g}" for key, value in figures.items())
+            run.logger.info(f"zero-shot {task.name} at iteration {iteration}: {shown}")
+        return record
+
+
+def zero_shot_tasks(config: Config) -> Callable[[Run], ZeroShotEvaluation] | None:
+    """None without eval.interval. Else the files are read now (a missing or malformed one is a one-line
+    error before any work) and a builder is returned that the trainer calls once its run exists (the
+    tokenizer is the run's, the model its chunks)."""
+    eval_cfg = config.eval
+    if not eval_cfg.interval:
+        return None
+    wikitext = read_wikitext(eval_cfg.wikitext_file) if eval_cfg.wikitext_file else None
+    lambada = read_lambada(eval_cfg.lambada_file) if eval_cfg.lambada_file else None
+
+    def build(run: Run) -> ZeroShotEvaluation:
+        tokenizer = run_tokenizer(run.config, exact=False)  # the trainer allows model.vocab_size > the tokenizer's
+        window = window_length(run.config)
+        tasks = []
+        if wikitext is not None:
+            tasks.append(wikitext_task(wikitext, tokenizer.encode, tokenizer.eod, window, eval_cfg.overlapping_eval))
+        if lambada is not None:
+            tasks.append(lambada_task(lambada, tokenizer.encode, tokenizer.eod, window))
+        return ZeroShotEvaluation(
+            tasks, WindowScorer(run.ctx, tokenizer.eod), eval_cfg.interval, config.train.train_iters
+        )
+
+    return build

@@ -1,0 +1,314 @@
+"""The collectives a layout issues per rank and iteration: the planner's list, which its time model charges.
+
+`LayoutCollectives(config, layout, software)` says, for every place of an iteration, what the trainer sends:
+
+    action(stage, op)        a forward / backward of one virtual stage: the tensor-parallel regions (two
+                             all-reduces per layer each way, or all-gathers and reduce-scatters with sequence
+                             parallelism), the embedding's and the head's, the vocab-parallel loss's three
+                             reductions, the forward collectives again where recomputation repeats them, and the
+                             sends and receives of ring attention under context parallelism
+    step(step)               one batch of the pipeline plan (p2p.plan_steps: what the executor posts), with the
+                             tp all-gather that completes each scattered receive
+    grad_reduction(pp_rank)  the data-parallel reduction, bucket by bucket as parallel/data_parallel.py cuts it
+                             (plan_buckets) or, for software that does, one flattened collective
+    finalize(pp_rank, ..)    the tied embedding over the embedding group (never under zb-v, whose rank 0 sums
+                             its two copies itself) and the sequence-parallel grads over tp, on the part the
+                             rank owns
+    optimizer(pp_rank)       the inf check (fp16), the grad norm's scalars, the distributed optimizer's gathers
+    loss()                   the loss's scalars over cp, pp and dp
+    rank(pp_rank, dp_cp)     all of it for one rank, in no particular order
+
+planner/predict.py charges exactly these (a tp collective as NCCL's ring, a send as one link transfer), so what
+it charges and what it lists cannot differ; tests/planner/test_collectives.py compares `rank(...)` with what
+the trainer issued on gloo (parallel/comm.py's recorder), exactly, for several layouts.
+
+Not listed, and not in the recorded "train" region either: start-up, evaluation, checkpoints, and the
+iteration-boundary agreement (training/guards.agree: one 24-byte world all-reduce per iteration, recorded under
+"boundary"; a control message, not training work). Known inexactness: under a zero-bubble schedule with full
+recomputation the trainer recomputes a checkpointed layer again in WEIGHT once per parameter group
+(parallel/pipeline/weight_grad.py); the list counts one recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from model.shape import ParamShape, chunk_parameters
+from parallel.data_parallel import owned_slice, plan_buckets, shard_range
+from parallel.layout import Layout
+from parallel.pipeline.p2p import Step, plan_steps
+from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
+from parallel.pipeline.stages import ChunkPlacement
+from parallel.run_shape import TIED_GROUP, RunShape
+from planner.software import TRAINER, Software
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective or one send / receive of one rank (parallel/comm.py records the same fields)."""
+
+    kind: str  # all_reduce, all_gather, reduce_scatter, send, recv
+    group: str  # tp, cp, pp, dp, dp_cp, embedding, tp_pp, world
+    group_size: int
+    nbytes: int  # the full buffer: an all-gather's output, a reduce-scatter's input, the tensor otherwise
+
+
+@dataclass(frozen=True)
+class ActionCollectives:
+    """What one action issues, split by how the time model charges it: tp collectives in full, ring transfers
+    beyond the block attention they overlap (a forward block, or a backward one)."""
+
+    tp: tuple[Collective, ...] = ()
+    ring_forward: tuple[Collective, ...] = ()
+    ring_backward: tuple[Collective, ...] = ()
+
+    @property
+    def all(self) -> tuple[Collective, ...]:
+        return self.tp + self.ring_forward + self.ring_backward
+
+
+@dataclass
+class _Bucket:
+    """One gradient bucket of a rank: buffer range (padded) and its params' ranges."""
+
+    start: int
+    end: int
+    params: list[tuple[ParamShape, int, int]] = field(default_factory=list)  # (param, buffer start, end)
+
+
+class LayoutCollectives:
+    """The collectives of one layout (module docstring); every method is pure arithmetic."""
+
+    def __init__(self, config: Any, layout: Layout, software: Software = TRAINER):
+        self.config, self.layout, self.software = config, layout, software
+        self.run = RunShape.of(config, layout)
+        model, par, train = config.model, config.parallel, config.train
+        lay = layout
+        self.value_bytes = 4 if train.precision == "fp32" else 2  # activations and params
+        seq, b = self.run.local_seq_length, train.micro_batch_size
+        self.sbh = seq * b * model.hidden_size * self.value_bytes  # one [s, b, h] activation (full s/cp)
+        self.loss_scalars = 4 * seq * b  # the loss's fp32 [s, b] statistics
+        self.kv_block = 2 * b * (model.query_groups // lay.tp_size) * seq * model.head_dim * self.value_bytes
+        self.sp = lay.sequence_parallel and lay.tp_size > 1
+        self.tp = ("tp", lay.tp_size)
+        self.dp_cp = ("dp" if lay.cp_size == 1 else "dp_cp", lay.dp_size * lay.cp_size)
+        message = 1
+        for size in self.run.activation_shape:
+            message *= size
+        self.message_numel = message
+        self.scatter = bool(par.scatter_gather) and not lay.sequence_parallel and lay.tp_size > 1
+        self.scatter = self.scatter and message % lay.tp_size == 0
+        self._actions: dict[tuple[int, Op], ActionCollectives] = {}
+
+    # ---- the pipeline ------------------------------------------------------------------------------
+    @cached_property
+    def lists(self) -> list[list[Any]]:
+        """Every pipeline rank's action list (parallel/pipeline/schedules.py)."""
+        lay = self.layout
+        return [
+            build_schedule(lay.schedule, lay.pp_size, r, lay.num_microbatches, lay.vp_size) for r in range(lay.pp_size)
+        ]
+
+    @cached_property
+    def plans(self) -> list[list[Step]]:
+        """Every pipeline rank's plan of batches, as the executor runs it (p2p.plan_steps)."""
+        return plan_steps(self.lists, self.layout.vp_size, self.run.stages.v_shape)
+
+    def step(self, step: Step) -> tuple[Collective, ...]:
+        """The sends and receives of one batch (1/tp of each activation with scatter/gather, whose receiving
+        side then all-gathers it over tp)."""
+        local = self.message_numel // self.layout.tp_size if self.scatter else self.message_numel
+        found = []
+        for kind, _, _ in step.ops:
+            found.append(Collective(kind, "pp", self.layout.pp_size, local * self.value_bytes))
+            if kind == "recv" and self.scatter:
+                found.append(Collective("all_gather", *self.tp, self.message_numel * self.value_bytes))
+        return tuple(found)
+
+    # ---- one action ----------------------------------------------------------------------------------
+    def action(self, stage: int, op: Op) -> ActionCollectives:
+        """What a `op` action of virtual stage `stage` issues, per micro-batch."""
+        key = (stage, op)
+        if key not in self._actions:
+            self._actions[key] = self._action(stage, op)
+        return self._actions[key]
+
+    def _action(self, stage: int, op: Op) -> ActionCollectives:
+        chunk = next(c for c in self.run.chunks(self.run.stages.stage_rank(stage)) if c.virtual_stage == stage)
+        forward = ActionCollectives(self._forward_tp(chunk), self.ring(len(chunk.layer_ids), forward=True))
+        match op:
+            case Op.FORWARD:
+                return forward
+            case Op.BACKWARD:
+                return self._backward(chunk)
+            case Op.BACKWARD_INPUT:  # the first stage has no input gradient: its whole backward is its WEIGHT
+                return ActionCollectives() if chunk.pre_process else self._backward(chunk)
+            case Op.WEIGHT:
+                return self._backward(chunk) if chunk.pre_process else ActionCollectives()
+            case _:
+                unhandled_op(op)
+
+    def layer(self, forward: bool) -> ActionCollectives:
+        """What one layer issues one way per micro-batch (forward, or backward without recomputation)."""
+        ring_forward, ring_backward = (self.ring(1, True), ()) if forward else ((), self.ring(1, False))
+        return ActionCollectives(tuple(self._tp_layer()), ring_forward, ring_backward)
+
+    def _tp_layer(self) -> list[Collective]:
+        """One layer's tp collectives one way: 2 all-reduces, or (sequence parallel) an all-gather before each
+        column-parallel GEMM and a reduce-scatter after each row-parallel one (backward: the same, swapped)."""
+        if self.layout.tp_size == 1:
+            return []
+        if not self.sp:
+            return [Collective("all_reduce", *self.tp, self.sbh)] * 2
+        pair = [Collective("all_gather", *self.tp, self.sbh), Collective("reduce_scatter", *self.tp, self.sbh)]
+        return pair * 2
+
+    def _recomputed_tp_layer(self) -> list[Collective]:
+        """A layer's forward collectives as full recomputation repeats them: torch's checkpoint stops once the
+        last tensor backward needs is recomputed (early stop), so the reduction after fc2 is skipped unless a
+        hidden dropout after it keeps a mask to recompute."""
+        layer = self._tp_layer()
+        return layer if self.config.model.hidden_dropout > 0 else layer[:-1]
+
+    def _forward_tp(self, chunk: ChunkPlacement) -> tuple[Collective, ...]:
+        if self.layout.tp_size == 1:
+            return ()
+        found = []
+        if chunk.pre_process:  # the vocab-parallel embedding's all-reduce
+            found.append(Collective("all_reduce", *self.tp, self.sbh))
+        found += self._tp_layer() * len(chunk.layer_ids)
+        if chunk.post_process:  # the output layer's input (gathered under SP), the loss's max, target, sum
+            if self.sp:
+                found.append(Collective("all_gather", *self.tp, self.sbh))
+            found += [Collective("all_reduce", *self.tp, self.loss_scalars)] * 3
+        return tuple(found)
+
+    def _backward(self, chunk: ChunkPlacement) -> ActionCollectives:
+        recomputed = self.run.recomputed_layers(chunk)
+        tp: list[Collective] = []
+        if self.layout.tp_size > 1:
+            if chunk.post_process:  # the output layer's input gradient
+                tp.append(Collective("reduce_scatter" if self.sp else "all_reduce", *self.tp, self.sbh))
+            tp += self._tp_layer() * len(chunk.layer_ids)
+            tp += self._recomputed_tp_layer() * len(recomputed)
+            if chunk.pre_process and self.sp:  # the sequence-parallel split after the embedding
+                tp.append(Collective("all_gather", *self.tp, self.sbh))
+        again = len(recomputed) if recomputed else (len(chunk.layer_ids) if self._recomputes_core else 0)
+        return ActionCollectives(
+            tuple(tp), self.ring(again, forward=True), self.ring(len(chunk.layer_ids), forward=False)
+        )
+
+    @property
+    def _recomputes_core(self) -> bool:
+        return self.config.train.recompute == "selective"
+
+    def ring(self, layers: int, forward: bool) -> tuple[Collective, ...]:
+        """Ring attention's transfers in `layers` layers: forward, cp - 1 key/value blocks; backward, the blocks
+        again (cp - 1) and their gradients (cp); each a send and a receive."""
+        cp = self.layout.cp_size
+        if cp == 1 or layers == 0:
+            return ()
+        hops = cp - 1 if forward else 2 * cp - 1
+        pair = (Collective("send", "cp", cp, self.kv_block), Collective("recv", "cp", cp, self.kv_block))
+        return pair * (hops * layers)
+
+    # ---- after the pipeline ----------------------------------------------------------------------------
+    def _buckets(self, pp_rank: int) -> list[_Bucket]:
+        """The rank's gradient buckets, chunk by chunk, as parallel/data_parallel.py lays them out."""
+        software, par, lay = self.software, self.config.parallel, self.layout
+        pad_to = lay.dp_size * lay.cp_size if par.distributed_optimizer else 1
+        chunks = [self._params(chunk) for chunk in self.run.chunks(pp_rank)]
+        bucket_numel = max(1, int(par.grad_bucket_size_mb * 2**20) // int(software.grad_reduce_bytes))
+        if not software.bucketed_grads:  # one flattened buffer of everything, one bucket
+            chunks = [[ParamShape(p.name, p.numel) for params in chunks for p in params]]
+            bucket_numel = max(1, sum(p.numel for p in chunks[0]))
+        buckets = []
+        for params in chunks:
+            ordered = params[::-1]  # launch order: roughly the order backward produces gradients
+            layout = plan_buckets([(p.numel, p.shared_embedding) for p in ordered], bucket_numel, pad_to)
+            for start, end, indices in layout:
+                bucket, position = _Bucket(start, end), start
+                for index in indices:
+                    bucket.params.append((ordered[index], position, position + ordered[index].numel))
+                    position += ordered[index].numel
+                buckets.append(bucket)
+        return buckets
+
+    def _params(self, chunk: ChunkPlacement) -> list[ParamShape]:
+        model, lay = self.config.model, self.layout
+        return chunk_parameters(
+            model, lay.tp_size, chunk.layer_ids, chunk.pre_process, chunk.post_process, lay.sequence_parallel
+        )
+
+    def grad_reduction(self, pp_rank: int) -> list[Collective]:
+        """The dp (x cp) reduction of the rank's gradients, one collective per bucket in launch order."""
+        if self.dp_cp[1] == 1:
+            return []
+        kind = "reduce_scatter" if self.config.parallel.distributed_optimizer else "all_reduce"
+        element = int(self.software.grad_reduce_bytes)
+        return [Collective(kind, *self.dp_cp, (b.end - b.start) * element) for b in self._buckets(pp_rank)]
+
+    def finalize(self, pp_rank: int, dp_cp_rank: int = 0) -> list[Collective]:
+        """The tied embedding over the embedding group and the sequence-parallel grads over tp, on the part of
+        each fp32 main grad the rank owns (all of it, or its distributed-optimizer shard; nothing is sent for
+        an empty part)."""
+        owned_shared = owned_sp = 0
+        for bucket in self._buckets(pp_rank):
+            shard = (bucket.start, bucket.end)
+            if self.config.parallel.distributed_optimizer:
+                shard = shard_range(bucket.start, bucket.end, dp_cp_rank, self.dp_cp[1])
+            for param, start, end in bucket.params:
+                lo, hi = owned_slice(shard, start, end)
+                owned_shared += (hi - lo) if param.shared_embedding else 0
+                owned_sp += (hi - lo) if param.sequence_parallel else 0
+        found = []
+        if self.run.roles(pp_rank).tied_reduction == TIED_GROUP and owned_shared:
+            found.append(
+                Collective("all_reduce", "embedding", len(self.run.stages.embedding_pp_ranks), 4 * owned_shared)
+            )
+        if self.layout.tp_size > 1 and owned_sp:
+            found.append(Collective("all_reduce", *self.tp, 4 * owned_sp))
+        return found
+
+    def optimizer(self, pp_rank: int) -> list[Collective]:
+        """The step's collectives: the inf/NaN check over the world (fp16), the grad norm's fp32 scalar over
+        tp x pp (and dp x cp with the distributed optimizer), then the distributed optimizer's all-gather of
+        every bucket's updated params."""
+        lay, par = self.layout, self.config.parallel
+        if lay.world_size == 1:
+            return []
+        found = []
+        if self.config.train.precision == "fp16":
+            found.append(Collective("all_reduce", "world", lay.world_size, 4))
+        found.append(Collective("all_reduce", "tp_pp", lay.tp_size * lay.pp_size, 4))
+        if par.distributed_optimizer:
+            found.append(Collective("all_reduce", *self.dp_cp, 4))
+            if self.dp_cp[1] > 1:
+                found += [
+                    Collective("all_gather", *self.dp_cp, (b.end - b.start) * self.value_bytes)
+                    for b in self._buckets(pp_rank)
+                    if b.end > b.start
+                ]
+        return found
+
+    def loss(self) -> list[Collective]:
+        """The iteration's loss: an fp32 scalar summed over cp and pp, averaged over dp."""
+        lay = self.layout
+        if lay.world_size == 1:
+            return []
+        sizes = (("cp", lay.cp_size), ("pp", lay.pp_size), ("dp", lay.dp_size))
+        return [Collective("all_reduce", name, size, 4) for name, size in sizes if size > 1]
+
+    # ---- one rank's iteration ----------------------------------------------------------------------------
+    def rank(self, pp_rank: int, dp_cp_rank: int = 0) -> list[Collective]:
+        """Everything pipeline rank `pp_rank` (dp x cp rank `dp_cp_rank`) issues in one iteration."""
+        found: list[Collective] = []
+        for step in self.plans[pp_rank]:
+            found += self.step(step)
+            if step.compute is not None:
+                action = self.lists[pp_rank][step.compute]
+                found += self.action(self.run.stages.virtual_stage(pp_rank, action.chunk), action.op).all
+        found += self.grad_reduction(pp_rank) + self.finalize(pp_rank, dp_cp_rank)
+        return found + self.optimizer(pp_rank) + self.loss()
