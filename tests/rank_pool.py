@@ -19,6 +19,7 @@ debugging).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -60,7 +61,7 @@ class _OutputTo:
 
         sys.stdout.flush()
         sys.stderr.flush()
-        self.handle = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in __exit__
+        self.handle = open(self.path, "wb", buffering=0)
         self.saved = (os.dup(1), os.dup(2))
         os.dup2(self.handle.fileno(), 1)
         os.dup2(self.handle.fileno(), 2)
@@ -81,10 +82,9 @@ def _set_parent_death_signal() -> None:
     """SIGKILL this process when its parent dies (Linux prctl), so that no rank outlives pytest."""
     import ctypes
 
-    try:
+    # not Linux (no prctl): the workers still end when their connection closes
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the workers still end when their connection closes
-        pass
 
 
 def _run_body(rank: int, world_size: int, request: tuple) -> str | None:
@@ -264,7 +264,9 @@ class RankWorkers:
         cpu = sum(result[1] for result in results.values())
         failures = [f"--- rank {rank} ---\n{results[rank][0]}" for rank in sorted(results) if results[rank][0]]
         if pending and not failures:
-            stacks = "\n".join(f"--- rank {rank} (stack at the timeout) ---\n{_tail(outputs[rank])}" for rank in pending)
+            stacks = "\n".join(
+                f"--- rank {rank} (stack at the timeout) ---\n{_tail(outputs[rank])}" for rank in pending
+            )
             failures.append(f"ranks {sorted(pending)} did not finish within {timeout} s\n{stacks}")
         return ("\n".join(failures) or None), cpu, not failures
 
@@ -273,10 +275,8 @@ class RankWorkers:
             if conn is not None:
                 conn.close()
         for pid in self.pids:  # each worker leads a process group: it, its body, the body's children
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

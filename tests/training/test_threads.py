@@ -83,7 +83,9 @@ def test_an_explicit_count_ignores_the_free_cores():
 
 def test_free_cores_counts_the_cores_idle_over_the_sample(monkeypatch):
     """cpu0 busy the whole sample, cpu1 idle 90% of it, cpu2 idle 50%: one free core."""
-    snapshots = iter([{0: (100, 1000), 1: (100, 1000), 2: (100, 1000)}, {0: (100, 1100), 1: (190, 1100), 2: (150, 1100)}])
+    snapshots = iter(
+        [{0: (100, 1000), 1: (100, 1000), 2: (100, 1000)}, {0: (100, 1100), 1: (190, 1100), 2: (150, 1100)}]
+    )
     monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(snapshots))
     assert threads.free_cores(sample_s=0.0) == 1
 
