@@ -8,9 +8,9 @@ these hooks. docs/testing.md has the measurements behind the choices.
   this terminal).
 - OMP_NUM_THREADS=1 for the workers (unless set): two workers with two OpenMP threads each on two cores
   would spin against each other (docs/testing.md, GUIDE's thread notes).
-- `--dist loadgroup`: a module whose tests share a module-scoped fixture (a one-process reference, a compiled
-  kernel table, a trained checkpoint) runs on one worker, so the fixture is built once; the system tests
-  (SLURM daemons, network namespaces) run one after another on one worker.
+- `--dist loadgroup`: a module whose tests share an expensive module-scoped fixture (SHARED_FIXTURE_MODULES:
+  the compiled kernel table, a torchrun reference, trained checkpoints) runs on one worker, so the fixture is
+  built once; the system tests (SLURM daemons, network namespaces) run one after another on one worker.
 """
 
 from __future__ import annotations
@@ -22,6 +22,16 @@ import pytest
 # tests that start daemons or network namespaces of the machine: never two at once
 SYSTEM_TEST_FILES = ("test_slurm.py", "test_slurm_two_nodes.py", "test_two_nodes.py")
 DEFAULT_WORKERS = 2
+# Modules whose module-scoped fixture costs more than its tests would lose by running on one worker (CPU
+# seconds of the fixture, measured with PTDP_TEST_COSTS: docs/testing.md). Cheaper ones are built on each
+# worker that runs one of their tests: test_layouts.py's references (~1 s each) would otherwise put its 35
+# tests on one worker.
+SHARED_FIXTURE_MODULES = (
+    "test_kernels_aot.py",  # compiled: every kernel for sm_80/90/100 (10 s with Triton's cache, ~330 s without)
+    "test_torchrun_signals.py",  # reference: a torchrun run to compare the signalled ones with (29 s)
+    "test_convert_megatron.py",  # megatron_dir: megatron-core checkpoints at three layouts (16 s)
+    "test_checkpoint_layouts.py",  # saved_run: an 8-rank run whose checkpoint every test resumes (6.5 s)
+)
 
 
 def _usable_cores() -> int:
@@ -54,15 +64,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def xdist_group_of(item) -> str | None:
-    """The group an item's worker is chosen by: its module when it uses a module-scoped fixture, "system" for
-    the system tests, None (any worker) otherwise."""
-    path = str(item.path)
-    if os.path.basename(path) in SYSTEM_TEST_FILES:
+    """The group an item's worker is chosen by: "system" for the system tests, its module for the modules of
+    SHARED_FIXTURE_MODULES, None (any worker) otherwise."""
+    name = os.path.basename(str(item.path))
+    if name in SYSTEM_TEST_FILES:
         return "system"
-    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    for fixturedefs in definitions.values():
-        if any(fixturedef.scope in ("module", "class", "package") for fixturedef in fixturedefs):
-            return item.nodeid.split("::")[0]
+    if name in SHARED_FIXTURE_MODULES:
+        return item.nodeid.split("::")[0]
     return None
 
 
