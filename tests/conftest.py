@@ -125,11 +125,11 @@ def run_forked_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None
 
 def pytest_configure(config) -> None:
     """PTDP_TEST_COSTS=<file> records each test's CPU seconds by cause (tests/cpu_costs.py, docs/testing.md)."""
-    path = os.environ.get("PTDP_TEST_COSTS")
-    if path:
-        from tests.cpu_costs import CostRecorder
+    from tests.cpu_costs import recorder_for
 
-        config.pluginmanager.register(CostRecorder(path), "ptdp_cpu_costs")
+    recorder = recorder_for(config)
+    if recorder is not None:
+        config.pluginmanager.register(recorder, "ptdp_cpu_costs")
 
 
 def _runs_tests_here(config) -> bool:
