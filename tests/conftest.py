@@ -19,7 +19,6 @@ import traceback
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -50,20 +49,8 @@ def free_port() -> int:
 
 
 def _rank_entry(rank: int, world_size: int, port: int, fn, args, error_queue) -> None:
-    # One thread per rank, also for a single forked rank: the trainer sizes its thread pool from
-    # LOCAL_WORLD_SIZE, and a forked child that opens an OpenMP region after the parent already used libgomp's
-    # pool can hang in its first parallel op (libgomp is not fork-safe); one thread never opens a region.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)),
-    )
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        rank_pool.join_ranks(rank, world_size, port)
         fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself (pretrain_gpt.main does)
             dist.barrier()

@@ -78,6 +78,28 @@ class _OutputTo:
         self.handle.close()
 
 
+def join_ranks(rank: int, world_size: int, port: int) -> None:
+    """Make this process rank `rank` of a fresh gloo default group on `port`, with one thread.
+
+    One thread per rank, also for a single rank: the trainer sizes its thread pool from LOCAL_WORLD_SIZE (set
+    so that it gives one), and a forked child that opens an OpenMP region after its parent used libgomp's pool
+    can hang in its first parallel op (libgomp is not fork-safe); one thread never opens a region.
+    """
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
 def _set_parent_death_signal() -> None:
     """SIGKILL this process when its parent dies (Linux prctl), so that no rank outlives pytest."""
     import ctypes
@@ -89,7 +111,6 @@ def _set_parent_death_signal() -> None:
 
 def _run_body(rank: int, world_size: int, request: tuple) -> str | None:
     """In the body's fork: run it on this rank with a fresh default process group; its traceback or None."""
-    import torch
     import torch.distributed as dist
 
     payload, port, output_path, timeout = request
@@ -97,16 +118,7 @@ def _run_body(rank: int, world_size: int, request: tuple) -> str | None:
         faulthandler.dump_traceback_later(timeout, file=output)  # a hung rank's stack, for the report
         try:
             fn, args = pickle.loads(payload)
-            os.environ.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)),
-            )
-            torch.set_num_threads(1)
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            join_ranks(rank, world_size, port)
             fn(rank, world_size, *args)
             if dist.is_initialized():  # fn may have torn the group down itself (pretrain_gpt.main does)
                 dist.barrier()
