@@ -9,9 +9,11 @@ parallel/tensor_parallel.param_shardings), so that trimming, padding and merging
     hf_mapping.py     the global state dict <-> transformers' GPT-2 / Llama (names, QKV and SwiGLU layouts)
     hf_folder.py      transformers folders on disk (config.json, safetensors shards, tokenizer files)
     megatron.py       Megatron-LM checkpoints -> the global state dict (legacy "torch": tp / pp / vp shards merged)
+    megatron_checks.py a Megatron-LM checkpoint checked against its args (rank folders, sizes, shard shapes)
     megatron_dist.py  Megatron-LM "torch_dist" folders read with torch.distributed.checkpoint (stacked layers)
     megatron_export.py the global state dict -> Megatron-LM's legacy "torch" format at a chosen tp / pp / vp
     safe_pickle.py    the allow-lists Megatron-LM's pickles are read with (no code runs on load)
+    staging.py        outputs written whole or not at all (Ctrl-C, SIGTERM, a stale staging folder removed)
 
 Used by tools/convert_checkpoint.py and tools/generate.py; nothing in the trainer imports this package.
 """

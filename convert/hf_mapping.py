@@ -105,84 +105,131 @@ def _refuse(condition: bool, option: str) -> None:
         raise UnsupportedModelError(f"transformers option {option} is not supported by this model")
 
 
-def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """Our model section for a transformers config.json (GPT-2 or Llama); unsupported options refused."""
+def model_config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Our model section for a transformers config.json (GPT-2 or Llama), checked as the trainer checks its
+    model section; unsupported options and malformed values refused naming `source` and the key."""
     model_type = config.get("model_type")
     if model_type == "gpt2":
-        return _gpt2_model_config(config)
-    if model_type == "llama":
-        return _llama_model_config(config)
-    raise UnsupportedModelError(
-        f"model_type={model_type!r} (architectures {config.get('architectures')}) is not supported: only gpt2 and llama"
-    )
+        cfg = _gpt2_model_config(HFSettings(config, source))
+    elif model_type == "llama":
+        cfg = _llama_model_config(HFSettings(config, source))
+    else:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} (architectures {config.get('architectures')}) is not supported: only gpt2 "
+            "and llama"
+        )
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise UnsupportedModelError(f"{source} describes a model the trainer refuses: {err}") from None
+    return cfg
 
 
-def _gpt2_model_config(config: dict[str, Any]) -> ModelConfig:
+class HFSettings:
+    """A config.json's values read with their types checked: a missing size or one of the wrong type is one
+    line naming the file and the key, not a KeyError deep in the mapping."""
+
+    def __init__(self, config: dict[str, Any], source: str) -> None:
+        self.config, self.source = config, source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A value that needs no check (strings, flags, nested sections), or the default."""
+        return self.config.get(key, default)
+
+    def size(self, key: str, default: int | None = None, optional: bool = False) -> int:
+        """A positive whole number; `optional`: absent or null gives `default`."""
+        value = self.config.get(key)
+        if value is None and (optional or default is not None):
+            return default  # type: ignore[return-value]  # None only where the caller allows it
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            shown = "missing" if key not in self.config else f"{value!r}, not a whole number >= 1"
+            raise UnsupportedModelError(
+                f"{self.source}: {key} is {shown}; a {self.config['model_type']} config needs it"
+            )
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        """true or false, or the default when absent."""
+        value = self.config.get(key, default)
+        if not isinstance(value, bool):
+            raise UnsupportedModelError(f"{self.source}: {key} is {value!r}, not true or false")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        """A real number (epsilon, dropout, init range, rope theta), or the default when absent."""
+        value = self.config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UnsupportedModelError(f"{self.source}: {key} is {value!r}, not a number")
+        return float(value)
+
+
+def _gpt2_model_config(config: HFSettings) -> ModelConfig:
     act = config.get("activation_function", "gelu_new")
     _refuse(act not in GELU_FROM_HF, f"activation_function={act!r} (only {', '.join(GELU_FROM_HF)})")
     _refuse(not config.get("scale_attn_weights", True), "scale_attn_weights=false")
     _refuse(config.get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx=true")
     _refuse(config.get("add_cross_attention", False), "add_cross_attention=true")
-    hidden = config["n_embd"]
+    hidden = config.size("n_embd")
     return ModelConfig(
-        num_layers=config["n_layer"],
+        num_layers=config.size("n_layer"),
         hidden_size=hidden,
-        num_attention_heads=config["n_head"],
-        ffn_hidden_size=config.get("n_inner") or 4 * hidden,
-        seq_length=config["n_positions"],
-        vocab_size=config["vocab_size"],
+        num_attention_heads=config.size("n_head"),
+        ffn_hidden_size=config.size("n_inner", optional=True) or 4 * hidden,
+        seq_length=config.size("n_positions"),
+        vocab_size=config.size("vocab_size"),
         make_vocab_size_divisible_by=128,
         position_embedding_type="learned",
         normalization="layernorm",
-        norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+        norm_epsilon=config.number("layer_norm_epsilon", 1e-5),
         activation=GELU_FROM_HF[act],
-        tie_embeddings=config.get("tie_word_embeddings", True),
+        tie_embeddings=config.flag("tie_word_embeddings", True),
         add_bias_linear=True,
-        hidden_dropout=config.get("resid_pdrop", 0.1),
-        attention_dropout=config.get("attn_pdrop", 0.1),
-        init_std=config.get("initializer_range", 0.02),
+        hidden_dropout=config.number("resid_pdrop", 0.1),
+        attention_dropout=config.number("attn_pdrop", 0.1),
+        init_std=config.number("initializer_range", 0.02),
     )
 
 
-def _llama_model_config(config: dict[str, Any]) -> ModelConfig:
+def _llama_model_config(config: HFSettings) -> ModelConfig:
     act = config.get("hidden_act", "silu")
     _refuse(act != "silu", f"hidden_act={act!r} (only 'silu', SwiGLU)")
-    attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
+    attention_bias, mlp_bias = config.flag("attention_bias", False), config.flag("mlp_bias", False)
     _refuse(
         attention_bias != mlp_bias,
         f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (one bias switch for every linear layer)",
     )
     _refuse(config.get("pretraining_tp", 1) != 1, f"pretraining_tp={config.get('pretraining_tp')}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    _refuse(not isinstance(rope, dict), f"rope_parameters={rope!r} (a section of rope settings expected)")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     _refuse(rope_type != "default", f"rope_type={rope_type!r} (only 'default' rotary)")
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
+    theta = HFSettings(rope, config.source).number("rope_theta", config.number("rope_theta", 10000.0))
+    hidden, heads = config.size("hidden_size"), config.size("num_attention_heads")
+    head_dim = config.size("head_dim", optional=True) or hidden // heads
     _refuse(
         head_dim * heads != hidden,
         f"head_dim={head_dim} with hidden_size={hidden}, "
         f"num_attention_heads={heads} (head_dim must be hidden_size / num_attention_heads)",
     )
     return ModelConfig(
-        num_layers=config["num_hidden_layers"],
+        num_layers=config.size("num_hidden_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=config.get("num_key_value_heads") or heads,
-        ffn_hidden_size=config["intermediate_size"],
-        seq_length=config["max_position_embeddings"],
-        vocab_size=config["vocab_size"],
+        num_query_groups=config.size("num_key_value_heads", optional=True) or heads,
+        ffn_hidden_size=config.size("intermediate_size"),
+        seq_length=config.size("max_position_embeddings"),
+        vocab_size=config.size("vocab_size"),
         make_vocab_size_divisible_by=128,
         position_embedding_type="rope",
-        rotary_base=float(theta),
+        rotary_base=theta,
         normalization="rmsnorm",
-        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        norm_epsilon=config.number("rms_norm_eps", 1e-6),
         activation="swiglu",
-        tie_embeddings=config.get("tie_word_embeddings", False),
+        tie_embeddings=config.flag("tie_word_embeddings", False),
         add_bias_linear=attention_bias,
         hidden_dropout=0.0,
-        attention_dropout=config.get("attention_dropout", 0.0),
-        init_std=config.get("initializer_range", 0.02),
+        attention_dropout=config.number("attention_dropout", 0.0),
+        init_std=config.number("initializer_range", 0.02),
     )
 
 
@@ -322,7 +369,10 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
 
     def take(name: str) -> torch.Tensor:
         if name not in hf:
-            raise UnsupportedModelError(f"transformers tensor {name} is missing")
+            raise UnsupportedModelError(
+                f"transformers tensor {name} is missing: the weights hold less than the config's "
+                f"{cfg.num_layers} layers describe"
+            )
         used.add(name)
         return hf[name]
 
@@ -347,6 +397,13 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:
             used.add(theirs)  # transformers may store the tied copy; ours is the embedding itself
+            if theirs in hf and not torch.equal(
+                hf[theirs], ours["embedding.word_embeddings.weight"][: len(hf[theirs])]
+            ):
+                raise UnsupportedModelError(
+                    f"tie_word_embeddings is true but the weights hold a {theirs} of their own (not the embedding): "
+                    "the config does not belong to these weights"
+                )
             continue
         ours[our] = shardings[our].padded(take(theirs), padded)
     if cfg.tie_embeddings:
@@ -354,6 +411,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     left = sorted(set(hf) - used - {n for n in hf if n.endswith((".attn.bias", ".attn.masked_bias"))})
     if left:
         raise UnsupportedModelError(
-            f"transformers tensor {left[0]} has no counterpart in this model ({len(left)} such tensors)"
+            f"transformers tensor {left[0]} has no counterpart in this model ({len(left)} such tensors): the "
+            f"weights hold more than the config's {cfg.num_layers} layers, or parts this project does not convert"
         )
     return {name: t.contiguous() for name, t in ours.items()}

@@ -31,8 +31,9 @@ import torch
 
 from convert.hf_folder import hf_tokenizer_json
 from convert.hf_mapping import UnsupportedModelError
+from convert.megatron_checks import check_args, check_rank_folders, check_shard
 from convert.megatron_dist import is_torch_dist, read_common, read_model_tensors
-from convert.model_weights import resize_vocab_rows
+from convert.model_weights import meta_state, resize_vocab_rows
 from convert.safe_pickle import load_megatron_file
 from model.config import ModelConfig
 from model.param_info import Sharding
@@ -85,11 +86,17 @@ def find_iteration_dir(root: str) -> str:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         raise ValueError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER} and not an iter_XXXXXXX folder")
-    with open(tracker, encoding="utf-8") as handle:
-        text = handle.read().strip()
+    try:
+        with open(tracker, encoding="utf-8") as handle:
+            text = handle.read(64).strip()  # an iteration number is short; junk is not read whole
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8 text
+        raise ValueError(f"{tracker} cannot be read as text ({type(err).__name__}): not a Megatron tracker") from None
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
     if name is None:
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number")
+        raise ValueError(
+            f"{tracker} holds {text!r}, not an iteration number: write the iteration into it, or name the "
+            "iter_XXXXXXX folder itself"
+        )
     return os.path.join(root, name)
 
 
@@ -221,11 +228,12 @@ def merge_tp(name: str, shards: list[torch.Tensor], shardings: dict[str, Shardin
 
 def _chunks(payload: dict, path: str) -> list[Tensors]:
     """The model chunks of one file ("model", or "model0", "model1", ... with virtual pipeline stages)."""
-    if "model" in payload:
-        return [flatten(payload["model"])]
-    keys = sorted((k for k in payload if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    chunk_keys = (k for k in payload if isinstance(k, str) and re.fullmatch(r"model\d+", k))
+    keys = ["model"] if "model" in payload else sorted(chunk_keys, key=lambda k: int(k[5:]))
     if not keys:
-        raise ValueError(f"{path} holds no model state (keys: {', '.join(sorted(payload))})")
+        raise ValueError(f"{path} holds no model state (keys: {', '.join(sorted(map(str, payload)))})")
+    if not all(isinstance(payload[k], dict) for k in keys):
+        raise ValueError(f"{path}: its {', '.join(keys)} entry is not a state dict")
     return [flatten(payload[k]) for k in keys]
 
 
@@ -271,7 +279,9 @@ def read_args(iter_dir: str) -> tuple[argparse.Namespace, dict]:
     args = payload.get("args")
     if not isinstance(args, argparse.Namespace):
         raise ValueError(f"{path} holds no Megatron args")
-    if payload.get("checkpoint_version", 0) < 2.0:
+    check_args(args, path)
+    version = payload.get("checkpoint_version", 0)
+    if isinstance(version, bool) or not isinstance(version, (int, float)) or version < 2.0:
         raise UnsupportedModelError(
             f"checkpoint_version={payload.get('checkpoint_version')} ([3, np, hn] QKV "
             "order) is not supported; re-save it with Megatron-LM >= 2.0"
@@ -288,33 +298,43 @@ def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[
     iter_dir = find_iteration_dir(root)
     args, first = read_args(iter_dir)
     data, tokenizer_vocab = tokenizer_from_args(args)
-    vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or args.padded_vocab_size
+    vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
+    if type(vocab) is not int or vocab < 1:
+        raise ValueError(f"{iter_dir}: no vocabulary size (args.vocab_size, args.padded_vocab_size or a tokenizer)")
     cfg = model_config_from_args(args, vocab)
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise UnsupportedModelError(
+            f"{iter_dir}: Megatron's args describe a model the trainer refuses: {err}"
+        ) from None
     if is_torch_dist(iter_dir):
         tensors = rename_chunk(read_model_tensors(iter_dir, GLOBAL_NAMES), 0)
+        full, shardings = meta_state(cfg), param_shardings(cfg)
+        for name, tensor in tensors.items():  # whole tensors: DCP reassembled the tp shards
+            check_shard(name, tensor, os.path.join(iter_dir, ".metadata"), (0, 1), full, shardings)
     else:
-        tensors = _legacy_tensors(iter_dir, first, cfg)
+        tensors = _legacy_tensors(iter_dir, first, cfg, args)
     _check_complete(tensors, cfg, iter_dir)
     return cfg, _pad_vocab(tensors, cfg), data
 
 
-def _legacy_tensors(iter_dir: str, first: dict, cfg: ModelConfig) -> Tensors:
+def _legacy_tensors(iter_dir: str, first: dict, cfg: ModelConfig, args: argparse.Namespace) -> Tensors:
     """The global tensors of every mp_rank file: layers renumbered across pp stages and virtual chunks
     (chunk c of stage p holds layers [(c * pp + p) * per_chunk, ...)), tp shards merged."""
     files = rank_files(iter_dir)
-    tp, pp = max(k[0] for k in files) + 1, max(k[1] for k in files) + 1
-    if len(files) != tp * pp:
-        raise ValueError(f"{iter_dir} misses mp_rank folders: {len(files)} found for tp={tp} x pp={pp}")
+    tp, pp = check_rank_folders(iter_dir, files, args)
+    full, shardings = meta_state(cfg), param_shardings(cfg)
     shards: dict[str, list[torch.Tensor]] = {}
-    for (_tp_rank, pp_rank), path in sorted(files.items()):
+    for (tp_rank, pp_rank), path in sorted(files.items()):
         payload = first if path == files[min(files)] else load_megatron_file(path)
         chunks = _chunks(payload, path)
         stages = StageMap(pp, len(chunks))  # Megatron's interleaving
         for chunk_index, chunk in enumerate(chunks):
             offset = stages.placement(cfg.num_layers, pp_rank, chunk_index).layer_ids[0]
             for name, tensor in rename_chunk(chunk, offset).items():
+                check_shard(name, tensor, path, (tp_rank, tp), full, shardings)
                 shards.setdefault(name, []).append(tensor)
-    shardings = param_shardings(cfg)
     return {name: merge_tp(name, parts, shardings) for name, parts in shards.items()}
 
 
@@ -329,6 +349,12 @@ def _check_complete(tensors: Tensors, cfg: ModelConfig, iter_dir: str) -> None:
             missing.append(name)
     if missing:
         raise ValueError(f"{iter_dir}: tensor {missing[0]} not found ({len(missing)} missing)")
+    rows, vocab = tensors["embedding.word_embeddings.weight"].shape[0], cfg.vocab_size or 0
+    if rows < vocab:  # zero rows would be invented for the tokenizer's last ids
+        raise ValueError(
+            f"{iter_dir}: the embedding has {rows} rows but the vocabulary (its tokenizer or args.vocab_size) has "
+            f"{vocab} entries: the tokenizer the args name is not the model's"
+        )
 
 
 def _pad_vocab(tensors: Tensors, cfg: ModelConfig) -> Tensors:

@@ -104,17 +104,6 @@ def megatron_args(cfg: ModelConfig, layout: tuple[int, int, int], iteration: int
     )
 
 
-def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> None:
-    """Megatron splits heads, query groups and layers evenly: one line naming both values otherwise."""
-    for name, value, by in (
-        ("model.num_attention_heads", cfg.num_attention_heads, tp),
-        ("model.num_query_groups", cfg.query_groups, tp),
-        ("model.num_layers", cfg.num_layers, pp * vp),
-    ):
-        if by < 1 or value % by:
-            raise ValueError(f"{name}={value} is not divisible by {by} (tp={tp}, pp={pp}, vp={vp})")
-
-
 def chunk_state(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: tuple[int, int, int], layout: tuple[int, int, int]
 ) -> Tensors:
@@ -155,10 +144,10 @@ def megatron_files(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: tuple[int, int, int], iteration: int, data: dict
 ) -> dict[str, dict]:
     """{relative path of each model_optim_rng.pt: its payload} for the layout (tp, pp, vp)."""
-    from convert.model_weights import resize_vocab_rows
+    from convert.model_weights import check_layout, resize_vocab_rows
 
     tp, pp, vp = layout
-    check_layout(cfg, tp, pp, vp)
+    check_layout(cfg, tp, pp, vp)  # the trainer's layout rules and messages (heads, groups, ffn, layers, vp)
     padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(tp))
     args = megatron_args(cfg, layout, iteration, data)
     files = {}

@@ -12,12 +12,14 @@ import os
 import torch
 
 from config.data_config import DataConfig, resolve_data_file
-from config.schema import config_from_dict
+from config.schema import ParallelConfig, TrainConfig, config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
-from parallel.model_builder import build_model_chunks
+from model.init import materialize_parameters
+from model.param_info import full_shape
+from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, param_shardings, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import param_shardings
 from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 
 Tensors = dict[str, torch.Tensor]
@@ -61,6 +63,38 @@ def check_finite(tensors: Tensors, source: str) -> None:
             )
 
 
+# The floating-point types a weight file may hold (converted to the checkpoint's fp32 on load).
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dtypes(tensors: Tensors, source: str) -> None:
+    """ValueError naming `source` and the first tensor that is not fp32 / bf16 / fp16 / fp64: integers or
+    booleans would be converted to weights silently, fp8 needs scales this project does not read."""
+    for name, tensor in tensors.items():
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"{source}: tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values, not weights in "
+                "fp32, bf16, fp16 or fp64: the file is damaged or quantized; use an unquantized export"
+            )
+
+
+def meta_state(cfg: ModelConfig) -> Tensors:
+    """cfg's global state dict as meta tensors: the shape of every parameter (vocabulary tables padded to
+    padded_vocab_size(1)) without memory, to check weights against before mapping them."""
+    with torch.device("meta"):
+        return dict(GPTModel(cfg, cfg.padded_vocab_size(1)).state_dict())
+
+
+def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> ParallelConfig:
+    """The parallel section of a conversion to (tp, pp, vp), checked by the trainer's own rules
+    (parallel/layout.py): a layout the trainer would refuse is refused with the trainer's message."""
+    from parallel.layout import build_layout
+
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
+    build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
+    return parallel
+
+
 def checkpoint_iteration(path: str) -> tuple[int, str]:
     """(iteration, iteration folder) a checkpoint path resolves to (iter_0000120 -> 120)."""
     iter_dir = resolve_checkpoint(path)
@@ -99,10 +133,27 @@ def build_model_from_state(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
-    """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode."""
+    """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode:
+    built on the meta device from the rank's description, then each parameter given its shard of the global
+    tensor (the cut model/init.py makes of an initial value)."""
     state = state or ParallelState.single()
-    model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), tp_hooks=tensor_parallel_hooks(tp_comm(state)))
-    model.load_state_dict(resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size)))
-    model = apply_tensor_parallel(model, state)
-    model.tie_weights()
-    return model.to(device=device, dtype=dtype).eval()
+    with torch.device("meta"):
+        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), spec=rank_spec(cfg, state))
+    padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size))
+    _check_names_and_shapes(model, padded)
+    materialize_parameters(model, lambda name, shape: padded[name].to(torch.float32), device, dtype)
+    return model.eval()
+
+
+def _check_names_and_shapes(model: GPTModel, tensors: Tensors) -> None:
+    """ValueError naming the first tensor the model lacks or does not hold, or whose shape differs."""
+    shapes = {name: full_shape(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    missing, unexpected = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"holds {unexpected[0]}, which the model does not have"
+        raise ValueError(f"the weights do not fit the model config: the state dict {what}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"the weights do not fit the model config: {name} is {tuple(tensors[name].shape)}, the model's {shape}"
+            )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import os
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,27 @@ def numpy_dtype_classes() -> list[type]:
     return [cls for cls in classes if isinstance(cls, type) and issubclass(cls, np.dtype)]
 
 
+def first_line(err: BaseException) -> str:
+    """An exception as one line for an error message: its message's first line, or its type when it has none
+    (a bare EOFError), cut to its first sentence when long."""
+    text = str(err).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line.split(". ")[0] if len(line) > 120 else line  # torch's long advice after the first sentence
+
+
 def load_megatron_file(path: str) -> dict:
-    """torch.load(weights_only=True) with the allow-list above; any other global is refused by name."""
+    """torch.load(weights_only=True) with the allow-list above; any other global is refused by name. A file
+    that is not a whole torch.save (empty, truncated, missing) is one line naming it; so is one holding no dict."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: the checkpoint is incomplete; copy it again")
     allowed: list[Any] = []
-    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # a missing, empty or truncated file: OSError, RuntimeError, ValueError, ...
+        raise ValueError(
+            f"{path} cannot be read ({first_line(err)}): not a whole torch.save file; copy it again"
+        ) from None
+    for name in unsafe:
         target = _allowed_global(name)
         if target is None:
             raise ValueError(f"{path} pickles {name}, which is not on the allow-list ({ALLOWED})")
@@ -86,6 +104,9 @@ def load_megatron_file(path: str) -> dict:
             allowed.extend(numpy_dtype_classes())
     with torch.serialization.safe_globals(allowed):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            payload = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # unpickling errors have many types; name the file either way
-            raise ValueError(f"{path} cannot be read: {str(err).splitlines()[0]}") from None
+            raise ValueError(f"{path} cannot be read: {first_line(err)}") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path} holds a {type(payload).__name__}, not a Megatron checkpoint's dict")
+    return payload

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,9 +77,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(folder: str) -> list[str]:
-    """Remove the temporary files in `folder` left by dead processes of this host; returns their paths.
-    A missing or unreadable folder holds none."""
+def remove_stale_temporaries(folder: str, prefix: str = "") -> list[str]:
+    """Remove the temporary files and folders in `folder` (those whose name starts with `prefix`) left by dead
+    processes of this host; returns their paths. A missing or unreadable folder holds none."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -86,10 +87,13 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     host, removed = socket.gethostname(), []
     for name in names:
         match = _TMP_PATTERN.search(name)
-        if match and match.group("host") == host and not pid_alive(int(match.group("pid"))):
+        if name.startswith(prefix) and match and match.group("host") == host and not pid_alive(int(match.group("pid"))):
             path = os.path.join(folder, name)
             try:
-                os.remove(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             except OSError:  # gone already (another rank cleaned it) or not ours to remove
                 continue
             removed.append(path)

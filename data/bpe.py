@@ -60,6 +60,43 @@ def load_vocab_and_merges(vocab_file: str, merge_file: str) -> tuple[dict[str, i
     return vocab, merges
 
 
+def check_vocab_and_merges(
+    vocab: object, merges: list[tuple[str, str]], vocab_file: str, merge_file: str, special: set[str]
+) -> str | None:
+    """ValueError unless vocab.json is an object of token -> id numbering its entries 0..n-1 with every byte
+    symbol, and every merge of merges.txt is made of and makes tokens it holds (a truncated vocab.json fails
+    here, not as a KeyError when some text is encoded). Returns a warning when many tokens are made by no merge
+    (a truncated merges.txt); `special` tokens (the end-of-document token) need no merge."""
+    if not isinstance(vocab, dict) or not all(type(i) is int and isinstance(t, str) for t, i in vocab.items()):
+        raise ValueError(f"{vocab_file} is not a GPT-2 vocabulary: expected a JSON object of token -> integer id")
+    if sorted(vocab.values()) != list(range(len(vocab))):
+        outside = [token for token, i in vocab.items() if not 0 <= i < len(vocab)]
+        detail = f"{outside[0]!r} has id {vocab[outside[0]]}" if outside else "some ids repeat"
+        raise ValueError(f"{vocab_file}: the ids must number its {len(vocab)} entries 0..{len(vocab) - 1}; {detail}")
+    symbols = set(bytes_to_unicode().values())
+    missing = sorted(symbols - set(vocab))
+    if missing:
+        raise ValueError(
+            f"{vocab_file} lacks {len(missing)} of the 256 byte symbols (e.g. {missing[0]!r}): not a complete "
+            "GPT-2 byte-level vocabulary (truncated?)"
+        )
+    for number, (left, right) in enumerate(merges, 1):
+        for token in (left, right, left + right):
+            if token not in vocab:
+                raise ValueError(
+                    f"{merge_file}: merge {number} ({left} {right}) needs {token!r}, which {vocab_file} does not "
+                    "hold: the two files do not belong together (a truncated or another model's vocab.json?)"
+                )
+    made = symbols | {left + right for left, right in merges} | special
+    unmade = [token for token in vocab if token not in made]
+    if len(unmade) > max(8, len(vocab) // 100):
+        return (
+            f"{len(unmade)} of the {len(vocab)} tokens of {vocab_file} are made by no merge of "
+            f"{merge_file} (e.g. {unmade[0]!r}): a truncated merges.txt encodes text differently"
+        )
+    return None
+
+
 class ReferenceBPE:
     """GPT-2's own merge loop (as in OpenAI's encoder.py and Megatron): lowest-ranked listed pair first."""
 

@@ -7,13 +7,21 @@ All expose `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size` (unpa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import unicodedata
 from itertools import chain
 
 import regex
 
-from data.bpe import GPT2_PATTERN, ReferenceBPE, TiktokenBPE, bytes_to_unicode, load_vocab_and_merges
+from data.bpe import (
+    GPT2_PATTERN,
+    ReferenceBPE,
+    TiktokenBPE,
+    bytes_to_unicode,
+    check_vocab_and_merges,
+    load_vocab_and_merges,
+)
 
 EOD_TOKEN = "<|endoftext|>"
 # Bounds the per-word cache so a long preprocessing run over an open-ended vocabulary of words cannot
@@ -33,6 +41,9 @@ class GPT2BPETokenizer:
 
     def __init__(self, vocab_file: str, merge_file: str, use_tiktoken: bool = True):
         self.vocab, merges = load_vocab_and_merges(vocab_file, merge_file)
+        warning = check_vocab_and_merges(self.vocab, merges, vocab_file, merge_file, {EOD_TOKEN})
+        if warning:
+            logging.getLogger(__name__).warning(warning)
         if EOD_TOKEN not in self.vocab:
             raise ValueError(f"{vocab_file}: vocabulary has no {EOD_TOKEN} token")
         self.id_to_token = {i: t for t, i in self.vocab.items()}

@@ -18,15 +18,14 @@ from typing import Any
 import torch
 
 from config.schema import Config, apply_overrides, config_from_dict
-from convert.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
-from convert.hf_mapping import from_hf_state_dict, model_config_from_hf
+from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
 from convert.model_weights import checkpoint_iteration, read_run_config
 from data.tokenizers import build_tokenizer
 from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
 from parallel.layout import Layout
-from parallel.model_builder import build_model_chunks
+from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
@@ -72,7 +71,7 @@ def run_config(checkpoint: str | None, hf: str | None, overrides: list[str]) -> 
         source = ModelSource(iter_dir=iter_dir)
     else:
         assert hf is not None
-        model = model_config_from_hf(read_config(hf))
+        model = hf_model_config(hf)
         tokenizer = tokenizer_section(hf)
         if tokenizer is None:
             raise HFFolderError(f"{hf} holds no tokenizer (vocab.json + merges.txt, tokenizer.model or tokenizer.json)")
@@ -134,13 +133,13 @@ def load_model(
         config.train.seed,
         env.device,
         dtype,
-        layout.sequence_parallel,
+        rank_spec(cfg, state, layout.sequence_parallel),
     )
     if source.iter_dir is not None:
         load_model_weights(source.iter_dir, chunks, state)
     else:
         assert source.hf_dir is not None
-        copy_global_weights(chunks, from_hf_state_dict(cfg, read_weights(source.hf_dir)))
+        copy_global_weights(chunks, read_hf_weights(source.hf_dir, cfg))  # checked against its config.json
     if not weights_are_finite(chunks, state, env.device):
         raise EvalInputError(f"{source.describe()}: the weights hold NaN or inf (a diverged run or a bad export)")
     for chunk in chunks:

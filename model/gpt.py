@@ -1,20 +1,23 @@
 """A GPT decoder in plain PyTorch: GPT-2/3 style or Llama style, chosen by ModelConfig.
 
 Activations flow as [s, b, h] (sequence first, as in Megatron) so that sequence parallelism can shard dim 0.
-The model knows nothing of parallelism: `parallel/` swaps its Linear/Embedding modules for sharded ones, and
-what runs differently under tensor parallelism is one typed object handed in at construction
-(`TensorParallelHooks`, model/tp_hooks.py: the sequence-parallel split after the embedding, the vocab-parallel
-loss, and for the fused chunked loss the head's input handling and reductions). Norms, MLP activation, rotary, bias-dropout-add
-and the loss go through model/kernels' dispatch functions (fused kernels when selected). A GPTModel can hold any
-contiguous block of layers with or without the embedding (`pre_process`) and the head (`post_process`), which
-is how pipeline stages and virtual chunks are cut. Layer modules are keyed by their global index, so parameter
-names (`layers.5.mlp.fc1.weight`) are the same in every layout.
+The model knows nothing of parallelism: everything a rank builds or runs differently is one description handed
+in at construction (`RankSpec`, model/rank_spec.py): the factories of its split layers and the tp hooks (the
+sequence-parallel split after the embedding, the vocab-parallel loss, the fused loss's input handling and
+reductions), the context-parallel attention, the random stream of each dropout, activation recomputation and
+the fused kernels. The modules are built from it once; nothing replaces or wraps them afterwards. Norms, MLP
+activation, rotary, bias-dropout-add and the loss go through model/kernels' dispatch functions (fused kernels
+when selected). A GPTModel can hold any contiguous block of layers with or without the embedding
+(`pre_process`) and the head (`post_process`), which is how pipeline stages and virtual chunks are cut. Layer
+modules are keyed by their global index, so parameter names (`layers.5.mlp.fc1.weight`) are the same in every
+layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -25,16 +28,43 @@ from model import kernels
 from model.config import ModelConfig
 from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
-from model.param_info import Sharding, param_info, set_param_info
-from model.tp_hooks import AttentionFn, ContextParallelHooks, TensorParallelHooks, identity
+from model.param_info import param_info, set_param_info
+from model.rank_spec import CheckpointFn, RankSpec, RNGFork
+from model.tp_hooks import AttentionFn, TensorParallelHooks
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, b, 1, d]
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+def build_norm(cfg: ModelConfig, tp: TensorParallelHooks) -> nn.Module:
+    """LayerNorm or RMSNorm over h; under sequence parallelism it sees s/tp tokens, so its parameters'
+    gradients are partial (ParamInfo.sequence_parallel: summed over tp after backward)."""
+    norm: nn.Module
     if cfg.normalization == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    else:
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    if tp.sequence_parallel:
+        for param in norm.parameters():
+            set_param_info(param, sequence_parallel=True)
+    return norm
+
+
+class StreamDropout(nn.Dropout):
+    """nn.Dropout drawing its mask inside `rng_fork` (a tp rank's own stream, parallel/random.py); no
+    parameters, so the model's parameter names are those of one process."""
+
+    def __init__(self, p: float, rng_fork: RNGFork):
+        super().__init__(p)
+        self.rng_fork = rng_fork
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.rng_fork():
+            return super().forward(x)
+
+
+def build_dropout(p: float, rng_fork: RNGFork | None) -> nn.Dropout:
+    """Dropout on the default generator, or on the stream `rng_fork` opens."""
+    return nn.Dropout(p) if rng_fork is None else StreamDropout(p, rng_fork)
 
 
 def rotary_cos_sin(
@@ -51,17 +81,32 @@ def rotary_cos_sin(
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v through scaled_dot_product_attention, or through the context-parallel
-    attention when one is given (ContextParallelHooks); the part selective recompute redoes."""
+    attention when one is given (ContextParallelHooks); the part selective recompute redoes. With `rng_fork`
+    (DropoutStreams.attention) it runs inside that stream: its dropout acts on this tp rank's heads."""
 
-    def __init__(self, attention_dropout: float, context_parallel_attention: AttentionFn | None = None):
+    def __init__(
+        self,
+        attention_dropout: float,
+        context_parallel_attention: AttentionFn | None = None,
+        rng_fork: RNGFork | None = None,
+    ):
         super().__init__()
         self.dropout_p = attention_dropout
         self.context_parallel_attention = context_parallel_attention
+        self.rng_fork = rng_fork
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         # q [s, b, nq, d], k/v [s, b, nkv, d] -> context [s, b, nq * d]
+        if self.rng_fork is None:
+            return self._attend(q, k, v, attention_mask)
+        with self.rng_fork():
+            return self._attend(q, k, v, attention_mask)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.context_parallel_attention is not None:
             return self.context_parallel_attention(q, k, v, attention_mask)
         s, b, nq, d = q.shape
@@ -82,18 +127,18 @@ class SelfAttention(nn.Module):
     """Fused QKV projection laid out per query group ([q x heads_per_group, k, v] for each group), so that a
     contiguous split of its output dimension gives each tensor-parallel rank whole groups."""
 
-    def __init__(self, cfg: ModelConfig, cp_hooks: ContextParallelHooks | None = None):
+    def __init__(self, cfg: ModelConfig, spec: RankSpec):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.add_bias_linear)
-        cp_attention = cp_hooks.attention if cp_hooks is not None else None
-        self.core: nn.Module = CoreAttention(cfg.attention_dropout, cp_attention)  # parallel/ may wrap it (RNG)
-        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
-        self.recompute_core = False
-        self.checkpoint_fn: Callable | None = None
-        self.kernels = kernels.KernelSelection.from_model_config(cfg)
+        layers = spec.tp.layers
+        self.qkv = layers.column_linear(cfg.hidden_size, qkv_size, cfg.add_bias_linear, 1)
+        self.core = CoreAttention(cfg.attention_dropout, spec.cp.attention, spec.dropout.attention)
+        self.proj = layers.row_linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.add_bias_linear)
+        self.recompute_core = spec.recompute.mode == "selective"
+        self.checkpoint_fn: CheckpointFn | None = spec.recompute.checkpoint_fn
+        self.kernels = spec.kernels
 
     # Twin of TransformerLayer.forward's signature: the layer hands its arguments straight through.
     def forward(
@@ -123,14 +168,15 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h -> ffn -> h with GeLU, or SwiGLU with fc1 producing [gate, up] halves."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, spec: RankSpec):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's gelu_new
-        fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
-        self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
-        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
-        self.kernels = kernels.KernelSelection.from_model_config(cfg)
+        stacked = 2 if self.swiglu else 1  # [gate; up]
+        layers = spec.tp.layers
+        self.fc1 = layers.column_linear(cfg.hidden_size, cfg.ffn_size * stacked, cfg.add_bias_linear, stacked)
+        self.fc2 = layers.row_linear(cfg.ffn_size, cfg.hidden_size, cfg.add_bias_linear)
+        self.kernels = spec.kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, h] -> (output [s, b, h], fc2's bias when it is left to the fused bias-dropout-add, else None)."""
@@ -143,15 +189,15 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
 
-    def __init__(self, cfg: ModelConfig, cp_hooks: ContextParallelHooks | None = None):
+    def __init__(self, cfg: ModelConfig, spec: RankSpec):
         super().__init__()
-        self.input_norm = build_norm(cfg)
-        self.attention = SelfAttention(cfg, cp_hooks)
-        self.post_attention_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
-        self.hidden_dropout: nn.Module = nn.Dropout(cfg.hidden_dropout)  # parallel/ may wrap it in its RNG stream
+        self.input_norm = build_norm(cfg, spec.tp)
+        self.attention = SelfAttention(cfg, spec)
+        self.post_attention_norm = build_norm(cfg, spec.tp)
+        self.mlp = MLP(cfg, spec)
+        self.hidden_dropout = build_dropout(cfg.hidden_dropout, spec.dropout.hidden)
         self.hidden_dropout_p = cfg.hidden_dropout
-        self.kernels = kernels.KernelSelection.from_model_config(cfg)
+        self.kernels = spec.kernels
 
     # Twin of SelfAttention.forward's signature, which receives these arguments as they are.
     def forward(
@@ -175,22 +221,16 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     """Word (+ learned position) embeddings: token ids [b, s] -> hidden [s, b, h]."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        padded_vocab_size: int,
-        scatter_to_sequence_parallel: Callable[[torch.Tensor], torch.Tensor] = identity,
-    ):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, spec: RankSpec):
         super().__init__()
-        word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        mark_vocab_rows(word_embeddings.weight, cfg)
-        # nn.Embedding here; tensor parallelism swaps in a VocabParallelEmbedding
-        self.word_embeddings: nn.Module = word_embeddings
+        # nn.Embedding, or under tensor parallelism a VocabParallelEmbedding (rows split by vocabulary)
+        self.word_embeddings = spec.tp.layers.word_embedding(padded_vocab_size, cfg.hidden_size)
+        mark_vocab_rows(cast(nn.Parameter, self.word_embeddings.weight), cfg)
         self.position_embeddings = (
             nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding_type == "learned" else None
         )
-        self.dropout: nn.Module = nn.Dropout(cfg.hidden_dropout)  # parallel/ may wrap it in its RNG stream
-        self.scatter_to_sequence_parallel = scatter_to_sequence_parallel  # split along s under SP
+        self.dropout = build_dropout(cfg.hidden_dropout, spec.dropout.hidden)
+        self.scatter_to_sequence_parallel = spec.tp.scatter_to_sequence_parallel  # split along s under SP
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids)  # [b, s, h]
@@ -202,8 +242,8 @@ class Embedding(nn.Module):
 
 def mark_vocab_rows(weight: torch.Tensor, cfg: ModelConfig) -> None:
     """A vocabulary table [V_padded, h]: only the first cfg.vocab_size rows are real (the padding grows with
-    tp, so checkpoints and exports hold the real rows only)."""
-    set_param_info(weight, sharding=Sharding(valid_rows=cfg.vocab_size))
+    tp, so checkpoints and exports hold the real rows only); the table's split, if any, is kept."""
+    set_param_info(weight, sharding=replace(param_info(weight).sharding, valid_rows=cfg.vocab_size))
 
 
 class GPTModel(nn.Module):
@@ -215,8 +255,8 @@ class GPTModel(nn.Module):
         layer_ids: global indices of the layers this module holds (default: all).
         pre_process: holds the embedding (the first chunk of the first stage).
         post_process: holds final norm, output layer and loss (the last chunk of the last stage).
-        tp_hooks: what runs differently under tensor parallelism (default: one process).
-        cp_hooks: what runs differently under context parallelism: the attention (default: one process).
+        spec: this rank's description: split layers and tp hooks, cp attention, dropout streams, recompute,
+            kernels (default: `RankSpec.one_process(cfg)`).
     """
 
     def __init__(
@@ -226,31 +266,27 @@ class GPTModel(nn.Module):
         layer_ids: Sequence[int] | None = None,
         pre_process: bool = True,
         post_process: bool = True,
-        tp_hooks: TensorParallelHooks | None = None,
-        cp_hooks: ContextParallelHooks | None = None,
+        spec: RankSpec | None = None,
     ):
         super().__init__()
         self.cfg = cfg
-        self.tp_hooks = tp_hooks or TensorParallelHooks()
-        self.cp_hooks = cp_hooks or ContextParallelHooks()
+        spec = spec or RankSpec.one_process(cfg)
+        self.tp_hooks = spec.tp
         self.pre_process, self.post_process = pre_process, post_process
-        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.embedding: Embedding | None = (
-            Embedding(cfg, padded_vocab_size, self.tp_hooks.scatter_to_sequence_parallel) if pre_process else None
-        )
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, self.cp_hooks) for i in layer_ids})
-        self.final_norm: nn.Module | None = build_norm(cfg) if post_process else None
-        # nn.Linear here; tensor parallelism swaps in a ColumnParallelLinear (same weight attribute)
-        self.output_layer: nn.Module | None = None
-        if post_process:
-            self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
-            mark_vocab_rows(self.output_layer.weight, cfg)
+        layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
+        self.embedding = Embedding(cfg, padded_vocab_size, spec) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, spec) for i in layer_ids})
+        self.final_norm = build_norm(cfg, spec.tp) if post_process else None
+        # nn.Linear, or under tensor parallelism a ColumnParallelLinear split by vocabulary (same weight attribute)
+        self.output_layer = spec.tp.layers.output_layer(cfg.hidden_size, padded_vocab_size) if post_process else None
+        if self.output_layer is not None:
+            mark_vocab_rows(self.output_weight(), cfg)
             if cfg.tie_embeddings:
                 self._tie_output_to_embedding()
         self._mark_split_tied_embedding()
-        self.kernels = kernels.KernelSelection.from_model_config(cfg)
-        self.recompute_layer_ids: set[int] = set()
-        self.checkpoint_fn: Callable | None = None
+        self.kernels = spec.kernels
+        self.recompute_layer_ids = set(spec.recompute.layer_ids([int(i) for i in layer_ids]))
+        self.checkpoint_fn: CheckpointFn | None = spec.recompute.checkpoint_fn
 
     def transformer_layers(self) -> list[tuple[int, TransformerLayer]]:
         """(global layer index, layer) of the layers this chunk holds, in order."""
@@ -286,11 +322,6 @@ class GPTModel(nn.Module):
         if self.cfg.tie_embeddings and self.pre_process and not self.post_process:
             set_param_info(self.word_embedding_weight(), shared_embedding=True)
 
-    def tie_weights(self) -> None:
-        """Re-tie the output layer to the embedding after parameters were replaced (meta init, tp)."""
-        if self.post_process and self.pre_process and self.cfg.tie_embeddings:
-            cast(nn.Module, self.output_layer).weight = self.word_embedding_weight()
-
     def _num_valid_vocab(self) -> int:
         """Columns of this rank's logits that are real vocabulary: padded rows (which grow with tp) never
         score, so every tp size trains the same model and the padding rows get no gradient."""
@@ -300,17 +331,6 @@ class GPTModel(nn.Module):
         """First vocabulary id of this rank's logits [s, b, V(/tp)]: where its output-layer shard starts."""
         weight = self.output_weight()
         return param_info(weight).tp_rank * weight.shape[0]
-
-    def set_recompute(self, mode: str, method: str, num_layers: int, checkpoint_fn: Callable | None) -> None:
-        """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer;
-        `block`: the first `num_layers` layers of this chunk), `selective` only the attention core."""
-        self.checkpoint_fn = checkpoint_fn
-        ids = [int(i) for i in self.layers]
-        if mode == "full":
-            self.recompute_layer_ids = set(ids if method == "uniform" else ids[:num_layers])
-        for _, layer in self.transformer_layers():
-            layer.attention.recompute_core = mode == "selective"
-            layer.attention.checkpoint_fn = checkpoint_fn
 
     def compile_layers(self, backend: str = "inductor") -> None:
         """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).

@@ -2,14 +2,17 @@
 (seed, its global name), then cut to the local shard.
 
 So any tensor-parallel size and any pipeline cut gets exactly the weights one process gets, whatever order
-ranks build in, and memory peaks at one full weight. Reads the parameter's ParamInfo (model/param_info.py):
-`init_name` (the last stage's copy of a tied embedding seeds from the embedding's name), `full_shape` and
-the `sharding` record with the rank's place in its tp group (set by parallel/), which cuts the shard.
+ranks build in, and memory peaks at one full weight. `materialize_parameters` is the same cut with the full
+tensors taken from elsewhere (a global state dict: convert/model_weights.build_model_from_state). Reads the
+parameter's ParamInfo (model/param_info.py): `init_name` (the last stage's copy of a tied embedding seeds from
+the embedding's name), `full_shape` and the `sharding` record with the rank's place in its tp group (set by
+parallel/'s layers), which cuts the shard.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,7 +39,32 @@ def draw_full_parameter(name: str, shape: tuple[int, ...], cfg: ModelConfig, see
     return full.normal_(0.0, std, generator=generator)
 
 
+FullValue = Callable[[str, tuple[int, ...]], torch.Tensor]  # (global name, full shape) -> the full tensor
+
+
 @torch.no_grad()
+def materialize_parameters(
+    model: nn.Module, full_value: FullValue, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> None:
+    """Replace every parameter (meta or not) of `model` by this rank's shard of `full_value(name, full shape)`
+    (name: its ParamInfo.init_name, else its global name) on `device` in `dtype`, keeping its ParamInfo.
+
+    Shared parameters (a tied output layer) are replaced once and stay shared.
+    """
+    names = {id(param): name for name, param in model.named_parameters()}
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for local_name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(param) not in replaced:
+                info = param_info(param)
+                full = full_value(info.init_name or names[id(param)], full_shape(param))
+                local = info.local_shard(full)
+                new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
+                replaced[id(param)] = new
+            setattr(module, local_name, replaced[id(param)])
+
+
 def initialize_parameters(
     model: nn.Module,
     cfg: ModelConfig,
@@ -44,21 +72,6 @@ def initialize_parameters(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Replace every parameter (meta or not) of `model` by its deterministic initial value on `device`.
-
-    Shared parameters (a tied output layer) are replaced once and stay shared.
-    """
-    names = {id(param): name for name, param in model.named_parameters()}
-    replaced: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for local_name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in replaced:
-                info = param_info(param)
-                full = draw_full_parameter(info.init_name or names[id(param)], full_shape(param), cfg, seed)
-                local = info.local_shard(full)
-                new = nn.Parameter(local.to(device=device, dtype=dtype).contiguous(), requires_grad=param.requires_grad)
-                new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
-                replaced[id(param)] = new
-            setattr(module, local_name, replaced[id(param)])
+    """Give every parameter of `model` its deterministic initial value (Megatron's rules, drawn in full from
+    (seed, global name), then cut to this rank's shard) on `device`."""
+    materialize_parameters(model, lambda name, shape: draw_full_parameter(name, shape, cfg, seed), device, dtype)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from compat.torch_private import foreach_norm
 from model.param_info import ParamInfo, param_info
 from parallel.comm import Collectives
 from parallel.data_parallel import DataParallel
@@ -85,7 +86,7 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cp
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    norms = foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
     return torch.stack(norms).pow(2).sum()
 
 

@@ -1,46 +1,54 @@
-"""Build this rank's model chunks for any (tp, cp, pp, vp) layout, with the same weights as one process."""
+"""Build this rank's model chunks for any (tp, cp, pp, vp) layout, with the same weights as one process.
+
+`rank_spec` describes everything this rank's model does differently from one process's (model/rank_spec.py),
+once; `build_chunk_modules` builds each chunk whole from it on the meta device; `build_model_chunks` then
+gives every parameter its value, drawn in full from (seed, its global name) and cut to the local shard
+(model/init.py). Nothing replaces or wraps a module of a built chunk.
+"""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from model.kernels import select_kernels
 from model.param_info import param_info
+from model.rank_spec import RankSpec, Recompute
 from parallel.context_parallel import context_parallel_hooks
-from parallel.random import RNGTracker
+from parallel.layout import check_tensor_parallel
+from parallel.random import RNGTracker, dropout_streams
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import tensor_parallel_hooks, tp_comm
 from parallel.tp_mappings import CommCounter
 
 
-def build_model_chunks(
+def rank_spec(
     cfg: ModelConfig,
     state: ParallelState,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype,
     sequence_parallel: bool = False,
     rng_tracker: RNGTracker | None = None,
     comm_counter: CommCounter | None = None,
-    checkpoint_fn: Callable | None = None,
-    recompute: str = "none",
-    recompute_method: str = "uniform",
-    recompute_num_layers: int = 1,
-    compile_layers: bool = False,
-    compile_backend: str = "inductor",
-) -> list[GPTModel]:
-    """The vp_size chunks of this pipeline rank: built on the meta device with the tp group's hooks
-    (parallel/tensor_parallel.tensor_parallel_hooks), sharded over tp, then each
-    parameter drawn in full from (seed, its global name) and cut to the local shard (model/init.py);
-    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use). Which layers
-    each chunk holds is the state's stage map (`state.stages`: interleaved, or zb-v's V)."""
+    recompute: Recompute | None = None,
+) -> RankSpec:
+    """This rank's model description: the tp layers and hooks of its tp group (collectives counted in
+    `comm_counter`), ring attention over its cp group, the dropouts' random streams (`rng_tracker`; None: the
+    default generator), recomputation, and the config's fused kernels (registered here, once)."""
+    check_tensor_parallel(cfg, state.tp_size, sequence_parallel)
+    return RankSpec(
+        kernels=select_kernels(cfg),
+        tp=tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel),
+        cp=context_parallel_hooks(state),
+        dropout=dropout_streams(rng_tracker, sequence_parallel and state.tp_size > 1),
+        recompute=recompute or Recompute(),
+    )
+
+
+def build_chunk_modules(cfg: ModelConfig, state: ParallelState, spec: RankSpec) -> list[GPTModel]:
+    """The vp_size chunks of this pipeline rank, built whole from `spec` on the meta device (no weights yet).
+    Which layers each chunk holds is the state's stage map (`state.stages`: interleaved, or zb-v's V)."""
     chunks = []
-    hooks = tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel)
-    cp_hooks = context_parallel_hooks(state)
     for placement in state.stages.placements(cfg.num_layers, state.pp_rank):
         with torch.device("meta"):
             model = GPTModel(
@@ -49,19 +57,29 @@ def build_model_chunks(
                 placement.layer_ids,
                 placement.pre_process,
                 placement.post_process,
-                tp_hooks=hooks,
-                cp_hooks=cp_hooks,
+                spec=spec,
             )
-        model = apply_tensor_parallel(
-            model, state, sequence_parallel, comm_counter=comm_counter, rng_tracker=rng_tracker
-        )
+        chunks.append(model)
+    return chunks
+
+
+def build_model_chunks(
+    cfg: ModelConfig,
+    state: ParallelState,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    spec: RankSpec | None = None,
+    compile_layers: bool = False,
+    compile_backend: str = "inductor",
+) -> list[GPTModel]:
+    """This rank's chunks with their initial weights on `device` (`spec` default: `rank_spec(cfg, state)`);
+    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
+    chunks = build_chunk_modules(cfg, state, spec or rank_spec(cfg, state))
+    for model in chunks:
         initialize_parameters(model, cfg, seed, device=device, dtype=dtype)
-        model.tie_weights()
-        if recompute != "none":
-            model.set_recompute(recompute, recompute_method, recompute_num_layers, checkpoint_fn)
         if compile_layers:
             model.compile_layers(compile_backend)
-        chunks.append(model)
     return chunks
 
 

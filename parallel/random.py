@@ -8,8 +8,9 @@ part (attention heads; anything along a sequence shard: otherwise the masks are 
     tracker's "model-parallel" state  seed + 100 * pp_rank + 2718 + tp_rank
 
 `RNGTracker.fork()` swaps the tracker's state into the device's default generator for the duration of a
-block. `ForkRNG` wraps a module so its forward runs inside `fork()`. `make_checkpoint_fn` builds the
-activation-checkpoint function that replays the same tracker-forked masks on recomputation.
+block. `dropout_streams` says which of the model's dropouts run inside `fork()` (model/rank_spec.DropoutStreams,
+given to GPTModel at construction). `make_checkpoint_fn` builds the activation-checkpoint function that replays
+the same tracker-forked masks on recomputation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch import nn
+
+from model.rank_spec import DropoutStreams
 
 MODEL_PARALLEL = "model-parallel"
 TP_SEED_OFFSET = 2718
@@ -115,18 +117,14 @@ class RNGTracker:
         self.set_states(state["tracker"])
 
 
-class ForkRNG(nn.Module):
-    """Runs `module` inside `tracker.fork()`: for dropout that lives in a tp or sequence-parallel region.
-    Holds no parameters, so parameter names of the model are unchanged."""
-
-    def __init__(self, module: nn.Module, tracker: RNGTracker):
-        super().__init__()
-        self.module = module
-        self.tracker = tracker
-
-    def forward(self, *args, **kwargs):
-        with self.tracker.fork():
-            return self.module(*args, **kwargs)
+def dropout_streams(rng_tracker: RNGTracker | None, sequence_parallel: bool) -> DropoutStreams:
+    """Which dropout draws from the tracker's tp-specific stream: the attention core always (it acts on this
+    rank's heads); the hidden and embedding dropouts under sequence parallelism (at tp > 1: each rank holds a
+    different slice of s), else the default generator (replicated activations need the same mask on every tp
+    rank). Without a tracker every dropout draws from the default generator (fine for dropout 0 and tests)."""
+    if rng_tracker is None:
+        return DropoutStreams()
+    return DropoutStreams(attention=rng_tracker.fork, hidden=rng_tracker.fork if sequence_parallel else None)
 
 
 class _RecomputeContext:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from model.config import ModelConfig
+from model.rank_spec import Recompute
 from model.shape import IterationFlops, RecomputeSettings, iteration_flops
 from parallel.layout import Layout
 from parallel.pipeline.stages import ChunkPlacement, StageMap
@@ -134,10 +135,7 @@ class RunShape:
         return [(c.pre_process, c.post_process) for c in self.chunks(pp_rank)]
 
     def recomputed_layers(self, chunk: ChunkPlacement) -> tuple[int, ...]:
-        """Layers of `chunk` whose forward full recomputation repeats in backward (GPTModel.set_recompute:
-        every layer with `uniform`, the first recompute_num_layers of the chunk with `block`)."""
-        if self.train.recompute != "full":
-            return ()
-        if self.train.recompute_method == "uniform":
-            return chunk.layer_ids
-        return chunk.layer_ids[: self.train.recompute_num_layers]
+        """Layers of `chunk` whose forward full recomputation repeats in backward: those GPTModel checkpoints
+        (model.rank_spec.Recompute: every layer with `uniform`, the first recompute_num_layers with `block`)."""
+        train = self.train
+        return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers).layer_ids(chunk.layer_ids)

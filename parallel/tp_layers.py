@@ -5,22 +5,22 @@
     VocabParallelEmbedding  rows of the table split by vocabulary, lookups outside the shard give 0
     vocab_parallel_cross_entropy  per-token loss from logits [s, b, V/tp] without gathering them
 
-Every parameter they create carries its ParamInfo (model/param_info.py): full_shape, the `Sharding` the layer
-declares (split dim, stacked parts; the real vocabulary rows kept from the model's table), tp_rank / tp_size and
-sequence_parallel, read by model/init.py, the checkpoint and the trainer.
+GPTModel builds them directly (parallel/tensor_parallel.tp_layer_factories). Every parameter they create carries
+its ParamInfo (model/param_info.py): full_shape, the `Sharding` the layer declares (split dim, stacked parts; the
+model marks the real vocabulary rows of its tables), tp_rank / tp_size and sequence_parallel, read by
+model/init.py (which gives it its value: the shard of the full tensor), the checkpoint and the trainer.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.param_info import REPLICATED, Sharding, param_info, set_param_info
+from model.param_info import REPLICATED, Sharding, set_param_info
 from parallel.layout import require_divisible
 from parallel.tp_mappings import (
     TPComm,
@@ -37,26 +37,14 @@ def _new_param(
     shape: tuple[int, ...],
     device: torch.device | str | None,
     dtype: torch.dtype | None,
-    template: nn.Parameter | None,
     comm: TPComm,
-    split: Sharding,
+    sharding: Sharding,
     **info: Any,
 ) -> nn.Parameter:
-    """A parameter of the local `shape`: the shard of `template`'s value when it has one (not meta),
-    else uninitialised (meta build: model/init.py fills it later). Its ParamInfo is the template's
-    (init_name, shared_embedding, the real vocabulary rows, ...) with the layer's split, the rank's place in
-    the tp group and the `info` fields set."""
-    valid_rows = None if template is None else param_info(template).sharding.valid_rows
-    sharding = replace(split, valid_rows=valid_rows)
-    if template is not None and not template.is_meta:
-        value = sharding.shard(template.detach(), comm.rank, comm.size).clone().contiguous()
-    else:
-        value = torch.empty(shape, device=device, dtype=dtype)
-    param = nn.Parameter(value, requires_grad=True if template is None else template.requires_grad)
-    if template is not None:
-        param.__dict__.update(template.__dict__)
-    fields = {"sequence_parallel": False, **info, "sharding": sharding, "tp_rank": comm.rank, "tp_size": comm.size}
-    set_param_info(param, **fields)
+    """An uninitialised parameter of the local `shape` (model/init.py gives it its value, the shard of the
+    full tensor), its ParamInfo carrying the layer's split, the rank's place in the tp group and `info`."""
+    param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    set_param_info(param, sharding=sharding, tp_rank=comm.rank, tp_size=comm.size, **info)
     return param
 
 
@@ -72,29 +60,15 @@ def _check_divisible(what: str, value: int, size: int) -> None:
     require_divisible(what, value, "parallel.tp_size", size)
 
 
-_L = TypeVar("_L", bound="_ParallelLinear")
-
-
 class _ParallelLinear(nn.Module):
-    """What ColumnParallelLinear and RowParallelLinear share: building from an nn.Linear, and making the
-    weight [out(/tp), in(/tp)] and bias from the layer's split (the subclass says which dimension)."""
+    """What ColumnParallelLinear and RowParallelLinear share: making the weight [out(/tp), in(/tp)] and bias
+    from the layer's split (the subclass says which dimension)."""
 
     comm: TPComm
     in_features: int
     out_features: int
     weight: nn.Parameter
     bias: nn.Parameter | None
-
-    @classmethod
-    def from_linear(cls: type[_L], linear: nn.Linear, comm: TPComm, **kwargs: Any) -> _L:
-        """The parallel version of `linear` (meta or real: a real weight keeps its own values, sharded)."""
-        like_linear: dict[str, Any] = {
-            "bias": linear.bias is not None,
-            "device": linear.weight.device,
-            "dtype": linear.weight.dtype,
-            "template": linear,
-        }
-        return cls(linear.in_features, linear.out_features, comm, **like_linear, **kwargs)
 
     def _make_params(
         self,
@@ -104,19 +78,11 @@ class _ParallelLinear(nn.Module):
         bias_split: Sharding,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
-        template: nn.Linear | None,
         bias_sequence_parallel: bool = False,
     ) -> None:
-        """Set self.weight (local `weight_shape`) and self.bias (local `bias_shape`, None: no bias), the
-        shards of `template`'s values when it has real ones."""
+        """Set self.weight (local `weight_shape`) and self.bias (local `bias_shape`, None: no bias)."""
         self.weight = _new_param(
-            weight_shape,
-            device,
-            dtype,
-            getattr(template, "weight", None),
-            self.comm,
-            weight_split,
-            full_shape=(self.out_features, self.in_features),
+            weight_shape, device, dtype, self.comm, weight_split, full_shape=(self.out_features, self.in_features)
         )
         self.bias = None
         if bias_shape is not None:
@@ -124,7 +90,6 @@ class _ParallelLinear(nn.Module):
                 bias_shape,
                 device,
                 dtype,
-                getattr(template, "bias", None),
                 self.comm,
                 bias_split,
                 full_shape=(self.out_features,),
@@ -141,7 +106,6 @@ class ColumnParallelLinear(_ParallelLinear):
     or the vocab-parallel loss). `num_stacked` blocks along `out` are split separately (SwiGLU's fc1).
     """
 
-    # Twin of RowParallelLinear.__init__: the same leading signature, which from_linear fills for both.
     def __init__(
         self,
         in_features: int,
@@ -154,7 +118,6 @@ class ColumnParallelLinear(_ParallelLinear):
         num_stacked: int = 1,
         device=None,
         dtype=None,
-        template: nn.Linear | None = None,
     ):
         super().__init__()
         _check_divisible(f"output size per block ({num_stacked} blocks)", out_features // num_stacked, comm.size)
@@ -164,9 +127,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.in_features, self.out_features = in_features, out_features
         out_local = out_features // comm.size
         split = Sharding(dim=0, parts=num_stacked)
-        self._make_params(
-            (out_local, in_features), split, (out_local,) if bias else None, split, device, dtype, template
-        )
+        self._make_params((out_local, in_features), split, (out_local,) if bias else None, split, device, dtype)
 
     def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
         """[s(/tp), b, in] -> [s, b, out/tp]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
@@ -193,7 +154,6 @@ class RowParallelLinear(_ParallelLinear):
     under sequence parallelism its gradient is partial, so it is marked `sequence_parallel`.
     """
 
-    # Twin of ColumnParallelLinear.__init__: the same leading signature, which from_linear fills for both.
     def __init__(
         self,
         in_features: int,
@@ -204,7 +164,6 @@ class RowParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False,
         device=None,
         dtype=None,
-        template: nn.Linear | None = None,
     ):
         super().__init__()
         _check_divisible("input size", in_features, comm.size)
@@ -213,9 +172,7 @@ class RowParallelLinear(_ParallelLinear):
         # The bias is replicated, added once after the reduction; under sequence parallelism its grad is partial.
         bias_shape = (out_features,) if bias else None
         weight_shape = (out_features, in_features // comm.size)
-        self._make_params(
-            weight_shape, Sharding(dim=1), bias_shape, REPLICATED, device, dtype, template, sequence_parallel
-        )
+        self._make_params(weight_shape, Sharding(dim=1), bias_shape, REPLICATED, device, dtype, sequence_parallel)
 
     def forward(self, x_local: torch.Tensor, skip_bias_add: bool = False):
         """[s, b, in/tp] -> [s(/tp), b, out]; with skip_bias_add (y without bias, bias) for a fused epilogue."""
@@ -247,7 +204,6 @@ class VocabParallelEmbedding(nn.Module):
         *,
         device=None,
         dtype=None,
-        template: nn.Embedding | None = None,
     ):
         super().__init__()
         _check_divisible("padded vocabulary size", num_embeddings, comm.size)
@@ -259,21 +215,9 @@ class VocabParallelEmbedding(nn.Module):
             (rows_local, embedding_dim),
             device,
             dtype,
-            getattr(template, "weight", None),
             comm,
             Sharding(dim=0),
             full_shape=(num_embeddings, embedding_dim),
-        )
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, comm: TPComm) -> VocabParallelEmbedding:
-        return cls(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            comm,
-            device=embedding.weight.device,
-            dtype=embedding.weight.dtype,
-            template=embedding,
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

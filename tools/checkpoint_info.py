@@ -22,29 +22,27 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.loader import read_dcp_metadata
-from training.checkpoint.train_state import read_train_state
+from training.checkpoint.train_state import describe_layout, read_train_state
 
 
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     """Human-readable lines about the checkpoint in iter_dir."""
     if files.is_legacy(iter_dir):
+        if not os.path.isfile(os.path.join(iter_dir, "mp_rank_00_000", "dp_rank_000.pt")):  # format 1 writes it
+            raise CheckpointError(
+                f"{iter_dir} is not a checkpoint of this project: mp_rank folders without dp_rank files are "
+                "Megatron-LM's; convert it with tools/convert_checkpoint.py from-megatron"
+            )
         return [f"checkpoint {iter_dir}: per-rank format of earlier versions (loads only at its own layout)"]
     saved = read_train_state(iter_dir)
     metadata = read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata
-    layout = saved.layout
     model = saved.config.get("model", {})
     lines = [
         f"checkpoint {iter_dir}",
         f"  iteration {saved.iteration}, {saved.progress.consumed_samples} samples consumed, "
         f"format {saved.format_version}",
-        "  saved at tp {tp} x pp {pp} x vp {vp} x dp {dp} (world {world_size}), sequence parallel "
-        "{sequence_parallel}, distributed optimizer {distributed_optimizer}".format(
-            **{
-                k: layout.get(k)
-                for k in ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel", "distributed_optimizer")
-            }
-        ),
+        f"  saved at {describe_layout(saved.layout)}",
         "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
         f"  optimizer state: {'present' if saved.has_optimizer else 'absent (weights only)'}",
         f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in {len(files.read_checksums(iter_dir))} files",
@@ -66,12 +64,7 @@ def verify(iter_dir: str) -> None:
         raise CheckpointError(f"{iter_dir} is in the per-rank format of earlier versions: it has no checksums")
     files.verify_files(iter_dir)
     metadata = read_dcp_metadata(iter_dir)
-    for index, info in (metadata.storage_data or {}).items():
-        path = os.path.join(iter_dir, info.relative_path)
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint file {path} (holding {index.fqn}) is missing")
-        if info.offset + info.length > os.path.getsize(path):
-            raise CheckpointError(f"checkpoint file {path} is too short for {index.fqn} (truncated)")
+    files.check_storage_extents(iter_dir, metadata)
 
 
 def newer_failures(path: str, iter_dir: str) -> list[str]:

@@ -25,48 +25,41 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 
 import torch
 import yaml
 
-from config.schema import (
-    Config,
-    ConfigError,
-    DataConfig,
-    ParallelConfig,
-    TrainConfig,
-    config_from_dict,
-)
+from config.schema import Config, ConfigError, DataConfig, config_from_dict
 from convert.hf_folder import (
     DTYPES,
     HF_DTYPE_NAMES,
     HFFolderError,
-    check_output_free,
+    check_tokenizer_files,
+    hf_model_config,
     hf_tokenizer_json,
     parse_size,
-    read_config,
-    read_weights,
+    read_hf_weights,
     sentencepiece_normalizer,
-    staged_folder,
     tokenizer_section,
     write_tokenizer,
     write_weights,
 )
 from convert.hf_mapping import (
     UnsupportedModelError,
-    from_hf_state_dict,
     hf_config,
-    model_config_from_hf,
     to_hf_state_dict,
 )
 from convert.model_weights import (
     check_finite,
+    check_layout,
     checkpoint_iteration,
     load_global_state,
     loaded_iteration,
     save_global_state,
 )
+from convert.staging import Stopped, check_output_free, staged_file, staged_folder
 from model.config import ModelConfig
 from training.checkpointing import CheckpointError
 
@@ -77,11 +70,6 @@ INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, Unsupported
 def model_config_of(config: dict) -> ModelConfig:
     """The model section of a saved run config."""
     return config_from_dict(config).model
-
-
-def aside(out_path: str) -> str:
-    """The temporary path beside out_path that is renamed onto it once complete."""
-    return f"{os.path.normpath(out_path)}.tmp-{os.getpid()}"
 
 
 # ---- to-hf -----------------------------------------------------------------------------------------
@@ -146,13 +134,9 @@ def _write_json(path: str, value: dict) -> None:
 
 # ---- from-hf / from-megatron -----------------------------------------------------------------------
 def layout_section(cfg: ModelConfig, tp: int, pp: int, vp: int) -> dict:
-    """The parallel section for the asked layout, checked against the model by parallel/layout.py (one line
+    """The parallel section for the asked layout, checked against the model by the trainer's rules (one line
     naming both values when it cannot split the model)."""
-    from parallel.layout import build_layout
-
-    parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
-    build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
-    return Config(model=cfg, parallel=parallel).to_dict()["parallel"]
+    return Config(model=cfg, parallel=check_layout(cfg, tp, pp, vp)).to_dict()["parallel"]
 
 
 def write_our_checkpoint(out: str, cfg: ModelConfig, tensors: dict, data: dict | None, parallel: dict) -> str:
@@ -190,13 +174,16 @@ def copy_tokenizer_files(data: dict, root: str) -> dict:
 
 
 def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
-    """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout."""
+    """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout. The config,
+    the weights and the tokenizer files are checked against each other before anything is written."""
     check_output_free(out)  # before reading the weights
-    cfg = model_config_from_hf(read_config(hf_dir))
-    parallel = layout_section(cfg, tp, pp, vp)
-    tensors = from_hf_state_dict(cfg, read_weights(hf_dir))
-    check_finite(tensors, hf_dir)
-    return write_our_checkpoint(out, cfg, tensors, tokenizer_section(hf_dir), parallel)
+    cfg = hf_model_config(hf_dir)
+    parallel = layout_section(cfg, tp, pp, vp)  # before reading the weights too
+    tensors = read_hf_weights(hf_dir, cfg)
+    data = tokenizer_section(hf_dir)
+    if data is not None:
+        check_tokenizer_files(data, cfg.vocab_size or 0)
+    return write_our_checkpoint(out, cfg, tensors, data, parallel)
 
 
 def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
@@ -207,7 +194,9 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     check_finite(tensors, megatron_dir)
     parallel = layout_section(cfg, tp, pp, vp)
-    if data is None:
+    if data is not None:
+        check_tokenizer_files(data, cfg.vocab_size or 0)
+    else:
         print(
             f"warning: {megatron_dir} names no tokenizer this project reads (files on this machine, or "
             f"NullTokenizer with args.vocab_size); only the vocabulary size "
@@ -244,14 +233,8 @@ def consolidate(checkpoint: str, out_file: str) -> str:
     if os.path.isdir(out_file):
         raise ValueError(f"output {out_file} is a folder; give a file name such as model.pt")
     tensors = {name: t.clone() for name, t in tensors.items()}  # the tied output shares no storage then
-    tmp = aside(out_file)
-    try:
+    with staged_file(out_file) as tmp:
         torch.save({"config": config, "model": tensors}, tmp)
-        os.replace(tmp, out_file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return out_file
 
 
@@ -281,23 +264,45 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_layout_flags(args: argparse.Namespace) -> None:
+    """--tp / --pp / --vp below 1 named as the flag the user typed (the trainer's rules check the rest)."""
+    for flag in ("tp", "pp", "vp"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise ValueError(f"--{flag} {value}: a parallel size must be >= 1")
+
+
+def run(args: argparse.Namespace) -> None:
+    """The conversion `args.command` names."""
+    if args.command == "to-hf":
+        to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+        print(f"wrote {args.out_dir}")
+    elif args.command == "from-hf":
+        print(f"wrote {from_hf(args.hf_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
+    elif args.command == "from-megatron":
+        print(f"wrote {from_megatron(args.megatron_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
+    elif args.command == "to-megatron":
+        print(f"wrote {to_megatron(args.checkpoint, args.out_dir, args.tp, args.pp, args.vp)}")
+    else:
+        print(f"wrote {consolidate(args.checkpoint, args.out_file)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    out = getattr(args, "out_dir", None) or getattr(args, "out_checkpoint", None) or args.out_file
     try:
-        if args.command == "to-hf":
-            to_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
-            print(f"wrote {args.out_dir}")
-        elif args.command == "from-hf":
-            print(f"wrote {from_hf(args.hf_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
-        elif args.command == "from-megatron":
-            print(f"wrote {from_megatron(args.megatron_dir, args.out_checkpoint, args.tp, args.pp, args.vp)}")
-        elif args.command == "to-megatron":
-            print(f"wrote {to_megatron(args.checkpoint, args.out_dir, args.tp, args.pp, args.vp)}")
-        else:
-            print(f"wrote {consolidate(args.checkpoint, args.out_file)}")
+        check_layout_flags(args)
+        run(args)
     except INPUT_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        print(
+            f"stopped by {signal.Signals(signum).name}: {out} was not written (nothing half-written left)",
+            file=sys.stderr,
+        )
+        return 128 + signum
     return 0
 
 

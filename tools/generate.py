@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from config.cli import numbers_as_values
 from config.schema import ConfigError, config_from_dict
-from convert.hf_folder import HFFolderError, read_config, read_weights, tokenizer_section
-from convert.hf_mapping import UnsupportedModelError, from_hf_state_dict, model_config_from_hf
-from convert.model_weights import build_model_from_state, check_finite, load_global_state, loaded_iteration
+from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
+from convert.hf_mapping import UnsupportedModelError
+from convert.model_weights import build_model_from_state, load_global_state, loaded_iteration
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
@@ -39,15 +39,13 @@ INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, Unsupported
 def load_model_source(path: str) -> tuple[ModelConfig, dict, dict]:
     """(model config, global state dict, tokenizer keys of the data section) of a checkpoint or HF folder."""
     if os.path.isfile(os.path.join(path, "config.json")):
-        cfg = model_config_from_hf(read_config(path))
+        cfg = hf_model_config(path)
         tokenizer = tokenizer_section(path)
         if tokenizer is None:
             raise HFFolderError(
                 f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt, tokenizer.model or tokenizer.json)"
             )
-        tensors = from_hf_state_dict(cfg, read_weights(path))
-        check_finite(tensors, path)  # NaN weights would fail deep inside sampling
-        return cfg, tensors, tokenizer
+        return cfg, read_hf_weights(path, cfg), tokenizer  # checked: NaN weights would fail deep inside sampling
     config, tensors = load_global_state(path)
     print(f"loaded {loaded_iteration(path)}", file=sys.stderr)  # which weights generate, when a run saves many
     return config_from_dict(config).model, tensors, config["data"]

@@ -13,11 +13,14 @@ import torch
 from config.cli import one_config_file
 from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
+from model.kernels import KernelSelection
+from model.rank_spec import RankSpec
 from parallel.layout import Layout, layout_from_config
+from parallel.model_builder import build_chunk_modules
 from parallel.rank_grid import RankGrid
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import tensor_parallel_hooks, tp_comm
 from planner.activations import shape_from_config
 from planner.collectives import LayoutCollectives
 from planner.memory import layout_memory
@@ -26,6 +29,8 @@ from planner.memory import layout_memory
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
     """The chunks one rank would hold, built on the meta device (tensor-parallel shards included)."""
     par = config.parallel
+    if not (0 <= tp_rank < par.tp_size and 0 <= pp_rank < par.pp_size):
+        raise ValueError(f"no rank tp {tp_rank}, pp {pp_rank} at tp_size {par.tp_size}, pp_size {par.pp_size}")
     shape = RunShape.of(config, layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size))
     grid = RankGrid.megatron(tp=par.tp_size, cp=par.cp_size, dp=dp_size, pp=par.pp_size)
     state = ParallelState(
@@ -38,20 +43,9 @@ def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> lis
         cp_size=par.cp_size,
         v_shape=shape.stages.v_shape,
     )
-    chunks = []
-    hooks = tensor_parallel_hooks(tp_comm(state), par.sequence_parallel)
-    for placement in shape.chunks(pp_rank):  # zb-v: chunks in a V (parallel/pipeline/stages.py)
-        with torch.device("meta"):
-            model = GPTModel(
-                config.model,
-                shape.padded_vocab,
-                placement.layer_ids,
-                placement.pre_process,
-                placement.post_process,
-                tp_hooks=hooks,
-            )
-            chunks.append(apply_tensor_parallel(model, state, par.sequence_parallel))
-    return chunks
+    # the parameters depend on the tp split alone: the spec of the rank's tp group, nothing else
+    spec = RankSpec(kernels=KernelSelection(), tp=tensor_parallel_hooks(tp_comm(state), par.sequence_parallel))
+    return build_chunk_modules(config.model, state, spec)  # zb-v: chunks in a V (state.stages)
 
 
 def count(chunks: list[GPTModel]) -> int:

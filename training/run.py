@@ -18,10 +18,11 @@ import yaml
 from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
+from model.rank_spec import Recompute
 from parallel.comm import CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
-from parallel.model_builder import build_model_chunks, count_parameters
+from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
@@ -162,19 +163,17 @@ def build_chunks(
     """This rank's model chunks (its virtual pipeline stages, tp-sharded), in the run's parameter dtype."""
     train_cfg, model_cfg = config.train, config.model
     dtype = param_dtype(train_cfg.precision)
+    recompute = Recompute(
+        train_cfg.recompute, train_cfg.recompute_method, train_cfg.recompute_num_layers, make_checkpoint_fn(rng_tracker)
+    )
+    spec = rank_spec(model_cfg, state, layout.sequence_parallel, rng_tracker, comm, recompute)
     chunks = build_model_chunks(
         model_cfg,
         state,
         train_cfg.seed,
         env.device,
         dtype,
-        layout.sequence_parallel,
-        rng_tracker=rng_tracker,
-        comm_counter=comm,
-        checkpoint_fn=make_checkpoint_fn(rng_tracker),
-        recompute=train_cfg.recompute,
-        recompute_method=train_cfg.recompute_method,
-        recompute_num_layers=train_cfg.recompute_num_layers,
+        spec,
         compile_layers=train_cfg.compile,
         compile_backend=train_cfg.compile_backend,
     )

@@ -15,13 +15,15 @@ model's original code, so the default configuration computes exactly what it com
                           chunked over tokens (torch chunks without Triton)
 
 Selection: `model.fused_kernels=true` turns every kernel on; `model.fused_kernel_names=[norm, rotary]` then
-keeps only those (KernelSelection.from_config).
+keeps only those. `select_kernels(cfg)` makes the selection once per model build (model/rank_spec.py) and
+registers the custom ops it needs (model/kernels/registry.py: an explicit, idempotent call; importing this
+package registers nothing); every module of the model holds that one selection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -29,17 +31,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.kernels import reference
-from model.kernels.backend import backend_name, triton_runs
+from model.kernels.backend import backend_name, triton_installed, triton_runs
 from model.kernels.cross_entropy import CrossEntropyReductions, chunked_linear_cross_entropy
+from model.kernels.registry import KernelOps, register_kernel_ops
 
 KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy")
 
 
 @dataclass(frozen=True)
 class KernelSelection:
-    """Which fused kernels the model uses (empty: none, the default)."""
+    """Which fused kernels the model uses (empty: none, the default), and their registered ops (None until
+    `registered()`: `select_kernels` does both)."""
 
     names: frozenset[str] = frozenset()
+    ops: KernelOps | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_model_config(cls, cfg) -> KernelSelection:
@@ -48,6 +53,22 @@ class KernelSelection:
             return cls()
         names = cfg.fused_kernel_names
         return cls(frozenset(KERNEL_NAMES if names is None else names))
+
+    def registered(self) -> KernelSelection:
+        """This selection with its custom ops registered; nothing to register when no kernel is selected or
+        Triton is not installed (every op then takes its torch path)."""
+        if not self.names or not triton_installed() or self.ops is not None:
+            return self
+        return replace(self, ops=register_kernel_ops())
+
+    def fused_ops(self) -> KernelOps:
+        """The registered ops (called only where a selected kernel runs in Triton)."""
+        if self.ops is None:
+            raise RuntimeError(
+                "fused kernels are selected but their ops were never registered: build the model from a RankSpec "
+                "(model/rank_spec.py) or call KernelSelection.registered()"
+            )
+        return self.ops
 
     def uses(self, name: str) -> bool:
         return name in self.names
@@ -66,16 +87,19 @@ class KernelSelection:
         return f"fused kernels: {chosen} via {path}"
 
 
+def select_kernels(cfg) -> KernelSelection:
+    """The model config's kernels, their ops registered: the one call a model build makes."""
+    return KernelSelection.from_model_config(cfg).registered()
+
+
 def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.Tensor:
     """module(x) for an nn.LayerNorm / nn.RMSNorm, fused when selected and Triton runs."""
     if not (kernels.uses("norm") and triton_runs(x.device)):
         return module(x)
-    from model.kernels import ops
-
     is_rms = isinstance(module, nn.RMSNorm)
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     weight, bias = cast(torch.Tensor, module.weight), None if is_rms else cast(torch.Tensor | None, module.bias)
-    return ops.norm(x, weight, bias, float(cast(float, eps)), is_rms)
+    return kernels.fused_ops().norm(x, weight, bias, float(cast(float, eps)), is_rms)
 
 
 def linear_skip_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,8 +124,7 @@ def linear_activation(
     y, bias = linear_skip_bias(fc1, x)
     if not triton_runs(y.device):
         return (reference.bias_swiglu if swiglu else reference.bias_gelu)(y, bias)
-    from model.kernels import ops
-
+    ops = kernels.fused_ops()
     return (ops.bias_swiglu if swiglu else ops.bias_gelu)(y, bias)
 
 
@@ -119,10 +142,8 @@ def bias_dropout_add(
     hence the same mask; the kernel then adds bias, applies the mask and adds the residual in one pass."""
     if not fuses_bias_dropout_add(kernels, y.device):
         return reference.bias_dropout_add(y, bias, residual, dropout)
-    from model.kernels import ops
-
     scaled_mask = dropout(torch.ones_like(y)) if training and dropout_p > 0 else None
-    return ops.bias_dropout_add(y, bias, residual, scaled_mask)
+    return kernels.fused_ops().bias_dropout_add(y, bias, residual, scaled_mask)
 
 
 def fuses_bias_dropout_add(kernels: KernelSelection, device: torch.device) -> bool:
@@ -136,9 +157,7 @@ def rotary_qk(
     """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d]."""
     if not (kernels.uses("rotary") and triton_runs(q.device)):
         return reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
-    from model.kernels import ops
-
-    return ops.rotary_qk(q, k, cos, sin)
+    return kernels.fused_ops().rotary_qk(q, k, cos, sin)
 
 
 def fused_linear_cross_entropy(
@@ -162,6 +181,7 @@ _chunked_loss_eager = torch.compiler.disable(chunked_linear_cross_entropy)
 __all__ = [
     "KERNEL_NAMES",
     "CrossEntropyReductions",
+    "KernelOps",
     "KernelSelection",
     "bias_dropout_add",
     "fused_linear_cross_entropy",
@@ -170,4 +190,5 @@ __all__ = [
     "linear_skip_bias",
     "norm",
     "rotary_qk",
+    "select_kernels",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from compat.torch_private import fused_sdp_choice
 from model.config import ModelConfig
 
 _NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
@@ -19,8 +20,9 @@ def sdpa_backend(
     training: bool = True,
 ) -> str:
     """The backend SDPA dispatches to for this model's attention call (causal, no explicit mask), asked of
-    torch's own selector on small probe tensors of the real head shape; 'unknown' if torch cannot say."""
-    choose = getattr(torch, "_fused_sdp_choice", None)
+    torch's own selector (a private name: compat/torch_private.py) on small probe tensors of the real head
+    shape; 'unknown' if torch cannot say."""
+    choose = fused_sdp_choice()
     if choose is None:
         return "unknown"
     heads = max(1, cfg.num_attention_heads // tp_size)

@@ -1,9 +1,10 @@
-"""The Triton kernels as torch custom operators: bias+GeLU, bias+SwiGLU, bias+dropout+add, LayerNorm, RMSNorm
-and rotary embedding, each with a fake (meta) implementation and an autograd formula whose backward is itself
-a custom op. Each computes in fp32 inside the kernel and returns the input's dtype, as the references in
-model/kernels/reference.py do. Call them only where `triton_runs(tensor)` says Triton can run.
+"""The Triton launches behind the fused ops: bias+GeLU, bias+SwiGLU, bias+dropout+add, LayerNorm, RMSNorm and
+rotary embedding, forwards and backwards, as plain functions. model/kernels/registry.py registers each one as
+a torch custom operator (with its fake implementation and autograd formula); the model calls the registered
+ops, never these functions directly. Each computes in fp32 inside the kernel and returns the input's dtype, as
+the references in model/kernels/reference.py do. They run only where `triton_runs(tensor)` says Triton can.
 
-Under torch.compile (train.compile) a compiled layer holds these ops without a graph break:
+Under torch.compile (train.compile) a compiled layer holds the registered ops without a graph break:
 - with compiled Triton (CUDA, interpreter off) they are `torch.library.triton_op`s whose launches go through
   `wrap_triton`, so inductor sees the kernels themselves;
 - under Triton's interpreter (CPU tests, TRITON_INTERPRET=1), or on a torch without triton_op, they are
@@ -13,7 +14,6 @@ Either way eager calls run the same launches, so the numbers do not depend on th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,17 +21,8 @@ import torch
 from model.kernels.backend import interpreter_on, triton_kernels
 
 ELEMENTWISE_BLOCK = 1024  # elements per program of the elementwise kernels (model/kernels/aot.py compiles it)
-OP_NAMESPACE = "gpt_kernels"
 # triton_op where the kernels are compiled and torch has it (2.6+; the GPU machine's 2.11 has it), else custom_op
 USES_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreter_on()
-
-
-def _define(name: str) -> Callable[[Callable[..., Any]], Any]:
-    """Decorator: register `fn` as the op gpt_kernels::<name> (no argument is mutated: outputs are fresh)."""
-    qualname = f"{OP_NAMESPACE}::{name}"
-    if USES_TRITON_OP:
-        return torch.library.triton_op(qualname, mutates_args=())
-    return torch.library.custom_op(qualname, mutates_args=())
 
 
 def _launcher(kernel: Any) -> Any:
@@ -45,7 +36,7 @@ def _launch_elementwise(kernel: Any, n_elements: int, *args: Any, **constexprs: 
     _launcher(kernel)[grid](*args, n_elements, **constexprs, BLOCK=ELEMENTWISE_BLOCK)
 
 
-def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """Sum of grad [..., n] over every dim but the last, accumulated in fp32, in the bias dtype."""
     if bias is None:
         return None
@@ -65,7 +56,6 @@ def _bias_activation_bwd(
 
 
 # ---- bias + GeLU: gelu(y + bias) [..., F] ----------------------------------------------------------------
-@_define("bias_gelu")
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu(y + bias), y [..., F], bias [F] or None."""
     y = y.contiguous()
@@ -76,14 +66,12 @@ def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-@_define("bias_gelu_bwd")
 def bias_gelu_bwd(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """d gelu(y + bias) / dy * grad."""
     return _bias_activation_bwd("bias_gelu_bwd", y.numel(), grad, y, bias, N_COLS=y.shape[-1])
 
 
 # ---- bias + SwiGLU: silu(gate) * up with [gate, up] = y + bias, y [..., 2F] -> [..., F] --------------------
-@_define("bias_swiglu")
 def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """silu(gate) * up of [gate, up] = y + bias, y [..., 2F] -> [..., F]."""
     y = y.contiguous()
@@ -94,14 +82,12 @@ def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-@_define("bias_swiglu_bwd")
 def bias_swiglu_bwd(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The gradient of bias_swiglu with respect to y [..., 2F], from grad [..., F]."""
     return _bias_activation_bwd("bias_swiglu_bwd", grad.numel(), grad, y, bias, F=y.shape[-1] // 2)
 
 
 # ---- bias + dropout + residual add: residual + scaled_mask * (y + bias) ------------------------------------
-@_define("bias_dropout_add")
 def bias_dropout_add(
     y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, scaled_mask: torch.Tensor | None
 ) -> torch.Tensor:
@@ -123,7 +109,6 @@ def bias_dropout_add(
     return out
 
 
-@_define("mul")
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a * b elementwise (the dropout backward: grad * scaled mask)."""
     a = a.contiguous()
@@ -147,7 +132,7 @@ def warps_for(elements: int) -> int:
     return min(16, max(4, elements // 512))
 
 
-def _backward_programs(n_rows: int, block_rows: int, device: torch.device) -> tuple[int, int]:
+def backward_programs(n_rows: int, block_rows: int, device: torch.device) -> tuple[int, int]:
     """(programs, row blocks per program) of the norm backward: enough programs to fill the device (SMs x 4)
     and few partial dw rows to sum."""
     blocks = -(-n_rows // block_rows)
@@ -156,7 +141,6 @@ def _backward_programs(n_rows: int, block_rows: int, device: torch.device) -> tu
     return -(-blocks // iters), iters
 
 
-@_define("norm_fwd")
 def norm_fwd(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -187,7 +171,6 @@ def norm_fwd(
     return y, mean, rstd
 
 
-@_define("norm_bwd")
 def norm_bwd(
     grad: torch.Tensor,
     x2d: torch.Tensor,
@@ -202,7 +185,7 @@ def norm_bwd(
     n_rows, hidden = x2d.shape
     block_h = tk.next_power_of_2(hidden)
     block_rows = rows_per_block(block_h, n_rows, x2d.device)
-    programs, iters = _backward_programs(n_rows, block_rows, x2d.device)
+    programs, iters = backward_programs(n_rows, block_rows, x2d.device)
     grad_x = torch.empty_like(x2d)
     dw_part = torch.empty(programs, hidden, device=x2d.device, dtype=torch.float32)
     # without a bias the kernel writes no db: hand it dw's buffer and return an empty db (outputs may not alias)
@@ -229,7 +212,6 @@ def norm_bwd(
 
 
 # ---- rotary embedding ------------------------------------------------------------------------------------
-@_define("rotate")
 def rotate(x: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, backward: bool) -> torch.Tensor:
     """x [s, b, n, d] rotated by cos/sin [T = s*b, d] (by the inverse rotation when `backward`)."""
     tk = triton_kernels()
@@ -254,26 +236,3 @@ def rotate(x: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, backward: 
         num_warps=warps_for(block_t * block_heads * block_half),
     )
     return out
-
-
-# ---- the public entry points the dispatch functions in model/kernels/__init__.py call ---------------------
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
-    """LayerNorm (with or without bias) or RMSNorm of x [..., h] over the last dim."""
-    y, _, _ = norm_fwd(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, eps, is_rms)
-    return y.view(x.shape)
-
-
-def rotary_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d] (no gradient to the angles)."""
-    s, b, _, dim = q.shape
-    cos2d = cos.detach().expand(s, b, 1, dim).reshape(s * b, dim).contiguous()  # [T, d]
-    sin2d = sin.detach().expand(s, b, 1, dim).reshape(s * b, dim).contiguous()
-    return rotate(q, cos2d, sin2d, False), rotate(k, cos2d, sin2d, False)
-
-
-# the custom ops themselves, for opcheck and the graph-break test
-CUSTOM_OPS = (bias_gelu, bias_gelu_bwd, bias_swiglu, bias_swiglu_bwd, bias_dropout_add, mul, norm_fwd, norm_bwd, rotate)
-
-from model.kernels import op_autograd  # noqa: E402,F401  (registers fake kernels and autograd on the ops above)

@@ -5,9 +5,9 @@ module only walks it. The same code path serves every layout: with pp = 1 there 
 
 Memory: a stage output is freed as soon as it is sent. Only its autograd graph is needed for backward, so,
 like Megatron, the executor replaces `out.data` with a 1-element tensor after the send and later runs
-backward through the autograd engine directly (`Variable._execution_engine.run_backward`), which does not
-check that the gradient's shape matches the (now tiny) output. Where that engine entry is missing the
-output keeps its data and backward goes through `torch.autograd.backward` (correct, more memory).
+backward through the autograd engine directly (a private torch name: compat/torch_private.AUTOGRAD_ENGINE),
+which does not check that the gradient's shape matches the (now tiny) output. Where that engine entry is
+missing the output keeps its data and backward goes through `torch.autograd.backward` (correct, more memory).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from compat.torch_private import autograd_engine, is_view
 from parallel.pipeline.p2p import StageComm, needed_message, produced_message
 from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.schedules import Action, Op, unhandled_op
@@ -51,16 +52,10 @@ class ScheduleResult:
     max_in_flight: int  # max number of (micro-batch, chunk) forwards whose backward (or WEIGHT) had not yet run
 
 
-def engine_backward_available() -> bool:
-    """Whether the autograd engine entry used by the output-deallocation trick exists in this torch."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    return engine is not None and hasattr(engine, "run_backward")
-
-
 def deallocate_output(out: torch.Tensor) -> bool:
     """Replace `out.data` by a 1-element tensor (keeping its graph); False when that is not safe."""
-    if not engine_backward_available() or out._base is not None or out.grad_fn is None:
-        return False  # a view shares its base's storage; a leaf (e.g. the input passed through) has no graph
+    if autograd_engine() is None or is_view(out) in (True, None) or out.grad_fn is None:
+        return False  # a view (or one torch cannot tell) shares its base's storage; a leaf has no graph
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
     return True
 

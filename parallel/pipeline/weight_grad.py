@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from compat.torch_private import autograd_engine
+
 Grads = tuple[torch.Tensor | None, ...]
 
 
@@ -47,8 +49,8 @@ def engine_run(
     """The autograd engine without the shape check of torch.autograd.backward/grad, which would trip on an
     output deallocated by the executor (its `.data` is a 1-element tensor; the graph is intact). Where that
     engine entry is missing the executor keeps outputs whole and the public functions do the same work."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None or not hasattr(engine, "run_backward"):
+    engine = autograd_engine()  # private torch: compat/torch_private.AUTOGRAD_ENGINE
+    if engine is None:
         if accumulate:
             torch.autograd.backward(roots, list(grads), retain_graph=keep_graph, inputs=list(inputs) or None)
             return ()

@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from model.kernels import ops, reference
+from model.kernels import reference
 from model.kernels.backend import backend_name
 from model.kernels.cross_entropy import chunked_linear_cross_entropy
+from model.kernels.registry import register_kernel_ops
 
 
 def measure(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> tuple[float, float]:
@@ -53,6 +54,7 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     """name -> (fused fn, reference fn) on fresh leaf tensors."""
     s, b, h = args.tokens // 4, 4, args.hidden
     ffn, d = 4 * h, h // args.heads
+    ops = register_kernel_ops()  # the fused ops, registered as a model build does
 
     def leaf(*shape, scale=1.0):
         return (scale * torch.randn(*shape, device=device)).to(dtype).requires_grad_()

@@ -36,7 +36,6 @@ def tied_gpt(
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=seed, device=device, dtype=dtype)
-    model.tie_weights()
     return model
 
 

@@ -121,3 +121,18 @@ def test_preprocess_data_takes_a_null_tokenizer_with_megatrons_vocab_size(tmp_pa
     load_tool("preprocess_data").main([*argv, "--append-eod"])
     dataset = IndexedDataset(prefix + "_text_document")
     assert [list(map(int, dataset[i])) for i in range(len(dataset))] == [[5, 6, 7, 300], [299, 0, 300]]
+
+
+def test_a_truncated_vocab_is_refused_when_the_tokenizer_is_built(bpe_files, tmp_path):
+    """A vocab.json cut short (entries a merge of merges.txt needs are gone) is one ValueError naming both files
+    when the tokenizer is built, not a KeyError when some text is first encoded."""
+    import json
+
+    vocab_file, merge_file = bpe_files
+    with open(vocab_file, encoding="utf-8") as handle:
+        vocab = json.load(handle)
+    kept = dict(sorted(vocab.items(), key=lambda item: item[1])[: len(vocab) - 50])
+    truncated = tmp_path / "vocab.json"
+    truncated.write_text(json.dumps(kept), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"merge \d+ .* needs .*which .*vocab.json does not hold"):
+        GPT2BPETokenizer(str(truncated), merge_file)

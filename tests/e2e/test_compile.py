@@ -60,6 +60,7 @@ def test_compiled_layers_with_selective_and_full_recompute_match_eager():
 
     from model.config import ModelConfig
     from model.gpt import GPTModel
+    from model.rank_spec import RankSpec, Recompute
     from parallel.random import RNGTracker, make_checkpoint_fn
 
     cfg = ModelConfig(
@@ -80,8 +81,8 @@ def test_compiled_layers_with_selective_and_full_recompute_match_eager():
         results = []
         for compiled in (False, True):
             torch.manual_seed(0)
-            model = GPTModel(cfg, 64)
-            model.set_recompute(mode, "uniform", 1, make_checkpoint_fn(tracker))
+            recompute = Recompute(mode, "uniform", 1, make_checkpoint_fn(tracker))
+            model = GPTModel(cfg, 64, spec=RankSpec.one_process(cfg, recompute))
             if compiled:
                 model.compile_layers("aot_eager")
             loss = model(ids, positions, labels=ids.roll(1, 1)).mean()

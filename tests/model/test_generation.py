@@ -41,7 +41,6 @@ def tiny_model(**style) -> GPTModel:
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=3)
-    model.tie_weights()
     return model.eval()
 
 

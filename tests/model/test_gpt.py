@@ -24,7 +24,6 @@ def build(cfg, **kwargs):
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size(), **kwargs)
     initialize_parameters(model, cfg, seed=7)
-    model.tie_weights()
     return model
 
 

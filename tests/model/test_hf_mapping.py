@@ -160,7 +160,6 @@ def test_export_gives_transformers_the_same_logits(style):
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=11)
-    model.tie_weights()
     model.eval()
     config = transformers.AutoConfig.for_model(**hf_config(cfg, 0, 0))
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()

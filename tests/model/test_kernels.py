@@ -51,7 +51,9 @@ def test_triton_runs_where_expected():
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 37), True), ((1, 2, 50), False)])
 def test_bias_gelu(device, dtype, shape, bias):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
@@ -61,7 +63,9 @@ def test_bias_gelu(device, dtype, shape, bias):
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape,bias", [((3, 2, 2 * 37), True), ((1, 1, 2 * 24), False)])
 def test_bias_swiglu(device, dtype, shape, bias):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     y = _leaf(*shape, device=device, dtype=dtype)
     b = _leaf(shape[-1], device=device, dtype=dtype) if bias else None
@@ -79,7 +83,7 @@ def test_bias_dropout_add(device, dtype, p, bias):
     residual = _leaf(3, 1, 45, device=device, dtype=dtype)
     b = _leaf(45, device=device, dtype=dtype) if bias else None
     dropout = nn.Dropout(p)
-    selection = kernels.KernelSelection(frozenset({"bias_dropout_add"}))
+    selection = kernels.KernelSelection(frozenset({"bias_dropout_add"})).registered()
 
     def fused(y, b, residual):
         torch.manual_seed(7)
@@ -104,7 +108,9 @@ def test_bias_dropout_add(device, dtype, p, bias):
     ],
 )  # 600 rows: several row blocks
 def test_norms(device, dtype, kind, shape):
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     hidden = shape[-1]
     x = _leaf(*shape, device=device, dtype=dtype, scale=3.0)
@@ -127,7 +133,9 @@ def test_norms(device, dtype, kind, shape):
 @pytest.mark.parametrize("s,b,nq,nkv,d", [(3, 2, 4, 2, 10), (1, 2, 3, 3, 6)])
 def test_rotary(device, dtype, s, b, nq, nkv, d):
     from model.gpt import rotary_cos_sin
-    from model.kernels import ops
+    from model.kernels.registry import register_kernel_ops
+
+    ops = register_kernel_ops()
 
     q = _leaf(s, b, nq, d, device=device, dtype=dtype)
     k = _leaf(s, b, nkv, d, device=device, dtype=dtype)
@@ -214,6 +222,33 @@ def test_kernel_selection_from_config_and_errors():
         ModelConfig(fused_kernels=True, fused_kernel_names=["normm"]).validate()
     with pytest.raises(ValueError, match=r"model\.fused_kernel_names=\['norm'\] needs model\.fused_kernels=true"):
         ModelConfig(fused_kernel_names=["norm"]).validate()
+
+
+def test_ops_are_registered_by_the_build_not_on_import():
+    """Importing the model registers no op; building a model with fused kernels registers them all, once: a
+    second build (or call) looks them up; a selection never registered says how to get its ops."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    code = (
+        "import torch, model.gpt, model.kernels, model.kernels.ops, model.kernels.registry as r\n"
+        "ns = torch.ops.gpt_kernels\n"
+        "assert not any(hasattr(ns, name) for name in r.OP_TABLE)\n"
+        "from model.config import ModelConfig\n"
+        "cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50, fused_kernels=True)\n"
+        "with torch.device('meta'):\n"
+        "    first, second = model.gpt.GPTModel(cfg, 64), model.gpt.GPTModel(cfg, 64)\n"
+        "assert all(hasattr(ns, name) for name in r.OP_TABLE)\n"
+        "assert first.kernels.fused_ops() == second.kernels.fused_ops() == r.register_kernel_ops()\n"
+        "assert first.layers['0'].mlp.kernels is first.kernels\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+    from model.kernels import KernelSelection
+
+    with pytest.raises(RuntimeError, match=r"never registered: build the model from a RankSpec"):
+        KernelSelection(frozenset({"norm"})).fused_ops()
 
 
 def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):

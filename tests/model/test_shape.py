@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from config.schema import load_config
 from model.config import checkpoint_keys
 from model.gpt import GPTModel
+from model.rank_spec import RankSpec, Recompute
 from model.shape import iteration_flops, recomputed_layers
 from tests.conftest import REPO_ROOT
 from training.logging import IntervalStats
@@ -40,10 +41,9 @@ def counted_flops(config) -> float:
     recomputation re-runs the whole checkpointed forward as the paper counts it (torch's early stop would skip
     the last GEMM of each recomputed region, whose output backward does not need)."""
     m, train = config.model, config.train
-    model = GPTModel(m, m.padded_vocab_size(1))
-    if train.recompute != "none":
-        fn = functools.partial(checkpoint, use_reentrant=False)
-        model.set_recompute(train.recompute, train.recompute_method, train.recompute_num_layers, fn)
+    fn = functools.partial(checkpoint, use_reentrant=False)
+    recompute = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers, fn)
+    model = GPTModel(m, m.padded_vocab_size(1), spec=RankSpec.one_process(m, recompute))
     b, s = train.global_batch_size, m.seq_length
     tokens = torch.randint(0, m.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)

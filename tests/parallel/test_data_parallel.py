@@ -48,7 +48,6 @@ def tiny_model(
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size(), layer_ids=layer_ids, pre_process=pre, post_process=post)
     initialize_parameters(model, cfg, seed=1234, dtype=dtype)
-    model.tie_weights()
     return model
 
 

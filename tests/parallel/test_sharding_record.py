@@ -12,8 +12,9 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import Sharding, param_info
+from parallel.model_builder import rank_spec
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, param_shardings, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import param_shardings
 from training.checkpoint.pieces import global_shape, tp_blocks
 
 VOCAB, SEED = 50, 5  # padded to 56 rows at tp 1 and 64 at tp 2 and 4 (multiple 8 * tp)
@@ -65,7 +66,6 @@ def _full(cfg: ModelConfig, tp_size: int) -> dict[str, torch.Tensor]:
     """The one-process init at tp's vocabulary padding."""
     model = GPTModel(cfg, cfg.padded_vocab_size(tp_size))
     initialize_parameters(model, cfg, SEED)
-    model.tie_weights()
     return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -75,10 +75,8 @@ def _shards(cfg: ModelConfig, tp_size: int) -> list[dict[str, torch.nn.Parameter
     for rank in range(tp_size):
         state = ParallelState(world_size=tp_size, rank=rank, tp_size=tp_size, pp_size=1, dp_size=1)
         with torch.device("meta"):
-            model = GPTModel(cfg, cfg.padded_vocab_size(tp_size), tp_hooks=tensor_parallel_hooks(tp_comm(state)))
-        apply_tensor_parallel(model, state)
+            model = GPTModel(cfg, cfg.padded_vocab_size(tp_size), spec=rank_spec(cfg, state))
         initialize_parameters(model, cfg, SEED)
-        model.tie_weights()
         ranks.append(dict(model.named_parameters(remove_duplicate=False)))
     return ranks
 

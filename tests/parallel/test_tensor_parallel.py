@@ -6,15 +6,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.gpt import GPTModel
+from model.gpt import GPTModel, StreamDropout
 from model.init import initialize_parameters
 from model.param_info import Sharding, full_shape, param_info
+from model.rank_spec import Recompute
+from model.tp_hooks import identity
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import LayoutError, check_tensor_parallel
-from parallel.random import ForkRNG, RNGTracker, make_checkpoint_fn
+from parallel.model_builder import rank_spec
+from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
+from parallel.tensor_parallel import tp_comm
 from parallel.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,6 +48,14 @@ def _serial_linear(in_features, out_features, bias):
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+def _holding_shard_of(layer, serial):
+    """`layer` with each parameter set to its shard of `serial`'s (the cut model/init.py makes of a full tensor)."""
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.copy_(param_info(param).local_shard(getattr(serial, name)))
+    return layer
+
+
 def _run_serial(linear, x, grad_out):
     x = x.clone().requires_grad_()
     y = linear(x)
@@ -58,7 +69,8 @@ def _column_case(rank, world_size, sequence_parallel, num_stacked, bias):
     serial = _serial_linear(H, OUT, bias)
     x, grad_out = _same_random(S, B, H, seed=2), _same_random(S, B, OUT, seed=3)
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
-    layer = ColumnParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel, num_stacked=num_stacked)
+    layer = ColumnParallelLinear(H, OUT, comm, bias=bias, sequence_parallel=sequence_parallel, num_stacked=num_stacked)
+    _holding_shard_of(layer, serial)
     shard_out = param_info(layer.weight).local_shard  # [.., OUT] -> [.., OUT/tp] along dim 0
     x_local = x.chunk(world_size, 0)[rank] if sequence_parallel else x
     x_local = x_local.clone().requires_grad_()
@@ -79,7 +91,7 @@ def _row_case(rank, world_size, sequence_parallel, bias):
     serial = _serial_linear(OUT, H, bias)
     x, grad_out = _same_random(S, B, OUT, seed=4), _same_random(S, B, H, seed=5)
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
-    layer = RowParallelLinear.from_linear(serial, comm, sequence_parallel=sequence_parallel)
+    layer = _holding_shard_of(RowParallelLinear(OUT, H, comm, bias=bias, sequence_parallel=sequence_parallel), serial)
     x_local = x.chunk(world_size, -1)[rank].clone().requires_grad_()
     ddp = DataParallel([layer], state)  # the trainer's gradient path: main_grad, then finalize_model_grads
     ddp.zero_grad()
@@ -128,7 +140,7 @@ def _embedding_case(rank, world_size):
     ids = torch.randint(0, 20, (B, S), generator=torch.Generator().manual_seed(6))
     grad_out = _same_random(B, S, H, seed=7)
     serial(ids).backward(grad_out)
-    layer = VocabParallelEmbedding.from_embedding(serial, tp_comm(state))
+    layer = _holding_shard_of(VocabParallelEmbedding(20, H, tp_comm(state)), serial)
     y = layer(ids)
     y.backward(grad_out)
     _close(y, serial(ids).detach(), "embedding output")
@@ -181,20 +193,15 @@ def test_tp_not_dividing_model_fails_clearly(key, kwargs):
     cfg = ModelConfig(vocab_size=64, **kwargs)
     with pytest.raises(LayoutError, match=rf"model\.{key}=\d+ is not divisible by parallel\.tp_size=4"):
         check_tensor_parallel(cfg, 4, sequence_parallel=False)
-    with torch.device("meta"):
-        model = GPTModel(cfg, 64)
-    before = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match=rf"model.{key}"):
-        apply_tensor_parallel(model, _fake_state(4))
-    assert [type(m) for m in model.modules()] == before  # raised before any work
+        rank_spec(cfg, _fake_state(4))  # refused before any module is built
 
 
-def test_tp_one_returns_model_unchanged():
+def test_tp_one_builds_plain_torch_layers():
     cfg = ModelConfig(vocab_size=64, num_layers=1, hidden_size=32)
     with torch.device("meta"):
-        model = GPTModel(cfg, 64)
-    assert apply_tensor_parallel(model, ParallelState.single()) is model
-    assert isinstance(model.layers["0"].mlp.fc1, nn.Linear)
+        model = GPTModel(cfg, 64, spec=rank_spec(cfg, ParallelState.single()))
+    assert isinstance(model.layers["0"].mlp.fc1, nn.Linear) and isinstance(model.output_layer, nn.Linear)
 
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
@@ -217,10 +224,8 @@ def test_sharded_init_equals_slice_of_full_init(style):
     for rank in range(2):
         state = _fake_state(2, rank)
         with torch.device("meta"):
-            model = GPTModel(cfg, 64, tp_hooks=tensor_parallel_hooks(tp_comm(state), sequence_parallel=True))
-        apply_tensor_parallel(model, state, sequence_parallel=True)
+            model = GPTModel(cfg, 64, spec=rank_spec(cfg, state, sequence_parallel=True))
         initialize_parameters(model, cfg, seed=3)
-        model.tie_weights()
         for name, param in model.named_parameters():
             info = param_info(param)
             expected = info.local_shard(full[name])
@@ -235,23 +240,39 @@ def test_last_stage_tied_copy_keeps_its_attributes():
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
     state = _fake_state(2, 1)
     with torch.device("meta"):
-        model = GPTModel(
-            cfg, 64, layer_ids=[1], pre_process=False, post_process=True, tp_hooks=tensor_parallel_hooks(tp_comm(state))
-        )
-    apply_tensor_parallel(model, state)
+        model = GPTModel(cfg, 64, layer_ids=[1], pre_process=False, post_process=True, spec=rank_spec(cfg, state))
     weight = model.output_layer.weight
     info = param_info(weight)
     assert info.init_name == "embedding.word_embeddings.weight" and info.shared_embedding and info.embedding_copy
     assert info.tensor_parallel and info.sharding == Sharding(dim=0, valid_rows=64) and tuple(weight.shape) == (32, 32)
 
 
-def test_model_built_without_tp_hooks_is_refused():
-    """A model built with one-process hooks and sharded over tp would run the serial loss on vocab shards."""
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_split_layers_and_tp_hooks_agree_by_construction(sequence_parallel):
+    """Every split layer, every parameter's record and the loss and sequence-parallel hooks come from the one
+    tp group of the rank's description: no layer is plain, none was made for another group or size."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
+    state = _fake_state(2, 1)
+    spec = rank_spec(cfg, state, sequence_parallel)
     with torch.device("meta"):
-        model = GPTModel(cfg, 64)
-    with pytest.raises(ValueError, match=r"hooks for tp_size=1 .* parallel\.tp_size=2"):
-        apply_tensor_parallel(model, _fake_state(2))
+        model = GPTModel(cfg, 64, spec=spec)
+    hooks = model.tp_hooks
+    assert hooks is spec.tp and hooks.tp_size == 2 and hooks.sequence_parallel == sequence_parallel
+    assert hooks.loss_fn.keywords["comm"].size == 2 and hooks.loss_fn.keywords["comm"].rank == 1
+    assert (hooks.scatter_to_sequence_parallel is not identity) == sequence_parallel
+    split = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    layers = [m for m in model.modules() if isinstance(m, split)]
+    assert len(layers) == 2 * 4 + 2  # qkv, proj, fc1, fc2 per layer; the embedding and the output layer
+    assert all(m.comm.size == 2 and m.comm.rank == 1 for m in layers)
+    assert all(getattr(m, "sequence_parallel", sequence_parallel) == sequence_parallel for m in layers)
+    plain = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    assert plain == ["embedding.position_embeddings"]  # replicated: learned positions are not split
+    for name, param in model.named_parameters():
+        info = param_info(param)
+        made_by_split_layer = info.full_shape is not None
+        assert (info.tp_rank, info.tp_size) == ((1, 2) if made_by_split_layer else (0, 1)), name
+        partial_grad = "norm." in name or name.endswith(("proj.bias", "fc2.bias"))
+        assert info.sequence_parallel == (sequence_parallel and partial_grad), name
 
 
 # ---- RNG tracker ------------------------------------------------------------------------------------
@@ -288,10 +309,10 @@ def _dropout_block(tracker):
     torch.manual_seed(3)
     return nn.Sequential(
         nn.Linear(16, 16),
-        ForkRNG(nn.Dropout(0.5), tracker),
+        StreamDropout(0.5, tracker.fork),
         nn.Linear(16, 16),
         nn.Dropout(0.5),
-        ForkRNG(nn.Dropout(0.3), tracker),
+        StreamDropout(0.3, tracker.fork),
     )
 
 
@@ -314,8 +335,8 @@ def test_recompute_replays_tracker_and_default_masks():
 
 
 def test_gpt_recompute_with_dropout_bitwise_equal():
-    """Whole GPT, tp = 1 with tracker-wrapped attention dropout: full and selective recompute give the
-    same gradients bit for bit as no recompute."""
+    """Whole GPT, tp = 1 with the attention dropout on the tracker's stream: full and selective recompute give
+    the same gradients bit for bit as no recompute."""
     cfg = ModelConfig(
         num_layers=2,
         hidden_size=32,
@@ -330,9 +351,8 @@ def test_gpt_recompute_with_dropout_bitwise_equal():
     results = []
     for mode in ("none", "full", "selective"):
         tracker = RNGTracker.seeded(11, device="cpu")
-        model = apply_tensor_parallel(GPTModel(cfg, 64), ParallelState.single(), rng_tracker=tracker)
-        if mode != "none":
-            model.set_recompute(mode, "uniform", 0, make_checkpoint_fn(tracker))
+        recompute = Recompute(mode, "uniform", 0, make_checkpoint_fn(tracker))
+        model = GPTModel(cfg, 64, spec=rank_spec(cfg, ParallelState.single(), rng_tracker=tracker, recompute=recompute))
         model(ids, pos, labels=ids).sum().backward()
         results.append([p.grad for p in model.parameters()])
     for grads in results[1:]:

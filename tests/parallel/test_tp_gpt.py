@@ -1,7 +1,7 @@
 """The whole GPT under tensor (and sequence) parallelism trains exactly like one process.
 
-Every case runs a small training loop — meta build with the tp hooks -> apply_tensor_parallel -> initialize_parameters ->
-tie_weights; fixed token batches; masked mean loss; backward; sequence-parallel grad all-reduce; Adam —
+Every case runs a small training loop — meta build from the rank's description (parallel/model_builder.rank_spec)
+-> initialize_parameters; fixed token batches; masked mean loss; backward; sequence-parallel grad all-reduce; Adam —
 and compares the per-iteration losses of tp = 2 and 4 (with and without sequence parallelism) to tp = 1.
 """
 
@@ -14,11 +14,12 @@ import torch.distributed as dist
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
+from model.rank_spec import Recompute
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
+from parallel.model_builder import rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
-from parallel.tensor_parallel import apply_tensor_parallel, tensor_parallel_hooks, tp_comm
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
@@ -60,15 +61,13 @@ def _model_config(style: str, num_query_groups: int = 2, dropout: float = 0.0) -
     )
 
 
-def _build(cfg: ModelConfig, state: ParallelState, sequence_parallel: bool, counter=None, tracker=None):
+def _build(cfg: ModelConfig, state: ParallelState, sequence_parallel: bool, counter=None, tracker=None, recompute=None):
     # Each tp pads the vocabulary as Megatron does (56 rows at tp 1, 64 at tp 2 and 4); the padding rows are
     # masked out of the logits, so every layout still holds the same model.
-    hooks = tensor_parallel_hooks(tp_comm(state, counter), sequence_parallel)
+    spec = rank_spec(cfg, state, sequence_parallel, tracker, counter, recompute)
     with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), tp_hooks=hooks)
-    model = apply_tensor_parallel(model, state, sequence_parallel, comm_counter=counter, rng_tracker=tracker)
+        model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), spec=spec)
     initialize_parameters(model, cfg, SEED)
-    model.tie_weights()
     return model
 
 
@@ -188,9 +187,8 @@ def _dropout_rank(rank, world_size):
         runs = []
         for recompute in (False, True):
             tracker = RNGTracker.seeded(SEED, state.tp_rank, state.pp_rank, device="cpu")
-            model = _build(cfg, state, sequence_parallel, tracker=tracker)
-            if recompute:
-                model.set_recompute("full", "uniform", 0, make_checkpoint_fn(tracker))
+            full = Recompute("full", "uniform", 0, make_checkpoint_fn(tracker)) if recompute else None
+            model = _build(cfg, state, sequence_parallel, tracker=tracker, recompute=full)
             loss = (model(ids, positions, labels=labels) * mask).sum() / mask.sum()
             ddp = DataParallel([model], state)
             _backward_as_trainer(model, state, ddp, loss)

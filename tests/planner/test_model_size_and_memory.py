@@ -35,7 +35,7 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
     par = config.parallel
     layout = layout_from_config(config, par.tp_size * par.pp_size)
     for pp_rank in range(par.pp_size):
-        meta = count(meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1))
+        meta = count(meta_chunks(config, tp_rank=par.tp_size - 1, pp_rank=pp_rank, dp_size=1))
         roles = RunShape.of(config, layout).chunk_roles(pp_rank)
         assert rank_params(config.model, par.tp_size, par.pp_size, roles) == meta
     assert total_params(config.model) == total_parameters(config)
@@ -57,7 +57,7 @@ def test_chunk_parameters_list_the_built_chunks_in_order(config_name, overrides)
     par = config.parallel
     shape = RunShape.of(config, layout_from_config(config, par.tp_size * par.pp_size))
     for pp_rank in range(par.pp_size):
-        built = meta_chunks(config, tp_rank=1, pp_rank=pp_rank, dp_size=1)
+        built = meta_chunks(config, tp_rank=par.tp_size - 1, pp_rank=pp_rank, dp_size=1)
         for chunk, placement in zip(built, shape.chunks(pp_rank), strict=True):
             listed = chunk_parameters(
                 config.model,

@@ -74,12 +74,18 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read().strip()
     try:
+        with open(path, encoding="utf-8") as handle:
+            text: str | None = handle.read(64).strip()  # an iteration number is short; junk is not read whole
+    except (OSError, ValueError):  # ValueError: not UTF-8 text
+        text = None
+    if text is not None and text.isdigit():
         return int(text)
-    except ValueError:
-        raise CheckpointError(f"checkpoint tracker {path} holds {text!r}, not an iteration number") from None
+    shown = f"holds {text!r}" if text is not None else "is not text"
+    raise CheckpointError(
+        f"checkpoint tracker {path} {shown}, not an iteration number: delete it (the newest complete iter_* "
+        "folder is found without it) or write the iteration into it"
+    )
 
 
 def list_iterations(root: str) -> list[int]:
@@ -114,9 +120,13 @@ def read_checksums(iter_dir: str) -> dict[str, dict]:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {iter_dir} has no {CHECKSUMS}: it is incomplete or not a checkpoint")
     try:
-        return json.load(open(path, encoding="utf-8"))["files"]
-    except (ValueError, KeyError):
-        raise CheckpointError(f"checkpoint file {path} is corrupt (not the expected JSON)") from None
+        with open(path, encoding="utf-8") as handle:
+            listed = json.load(handle)["files"]
+        if isinstance(listed, dict) and all(isinstance(entry, dict) for entry in listed.values()):
+            return listed
+    except (ValueError, KeyError, TypeError):
+        pass
+    raise CheckpointError(f"checkpoint file {path} is corrupt (not the expected JSON)")
 
 
 def verify_files(iter_dir: str, names: list[str] | None = None, full: bool = True) -> None:
@@ -140,11 +150,29 @@ def read_meta(iter_dir: str) -> dict:
     path = os.path.join(iter_dir, META)
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            meta = json.load(handle)
     except OSError:
         raise CheckpointError(f"checkpoint {iter_dir} has no readable {META}") from None
     except ValueError:
         raise CheckpointError(f"checkpoint file {path} is corrupt (not JSON)") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint file {path} is corrupt (not a JSON object)")
+    return meta
+
+
+def check_storage_extents(iter_dir: str, metadata: Any) -> None:
+    """Every chunk a torch.distributed.checkpoint index (`metadata.storage_data`) places lies inside an existing
+    file of iter_dir: CheckpointError naming a missing or truncated file before DCP trips over it."""
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        path = os.path.join(iter_dir, info.relative_path)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} (holding {index.fqn}) is missing")
+        if info.offset < 0 or info.length < 0:
+            raise CheckpointError(
+                f"the index of {iter_dir} places {index.fqn} at a negative extent of {path} (damaged)"
+            )
+        if info.offset + info.length > os.path.getsize(path):
+            raise CheckpointError(f"checkpoint file {path} is too short for {index.fqn} (truncated)")
 
 
 def is_legacy(iter_dir: str) -> bool:

@@ -24,7 +24,7 @@ from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.parts import CheckpointParts
-from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
+from training.checkpoint.train_state import TrainingProgress, TrainState, describe_layout, read_train_state
 from training.lr_schedule import LRSchedule
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
@@ -211,7 +211,7 @@ def load_into_run(
         if plan.weights_only
         else "weights and optimizer state"
     )
-    log(f"loaded {what} of iteration {saved.iteration} from {plan.iter_dir} (saved at {_describe(saved.layout)})")
+    log(f"loaded {what} of iteration {saved.iteration} from {plan.iter_dir} (saved at {describe_layout(saved.layout)})")
     return dataclasses.replace(saved.progress)  # the loop advances it
 
 
@@ -237,10 +237,14 @@ def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: boo
         )
 
 
+def sizes_of(state: ParallelState) -> dict[str, int]:
+    """This run's layout in the keys a checkpoint records (for describe_layout)."""
+    return {"tp": state.tp_size, "cp": state.cp_size, "pp": state.pp_size, "vp": state.vp_size, "dp": state.dp_size}
+
+
 def same_layout(saved: dict, state: ParallelState) -> bool:
-    sizes = (("tp", state.tp_size), ("pp", state.pp_size), ("vp", state.vp_size), ("dp", state.dp_size))
     # a checkpoint without "cp" was written without context parallelism
-    return all(saved.get(key) == value for key, value in sizes) and saved.get("cp", 1) == state.cp_size
+    return all(saved.get(key, 1 if key == "cp" else None) == value for key, value in sizes_of(state).items())
 
 
 def restore_rng(
@@ -259,18 +263,8 @@ def restore_rng(
     fresh = RNGTracker.seeded(seed, state.tp_rank, state.pp_rank, rng_tracker.device_type)
     rng_tracker.set_states(fresh.get_states())
     log(
-        f"layout changed ({_describe(layout)} -> tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size} "
-        f"x dp {state.dp_size}): dropout RNG streams restarted from seed {seed} (derived from train.seed and "
-        f"iteration {plan.train_state.iteration})"
-    )
-
-
-def _describe(layout: dict) -> str:
-    if not layout:
-        return "an unknown layout"
-    extras = [name for name in ("sequence_parallel", "distributed_optimizer") if layout.get(name)]
-    return f"tp {layout.get('tp')} x pp {layout.get('pp')} x vp {layout.get('vp')} x dp {layout.get('dp', '?')}" + (
-        f" ({', '.join(extras)})" if extras else ""
+        f"layout changed ({describe_layout(layout)} -> {describe_layout(sizes_of(state))}): dropout RNG streams "
+        f"restarted from seed {seed} (derived from train.seed and iteration {plan.train_state.iteration})"
     )
 
 

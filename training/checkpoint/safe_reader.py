@@ -30,12 +30,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from compat.torch_private import PICKLED_LAYOUT, dcp_metadata_classes
 from training.checkpoint.files import DCP_METADATA, CheckpointError
 
 ALLOWED = "torch.distributed.checkpoint metadata classes, torch.Size, dtypes"
 # Every global a DCP metadata file pickles (ours: metadata, filesystem; Megatron's torch_dist adds its save
 # plan's planner classes), by module. Classes only: dataclasses and enums that hold values and run nothing.
-DCP_CLASSES = {
+# The private ones (_MEM_FORMAT_ENCODING, _StorageInfo, ...) are named in compat/torch_private.py.
+_PUBLIC_DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata",
         "StorageMeta",
@@ -44,7 +46,6 @@ DCP_CLASSES = {
         "TensorProperties",
         "ChunkStorageMetadata",
         "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
     ),
     "torch.distributed.checkpoint.planner": (
         "SavePlan",
@@ -55,12 +56,15 @@ DCP_CLASSES = {
         "WriteItemType",
         "LoadItemType",
     ),
-    "torch.distributed.checkpoint.filesystem": ("_StorageInfo", "_StoragePrefix"),
     "torch": ("Size",),
     "collections": ("OrderedDict",),
     # StorageMeta.checkpoint_id is the folder it was saved to: a path object in our checkpoints
     "pathlib": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),
     "pathlib._local": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),  # Python 3.13's home
+}
+DCP_CLASSES = {
+    module: _PUBLIC_DCP_CLASSES.get(module, ()) + dcp_metadata_classes().get(module, ())
+    for module in _PUBLIC_DCP_CLASSES.keys() | dcp_metadata_classes().keys()
 }
 
 
@@ -77,7 +81,7 @@ class MetadataUnpickler(pickle.Unpickler):
         if name in DCP_CLASSES.get(module, ()):
             candidate = super().find_class(module, name)
             target = candidate if isinstance(candidate, type) else None
-        elif (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name (torch.strided)
+        elif (module, name) == (PICKLED_LAYOUT.module, PICKLED_LAYOUT.path):  # a layout by its name (torch.strided)
             target = super().find_class(module, name)
         elif module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # no lazy import by name
             target = vars(torch)[name]

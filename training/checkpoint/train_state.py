@@ -17,7 +17,19 @@ from typing import Any
 
 from training.checkpoint import files
 
-LAYOUT_KEYS = ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel", "distributed_optimizer")
+LAYOUT_KEYS = ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel", "distributed_optimizer")  # + "cp" > 1
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """The layout a checkpoint records, as words ("tp 2 x cp 2 x pp 1 x vp 1 x dp 1 (world 4, sequence
+    parallel)"); every report of a stored layout uses this one. A checkpoint without "cp" was written without
+    context parallelism; one without a layout (format 1) says so."""
+    if not layout:
+        return "an unknown layout"
+    sizes = " x ".join(f"{key} {layout.get(key, 1 if key == 'cp' else '?')}" for key in ("tp", "cp", "pp", "vp", "dp"))
+    extras = [f"world {layout['world_size']}"] if "world_size" in layout else []
+    extras += [name.replace("_", " ") for name in ("sequence_parallel", "distributed_optimizer") if layout.get(name)]
+    return sizes + (f" ({', '.join(extras)})" if extras else "")
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""Every private torch name the project uses, each with why, and the functions that reach them.
+
+Nothing outside this module (tests aside) names a private torch attribute; tests/test_torch_private.py
+fails when an installed torch lacks one of `PRIVATE_NAMES` (an upgrade renamed it: update the entry and its
+accessor) and when one appears elsewhere in the code. Every accessor degrades to public torch where the name
+is missing, so a torch without it still trains (slower or with more memory, as each entry says).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private torch name: where it lives, why the project needs it, what public API would replace it."""
+
+    module: str  # the module to import
+    path: str  # the attribute path inside it
+    reason: str
+    public_replacement: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.path}"
+
+
+AUTOGRAD_ENGINE = PrivateName(
+    "torch.autograd",
+    "Variable._execution_engine.run_backward",
+    "backward from a pipeline stage's output whose .data was freed after sending it (Megatron's "
+    "deallocate_output): torch.autograd.backward/grad check the gradient's shape against the now 1-element "
+    "output and refuse; the engine entry does not check (parallel/pipeline/executor.py, weight_grad.py)",
+    "none: without it the executor keeps sent outputs whole and uses torch.autograd.backward/grad (more memory)",
+)
+FOREACH_NORM = PrivateName(
+    "torch",
+    "_foreach_norm",
+    "the 2-norm of every gradient in one fused launch per device and dtype for the global grad norm "
+    "(parallel/grad_utils.py); its numbers are what the trainer has always logged and clipped by",
+    "torch.nn.utils.get_total_norm (2.6+) combines the per-tensor norms in another order (not bitwise equal); "
+    "without it: torch.linalg.vector_norm per tensor (one launch each)",
+)
+FUSED_SDP_CHOICE = PrivateName(
+    "torch",
+    "_fused_sdp_choice",
+    "which backend scaled_dot_product_attention dispatches to for the model's attention shape, logged once "
+    "at start (model/kernels/attention_backend.py)",
+    "none (torch.nn.attention.sdpa_kernel restricts the choice but does not report it): the log says 'unknown'",
+)
+TENSOR_BASE = PrivateName(
+    "torch",
+    "Tensor._base",
+    "whether a stage output is a view: freeing its .data would free its base's storage (executor.py)",
+    "none (Tensor._is_view is private too): without it no output is freed early",
+)
+# torch.distributed.checkpoint's .metadata file pickles instances of these; the allow-list unpickler of
+# training/checkpoint/safe_reader.py names them to read it without running anything else.
+_DCP_REASON = "torch.distributed.checkpoint's .metadata pickles it; our allow-list unpickler must name it"
+_DCP_PUBLIC = "none: DCP's own FileSystemReader.read_metadata unpickles with plain pickle (runs anything)"
+DCP_METADATA_NAMES = (
+    PrivateName("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", _DCP_REASON, _DCP_PUBLIC),
+    PrivateName("torch.distributed.checkpoint.filesystem", "_StorageInfo", _DCP_REASON, _DCP_PUBLIC),
+    PrivateName("torch.distributed.checkpoint.filesystem", "_StoragePrefix", _DCP_REASON, _DCP_PUBLIC),
+)
+PICKLED_LAYOUT = PrivateName(
+    "torch.serialization",
+    "_get_layout",
+    "a pickled tensor layout (torch.strided) is rebuilt by name through it: DCP metadata holds layouts",
+    _DCP_PUBLIC,
+)
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    AUTOGRAD_ENGINE,
+    FOREACH_NORM,
+    FUSED_SDP_CHOICE,
+    TENSOR_BASE,
+    *DCP_METADATA_NAMES,
+    PICKLED_LAYOUT,
+)
+
+
+def resolve(name: PrivateName) -> Any:
+    """The object `name` refers to in the installed torch; AttributeError / ImportError when it is gone."""
+    value: Any = importlib.import_module(name.module)
+    for part in name.path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def dcp_metadata_classes() -> dict[str, tuple[str, ...]]:
+    """{module: private class names} that a DCP .metadata pickle may reference (strings: nothing imported)."""
+    classes: dict[str, tuple[str, ...]] = {}
+    for name in DCP_METADATA_NAMES:
+        classes[name.module] = classes.get(name.module, ()) + (name.path,)
+    return classes
+
+
+def autograd_engine() -> Any | None:
+    """torch's autograd engine object when it has `run_backward` (AUTOGRAD_ENGINE), else None."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return engine if engine is not None and hasattr(engine, "run_backward") else None
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor (FOREACH_NORM)."""
+    fused = getattr(torch, "_foreach_norm", None)
+    if fused is None:
+        return [torch.linalg.vector_norm(t) for t in tensors]
+    return list(fused(tensors))
+
+
+def fused_sdp_choice() -> Callable[..., Any] | None:
+    """torch's SDPA backend selector (FUSED_SDP_CHOICE), or None when this torch has none."""
+    return getattr(torch, "_fused_sdp_choice", None)
+
+
+def is_view(tensor: torch.Tensor) -> bool | None:
+    """Whether `tensor` is a view of another tensor's storage (TENSOR_BASE); None when torch cannot say."""
+    if not hasattr(torch.Tensor, "_base"):
+        return None
+    return tensor._base is not None

@@ -1,0 +1,193 @@
+"""The fused kernels as torch custom operators, registered by one explicit call: `register_kernel_ops()`.
+
+It defines each launch of model/kernels/ops.py as the op gpt_kernels::<name>, gives it a fake (meta)
+implementation (torch.compile traces with it: output shapes and dtypes only) and, for the forward ops, an
+autograd formula whose backward calls the ops' own backward kernels (ops too, so the backward graph AOTAutograd
+traces holds no graph break either). The formulas are those of the autograd.Functions they replaced, in the
+same order, so eager numbers are bitwise unchanged. It returns the ops as a `KernelOps`.
+
+Nothing is registered on import. The model's builder calls it once per process (model/kernels
+`select_kernels`, from RankSpec); it is idempotent: an op already in torch's registry (the process-wide one
+torch keeps) is looked up, not registered again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from model.kernels import ops
+
+OP_NAMESPACE = "gpt_kernels"
+Op = Any  # a registered operator (torch._ops.OpOverload): callable like the launch it wraps
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The registered ops (call them like the launches of model/kernels/ops.py) and the two entry points the
+    dispatch functions of model/kernels/__init__.py use besides them."""
+
+    bias_gelu: Op
+    bias_gelu_bwd: Op
+    bias_swiglu: Op
+    bias_swiglu_bwd: Op
+    bias_dropout_add: Op
+    mul: Op
+    norm_fwd: Op
+    norm_bwd: Op
+    rotate: Op
+
+    def custom_ops(self) -> tuple[Op, ...]:
+        """Every op, for opcheck and the graph-break test."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def norm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool
+    ) -> torch.Tensor:
+        """LayerNorm (with or without bias) or RMSNorm of x [..., h] over the last dim."""
+        y, _, _ = self.norm_fwd(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, eps, is_rms)
+        return y.view(x.shape)
+
+    def rotary_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [s, b, nq, d] and k [s, b, nkv, d] rotated by cos, sin [s, b, 1, d] (no gradient to the angles)."""
+        s, b, _, dim = q.shape
+        cos2d = cos.detach().expand(s, b, 1, dim).reshape(s * b, dim).contiguous()  # [T, d]
+        sin2d = sin.detach().expand(s, b, 1, dim).reshape(s * b, dim).contiguous()
+        return self.rotate(q, cos2d, sin2d, False), self.rotate(k, cos2d, sin2d, False)
+
+
+def _registered(name: str) -> Op:
+    return getattr(getattr(torch.ops, OP_NAMESPACE), name).default
+
+
+# ---- fake (meta) implementations: every op returns fresh tensors ------------------------------------------
+def _like_first(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _like_y(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty_like(y)
+
+
+def _swiglu_fake(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
+
+
+def _bias_dropout_add_fake(y: torch.Tensor, bias: Any, residual: torch.Tensor, mask: Any) -> torch.Tensor:
+    return torch.empty_like(residual)
+
+
+def _norm_fwd_fake(x2d: torch.Tensor, weight: torch.Tensor, bias: Any, eps: float, is_rms: bool):
+    stats = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
+    return torch.empty_like(x2d), stats, torch.empty_like(stats)
+
+
+def _norm_bwd_fake(grad, x2d: torch.Tensor, weight, mean, rstd, has_bias: bool, is_rms: bool):
+    n_rows, hidden = x2d.shape
+    block_rows = ops.rows_per_block(ops.triton_kernels().next_power_of_2(hidden), n_rows, x2d.device)
+    programs, _ = ops.backward_programs(n_rows, block_rows, x2d.device)
+    dw_part = x2d.new_empty(programs, hidden, dtype=torch.float32)
+    return torch.empty_like(x2d), dw_part, dw_part.new_empty(programs if has_bias else 0, hidden)
+
+
+# ---- autograd formulas (the backward calls the registered backward ops) ----------------------------------
+def _save_y_bias(ctx: Any, inputs: tuple, output: Any) -> None:
+    y, bias = inputs
+    ctx.save_for_backward(y.contiguous(), bias)
+
+
+def _bias_grad(ctx: Any, index: int, grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias gradient when autograd asks for it (fp32 sum over tokens, in the bias dtype)."""
+    return ops.bias_grad(grad, bias) if ctx.needs_input_grad[index] else None
+
+
+def _gelu_backward(ctx: Any, grad: torch.Tensor):
+    y, bias = ctx.saved_tensors
+    grad_y = _registered("bias_gelu_bwd")(grad, y, bias)
+    return grad_y, _bias_grad(ctx, 1, grad_y, bias)
+
+
+def _swiglu_backward(ctx: Any, grad: torch.Tensor):
+    y, bias = ctx.saved_tensors
+    grad_y = _registered("bias_swiglu_bwd")(grad, y, bias)
+    return grad_y, _bias_grad(ctx, 1, grad_y, bias)
+
+
+def _bda_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    _, bias, _, scaled_mask = inputs
+    ctx.save_for_backward(scaled_mask, bias)
+
+
+def _bda_backward(ctx: Any, grad: torch.Tensor):
+    scaled_mask, bias = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_y = _registered("mul")(grad, scaled_mask) if scaled_mask is not None else grad
+    return grad_y, _bias_grad(ctx, 1, grad_y, bias), grad, None
+
+
+def _norm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x2d, weight, bias, _, is_rms = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x2d, weight, mean, rstd)
+    ctx.has_bias, ctx.is_rms = bias is not None, is_rms
+    ctx.weight_dtype, ctx.bias_dtype = weight.dtype, bias.dtype if bias is not None else None
+
+
+def _norm_backward(ctx: Any, grad: torch.Tensor, _grad_mean: Any, _grad_rstd: Any):
+    x2d, weight, mean, rstd = ctx.saved_tensors
+    grad_x, dw_part, db_part = _registered("norm_bwd")(grad, x2d, weight, mean, rstd, ctx.has_bias, ctx.is_rms)
+    grad_bias = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+    return grad_x, dw_part.sum(0).to(ctx.weight_dtype), grad_bias, None, None
+
+
+def _rotate_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    _, cos2d, sin2d, backward = inputs
+    ctx.save_for_backward(cos2d, sin2d)
+    ctx.backward = backward
+
+
+def _rotate_backward(ctx: Any, grad: torch.Tensor):
+    cos2d, sin2d = ctx.saved_tensors
+    return _registered("rotate")(grad, cos2d, sin2d, not ctx.backward), None, None, None
+
+
+# name -> (launch, fake, (backward, setup_context) or None); backward ops first, each forward op's formula
+# calls them
+OP_TABLE: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[Callable, Callable] | None]] = {
+    "bias_gelu_bwd": (ops.bias_gelu_bwd, _like_y, None),
+    "bias_swiglu_bwd": (ops.bias_swiglu_bwd, _like_y, None),
+    "mul": (ops.mul, _like_first, None),
+    "norm_bwd": (ops.norm_bwd, _norm_bwd_fake, None),
+    "bias_gelu": (ops.bias_gelu, _like_first, (_gelu_backward, _save_y_bias)),
+    "bias_swiglu": (ops.bias_swiglu, _swiglu_fake, (_swiglu_backward, _save_y_bias)),
+    "bias_dropout_add": (ops.bias_dropout_add, _bias_dropout_add_fake, (_bda_backward, _bda_setup)),
+    "norm_fwd": (ops.norm_fwd, _norm_fwd_fake, (_norm_backward, _norm_setup)),
+    "rotate": (ops.rotate, _like_first, (_rotate_backward, _rotate_setup)),
+}
+
+
+def _define(name: str, launch: Callable[..., Any]) -> Any:
+    """Register `launch` as the op gpt_kernels::<name> (no argument is mutated: outputs are fresh)."""
+    qualname = f"{OP_NAMESPACE}::{name}"
+    if ops.USES_TRITON_OP:
+        return torch.library.triton_op(qualname, launch, mutates_args=())
+    return torch.library.custom_op(qualname, launch, mutates_args=())
+
+
+def register_kernel_ops() -> KernelOps:
+    """Register every op not yet in torch's registry (with its fake and autograd formula); return them all."""
+    namespace = getattr(torch.ops, OP_NAMESPACE)
+    for name, (launch, fake, autograd) in OP_TABLE.items():
+        if hasattr(namespace, name):
+            continue  # registered by an earlier call in this process
+        op = _define(name, launch)
+        op.register_fake(fake)
+        if autograd is not None:
+            backward, setup_context = autograd
+            op.register_autograd(backward, setup_context=setup_context)
+    return KernelOps(**{name: _registered(name) for name in OP_TABLE})

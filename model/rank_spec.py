@@ -1,0 +1,71 @@
+"""`RankSpec`: one rank's description of its model, fixed before GPTModel is built.
+
+GPTModel and its submodules build the right modules from it and nothing changes them afterwards: the split
+layers and the tp hooks (`TensorParallelHooks`), the context-parallel attention (`ContextParallelHooks`), the
+random stream each dropout draws from (`DropoutStreams`), activation recomputation (`Recompute`) and the fused
+kernels (`KernelSelection`, chosen and registered once). `RankSpec.one_process(cfg)` is the default; the
+trainer's comes from parallel/model_builder.rank_spec (model/ imports no torch.distributed: everything here is
+a plain value or callable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.config import ModelConfig
+from model.kernels import KernelSelection, select_kernels
+from model.tp_hooks import ContextParallelHooks, TensorParallelHooks
+
+# opens a random stream for the block it guards (parallel/random.RNGTracker.fork)
+RNGFork = Callable[[], AbstractContextManager[None]]
+# checkpoint_fn(fn, *args): fn(*args) under activation checkpointing (parallel/random.make_checkpoint_fn)
+CheckpointFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class DropoutStreams:
+    """Which random stream each dropout draws from; None: the default generator (the same on every tp rank).
+
+    attention  the attention core: its dropout acts on this rank's heads, so each tp rank needs its own stream
+    hidden     the hidden and embedding dropouts: they act on replicated activations (default generator)
+               unless sequence parallelism shards those along s (then each rank's own stream)
+    """
+
+    attention: RNGFork | None = None
+    hidden: RNGFork | None = None
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation: `full` checkpoints whole layers (`uniform`: every layer; `block`: the first
+    `num_layers` layers of each chunk), `selective` only the attention core; `none` keeps every activation."""
+
+    mode: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+    checkpoint_fn: CheckpointFn | None = None
+
+    def layer_ids(self, chunk_layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """The layers of a chunk (its global layer ids, in order) that full recomputation checkpoints."""
+        if self.mode != "full":
+            return ()
+        return tuple(chunk_layer_ids if self.method == "uniform" else chunk_layer_ids[: self.num_layers])
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything that makes this rank's GPTModel differ from one process's (see the module docstring)."""
+
+    kernels: KernelSelection
+    tp: TensorParallelHooks = field(default_factory=TensorParallelHooks)
+    cp: ContextParallelHooks = field(default_factory=ContextParallelHooks)
+    dropout: DropoutStreams = field(default_factory=DropoutStreams)
+    recompute: Recompute = field(default_factory=Recompute)
+
+    @classmethod
+    def one_process(cls, cfg: ModelConfig, recompute: Recompute | None = None) -> RankSpec:
+        """One process: plain torch layers, the default generator, the config's kernels."""
+        return cls(kernels=select_kernels(cfg), recompute=recompute or Recompute())

@@ -1,0 +1,137 @@
+"""The packages' imports, read from their source (every import statement, inside functions too): no import
+cycle between modules, and the layering docs/architecture.md describes (arrows point one way; model/ and
+compat/ never import torch.distributed; no package imports tools/, scripts/, tests/ or the entry point)."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from tests.conftest import REPO_ROOT
+
+PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert", "evaluation")
+# package -> the packages of ours it may import (its own modules aside)
+ALLOWED = {
+    "compat": set(),
+    "data": set(),
+    "model": {"compat"},
+    "config": {"model", "data"},  # data only for data paths, lazily
+    "parallel": {"compat", "model"},
+    "planner": {"config", "model", "parallel"},
+    "training": {"compat", "config", "data", "model", "parallel", "planner"},
+    "convert": {"compat", "config", "data", "model", "parallel", "training"},
+    "evaluation": {"compat", "config", "convert", "data", "model", "parallel", "training"},
+}
+NO_TORCH_DISTRIBUTED = ("compat", "model")
+NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")
+
+
+def _modules() -> dict[str, str]:
+    """{dotted module name: file path} of every module of the packages."""
+    modules = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(REPO_ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, REPO_ROOT)[:-3].replace(os.sep, ".")
+                    modules[dotted.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imported_names(path: str, module: str, modules: dict[str, str]) -> set[str]:
+    """Every dotted name `path` imports: `import a.b` gives a.b; `from a.b import c` gives a.b.c when c is a
+    module of ours (importing it is what runs), else a.b; relative imports resolved."""
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + [base] if base else parts)
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return names
+
+
+def _import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """({module: modules of ours it imports}, {module: every dotted name it imports})."""
+    modules = _modules()
+    edges, raw = {}, {}
+    for module, path in modules.items():
+        raw[module] = _imported_names(path, module, modules)
+        targets = set()
+        for name in raw[module]:
+            while name and name not in modules:  # `import a.b.c` of a name below a module -> that module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        edges[module] = targets
+    return edges, raw
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    edges, _ = _import_graph()
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_packages_import_only_downwards():
+    edges, raw = _import_graph()
+    wrong = []
+    for module, targets in edges.items():
+        package = module.split(".")[0]
+        wrong += [f"{module} -> {t}" for t in targets if t.split(".")[0] not in ALLOWED[package] | {package}]
+        wrong += [f"{module} -> {n}" for n in raw[module] if n.split(".")[0] in NEVER_IMPORTED]
+        if package in NO_TORCH_DISTRIBUTED:
+            wrong += [
+                f"{module} -> {n}"
+                for n in raw[module]
+                if n == "torch.distributed" or n.startswith("torch.distributed.")
+            ]
+    assert wrong == []
+
+
+def test_the_layering_table_covers_every_package():
+    assert set(ALLOWED) == set(PACKAGES)
+    assert {
+        name for name in os.listdir(REPO_ROOT) if os.path.isfile(os.path.join(REPO_ROOT, name, "__init__.py"))
+    } >= set(PACKAGES)
