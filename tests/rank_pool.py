@@ -27,6 +27,7 @@ import resource
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -57,8 +58,6 @@ class _OutputTo:
         self.path = path
 
     def __enter__(self):
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         self.handle = open(self.path, "wb", buffering=0)
@@ -68,8 +67,6 @@ class _OutputTo:
         return self.handle
 
     def __exit__(self, *exc) -> None:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, saved in zip((1, 2), self.saved, strict=True):
