@@ -29,6 +29,8 @@ from config.yaml_reader import YamlBoundError, load_yaml_text, read_yaml_file
 from model.config import ModelConfig
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
+LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
 
 
 class ConfigError(ValueError):
@@ -101,7 +103,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
         for key, choices in (
-            ("precision", ("fp32", "bf16", "fp16")),
+            ("precision", PRECISIONS),
             ("recompute", ("none", "selective", "full")),
             ("recompute_method", ("uniform", "block")),
             ("device", ("auto", "cuda", "cpu")),
@@ -152,8 +154,10 @@ class OptimConfig:
         for key in ("loss_scale_window", "hysteresis"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"optim.lr_decay_style={self.lr_decay_style!r} is not one of cosine, linear, constant")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(
+                f"optim.lr_decay_style={self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}"
+            )
         if self.lr_warmup_iters < 0:
             raise ConfigError(f"optim.lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
         for key in ("adam_beta1", "adam_beta2"):

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.microbatch import Microbatch
 from evaluation.windows import Window
 from model.gpt import GPTModel
 from parallel.context_parallel import chunk_indices, cut_microbatch
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch, execute_schedule
+from parallel.pipeline.executor import execute_schedule
 from parallel.pipeline.plan import PipelinePlan
 from parallel.state import ParallelState
 from training.train_step import ForwardOnlyContext
@@ -45,7 +46,7 @@ class EvalContext:
     activation_dtype: torch.dtype
     device: torch.device
     scatter_gather: bool
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool
 
     @property
     def num_microbatches(self) -> int:
@@ -158,16 +159,16 @@ class WindowScorer:
         tokens = torch.full((b, length + 1), self.pad_id, dtype=torch.long)
         for row, window in enumerate(windows):
             tokens[row, : len(window.tokens)] = torch.tensor(window.tokens, dtype=torch.long)
-        mb: Microbatch = {
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
+        mb = Microbatch.of(
+            tokens=tokens[:, :-1].contiguous(),
+            labels=tokens[:, 1:].contiguous(),
+            loss_mask=torch.ones(b, length),
             # padding past the model's positions (the length rounded up for cp / sp) reads the last position
-            "position_ids": torch.arange(length).clamp(max=self.max_positions - 1).expand(b, length).contiguous(),
-            "loss_mask": torch.ones(b, length),
-        }
+            position_ids=torch.arange(length).clamp(max=self.max_positions - 1).expand(b, length).contiguous(),
+        )
         if self.cp_size > 1:
             mb = cut_microbatch(mb, self.cp_rank, self.cp_size)
-        return {k: (v.to(self.ctx.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+        return mb.to(self.ctx.device)
 
     def _run(self, microbatches: list[Microbatch], length: int) -> torch.Tensor:
         ctx, state = self.ctx, self.ctx.state
@@ -176,13 +177,13 @@ class WindowScorer:
 
         def forward_fn(chunk_index: int, chunk: torch.nn.Module, input_tensor, mb: Microbatch, /) -> torch.Tensor:
             output = chunk(
-                input_ids=mb["tokens"] if chunk.pre_process else None,
-                position_ids=mb["position_ids"],
+                input_ids=mb.tokens if chunk.pre_process else None,
+                position_ids=mb.position_ids,
                 hidden_states=input_tensor,
             )
             if not chunk.post_process:
                 return output
-            return self._gather_cp(target_scores(output, mb["labels"], state), length)
+            return self._gather_cp(target_scores(output, mb.labels, state), length)
 
         result = execute_schedule(
             ctx.eval_plan,

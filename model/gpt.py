@@ -332,7 +332,7 @@ class GPTModel(nn.Module):
         weight = self.output_weight()
         return param_info(weight).tp_rank * weight.shape[0]
 
-    def compile_layers(self, backend: str = "inductor") -> None:
+    def compile_layers(self, backend: str) -> None:
         """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).
         The layers share their code, so compile time stays flat in the number of layers. Selective recompute's
         checkpoint (inside the layer) runs eagerly: its context_fn swaps RNG-tracker states, which dynamo cannot

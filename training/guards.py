@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
+from data.microbatch import Microbatch
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_HUNG = 5
@@ -66,16 +67,16 @@ def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, b
 
 
 # ---- token ids ---------------------------------------------------------------------------------------
-def find_bad_token(microbatches: list[dict], vocab_size: int) -> tuple[int, int, int, int] | None:
+def find_bad_token(microbatches: list[Microbatch], vocab_size: int) -> tuple[int, int, int, int] | None:
     """(micro-batch, row, position in the sample, id) of the first id outside [0, vocab_size), else None.
 
     One min/max per tensor on the CPU batch before it moves to the device; the exact position is searched
     only for a bad micro-batch. A sample is tokens + the last label ([b, s + 1], as read from the data)."""
     for k, mb in enumerate(microbatches):
-        lows, highs = zip(*(torch.aminmax(mb[key]) for key in ("tokens", "labels")))
+        lows, highs = zip(*(torch.aminmax(ids) for ids in (mb.tokens, mb.labels)))
         if min(int(x) for x in lows) >= 0 and max(int(x) for x in highs) < vocab_size:
             continue
-        text = torch.cat([mb["tokens"], mb["labels"][:, -1:]], dim=1)
+        text = torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1)
         row, position = ((text < 0) | (text >= vocab_size)).nonzero()[0].tolist()
         return k, row, position, int(text[row, position])
     return None

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 
 from config.schema import Config
+from data.microbatch import Microbatch
 from parallel.comm import CollectiveError
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch
 from training.checkpointing import CheckpointError, save_checkpoint
 from training.faults import FaultSpec
 from training.guards import (
@@ -84,9 +84,8 @@ def _save(run: Run) -> None:
         run.checkpoint_parts(),
         run.progress,
         run.config.to_dict(),
-        run.config.parallel.distributed_optimizer,
-        checkpointer=run.checkpointer,
         keep_last=run.config.checkpoint.keep_last,
+        checkpointer=run.checkpointer,
     )
     run.last_saved = run.progress.iteration
 

@@ -27,6 +27,7 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
 from training.faults import FaultInjector, FaultSpec
@@ -85,8 +86,11 @@ class Run:
 
     def checkpoint_parts(self) -> CheckpointParts:
         """What this run's checkpoints are written from and loaded into."""
-        ctx = self.ctx
-        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker)
+        ctx, layout = self.ctx, self.layout
+        recorded = CheckpointLayout.of(
+            self.state, layout.sequence_parallel, self.config.parallel.distributed_optimizer, layout.schedule
+        )
+        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker, recorded)
 
 
 def prepare_data(
@@ -122,7 +126,7 @@ def build_optimizer_and_schedule(
     config: Config, chunks: list[torch.nn.Module], state: ParallelState
 ) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
     """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
-    par, train_cfg, optim = config.parallel, config.train, config.optim
+    par = config.parallel
     ddp = DataParallel(
         chunks,
         state,
@@ -131,30 +135,9 @@ def build_optimizer_and_schedule(
         grad_dtype=torch.float32,
     )
     optimizer = build_optimizer(
-        chunks,
-        ddp,
-        state,
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2),
-        eps=optim.adam_eps,
-        clip_grad=train_cfg.clip_grad,
-        precision=train_cfg.precision,
-        loss_scale_cfg=dict(
-            initial=optim.initial_loss_scale,
-            min=optim.min_loss_scale,
-            window=optim.loss_scale_window,
-            hysteresis=optim.hysteresis,
-        ),
-        overlap_param_gather=par.overlap_param_gather,
+        chunks, ddp, state, config.optim, config.train, overlap_param_gather=par.overlap_param_gather
     )
-    lr_schedule = LRSchedule(
-        optim.lr,
-        optim.min_lr,
-        optim.lr_warmup_iters,
-        optim.lr_decay_iters or train_cfg.train_iters,
-        optim.lr_decay_style,
-    )
+    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     return ddp, optimizer, lr_schedule
 
 
@@ -181,8 +164,7 @@ def build_chunks(
         env.device,
         dtype,
         spec,
-        compile_layers=train_cfg.compile,
-        compile_backend=train_cfg.compile_backend,
+        compile_backend=train_cfg.compile_backend if train_cfg.compile else None,
     )
     log_kernel_choices(
         chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)

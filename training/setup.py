@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from config.data_config import DataConfig
 from config.schema import Config, TrainConfig
 from data.blended_dataset import BlendedDataset
 from data.builder import SPLIT_NAMES, BuildOptions, build_split_datasets, build_train_valid_test_datasets
@@ -152,6 +153,15 @@ def resolve_sample_data(config: Config, env: DistEnv, logger, comm: Collectives 
     logger.info(f"data: sample corpus {info['data_prefix']}")
 
 
+def build_options(data: DataConfig) -> BuildOptions:
+    """The data section's Megatron GPTDatasetConfig options, as data/builder.py takes them."""
+    return BuildOptions(
+        extra_token=data.add_extra_token_to_sequence,
+        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
+        mid_level_surplus=data.mid_level_dataset_surplus,
+    )
+
+
 def build_datasets(config: Config, env: DistEnv, gbs: int, comm: Collectives | None = None) -> DatasetSplits:
     """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them.
 
@@ -161,11 +171,7 @@ def build_datasets(config: Config, env: DistEnv, gbs: int, comm: Collectives | N
     """
     train, data = config.train, config.data
     num_samples = (train.train_iters * gbs, train.eval_iters * gbs, 0)
-    options = BuildOptions(
-        extra_token=data.add_extra_token_to_sequence,
-        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
-        mid_level_surplus=data.mid_level_dataset_surplus,
-    )
+    options = build_options(data)
     seq_length, split_paths = config.model.seq_length, tuple(getattr(data, key) for key in data.SPLIT_KEYS)
 
     def build():
@@ -238,6 +244,7 @@ def data_iterator(
 
 
 def param_dtype(precision: str) -> torch.dtype:
+    """The parameters' dtype of train.precision."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 

@@ -41,7 +41,7 @@ class SaveJob:
     iteration: int
     tensors: dict[str, GlobalPieces]
     train_state: TrainState | None  # rank 0 writes its meta.json, every rank its RNG states (when not None)
-    keep_last: int = 0
+    keep_last: int  # checkpoint.keep_last: after this one, keep the newest N (0: all)
     before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
 
 
