@@ -51,12 +51,20 @@ class ParallelConfig:
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
     grad_bucket_size_mb: float = 25.0
+    # Seconds a collective may wait (training/watchdog.py, docs/operations.md): start-up (process groups, loading a
+    # checkpoint, the first iteration) and every checkpoint save, then steady training after the first step; a rank
+    # that makes no progress that long (+5 s) is stopped by its watchdog. torchtitan's defaults.
+    init_timeout_s: float = 300.0
+    train_timeout_s: float = 100.0
 
     def validate(self) -> None:
         # The layout rules (sizes, schedule, divisibility) need the model and the world size: they all
         # live in parallel/layout.py (build_layout), called by every entry point.
         if self.grad_bucket_size_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
+        for key in ("init_timeout_s", "train_timeout_s"):
+            if not 0 < getattr(self, key) <= 7 * 24 * 3600:
+                raise ConfigError(f"parallel.{key}={getattr(self, key)} must be > 0 and at most a week (604800)")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
 
@@ -195,10 +203,20 @@ class LoggingConfig:
     peak_tflops: float | None = None  # per GPU, for MFU; None: the known bf16/fp16 peak of the CUDA device
     wandb_project: str | None = None  # set: also log to Weights & Biases (needs `pip install wandb`)
     wandb_entity: str | None = None  # the W&B team or user; None: wandb's default
+    # Every N iterations each rank's compute and wait time per iteration are gathered; the slowest and fastest
+    # ranks are logged (training/straggler.py); 0 = off.
+    straggler_interval: int = 100
+    # A warning when a rank's compute time is above its pipeline stage's median by more than this fraction in
+    # two reports in a row.
+    straggler_threshold: float = 0.2
 
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
+        if self.straggler_interval < 0:
+            raise ConfigError(f"logging.straggler_interval={self.straggler_interval} must be >= 0 (0: no report)")
+        if self.straggler_threshold <= 0:
+            raise ConfigError(f"logging.straggler_threshold={self.straggler_threshold} must be > 0")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
 

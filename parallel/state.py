@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -74,15 +75,17 @@ class ParallelState:
         )
 
     @classmethod
-    def from_layout(cls, layout: Layout, recorder: CommRecorder | None = None) -> ParallelState:
+    def from_layout(
+        cls, layout: Layout, recorder: CommRecorder | None = None, timeout_s: float | None = None
+    ) -> ParallelState:
         """The state of `layout` for this process: `single()` for one process, else `create(...)`; `recorder`
-        sees every collective issued through `comm`."""
+        sees every collective issued through `comm`; `timeout_s` is the groups' timeout (None: torch's)."""
         if layout.world_size == 1:
             state = cls.single()
             state.comm.recorder = recorder
             return state
         return cls.create(
-            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder
+            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder, timeout_s
         )
 
     @classmethod
@@ -94,9 +97,16 @@ class ParallelState:
         cp_size: int = 1,
         v_shape: bool = False,
         recorder: CommRecorder | None = None,
+        timeout_s: float | None = None,
     ) -> ParallelState:
-        """Build every group; all ranks must call this in the same order (new_group is collective)."""
+        """Build every group; all ranks must call this in the same order (new_group is collective).
+        `timeout_s`: the timeout of the new groups' collectives (None: torch's default, not the world's)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+
+        def new_group(ranks: list[int]) -> Any:
+            return dist.new_group(ranks, timeout=timeout)
+
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
         state = cls(
             world_size=world_size,
@@ -111,36 +121,36 @@ class ParallelState:
         )
         grid = state.grid
         for ranks in grid.groups("tp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.tp_group, state.tp_ranks = state._named(group, "tp", ranks), ranks
         for ranks in grid.groups("dp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.dp_group, state.dp_ranks = state._named(group, "dp", ranks), ranks
         for ranks in grid.groups("pp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.pp_group, state.pp_ranks = state._named(group, "pp", ranks), ranks
             embedding_ranks = [ranks[pp_rank] for pp_rank in state.stages.embedding_pp_ranks]
-            emb_group = dist.new_group(embedding_ranks)
+            emb_group = new_group(embedding_ranks)
             if rank in embedding_ranks and len(embedding_ranks) > 1:
                 state.embedding_group = state._named(emb_group, "embedding", embedding_ranks)
         for ranks in grid.groups("tp", "pp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
-            state._create_cp_groups()
+            state._create_cp_groups(new_group)
         return state
 
-    def _create_cp_groups(self) -> None:
+    def _create_cp_groups(self, new_group: Any) -> None:
         for ranks in self.grid.groups("cp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if self.rank in ranks:
                 self.cp_group, self.cp_ranks = self._named(group, "cp", ranks), ranks
         for ranks in self.grid.groups("cp", "dp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if self.rank in ranks:
                 self.dp_x_cp_group = self._named(group, "dp_cp", ranks)
 

@@ -19,7 +19,7 @@ from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
-from parallel.comm import CommRecorder
+from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
@@ -30,6 +30,7 @@ from parallel.tp_mappings import CommCounter
 from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
+from training.faults import FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
@@ -43,8 +44,10 @@ from training.setup import (
     param_dtype,
     resolve_sample_data,
 )
+from training.straggler import StragglerReport
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
+from training.watchdog import HangGuard
 
 
 @dataclass
@@ -70,6 +73,8 @@ class Run:
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
+    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (training/watchdog.py)
+    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (training/straggler.py)
 
     @property
     def vocab_size(self) -> int:
@@ -88,11 +93,13 @@ class Run:
         return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker, recorded)
 
 
-def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
+def prepare_data(
+    config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
+) -> tuple[int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
     and verified before anything is written) and datasets; then the resolved config is saved.
     Returns the end-of-document id, the datasets and the resume plan."""
-    resolve_sample_data(config, env, logger)
+    resolve_sample_data(config, env, logger, comm)
     data = config.data
     tokenizer = build_tokenizer(
         data.tokenizer_type,
@@ -105,7 +112,7 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
     resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
-    datasets = build_datasets(config, env, config.train.global_batch_size)
+    datasets = build_datasets(config, env, config.train.global_batch_size, comm)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
         resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
@@ -165,13 +172,38 @@ def build_chunks(
     return chunks
 
 
-def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+def build_state(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    guard: HangGuard | None,
+    fault: FaultSpec | None,
+    logger: logging.Logger,
+) -> ParallelState:
+    """The parallel state with its recorder (the latest collectives of this rank, always kept), its groups on the
+    start-up timeout, the hang guard started, and the fault-injection test hook on the rank it names."""
+    state = ParallelState.from_layout(layout, CommRecorder(), config.parallel.init_timeout_s)
+    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    if guard is not None:
+        guard.start(state)
+    if fault is not None:
+        logger.info(fault.describe())
+        if fault.rank == env.rank and state.comm.recorder is not None:
+            if env.rank != 0:
+                logger.warning(fault.describe())
+            state.comm.before_issue = FaultInjector(fault, state.comm.recorder, logger)
+    return state
+
+
+def build_run(
+    config: Config, env: DistEnv, layout: Layout, guard: HangGuard | None = None, fault: FaultSpec | None = None
+) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked.
+    `guard` (timeouts and watchdog) starts as soon as the state exists; `fault` is PTDP_INJECT_FAULT's."""
     par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
-    state = ParallelState.from_layout(layout, CommRecorder())  # the latest collectives of this rank, always kept
-    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
-    eod_id, datasets, resume_plan = prepare_data(config, env, logger)
+    state = build_state(config, env, layout, guard, fault, logger)
+    eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
@@ -216,7 +248,15 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         logger=logger,
         checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
         resume_plan=resume_plan,
-        checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
+        checkpointer=(
+            Checkpointer(config.checkpoint.async_save, logger.info, state.comm, par.init_timeout_s)
+            if config.checkpoint.save
+            else None
+        ),
+        hang_guard=guard,
+        straggler=StragglerReport(
+            config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
+        ),
     )
 
 
