@@ -21,7 +21,8 @@ from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
 from evaluation.in_training import zero_shot_tasks
 from parallel.layout import layout_from_config
-from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED
+from training.faults import fault_from_env
+from training.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from training.loop import run_training
 from training.preemption import Interrupted, PreemptionHandler
 from training.run_lock import RunLock, take_run_lock
@@ -67,7 +68,7 @@ def unknown_option_message(unknown: list[str], argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the trainer; returns the exit code (0 done, 2 bad input, 3 stopped by a signal, 4 diverged:
+    """Run the trainer; returns the exit code (0 done, 2 bad input, 3 stopped by a signal, 4 diverged, 5 a hang:
     see training/guards.py)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -79,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         check_wandb_importable(config.logging)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
         extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
+        fault = fault_from_env(world_size)  # PTDP_INJECT_FAULT, the hang / straggler test hook (training/faults.py)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     created_dir = not os.path.exists(config.run.dir)
     lock = RunLock(config.run.dir)
     with PreemptionHandler() as preemption:  # from here on a signal stops at an iteration boundary
-        env = init_distributed(use_cuda, config.train.num_threads)
+        env = init_distributed(use_cuda, config.train.num_threads, timeout_s=config.parallel.init_timeout_s)
         try:
             error = take_run_lock(lock, env.rank, env.world_size, env.device)
             if error is not None:
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             warning = lock.stale_warning()
             if warning is not None:
                 print(warning, file=sys.stderr)
-            return run_training(config, env, layout, preemption, extra_evaluation)
+            return run_training(config, env, layout, preemption, extra_evaluation, fault)
         except Interrupted as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -107,5 +109,16 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
 
 
+def exit_with(code: int) -> None:
+    """Exit the process with `code`. After a hang (exit 5) the interpreter's teardown is skipped: gloo's
+    destructors can wait for a receive that timed out while its peer still lives, and the rank would be killed
+    by torchrun instead of exiting with its code."""
+    if code == EXIT_HUNG:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

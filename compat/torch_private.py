@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -74,6 +75,14 @@ PICKLED_LAYOUT = PrivateName(
     "a pickled tensor layout (torch.strided) is rebuilt by name through it: DCP metadata holds layouts",
     _DCP_PUBLIC,
 )
+SET_PG_TIMEOUT = PrivateName(
+    "torch.distributed.distributed_c10d",
+    "_set_pg_timeout",
+    "lowering a process group's timeout after the first iteration (parallel.train_timeout_s, "
+    "training/watchdog.py), as torchtitan's set_pg_timeouts does; used only where the group has no public "
+    "set_timeout (torch 2.13 has it; older releases may not)",
+    "ProcessGroup.set_timeout where it exists; without either the groups keep the start-up timeout",
+)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     AUTOGRAD_ENGINE,
@@ -82,6 +91,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     TENSOR_BASE,
     *DCP_METADATA_NAMES,
     PICKLED_LAYOUT,
+    SET_PG_TIMEOUT,
 )
 
 
@@ -125,3 +135,18 @@ def is_view(tensor: torch.Tensor) -> bool | None:
     if not hasattr(torch.Tensor, "_base"):
         return None
     return tensor._base is not None
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> bool:
+    """Make `timeout` the timeout of `group`'s future collectives: the public ProcessGroup.set_timeout, else
+    SET_PG_TIMEOUT; False when this torch has neither (the group keeps its timeout)."""
+    setter = getattr(group, "set_timeout", None)
+    if setter is not None:
+        setter(timeout)
+        return True
+    try:  # by name: compat/ imports no torch.distributed (its caller already has)
+        private = resolve(SET_PG_TIMEOUT)
+    except (ImportError, AttributeError):
+        return False
+    private(timeout, group)
+    return True

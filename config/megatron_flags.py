@@ -41,6 +41,10 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "--use-torch-fsdp2": ("parallel.fsdp=true", "ZeRO-3 over dp x cp, with pp = 1"),
     "--overlap-p2p-communication": ("parallel.overlap_p2p_comm=true", "on by default here"),
     "--no-scatter-gather-tensors-in-pipeline": ("parallel.scatter_gather=false", ""),
+    "--distributed-timeout-minutes": (
+        "parallel.train_timeout_s=SECONDS",
+        "in seconds (minutes x 60); start-up and checkpoint saves: parallel.init_timeout_s",
+    ),
     # train
     "--micro-batch-size": ("train.micro_batch_size={}", ""),
     "--global-batch-size": ("train.global_batch_size={}", ""),
@@ -99,6 +103,11 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     "--no-load-optim": ("checkpoint.load_optimizer=false", ""),
     "--async-save": ("checkpoint.async_save=true", ""),
     "--log-interval": ("logging.log_interval={}", ""),
+    "--log-straggler": ("logging.straggler_interval=100", "on by default (every 100 iterations; 0 = off)"),
+    "--straggler-minmax-count": (
+        "logging.straggler_interval=100",
+        "the slowest and the fastest rank are logged; logging.straggler_threshold sets the warning",
+    ),
     "--tensorboard-dir": ("logging.tensorboard=true", "written to run.dir/tensorboard"),
 }
 

@@ -29,6 +29,8 @@ from config.yaml_reader import YamlBoundError, load_yaml_text, read_yaml_file
 from model.config import ModelConfig
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
+LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
 
 
 class ConfigError(ValueError):
@@ -53,12 +55,20 @@ class ParallelConfig:
     fsdp: bool = False
     fsdp_reshard_after_forward: bool = True  # false: parameters stay gathered from forward to backward (ZeRO-2 like)
     fsdp_replicate: int = 1  # HSDP: replicas of the sharded model (dp = fsdp_replicate x the shard group)
+    # Seconds a collective may wait (training/watchdog.py, docs/operations.md): start-up (process groups, loading a
+    # checkpoint, the first iteration) and every checkpoint save, then steady training after the first step; a rank
+    # that makes no progress that long (+5 s) is stopped by its watchdog. torchtitan's defaults.
+    init_timeout_s: float = 300.0
+    train_timeout_s: float = 100.0
 
     def validate(self) -> None:
         # The layout rules (sizes, schedule, divisibility) need the model and the world size: they all
         # live in parallel/layout.py (build_layout), called by every entry point.
         if self.grad_bucket_size_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
+        for key in ("init_timeout_s", "train_timeout_s"):
+            if not 0 < getattr(self, key) <= 7 * 24 * 3600:
+                raise ConfigError(f"parallel.{key}={getattr(self, key)} must be > 0 and at most a week (604800)")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
         self._validate_fsdp()
@@ -112,7 +122,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
         for key, choices in (
-            ("precision", ("fp32", "bf16", "fp16")),
+            ("precision", PRECISIONS),
             ("recompute", ("none", "selective", "full")),
             ("recompute_method", ("uniform", "block")),
             ("device", ("auto", "cuda", "cpu")),
@@ -163,8 +173,10 @@ class OptimConfig:
         for key in ("loss_scale_window", "hysteresis"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"optim.lr_decay_style={self.lr_decay_style!r} is not one of cosine, linear, constant")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(
+                f"optim.lr_decay_style={self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}"
+            )
         if self.lr_warmup_iters < 0:
             raise ConfigError(f"optim.lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
         for key in ("adam_beta1", "adam_beta2"):
@@ -210,10 +222,20 @@ class LoggingConfig:
     peak_tflops: float | None = None  # per GPU, for MFU; None: the known bf16/fp16 peak of the CUDA device
     wandb_project: str | None = None  # set: also log to Weights & Biases (needs `pip install wandb`)
     wandb_entity: str | None = None  # the W&B team or user; None: wandb's default
+    # Every N iterations each rank's compute and wait time per iteration are gathered; the slowest and fastest
+    # ranks are logged (training/straggler.py); 0 = off.
+    straggler_interval: int = 100
+    # A warning when a rank's compute time is above its pipeline stage's median by more than this fraction in
+    # two reports in a row.
+    straggler_threshold: float = 0.2
 
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
+        if self.straggler_interval < 0:
+            raise ConfigError(f"logging.straggler_interval={self.straggler_interval} must be >= 0 (0: no report)")
+        if self.straggler_threshold <= 0:
+            raise ConfigError(f"logging.straggler_threshold={self.straggler_threshold} must be > 0")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
 

@@ -18,6 +18,8 @@ row-parallel columns, SwiGLU fc1 holding [gate_r; up_r] per rank), which is Mega
 Files are unpickled with weights_only=True and the allow-list of convert/safe_pickle.py (namespace, numpy
 arrays and dtypes, byte buffers; Megatron's own objects become inert placeholders); any other global is
 refused by name. Only the model weights are taken; optimizer, scheduler and RNG state are not carried.
+Names: the folders in training/checkpoint/folder_names.py, the tensors in convert/megatron_names.py, the args
+in convert/megatron_args.py (each shared with the export, convert/megatron_export.py).
 """
 
 from __future__ import annotations
@@ -25,54 +27,31 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Any
 
 import torch
 
-from convert.hf_folder import hf_tokenizer_json
 from convert.hf_mapping import UnsupportedModelError
+from convert.megatron_args import model_config_from_args, tokenizer_from_args
 from convert.megatron_checks import check_args, check_rank_folders, check_shard
 from convert.megatron_dist import is_torch_dist, read_common, read_model_tensors
+from convert.megatron_names import GLOBAL_TO_OURS, LAYER_TO_OURS
 from convert.model_weights import meta_state, resize_vocab_rows
 from convert.safe_pickle import load_megatron_file
 from model.config import ModelConfig
 from model.param_info import Sharding
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
+from training.checkpoint.folder_names import (
+    ITER_RE,
+    MAIN_FILE,
+    MP_RANK_PREFIX,
+    RELEASE,
+    TRACKER,
+    iter_name,
+    parse_mp_rank,
+)
 
 Tensors = dict[str, torch.Tensor]
-TRACKER = "latest_checkpointed_iteration.txt"
-# Layer-local names, megatron-core and legacy spellings -> ours.
-LAYER_NAMES = {
-    "input_layernorm": "input_norm",
-    "input_norm": "input_norm",
-    "self_attention.linear_qkv.layer_norm": "input_norm",
-    "self_attention.linear_qkv": "attention.qkv",
-    "self_attention.query_key_value": "attention.qkv",
-    "attention.query_key_value": "attention.qkv",
-    "self_attention.linear_proj": "attention.proj",
-    "self_attention.dense": "attention.proj",
-    "attention.dense": "attention.proj",
-    "pre_mlp_layernorm": "post_attention_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "post_attention_norm": "post_attention_norm",
-    "mlp.linear_fc1.layer_norm": "post_attention_norm",
-    "mlp.linear_fc1": "mlp.fc1",
-    "mlp.dense_h_to_4h": "mlp.fc1",
-    "mlp.linear_fc2": "mlp.fc2",
-    "mlp.dense_4h_to_h": "mlp.fc2",
-}
-GLOBAL_NAMES = {
-    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
-    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
-    "decoder.final_layernorm.weight": "final_norm.weight",
-    "decoder.final_layernorm.bias": "final_norm.bias",
-    "encoder.final_layernorm.weight": "final_norm.weight",
-    "encoder.final_layernorm.bias": "final_norm.bias",
-    "encoder.final_norm.weight": "final_norm.weight",
-    "encoder.final_norm.bias": "final_norm.bias",
-    "output_layer.weight": "output_layer.weight",
-}
 LAYER_KEY = re.compile(
     r"^(?:decoder|encoder|transformer)\.layers\.(\d+)\.(.+)\.(weight|bias|layer_norm_weight|"
     r"layer_norm_bias)$"
@@ -81,7 +60,8 @@ LAYER_KEY = re.compile(
 
 def find_iteration_dir(root: str) -> str:
     """CHECKPOINTS folder (through its tracker) or an iter_XXXXXXX / release folder."""
-    if re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(root))) and os.path.isdir(root):
+    name = os.path.basename(os.path.normpath(root))
+    if (ITER_RE.match(name) or name == RELEASE) and os.path.isdir(root):
         return root
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
@@ -91,101 +71,29 @@ def find_iteration_dir(root: str) -> str:
             text = handle.read(64).strip()  # an iteration number is short; junk is not read whole
     except (OSError, ValueError) as err:  # ValueError: not UTF-8 text
         raise ValueError(f"{tracker} cannot be read as text ({type(err).__name__}): not a Megatron tracker") from None
-    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-    if name is None:
+    folder = RELEASE if text == RELEASE else iter_name(int(text)) if text.isdigit() else None
+    if folder is None:
         raise ValueError(
             f"{tracker} holds {text!r}, not an iteration number: write the iteration into it, or name the "
             "iter_XXXXXXX folder itself"
         )
-    return os.path.join(root, name)
+    return os.path.join(root, folder)
 
 
 def rank_files(iter_dir: str) -> dict[tuple[int, int], str]:
     """{(tp_rank, pp_rank): model_optim_rng.pt path} of every mp_rank folder."""
     files = {}
     for name in sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []:
-        match = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
-        if match:
-            path = os.path.join(iter_dir, name, "model_optim_rng.pt")
-            files[(int(match.group(1)), int(match.group(2) or 0))] = path
-        elif name.startswith("mp_rank_"):
+        ranks = parse_mp_rank(name)
+        if ranks is not None:
+            files[ranks] = os.path.join(iter_dir, name, MAIN_FILE)
+        elif name.startswith(MP_RANK_PREFIX):
             raise UnsupportedModelError(
                 f"{os.path.join(iter_dir, name)}: expert-parallel checkpoints are not supported"
             )
     if not files:
         raise ValueError(f"{iter_dir} holds no mp_rank_* folders and no torch_dist metadata.json")
     return files
-
-
-def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
-
-
-def _refuse_unsupported(args: argparse.Namespace) -> None:
-    """Megatron options this model does not have, refused by name."""
-    checks = [
-        ("rotary_percent", lambda v: v not in (None, 1.0)),
-        ("num_experts", lambda v: v not in (None, 0)),
-        ("apply_residual_connection_post_layernorm", bool),
-        ("qk_layernorm", bool),
-        ("apply_layernorm_1p", bool),
-        ("layernorm_zero_centered_gamma", bool),
-        ("rotary_interleaved", bool),
-        ("squared_relu", bool),
-        ("multi_latent_attention", bool),
-        ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope")),
-        ("normalization", lambda v: v not in (None, "LayerNorm", "RMSNorm")),
-    ]
-    for name, bad in checks:
-        value = _arg(args, name)
-        if value is not None and bad(value):
-            raise UnsupportedModelError(f"Megatron option {name}={value!r} is not supported by this model")
-    hidden, heads = args.hidden_size, args.num_attention_heads
-    if _arg(args, "kv_channels") not in (None, hidden // heads):
-        raise UnsupportedModelError(
-            f"Megatron option kv_channels={args.kv_channels} is not supported "
-            f"(needs hidden_size / num_attention_heads = {hidden // heads})"
-        )
-    add_bias = _arg(args, "add_bias_linear", True)
-    if _arg(args, "add_qkv_bias", add_bias) != add_bias:
-        raise UnsupportedModelError(
-            f"Megatron option add_qkv_bias={args.add_qkv_bias} with add_bias_linear="
-            f"{add_bias} is not supported (one bias switch for every linear layer)"
-        )
-
-
-def _activation(args: argparse.Namespace) -> str:
-    """swiglu, GPT-2's tanh GeLU (openai_gelu), or the exact erf GeLU (Megatron's default)."""
-    if _arg(args, "swiglu", False):
-        return "swiglu"
-    return "gelu_tanh" if _arg(args, "openai_gelu", False) else "gelu"
-
-
-def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    """Our model section from Megatron-LM's args."""
-    _refuse_unsupported(args)
-    gqa = _arg(args, "group_query_attention", False)
-    return ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups if gqa else None,
-        ffn_hidden_size=_arg(args, "ffn_hidden_size"),
-        seq_length=args.seq_length,
-        max_position_embeddings=_arg(args, "max_position_embeddings"),
-        vocab_size=vocab_size,
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
-        position_embedding_type="rope" if _arg(args, "position_embedding_type") == "rope" else "learned",
-        rotary_base=float(_arg(args, "rotary_base", 10000)),
-        normalization="rmsnorm" if _arg(args, "normalization") == "RMSNorm" else "layernorm",
-        norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
-        activation=_activation(args),
-        tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
-        add_bias_linear=_arg(args, "add_bias_linear", True),
-        hidden_dropout=_arg(args, "hidden_dropout", 0.1),
-        attention_dropout=_arg(args, "attention_dropout", 0.1),
-        init_std=_arg(args, "init_method_std", 0.02),
-    )
 
 
 def flatten(nested: dict, prefix: str = "") -> Tensors:
@@ -207,15 +115,15 @@ def rename_chunk(chunk: Tensors, layer_offset: int) -> Tensors:
         name = name.removeprefix("language_model.").removeprefix("module.")
         if name.endswith("_extra_state"):
             continue
-        if name in GLOBAL_NAMES:
-            ours[GLOBAL_NAMES[name]] = tensor
+        if name in GLOBAL_TO_OURS:
+            ours[GLOBAL_TO_OURS[name]] = tensor
             continue
         match = LAYER_KEY.match(name)
         module = match and (match.group(2) + (".layer_norm" if match.group(3).startswith("layer_norm") else ""))
-        if not match or module not in LAYER_NAMES:
+        if not match or module not in LAYER_TO_OURS:
             raise UnsupportedModelError(f"Megatron tensor {name} has no counterpart in this model")
         kind = "bias" if match.group(3).endswith("bias") else "weight"
-        ours[f"layers.{int(match.group(1)) + layer_offset}.{LAYER_NAMES[module]}.{kind}"] = tensor
+        ours[f"layers.{int(match.group(1)) + layer_offset}.{LAYER_TO_OURS[module]}.{kind}"] = tensor
     return ours
 
 
@@ -235,37 +143,6 @@ def _chunks(payload: dict, path: str) -> list[Tensors]:
     if not all(isinstance(payload[k], dict) for k in keys):
         raise ValueError(f"{path}: its {', '.join(keys)} entry is not a state dict")
     return [flatten(payload[k]) for k in keys]
-
-
-def tokenizer_from_args(args: argparse.Namespace) -> tuple[dict | None, int | None]:
-    """(our data-section tokenizer keys or None, the tokenizer's vocabulary size or None) of the tokenizer
-    Megatron's args name. GPT-2 BPE, SentencePiece and HuggingFace (tokenizer_model a local folder or
-    tokenizer.json) are carried when their files exist; NullTokenizer has no files (its size is
-    args.vocab_size + 1: the ids and one end-of-document id, Megatron's rule)."""
-    from data.tokenizers import build_tokenizer
-
-    kind = _arg(args, "tokenizer_type")
-    if kind == "NullTokenizer" and _arg(args, "vocab_size"):
-        keys = {"tokenizer_type": kind, "vocab_file": None, "merge_file": None, "tokenizer_model": None}
-        return keys, int(args.vocab_size) + 1
-    files = {
-        "vocab_file": _arg(args, "vocab_file"),
-        "merge_file": _arg(args, "merge_file"),
-        "tokenizer_model": _arg(args, "tokenizer_model"),
-    }
-    ours = {
-        "GPT2BPETokenizer": "GPT2BPETokenizer",
-        "SentencePieceTokenizer": "SentencePieceTokenizer",
-        "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
-        "HuggingFaceTokenizer": "HuggingFaceTokenizer",
-    }.get(kind)
-    if ours == "HuggingFaceTokenizer":
-        # A hub name, or a folder without tokenizer.json (a slow tokenizer): nothing this project reads.
-        files = {"vocab_file": None, "merge_file": None, "tokenizer_model": hf_tokenizer_json(files["tokenizer_model"])}
-    if ours is None or not any(files.values()) or not all(os.path.isfile(p) for p in files.values() if p):
-        return None, None
-    tokenizer = build_tokenizer(ours, **files)
-    return {"tokenizer_type": ours, **files}, tokenizer.vocab_size
 
 
 def read_args(iter_dir: str) -> tuple[argparse.Namespace, dict]:
@@ -298,7 +175,9 @@ def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[
     iter_dir = find_iteration_dir(root)
     args, first = read_args(iter_dir)
     data, tokenizer_vocab = tokenizer_from_args(args)
-    vocab = vocab_size or tokenizer_vocab or _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
+    vocab = (
+        vocab_size or tokenizer_vocab or getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)
+    )
     if type(vocab) is not int or vocab < 1:
         raise ValueError(f"{iter_dir}: no vocabulary size (args.vocab_size, args.padded_vocab_size or a tokenizer)")
     cfg = model_config_from_args(args, vocab)
@@ -309,7 +188,7 @@ def load_megatron_checkpoint(root: str, vocab_size: int | None = None) -> tuple[
             f"{iter_dir}: Megatron's args describe a model the trainer refuses: {err}"
         ) from None
     if is_torch_dist(iter_dir):
-        tensors = rename_chunk(read_model_tensors(iter_dir, GLOBAL_NAMES), 0)
+        tensors = rename_chunk(read_model_tensors(iter_dir), 0)
         full, shardings = meta_state(cfg), param_shardings(cfg)
         for name, tensor in tensors.items():  # whole tensors: DCP reassembled the tp shards
             check_shard(name, tensor, os.path.join(iter_dir, ".metadata"), (0, 1), full, shardings)

@@ -12,6 +12,7 @@ import torch
 from convert.hf_mapping import UnsupportedModelError
 from convert.model_weights import check_dtypes
 from model.param_info import Sharding
+from training.checkpoint.folder_names import mp_rank_name
 
 Tensors = dict[str, torch.Tensor]
 
@@ -31,7 +32,7 @@ def check_rank_folders(iter_dir: str, files: dict[tuple[int, int], str], args: a
         )
     missing = sorted(expected - set(files))
     if missing:
-        name = f"mp_rank_{missing[0][0]:02d}" + (f"_{missing[0][1]:03d}" if pp > 1 else "")
+        name = mp_rank_name(*missing[0], name_pp_rank=pp > 1)
         raise ValueError(
             f"{iter_dir} misses {name} ({len(missing)} of the {len(expected)} mp_rank folders of tp={tp} x pp={pp} "
             "missing): the checkpoint is incomplete; copy it again"

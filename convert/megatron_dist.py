@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from convert.megatron_names import GLOBAL_TO_OURS
 from convert.safe_pickle import first_line, load_megatron_file
 from training.checkpoint.files import CheckpointError, check_storage_extents
 from training.checkpoint.safe_reader import SafeFileSystemReader
@@ -114,20 +115,18 @@ def check_index(iter_dir: str, metadata: Metadata, model: dict[str, TensorStorag
         raise ValueError(f"{path} is damaged: its model tensors need {wanted_bytes} bytes, its files hold {stored}")
 
 
-def is_model_key(key: str, global_names: dict[str, str]) -> bool:
+def is_model_key(key: str) -> bool:
     """Model weights: the global tensors and the stacked layer tensors (optimizer keys have a prefix)."""
-    return key in global_names or STACKED_KEY.match(key) is not None
+    return key in GLOBAL_TO_OURS or STACKED_KEY.match(key) is not None
 
 
-def read_model_tensors(iter_dir: str, global_names: dict[str, str]) -> Tensors:
+def read_model_tensors(iter_dir: str) -> Tensors:
     """Every model tensor in full, stacked layers unstacked to `decoder.layers.N.<module>.<param>`."""
     reader = SafeFileSystemReader(iter_dir)  # `.metadata` through the allow-list, read once
     metadata = read_index(reader, iter_dir)
     entries = metadata.state_dict_metadata
     model = {
-        key: entry
-        for key, entry in entries.items()
-        if isinstance(entry, TensorStorageMetadata) and is_model_key(key, global_names)
+        key: entry for key, entry in entries.items() if isinstance(entry, TensorStorageMetadata) and is_model_key(key)
     }
     if not model:
         raise ValueError(f"{iter_dir} holds no GPT model tensors (keys: {', '.join(sorted(entries)[:5])}, ...)")

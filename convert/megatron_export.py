@@ -21,75 +21,22 @@ import os
 
 import torch
 
+from convert.megatron_args import model_args, tokenizer_args
+from convert.megatron_names import GLOBAL_TO_MCORE, LAYER_EXTRA_STATES, LAYER_TO_MCORE, OUTPUT_EXTRA_STATE
 from model.config import ModelConfig
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
+from training.checkpoint.folder_names import MAIN_FILE, iter_name, mp_rank_name
 
 Tensors = dict[str, torch.Tensor | None]
-# Our layer-local module names -> megatron-core's (local spec).
-MCORE_LAYER_NAMES = {
-    "input_norm": "input_layernorm",
-    "attention.qkv": "self_attention.linear_qkv",
-    "attention.proj": "self_attention.linear_proj",
-    "post_attention_norm": "pre_mlp_layernorm",
-    "mlp.fc1": "mlp.linear_fc1",
-    "mlp.fc2": "mlp.linear_fc2",
-}
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
-def tokenizer_args(cfg: ModelConfig, data: dict) -> dict:
-    """Megatron's tokenizer args for our data section: GPT-2 BPE, SentencePiece or HuggingFace (the folder
-    holding tokenizer.json, for AutoTokenizer) with their files as absolute paths, else NullTokenizer over our
-    vocabulary (its size is vocab_size + 1, so vocab_size - 1 is stored)."""
-    kind = data.get("tokenizer_type")
-    if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
-        files = {"vocab_file": os.path.abspath(data["vocab_file"]), "merge_file": os.path.abspath(data["merge_file"])}
-        return {"tokenizer_type": kind, **files, "vocab_size": None}
-    if kind == "SentencePieceTokenizer" and data.get("tokenizer_model"):
-        model = os.path.abspath(data["tokenizer_model"])
-        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model, "vocab_size": None}
-    if kind == "HuggingFaceTokenizer" and data.get("tokenizer_model"):
-        model = os.path.abspath(data["tokenizer_model"])
-        folder = model if os.path.isdir(model) else os.path.dirname(model)
-        return {"tokenizer_type": kind, "tokenizer_model": folder, "vocab_size": None}
-    return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1 if cfg.vocab_size else None}
 
 
 def megatron_args(cfg: ModelConfig, layout: tuple[int, int, int], iteration: int, data: dict) -> argparse.Namespace:
     """The model, layout and tokenizer fields of Megatron-LM's args (what load_args_from_checkpoint and
     check_checkpoint_args read), for layout (tp, pp, vp)."""
     tp, pp, vp = layout
-    rope = cfg.position_embedding_type == "rope"
     return argparse.Namespace(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_size,
-        num_attention_heads=cfg.num_attention_heads,
-        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
-        num_query_groups=cfg.query_groups,
-        kv_channels=cfg.head_dim,
-        seq_length=cfg.seq_length,
-        max_position_embeddings=cfg.max_positions,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        add_position_embedding=not rope,
-        use_rotary_position_embeddings=rope,
-        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
-        rotary_percent=1.0,
-        rotary_interleaved=False,
-        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
-        norm_epsilon=cfg.norm_epsilon,
-        apply_layernorm_1p=False,
-        swiglu=cfg.activation == "swiglu",
-        openai_gelu=cfg.activation == "gelu_tanh",
-        squared_relu=False,
-        add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear,
-        untie_embeddings_and_output_weights=not cfg.tie_embeddings,
-        hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_std,
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        **model_args(cfg),
         padded_vocab_size=cfg.padded_vocab_size(tp),
         **tokenizer_args(cfg, data),
         tensor_model_parallel_size=tp,
@@ -118,25 +65,25 @@ def chunk_state(
         if ours in tensors:
             state[megatron_name] = shardings[ours].shard(tensors[ours], tp_rank, tp).clone()
 
+    def put_global(ours: str, source: str | None = None) -> None:  # under its megatron-core name
+        put(GLOBAL_TO_MCORE[ours], source or ours)
+
     placement = StageMap(pp, vp).placement(cfg.num_layers, pp_rank, chunk)  # Megatron's interleaving
     first, last = placement.pre_process, placement.post_process
     if first:
-        put("embedding.word_embeddings.weight", "embedding.word_embeddings.weight")
-        put("embedding.position_embeddings.weight", "embedding.position_embeddings.weight")
+        put_global("embedding.word_embeddings.weight")
+        put_global("embedding.position_embeddings.weight")
     for local, layer in enumerate(placement.layer_ids):
-        for ours, theirs in MCORE_LAYER_NAMES.items():
+        for ours, theirs in LAYER_TO_MCORE.items():
             for kind in ("weight", "bias"):
                 put(f"decoder.layers.{local}.{theirs}.{kind}", f"layers.{layer}.{ours}.{kind}")
-        state.update({f"decoder.layers.{local}.{linear}._extra_state": None for linear in LINEARS})
+        state.update({f"decoder.layers.{local}.{linear}._extra_state": None for linear in LAYER_EXTRA_STATES})
     if last:
-        put("decoder.final_layernorm.weight", "final_norm.weight")
-        put("decoder.final_layernorm.bias", "final_norm.bias")
+        put_global("final_norm.weight")
+        put_global("final_norm.bias")
         if not (cfg.tie_embeddings and first):  # tied on one stage: the embedding is the output layer
-            put(
-                "output_layer.weight",
-                "embedding.word_embeddings.weight" if cfg.tie_embeddings else "output_layer.weight",
-            )
-        state["output_layer._extra_state"] = None
+            put_global("output_layer.weight", "embedding.word_embeddings.weight" if cfg.tie_embeddings else None)
+        state[OUTPUT_EXTRA_STATE] = None
     return state
 
 
@@ -155,8 +102,8 @@ def megatron_files(
         for tp_rank in range(tp):
             chunks = [chunk_state(padded, cfg, (tp_rank, pp_rank, c), layout) for c in range(vp)]
             models = {"model": chunks[0]} if vp == 1 else {f"model{c}": chunk for c, chunk in enumerate(chunks)}
-            folder = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
-            files[os.path.join(f"iter_{iteration:07d}", folder, "model_optim_rng.pt")] = {
+            folder = mp_rank_name(tp_rank, pp_rank, name_pp_rank=pp > 1)
+            files[os.path.join(iter_name(iteration), folder, MAIN_FILE)] = {
                 "args": args,
                 "checkpoint_version": 3.0,
                 "iteration": iteration,

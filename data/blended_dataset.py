@@ -38,8 +38,8 @@ class BlendedDataset:
         datasets: list[GPTDataset],
         weights: Sequence[float | str],
         size: int,
-        cache_dir: str | None = None,
-        surplus: float = 0.005,
+        cache_dir: str | None,
+        surplus: float,
     ):
         self.datasets = datasets
         self.weights = normalize_weights(weights)

@@ -86,12 +86,13 @@ def _as_number(text: str) -> float | None:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Megatron's GPTDatasetConfig options: see SampleOptions; mid_level_surplus is the margin each blend
-    component is built with (mid_level_dataset_surplus)."""
+    """Megatron's GPTDatasetConfig options (the data section's add_extra_token_to_sequence,
+    drop_last_partial_validation_sequence, mid_level_dataset_surplus; training/setup.build_options): see
+    SampleOptions; mid_level_surplus is the margin each blend component is built with."""
 
-    extra_token: bool = True
-    drop_last_partial_validation: bool = True
-    mid_level_surplus: float = 0.005
+    extra_token: bool
+    drop_last_partial_validation: bool
+    mid_level_surplus: float
 
     def samples(self, split_name: str) -> SampleOptions:
         """The sample options of one split (only valid may keep its partial last sample)."""
@@ -132,7 +133,7 @@ def build_train_valid_test_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None,
-    options: BuildOptions = BuildOptions(),
+    options: BuildOptions,
 ):
     """(train, valid, test) GPT datasets as Megatron's BlendedMegatronDatasetBuilder builds them; None
     where a split has no share or 0 samples are asked.
@@ -183,7 +184,7 @@ def build_split_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None,
-    options: BuildOptions = BuildOptions(),
+    options: BuildOptions,
 ):
     """Megatron's --train-data-path / --valid-data-path / --test-data-path: split k is built from its own
     blend list (as data_path), every document of it in that split; None where no path or 0 samples."""

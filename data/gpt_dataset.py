@@ -34,10 +34,13 @@ class SampleOptions:
     padded with PAD_ID, which the loader masks out of the loss.
     """
 
-    extra_token: bool = True
-    drop_last_partial: bool = True
+    extra_token: bool
+    drop_last_partial: bool
 
 
+# Megatron's GPTDatasetConfig defaults: the cache key names the options only when they differ from these, so
+# caches written before the options existed stay valid. (The run's options come from the data section.)
+UNKEYED_OPTIONS = SampleOptions(extra_token=True, drop_last_partial=True)
 PAD_ID = -1  # Megatron's _PAD_TOKEN_ID when the tokenizer has no pad token
 
 
@@ -165,7 +168,7 @@ def build_indices(
     seq_length: int,
     num_samples: int | None,
     seed: int,
-    options: SampleOptions = SampleOptions(),
+    options: SampleOptions,
     plan: IndexPlan | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for the split's `documents` (ids into `sizes`).
@@ -215,7 +218,7 @@ class GPTDataset:
         seed: int,
         num_samples: int | None,
         cache_dir: str | None,
-        options: SampleOptions = SampleOptions(),
+        options: SampleOptions,
     ):
         self.indexed = indexed
         self.seq_length = seq_length
@@ -233,7 +236,7 @@ class GPTDataset:
             num_samples=num_samples,
             tokens_in_split=int(sizes[documents].astype(np.int64).sum()),
         )
-        if options != SampleOptions():  # keys only when set, so existing caches stay valid
+        if options != UNKEYED_OPTIONS:  # keys only when set, so existing caches stay valid
             self.description.update(extra_token=options.extra_token, drop_last_partial=options.drop_last_partial)
         self.cache_key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
         arrays = self._load_cache(cache_dir)

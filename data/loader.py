@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from data.gpt_dataset import PAD_ID
+from data.microbatch import Microbatch
 
 
 class PretrainingSampler:
@@ -78,8 +79,8 @@ def collate_samples(
     eod_mask_loss: bool,
     reset_position_ids: bool,
     reset_attention_mask: bool,
-    extra_token: bool = True,
-) -> dict:
+    extra_token: bool,
+) -> Microbatch:
     """Stack samples into tokens/labels [b, s] and their masks, as Megatron's GPTDataset.__getitem__.
 
     With the extra token a sample holds s + 1 tokens (tokens = x[:-1], labels = x[1:]); without it s
@@ -105,13 +106,7 @@ def collate_samples(
         token_pad, label_pad = is_pad, torch.cat((is_pad[:, 1:], torch.ones_like(is_pad[:, :1])), dim=1)
     loss_mask[label_pad] = 0.0
     tokens, labels = tokens.masked_fill(token_pad, 0), labels.masked_fill(label_pad, 0)
-    return {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "attention_mask": attention_mask,
-    }
+    return Microbatch.of(tokens, labels, loss_mask, position_ids, attention_mask)
 
 
 def build_data_iterator(
@@ -125,9 +120,9 @@ def build_data_iterator(
     eod_mask_loss: bool,
     reset_position_ids: bool,
     reset_attention_mask: bool,
-    extra_token: bool = True,
+    extra_token: bool,
     worker_init_fn=None,
-) -> Iterator[dict]:
+) -> Iterator[Microbatch]:
     """Iterator over this dp rank's micro-batches from consumed_samples on; stops when the data runs out.
     `worker_init_fn` runs first in each worker process (the trainer makes workers ignore stop signals)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)

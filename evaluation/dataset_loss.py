@@ -15,11 +15,12 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from config.schema import Config
-from data.builder import SPLIT_NAMES, BuildOptions, build_train_valid_test_datasets
+from data.builder import SPLIT_NAMES, build_train_valid_test_datasets
+from data.microbatch import Microbatch
 from evaluation.documents import EvalInputError
 from evaluation.tasks import Figures, capped_perplexity
 from training.guards import agree, bad_token_message, find_bad_token
-from training.setup import DistEnv, data_iterator
+from training.setup import DistEnv, build_options, data_iterator
 from training.train_step import ForwardOnlyContext, evaluate
 
 SPLITS = ("all", *SPLIT_NAMES)
@@ -38,11 +39,7 @@ def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> Any:
     if split not in SPLITS:
         raise EvalInputError(f"--split={split} is not one of {', '.join(SPLITS)}")
     data = config.data
-    options = BuildOptions(
-        extra_token=data.add_extra_token_to_sequence,
-        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
-        mid_level_surplus=data.mid_level_dataset_surplus,
-    )
+    options = build_options(data)
     ratios, index = ("0,1,0", 1) if split == "all" else (data.split, SPLIT_NAMES.index(split))
     # None builds one epoch of the split (data/builder.py); 0 builds nothing.
     counts = cast(tuple[int, int, int], tuple(None if k == index else 0 for k in range(3)))
@@ -85,7 +82,7 @@ def loss_task(
     vocab_size = config.model.vocab_size
     assert vocab_size is not None
 
-    def check(microbatches: list[dict], batch: int) -> None:
+    def check(microbatches: list[Microbatch], batch: int) -> None:
         found = find_bad_token(microbatches, vocab_size)
         verdict = agree(state, env.device, 0, False, found is not None)
         if verdict.bad_token_rank >= 0:

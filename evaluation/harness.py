@@ -34,6 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from config.schema import ParallelConfig
 from evaluation.model_source import DTYPES, INPUT_ERRORS, load_model, run_config, run_tokenizer, window_length
 from evaluation.scoring import WindowScorer
 from evaluation.windows import Window, continuation_window, rolling_windows
@@ -51,8 +52,10 @@ def _overrides(model_args: dict[str, Any], batch_size: int, world_size: int) -> 
     if "train.micro_batch_size" not in given:
         overrides.append(f"train.micro_batch_size={batch_size}")
     if "train.global_batch_size" not in given:
-        pp = int(model_args.get("parallel.pp_size", 1))
-        model_ranks = int(model_args.get("parallel.tp_size", 1)) * pp * int(model_args.get("parallel.cp_size", 1))
+        default = ParallelConfig()  # the sizes the config gives when model_args do not
+        pp = int(model_args.get("parallel.pp_size", default.pp_size))
+        tp = int(model_args.get("parallel.tp_size", default.tp_size))
+        model_ranks = tp * pp * int(model_args.get("parallel.cp_size", default.cp_size))
         overrides.append(f"train.global_batch_size={batch_size * pp * max(world_size // model_ranks, 1)}")
     return overrides
 

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.microbatch import Microbatch
 from evaluation.windows import Window
 from model.gpt import GPTModel
 from parallel.context_parallel import chunk_indices, cut_microbatch
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch, execute_schedule
+from parallel.pipeline.executor import execute_schedule
 from parallel.pipeline.plan import PipelinePlan
 from parallel.state import ParallelState
 from training.train_step import ForwardOnlyContext
@@ -45,7 +46,7 @@ class EvalContext:
     activation_dtype: torch.dtype
     device: torch.device
     scatter_gather: bool
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool
 
     @property
     def num_microbatches(self) -> int:
@@ -73,8 +74,8 @@ class WindowScore:
         return bool(self.greedy.all())
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group) -> torch.Tensor:
-    dist.all_reduce(tensor, op=op, group=group)
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group, state: ParallelState) -> torch.Tensor:
+    state.comm.all_reduce(tensor, group, op=op)  # through the door: recorded, bounded by the groups' timeouts
     return tensor
 
 
@@ -93,15 +94,15 @@ def target_scores(logits_local: torch.Tensor, labels: torch.Tensor, state: Paral
     target = torch.where(owned, target, torch.zeros_like(target))
     if state.tp_size > 1:
         group = state.tp_group
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group, state)
         lowest = torch.full_like(local_arg, torch.iinfo(torch.int64).max)
         argmax = _all_reduce(
-            torch.where(local_max == global_max, local_arg + vocab_start, lowest), dist.ReduceOp.MIN, group
+            torch.where(local_max == global_max, local_arg + vocab_start, lowest), dist.ReduceOp.MIN, group, state
         )
-        target = _all_reduce(target, dist.ReduceOp.SUM, group)
+        target = _all_reduce(target, dist.ReduceOp.SUM, group, state)
     sum_exp = (logits - global_max.unsqueeze(-1)).exp().sum(dim=-1)
     if state.tp_size > 1:
-        sum_exp = _all_reduce(sum_exp, dist.ReduceOp.SUM, state.tp_group)
+        sum_exp = _all_reduce(sum_exp, dist.ReduceOp.SUM, state.tp_group, state)
     logprob = target - global_max - sum_exp.log()
     return torch.stack([logprob.double(), (argmax == labels).double(), argmax.double()], dim=-1)
 
@@ -158,16 +159,16 @@ class WindowScorer:
         tokens = torch.full((b, length + 1), self.pad_id, dtype=torch.long)
         for row, window in enumerate(windows):
             tokens[row, : len(window.tokens)] = torch.tensor(window.tokens, dtype=torch.long)
-        mb: Microbatch = {
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
+        mb = Microbatch.of(
+            tokens=tokens[:, :-1].contiguous(),
+            labels=tokens[:, 1:].contiguous(),
+            loss_mask=torch.ones(b, length),
             # padding past the model's positions (the length rounded up for cp / sp) reads the last position
-            "position_ids": torch.arange(length).clamp(max=self.max_positions - 1).expand(b, length).contiguous(),
-            "loss_mask": torch.ones(b, length),
-        }
+            position_ids=torch.arange(length).clamp(max=self.max_positions - 1).expand(b, length).contiguous(),
+        )
         if self.cp_size > 1:
             mb = cut_microbatch(mb, self.cp_rank, self.cp_size)
-        return {k: (v.to(self.ctx.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+        return mb.to(self.ctx.device)
 
     def _run(self, microbatches: list[Microbatch], length: int) -> torch.Tensor:
         ctx, state = self.ctx, self.ctx.state
@@ -176,13 +177,13 @@ class WindowScorer:
 
         def forward_fn(chunk_index: int, chunk: torch.nn.Module, input_tensor, mb: Microbatch, /) -> torch.Tensor:
             output = chunk(
-                input_ids=mb["tokens"] if chunk.pre_process else None,
-                position_ids=mb["position_ids"],
+                input_ids=mb.tokens if chunk.pre_process else None,
+                position_ids=mb.position_ids,
                 hidden_states=input_tensor,
             )
             if not chunk.post_process:
                 return output
-            return self._gather_cp(target_scores(output, mb["labels"], state), length)
+            return self._gather_cp(target_scores(output, mb.labels, state), length)
 
         result = execute_schedule(
             ctx.eval_plan,
@@ -207,17 +208,17 @@ class WindowScorer:
             return local
         full = local.new_zeros(local.shape[0], length, _FIELDS)
         full[:, chunk_indices(length, self.cp_size, self.cp_rank).to(local.device)] = local
-        return _all_reduce(full, dist.ReduceOp.SUM, self.ctx.state.cp_group)
+        return _all_reduce(full, dist.ReduceOp.SUM, self.ctx.state.cp_group, self.ctx.state)
 
     def _share(self, local: torch.Tensor) -> np.ndarray:
         """The last stage's results on every rank: broadcast over pp, all-gathered over dp."""
         state = self.ctx.state
         if state.pp_size > 1:  # the last virtual stage: on the last rank, on the first in zb-v's V
             holder = state.pp_ranks[state.stages.head_pp_rank]
-            dist.broadcast(local, src=holder, group=state.pp_group)
+            state.comm.broadcast(local, holder, state.pp_group)
         if state.dp_size > 1:
             parts = [torch.empty_like(local) for _ in range(state.dp_size)]
-            dist.all_gather(parts, local, group=state.dp_group)
+            state.comm.all_gather(parts, local, state.dp_group)
             local = torch.cat(parts)
         return local.reshape(-1, *local.shape[-2:]).cpu().numpy()
 

@@ -332,7 +332,7 @@ class GPTModel(nn.Module):
         # from the hooks, not the weight: under FSDP the forward sees the gathered weight, a new tensor
         return self.tp_hooks.tp_rank * self.output_weight().shape[0]
 
-    def compile_layers(self, backend: str = "inductor") -> None:
+    def compile_layers(self, backend: str) -> None:
         """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).
         The layers share their code, so compile time stays flat in the number of layers. Selective recompute's
         checkpoint (inside the layer) runs eagerly: its context_fn swaps RNG-tracker states, which dynamo cannot

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from data.microbatch import Microbatch
 from model.tp_hooks import ContextParallelHooks
 from parallel.comm import P2P, Collectives
 
@@ -39,21 +40,15 @@ def chunk_indices(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat((first, second))
 
 
-def cut_microbatch(mb: dict[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
-    """This cp rank's part of a micro-batch (tensors [b, s] -> [b, s / cp]); `loss_tokens` is the whole
+def cut_microbatch(mb: Microbatch, cp_rank: int, cp_size: int) -> Microbatch:
+    """This cp rank's part of a micro-batch (tensors [b, s] -> [b, s / cp]); its `loss_tokens` stays the whole
     micro-batch's loss-mask sum. An attention mask [b, 1, s, s] becomes [b, 1, s / cp, s]: this rank's query
     rows, key columns in rank order (rank j's keys at columns [j s/cp, (j+1) s/cp))."""
-    seq_length = mb["tokens"].shape[1]
-    mine = chunk_indices(seq_length, cp_size, cp_rank)
-    out = dict(mb)
-    for key in ("tokens", "labels", "loss_mask", "position_ids"):
-        out[key] = mb[key].index_select(1, mine)
-    out["loss_tokens"] = mb["loss_mask"].sum()
-    mask = mb.get("attention_mask")
-    if mask is not None:
+    seq_length = mb.tokens.shape[1]
+    rank_order = None
+    if mb.attention_mask is not None:
         rank_order = torch.cat([chunk_indices(seq_length, cp_size, r) for r in range(cp_size)])
-        out["attention_mask"] = mask.index_select(2, mine).index_select(3, rank_order)
-    return out
+    return mb.cut_sequence(chunk_indices(seq_length, cp_size, cp_rank), rank_order)
 
 
 def block_selection(step: int, cp_rank: int, cp_size: int, local: int) -> Selection:

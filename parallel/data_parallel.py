@@ -114,8 +114,8 @@ class DataParallel:
         state: the ParallelState (uses dp_cp_group, dp_cp_size, dp_cp_rank: context-parallel ranks hold
             replicas too, so gradients are reduced over dp x cp; divided by dp_size only, because the cp
             ranks' losses are parts of one sum, not replicas of a mean).
-        bucket_size_mb: target bucket size in MiB of gradient.
-        distributed_optimizer: reduce_scatter into dp shards instead of all_reduce.
+        bucket_size_mb: target bucket size in MiB of gradient (parallel.grad_bucket_size_mb).
+        distributed_optimizer: reduce_scatter into dp shards instead of all_reduce (parallel.distributed_optimizer).
         grad_dtype: dtype of the main gradient buffers (fp32).
     """
 
@@ -123,8 +123,8 @@ class DataParallel:
         self,
         chunks: list[nn.Module],
         state,
-        bucket_size_mb: float = 25.0,
-        distributed_optimizer: bool = False,
+        bucket_size_mb: float,
+        distributed_optimizer: bool,
         grad_dtype: torch.dtype = torch.float32,
     ):
         self.chunks, self.state = chunks, state

@@ -231,19 +231,15 @@ def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
 
 
 def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layout:
-    """Validate every layout rule for these config sections (model, parallel, train) and world size.
-
-    Duck-typed on the sections so the planner can pass its own objects; no process group is needed.
+    """Validate every layout rule for these config sections (config.schema's model, parallel and train; this
+    package does not import config/) and world size. No process group is needed.
     """
-    tp, pp, vp = parallel.tp_size, parallel.pp_size, parallel.vp_size
-    cp = getattr(parallel, "cp_size", 1)
+    tp, pp, vp, cp = parallel.tp_size, parallel.pp_size, parallel.vp_size, parallel.cp_size
     check_positive(tp_size=tp, pp_size=pp, vp_size=vp, cp_size=cp)
     effective_schedule(parallel.schedule, pp, vp)
     dp = derive_dp_size(world_size, tp, pp, cp)
     check_tensor_parallel(model, tp, parallel.sequence_parallel and cp == 1)
-    check_context_parallel(
-        model, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_attention_backend", "torch")
-    )
+    check_context_parallel(model, cp, tp, parallel.sequence_parallel, parallel.cp_attention_backend)
     check_pipeline_split(model.num_layers, pp, vp)
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:

@@ -70,15 +70,15 @@ def build_model_chunks(
     device: torch.device,
     dtype: torch.dtype,
     spec: RankSpec | None = None,
-    compile_layers: bool = False,
-    compile_backend: str = "inductor",
+    compile_backend: str | None = None,
 ) -> list[GPTModel]:
     """This rank's chunks with their initial weights on `device` (`spec` default: `rank_spec(cfg, state)`);
-    `compile_layers` torch.compiles each transformer layer (regional compilation, on first use)."""
+    with a `compile_backend` (train.compile_backend under train.compile) each transformer layer is
+    torch.compiled by it (regional compilation, on first use); None: eager."""
     chunks = build_chunk_modules(cfg, state, spec or rank_spec(cfg, state))
     for model in chunks:
         initialize_parameters(model, cfg, seed, device=device, dtype=dtype)
-        if compile_layers:
+        if compile_backend is not None:
             model.compile_layers(compile_backend)
     return chunks
 

@@ -34,9 +34,9 @@ class RankGrid:
 
     @classmethod
     def of(cls, layout: object) -> RankGrid:
-        """The grid of anything with `<dim>_size` attributes (parallel.layout.Layout, ParallelState); a
-        dimension it does not have has size 1."""
-        return cls(tuple((name, int(getattr(layout, f"{name}_size", 1))) for name in MEGATRON_ORDER))
+        """The grid of anything with a `<dim>_size` attribute for every dimension of MEGATRON_ORDER
+        (parallel.layout.Layout, ParallelState)."""
+        return cls(tuple((name, int(getattr(layout, f"{name}_size"))) for name in MEGATRON_ORDER))
 
     @property
     def world_size(self) -> int:

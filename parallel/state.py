@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -77,9 +78,11 @@ class ParallelState:
         )
 
     @classmethod
-    def from_layout(cls, layout: Layout, recorder: CommRecorder | None = None) -> ParallelState:
+    def from_layout(
+        cls, layout: Layout, recorder: CommRecorder | None = None, timeout_s: float | None = None
+    ) -> ParallelState:
         """The state of `layout` for this process: `single()` for one process, else `create(...)`; `recorder`
-        sees every collective issued through `comm`."""
+        sees every collective issued through `comm`; `timeout_s` is the groups' timeout (None: torch's)."""
         if layout.world_size == 1:
             state = cls.single()
             state.comm.recorder = recorder
@@ -91,6 +94,7 @@ class ParallelState:
             layout.cp_size,
             layout.stages.v_shape,
             recorder,
+            timeout_s,
             layout.fsdp_replicate if layout.fsdp else 1,
         )
 
@@ -103,11 +107,18 @@ class ParallelState:
         cp_size: int = 1,
         v_shape: bool = False,
         recorder: CommRecorder | None = None,
+        timeout_s: float | None = None,
         fsdp_replicate: int = 1,
     ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective).
+        `timeout_s`: the timeout of the new groups' collectives (None: torch's default, not the world's).
         `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+
+        def new_group(ranks: list[int]) -> Any:
+            return dist.new_group(ranks, timeout=timeout)
+
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
         state = cls(
             world_size=world_size,
@@ -123,32 +134,32 @@ class ParallelState:
         )
         grid = state.grid
         for ranks in grid.groups("tp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.tp_group, state.tp_ranks = state._named(group, "tp", ranks), ranks
         for ranks in grid.groups("dp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.dp_group, state.dp_ranks = state._named(group, "dp", ranks), ranks
         for ranks in grid.groups("pp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.pp_group, state.pp_ranks = state._named(group, "pp", ranks), ranks
             embedding_ranks = [ranks[pp_rank] for pp_rank in state.stages.embedding_pp_ranks]
-            emb_group = dist.new_group(embedding_ranks)
+            emb_group = new_group(embedding_ranks)
             if rank in embedding_ranks and len(embedding_ranks) > 1:
                 state.embedding_group = state._named(emb_group, "embedding", embedding_ranks)
         for ranks in grid.groups("tp", "pp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
-            state._create_cp_groups()
+            state._create_cp_groups(new_group)
         if fsdp_replicate > 1:
-            state._create_hsdp_groups()
+            state._create_hsdp_groups(new_group)
         return state
 
-    def _create_hsdp_groups(self) -> None:
+    def _create_hsdp_groups(self, new_group: Any) -> None:
         """HSDP cuts each dp x cp group (in dp_cp_rank order) into `fsdp_replicate` replicas of consecutive
         ranks: FSDP shards over a replica ("dp_shard") and all-reduces over the ranks holding the same shard
         in every replica ("dp_replicate"), as torchtitan's dp_replicate (outer) and dp_shard x cp (inner)."""
@@ -156,22 +167,22 @@ class ParallelState:
         for ranks in self.grid.groups("cp", "dp"):  # ascending = dp_cp_rank order (cp varies faster)
             replicas = [ranks[i * shard : (i + 1) * shard] for i in range(self.fsdp_replicate)]
             for members in replicas:
-                group = dist.new_group(members)
+                group = new_group(members)
                 if self.rank in members:
                     self.hsdp_shard_group = self._named(group, "dp_shard", members)
             for index in range(shard):
                 members = [replica[index] for replica in replicas]
-                group = dist.new_group(members)
+                group = new_group(members)
                 if self.rank in members:
                     self.hsdp_replicate_group = self._named(group, "dp_replicate", members)
 
-    def _create_cp_groups(self) -> None:
+    def _create_cp_groups(self, new_group: Any) -> None:
         for ranks in self.grid.groups("cp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if self.rank in ranks:
                 self.cp_group, self.cp_ranks = self._named(group, "cp", ranks), ranks
         for ranks in self.grid.groups("cp", "dp"):
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if self.rank in ranks:
                 self.dp_x_cp_group = self._named(group, "dp_cp", ranks)
 

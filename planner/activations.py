@@ -72,7 +72,7 @@ def shape_from_config(
         hidden_dropout=model.hidden_dropout > 0,
         attention_dropout=model.attention_dropout > 0,
         attention=attention,
-        cp_size=getattr(parallel, "cp_size", 1),
+        cp_size=parallel.cp_size,
     )
 
 

@@ -24,9 +24,11 @@ planner/predict.py charges exactly these (a tp collective as NCCL's ring, a send
 it charges and what it lists cannot differ; tests/planner/test_collectives.py compares `rank(...)` with what
 the trainer issued on gloo (parallel/comm.py's recorder), exactly, for several layouts.
 
-Not listed, and not in the recorded "train" region either: start-up, evaluation, checkpoints, and the
+Not listed, and not in the recorded "train" region either: start-up (with the one world barrier after the first
+iteration, before the training timeout applies: training/watchdog.py), evaluation, checkpoints, the
 iteration-boundary agreement (training/guards.agree: one 24-byte world all-reduce per iteration, recorded under
-"boundary"; a control message, not training work). Known inexactness: under a zero-bubble schedule with full
+"boundary"; a control message, not training work) and the straggler report (training/straggler.py: one world
+all-gather of 2 float64 per rank every logging.straggler_interval iterations, recorded under "report"). Known inexactness: under a zero-bubble schedule with full
 recomputation the trainer recomputes a checkpointed layer again in WEIGHT once per parameter group
 (parallel/pipeline/weight_grad.py); the list counts one recomputation.
 """

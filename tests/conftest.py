@@ -1,7 +1,9 @@
-"""Shared test helpers: a launcher that runs a function on N gloo ranks in forked processes.
+"""Shared test helpers: a launcher that runs a function on N gloo ranks, the tiny corpus, trainer arguments.
 
-Forking is used (not spawn) because it starts 8 ranks in a fraction of a second on 2 cores; each rank
-gets one thread so that 8 ranks do not fight over the cores.
+`run_ranks` sends the function to persistent rank processes (tests/rank_pool.py: started once per world size,
+restarted after a failure) and falls back to forking fresh ones (not spawn: 8 ranks start in a fraction of a
+second on 2 cores) where the function cannot travel there. Each rank gets one thread so that 8 ranks do not
+fight over the cores.
 """
 
 import os
@@ -17,11 +19,16 @@ import traceback
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from data.sample_corpus import build_tiny_corpus
+from tests import rank_pool
+from tests.xdist_setup import (  # noqa: F401 - pytest hooks: two workers, OMP_NUM_THREADS=1, grouping
+    pytest_cmdline_main,
+    pytest_collection_modifyitems,
+    pytest_xdist_auto_num_workers,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -42,20 +49,8 @@ def free_port() -> int:
 
 
 def _rank_entry(rank: int, world_size: int, port: int, fn, args, error_queue) -> None:
-    # One thread per rank, also for a single forked rank: the trainer sizes its thread pool from
-    # LOCAL_WORLD_SIZE, and a forked child that opens an OpenMP region after the parent already used libgomp's
-    # pool can hang in its first parallel op (libgomp is not fork-safe); one thread never opens a region.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(max(world_size, os.cpu_count() or 1)),
-    )
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        rank_pool.join_ranks(rank, world_size, port)
         fn(rank, world_size, *args)
         if dist.is_initialized():  # fn may have torn the group down itself (pretrain_gpt.main does)
             dist.barrier()
@@ -67,11 +62,30 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, error_queue) ->
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; re-raise the first rank's failure.
+class _SessionPool:
+    """The rank pool of this pytest process (one per xdist worker), made after collection, before any test
+    has run (tests/rank_pool.py: fork safety). A plain holder: the process is its scope."""
 
-    `fn` must be a module-level function. Results come back through files or a queue passed in args.
+    pool: rank_pool.RankPool | None = None
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; re-raise the failing ranks' tracebacks.
+
+    `fn` should be a module-level function and args picklable: then the persistent rank pool runs it (a fresh
+    default process group per call, the process's state put back after it). Otherwise (or PTDP_RANK_POOL=0)
+    fresh processes are forked. Results come back through files (a queue passed in args forces the fork).
     """
+    pool = _SessionPool.pool
+    payload = rank_pool.picklable_body(fn, args) if pool is not None else None
+    if pool is not None and payload is not None:
+        pool.run(world_size, payload, timeout, free_port)
+        return
+    run_forked_ranks(world_size, fn, *args, timeout=timeout)
+
+
+def run_forked_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
+    """`run_ranks` on processes forked from this one for this call (fn and args travel by fork, not pickle)."""
     ctx = mp.get_context("fork")
     error_queue = ctx.SimpleQueue()
     procs = mp.start_processes(
@@ -94,6 +108,36 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None:
             rank, tb = error_queue.get()
             messages.append(f"--- rank {rank} ---\n{tb}")
         raise AssertionError("\n".join(messages) or str(exc)) from None
+
+
+def pytest_configure(config) -> None:
+    """PTDP_TEST_COSTS=<file> records each test's CPU seconds by cause (tests/cpu_costs.py, docs/testing.md)."""
+    from tests.cpu_costs import recorder_for
+
+    recorder = recorder_for(config)
+    if recorder is not None:
+        config.pluginmanager.register(recorder, "ptdp_cpu_costs")
+
+
+def _runs_tests_here(config) -> bool:
+    """False in pytest-xdist's controller (its workers run the tests, each with a pool of its own)."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+
+
+def pytest_collection_finish(session) -> None:
+    """Fork the rank pool's zygote now: every test module is imported (its workers inherit them) and no test
+    has run yet (no OpenMP threads, no gloo: safe to fork)."""
+    if rank_pool.pool_enabled() and _runs_tests_here(session.config) and _SessionPool.pool is None:
+        _SessionPool.pool = rank_pool.RankPool(rank_pool.Zygote())
+        recorder = session.config.pluginmanager.get_plugin("ptdp_cpu_costs")
+        if recorder is not None:
+            _SessionPool.pool.report_cpu = recorder.add_pool_cpu
+
+
+def pytest_sessionfinish(session) -> None:
+    if _SessionPool.pool is not None:
+        _SessionPool.pool.close()
+        _SessionPool.pool = None
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ ALLOWED = {
     "data": set(),
     "model": {"compat"},
     "config": {"model", "data"},  # data only for data paths, lazily
-    "parallel": {"compat", "model"},
+    "parallel": {"compat", "model", "data"},  # data: the Microbatch record (context parallelism cuts it)
     "planner": {"config", "model", "parallel"},
     "training": {"compat", "config", "data", "model", "parallel", "planner"},
     "convert": {"compat", "config", "data", "model", "parallel", "training"},

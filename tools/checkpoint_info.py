@@ -21,14 +21,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.legacy import dp_rank_file, rank_dir
 from training.checkpoint.loader import read_dcp_metadata
-from training.checkpoint.train_state import describe_layout, read_train_state
+from training.checkpoint.train_state import read_train_state
 
 
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     """Human-readable lines about the checkpoint in iter_dir."""
     if files.is_legacy(iter_dir):
-        if not os.path.isfile(os.path.join(iter_dir, "mp_rank_00_000", "dp_rank_000.pt")):  # format 1 writes it
+        if not os.path.isfile(os.path.join(rank_dir(iter_dir, 0, 0), dp_rank_file(0))):  # format 1 writes it
             raise CheckpointError(
                 f"{iter_dir} is not a checkpoint of this project: mp_rank folders without dp_rank files are "
                 "Megatron-LM's; convert it with tools/convert_checkpoint.py from-megatron"
@@ -42,7 +43,7 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
         f"checkpoint {iter_dir}",
         f"  iteration {saved.iteration}, {saved.progress.consumed_samples} samples consumed, "
         f"format {saved.format_version}",
-        f"  saved at {describe_layout(saved.layout)}",
+        f"  saved at {saved.layout.describe()}",
         "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
         f"  optimizer state: {'present' if saved.has_optimizer else 'absent (weights only)'}",
         f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in {len(files.read_checksums(iter_dir))} files",

@@ -209,8 +209,8 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
 def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """Our checkpoint (any layout) -> Megatron-LM's legacy torch format at (tp, pp, vp), weights only, with
     the iteration it was saved at."""
-    from convert.megatron import TRACKER
     from convert.megatron_export import megatron_files
+    from training.checkpoint.folder_names import TRACKER
 
     check_output_free(out)  # before reading the weights
     config, tensors = load_global_state(checkpoint)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from config.cli import numbers_as_values
-from config.schema import ConfigError, config_from_dict
+from config.schema import PRECISIONS, ConfigError, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
 from convert.hf_mapping import UnsupportedModelError
 from convert.model_weights import build_model_from_state, load_global_state, loaded_iteration
@@ -128,7 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--dtype", choices=PRECISIONS, default="fp32")
     return parser.parse_args(numbers_as_values(argv, NUMBER_OPTIONS))  # `--temperature -1e-3`: refused in one line
 
 

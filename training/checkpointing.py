@@ -29,11 +29,17 @@ from torch import nn
 from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError, read_tracker, resolve_checkpoint
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.loader import load_model_weights as _load_model_weights
 from training.checkpoint.parts import CheckpointParts
 from training.checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
 from training.checkpoint.state import optimizer_pieces, param_records, weight_pieces
-from training.checkpoint.train_state import OptimizerScalars, TrainingProgress, TrainState, read_saved_config
+from training.checkpoint.train_state import (
+    OptimizerScalars,
+    TrainingProgress,
+    TrainState,
+    read_saved_config,
+)
 
 __all__ = [
     "CheckpointError",
@@ -41,7 +47,6 @@ __all__ = [
     "Checkpointer",
     "TrainState",
     "TrainingProgress",
-    "layout_of",
     "load_model_weights",
     "read_saved_config",
     "read_tracker",
@@ -49,21 +54,6 @@ __all__ = [
     "save_checkpoint",
     "save_model_weights",
 ]
-
-
-def layout_of(state: ParallelState, sequence_parallel: bool = False, distributed_optimizer: bool = False) -> dict:
-    """The layout a checkpoint records (informational: loading works at any layout)."""
-    layout = {
-        "tp": state.tp_size,
-        "pp": state.pp_size,
-        "vp": state.vp_size,
-        "dp": state.dp_size,
-        "world_size": state.world_size,
-        "sequence_parallel": bool(sequence_parallel),
-        "distributed_optimizer": bool(distributed_optimizer),
-    }
-    cp_size = state.cp_size
-    return {**layout, "cp": cp_size} if cp_size > 1 else layout  # without cp: the keys main wrote
 
 
 def load_model_weights(iter_dir: str, chunks: Sequence[nn.Module], state: ParallelState) -> None:
@@ -82,12 +72,13 @@ def save_model_weights(
     (or `checkpoint.load_optimizer=false`) loads it at any layout. Collective when distributed."""
     os.makedirs(root, exist_ok=True)
     records = param_records(chunks, state)
+    sequence_parallel = config_dict.get("parallel", {}).get("sequence_parallel", False)
     train_state = TrainState(
         progress=TrainingProgress(iteration),
         config=config_dict,
-        layout=layout_of(state, config_dict.get("parallel", {}).get("sequence_parallel", False), False),
+        layout=CheckpointLayout.of(state, sequence_parallel, distributed_optimizer=False, schedule=None),
     )
-    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), train_state)
+    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), train_state, keep_last=0)
     return write_checkpoint(job).path
 
 
@@ -96,11 +87,12 @@ def build_save_job(
     parts: CheckpointParts,
     progress: TrainingProgress,
     config: dict,
-    distributed_optimizer: bool,
-    keep_last: int = 0,
+    *,
+    keep_last: int,
     before_tracker: Callable[[], None] = lambda: None,
 ) -> SaveJob:
-    """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config."""
+    """The trainer's full checkpoint: weights, optimizer state, counters, LR schedule, RNG, config, layout.
+    `keep_last` is checkpoint.keep_last (0: keep every checkpoint)."""
     parts.optimizer.finish_param_gather()  # overlap_param_gather: the params are whole before they are read
     records = param_records(parts.chunks, parts.state)
     tensors = weight_pieces(records, for_save=True)
@@ -109,9 +101,7 @@ def build_save_job(
     train_state = TrainState(
         progress=dataclasses.replace(progress),  # a copy: an async save must not see the next iteration's
         config=config,
-        layout=layout_of(
-            parts.state, config.get("parallel", {}).get("sequence_parallel", False), distributed_optimizer
-        ),
+        layout=parts.layout,
         lr_schedule=parts.lr_schedule.state_dict(),
         optimizer=OptimizerScalars(optimizer.step_count, optimizer.scaler.state_dict()),
         has_optimizer=True,
@@ -125,15 +115,15 @@ def save_checkpoint(
     parts: CheckpointParts,
     progress: TrainingProgress,
     config: dict,
-    distributed_optimizer: bool,
-    before_tracker: Callable[[], None] = lambda: None,
+    *,
+    keep_last: int,
     checkpointer: Checkpointer | None = None,
-    keep_last: int = 0,
+    before_tracker: Callable[[], None] = lambda: None,
 ) -> str:
     """Save (through `checkpointer`: sync or async) the trainer's checkpoint of `progress.iteration`;
     returns the iteration folder it is (or will be, when async) renamed to. Collective."""
     os.makedirs(root, exist_ok=True)
-    job = build_save_job(root, parts, progress, config, distributed_optimizer, keep_last, before_tracker)
+    job = build_save_job(root, parts, progress, config, keep_last=keep_last, before_tracker=before_tracker)
     if checkpointer is None:
         write_checkpoint(job)
     else:

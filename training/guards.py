@@ -8,6 +8,10 @@ Exit codes of pretrain_gpt.py (every rank):
     3    stopped by SIGTERM / SIGUSR1 / SIGINT after saving a checkpoint of the last finished iteration
     4    training diverged: train.max_nonfinite_iters iterations in a row with a non-finite loss or gradient
          norm, or an fp16 loss scale stuck at its minimum (no checkpoint is written from such a state)
+    5    a hang: a collective timed out or failed (parallel.init_timeout_s / train_timeout_s), or the rank made no
+         progress and its watchdog stopped it (training/watchdog.py); each rank that could wrote its dump under
+         run.dir/diagnostics/ (read them with tools/diagnose_hang.py); the last complete checkpoint stays the
+         latest. A failure to SLURM: scripts/slurm/pretrain_gpt.sbatch requeues only after its USR1 warning.
     130  a second SIGINT: stopped at once, no checkpoint
 
 Per iteration the ranks agree on three things with one all-reduce (`agree`): a stop signal received by any
@@ -27,9 +31,11 @@ import torch.distributed as dist
 
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
+from data.microbatch import Microbatch
 from parallel.fsdp import local_tensor
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_HUNG = 5
 
 
 class TrainingStopped(Exception):
@@ -62,16 +68,16 @@ def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, b
 
 
 # ---- token ids ---------------------------------------------------------------------------------------
-def find_bad_token(microbatches: list[dict], vocab_size: int) -> tuple[int, int, int, int] | None:
+def find_bad_token(microbatches: list[Microbatch], vocab_size: int) -> tuple[int, int, int, int] | None:
     """(micro-batch, row, position in the sample, id) of the first id outside [0, vocab_size), else None.
 
     One min/max per tensor on the CPU batch before it moves to the device; the exact position is searched
     only for a bad micro-batch. A sample is tokens + the last label ([b, s + 1], as read from the data)."""
     for k, mb in enumerate(microbatches):
-        lows, highs = zip(*(torch.aminmax(mb[key]) for key in ("tokens", "labels")))
+        lows, highs = zip(*(torch.aminmax(ids) for ids in (mb.tokens, mb.labels)))
         if min(int(x) for x in lows) >= 0 and max(int(x) for x in highs) < vocab_size:
             continue
-        text = torch.cat([mb["tokens"], mb["labels"][:, -1:]], dim=1)
+        text = torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1)
         row, position = ((text < 0) | (text >= vocab_size)).nonzero()[0].tolist()
         return k, row, position, int(text[row, position])
     return None

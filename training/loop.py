@@ -5,13 +5,17 @@
     after_step           counters, the console line and metrics.jsonl
     NonFiniteGuard       too many non-finite iterations in a row stop the run (exit 4)
     evaluate_and_save    validation at eval_interval, checkpoints at save_interval / exit_interval / the end
+    report_stragglers    every logging.straggler_interval iterations, the slowest and fastest rank (straggler.py)
 
 `run_training` builds the run (training/run.py), resumes it if asked, trains, and maps every way a run ends to
-its exit code (training/guards.py).
+its exit code (training/guards.py); a collective that times out or fails ends it with a hang report (exit 5,
+training/watchdog.py's HangGuard, which also lowers the timeouts after the first iteration and watches for
+ranks that stop making progress).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -21,9 +25,11 @@ from collections.abc import Callable
 import torch
 
 from config.schema import Config
+from data.microbatch import Microbatch
+from parallel.comm import CollectiveError
 from parallel.layout import Layout
-from parallel.pipeline.executor import Microbatch
 from training.checkpointing import CheckpointError, save_checkpoint
+from training.faults import FaultSpec
 from training.guards import (
     EXIT_DIVERGED,
     EXIT_ERROR,
@@ -38,14 +44,20 @@ from training.guards import (
     find_bad_token,
     weights_are_finite,
 )
-from training.logging import IntervalStats, MetricsWriteError, format_train_line, peak_tflops
+from training.logging import IntervalStats, MetricsWriteError, format_train_line, get_logger, peak_tflops
 from training.preemption import PreemptionHandler, job_start_time
 from training.run import Run, build_run, resume_if_asked
-from training.setup import Dataset, DistEnv, barrier, data_iterator
+from training.setup import Dataset, DistEnv, data_iterator
 from training.train_step import StepResult, evaluate, take_microbatches, train_step
+from training.watchdog import HangGuard
 
 # Figures an extra evaluation (the zero-shot tasks of eval.*) adds to the validation record; {} when not due.
 ExtraEvaluation = Callable[[Run], dict[str, float]]
+
+
+def relaxed(run: Run) -> contextlib.AbstractContextManager[None]:
+    """Around checkpoint work: the watchdog allows the start-up timeout (saves never trip the training one)."""
+    return run.hang_guard.relaxed() if run.hang_guard is not None else contextlib.nullcontext()
 
 
 def save(run: Run) -> None:
@@ -53,7 +65,7 @@ def save(run: Run) -> None:
     the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
     if run.checkpointer is None or run.last_saved == run.progress.iteration:
         return
-    with run.state.comm.region("checkpoint"):
+    with relaxed(run), run.state.comm.region("checkpoint", run.progress.iteration):
         _save(run)
 
 
@@ -72,9 +84,8 @@ def _save(run: Run) -> None:
         run.checkpoint_parts(),
         run.progress,
         run.config.to_dict(),
-        run.config.parallel.distributed_optimizer,
-        checkpointer=run.checkpointer,
         keep_last=run.config.checkpoint.keep_last,
+        checkpointer=run.checkpointer,
     )
     run.last_saved = run.progress.iteration
 
@@ -118,7 +129,7 @@ def run_evaluation(run: Run, extra: dict[str, float] | None = None) -> None:
         def check(microbatches: list[Microbatch], batch: int) -> None:
             check_tokens(run, microbatches, run.datasets[1], batch * train_cfg.global_batch_size, "valid")
 
-        with state.comm.region("eval"):
+        with state.comm.region("eval", run.progress.iteration):
             val_loss = evaluate(run.ctx, valid_iter, train_cfg.eval_iters, check)
         val_ppl = float(torch.exp(torch.tensor(min(val_loss, 20.0))))
         run.logger.info(f"validation at iteration {run.progress.iteration}: loss {val_loss:.4f} | ppl {val_ppl:.3f}")
@@ -165,6 +176,19 @@ def after_step(run: Run, stats: IntervalStats, result: StepResult, lr: float, se
         record = stats.flush(progress)
         run.logger.info(format_train_line(record, cfg.train.train_iters))
         run.metrics.write(record)
+    report_stragglers(run)
+
+
+def report_stragglers(run: Run) -> None:
+    """Every logging.straggler_interval iterations (all ranks, one small all-gather): the slowest and fastest
+    rank on the console and in metrics.jsonl / TensorBoard, and a warning for a persistent straggler."""
+    summary = run.straggler.report(run.progress.iteration) if run.straggler is not None else None
+    if summary is None:
+        return
+    run.logger.info(summary.line)
+    for warning in summary.warnings:
+        run.logger.warning(warning)
+    run.metrics.write(summary.record)
 
 
 def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
@@ -189,9 +213,14 @@ def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
     )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
     comm = state.comm  # labels what each collective below belongs to in the rank's record (parallel/comm.py)
+    guard, straggler = run.hang_guard, run.straggler
     while run.progress.iteration < train_cfg.train_iters:
-        microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
         iteration = run.progress.iteration + 1
+        if guard is not None:
+            guard.iteration_started(iteration)
+        if straggler is not None:
+            straggler.begin()
+        microbatches = take_microbatches(train_iter, run.ctx.num_microbatches)
         with comm.region("boundary", iteration):
             if iteration_boundary(run, microbatches, job_start):
                 break
@@ -203,11 +232,15 @@ def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
             )
         if run.env.device.type == "cuda":
             torch.cuda.synchronize()
+        if straggler is not None:
+            straggler.end()
         after_step(run, stats, result, lr, time.perf_counter() - started)
         if run.checkpointer is not None:
             run.checkpointer.poll()  # report a finished background save promptly
         if run.progress.iteration == iteration_one:
             first_iteration_notes(run, started)
+            if guard is not None:
+                guard.steady()  # start-up is over: the training timeout from here on
         nonfinite.check(result, run.progress.iteration)
         if evaluate_and_save(run, extra_evaluation):
             break
@@ -236,7 +269,8 @@ def evaluate_and_save(run: Run, extra_evaluation: ExtraEvaluation | None = None)
     due); a checkpoint at save_interval, at the end and at exit_interval. Returns True when exit_interval ends
     the run here."""
     train_cfg, progress = run.config.train, run.progress
-    extra = extra_evaluation(run) if extra_evaluation is not None else {}
+    with run.state.comm.region("eval", progress.iteration):
+        extra = extra_evaluation(run) if extra_evaluation is not None else {}
     if progress.iteration % train_cfg.eval_interval == 0 or progress.iteration == train_cfg.train_iters:
         run_evaluation(run, extra)
     elif extra:
@@ -253,9 +287,11 @@ def evaluate_and_save(run: Run, extra_evaluation: ExtraEvaluation | None = None)
 def finish(run: Run) -> None:
     """The end of a run that was not stopped: the last save completes, metrics are closed, ranks meet."""
     if run.checkpointer is not None:
-        run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
+        with relaxed(run):
+            run.checkpointer.wait()  # an async save in flight completes (and reports) before the run ends
     run.metrics.close()
-    barrier(run.env)
+    if run.state.is_distributed:
+        run.state.comm.barrier()
     run.logger.info(
         f"done. metrics: {os.path.join(run.config.run.dir, 'metrics.jsonl')} | TensorBoard: "
         f"{run.metrics.tensorboard_dir} | checkpoints: {run.checkpoint_root}"
@@ -268,11 +304,33 @@ def run_training(
     layout: Layout,
     preemption: PreemptionHandler,
     make_extra_evaluation: Callable[[Run], ExtraEvaluation] | None = None,
+    fault: FaultSpec | None = None,
 ) -> int:
     """Build, resume, train; returns the exit code (training.guards). `make_extra_evaluation(run)` builds the
-    run's extra evaluation once the run exists (pretrain_gpt.py passes the zero-shot tasks of eval.*)."""
+    run's extra evaluation once the run exists (pretrain_gpt.py passes the zero-shot tasks of eval.*); `fault` is
+    PTDP_INJECT_FAULT's test hook (training/faults.py). A collective that times out or fails, from start-up on,
+    ends the run with this rank's hang report (exit 5)."""
+    par = config.parallel
+    guard = HangGuard(par.init_timeout_s, par.train_timeout_s, config.run.dir, get_logger(env.rank))
+    try:
+        return _build_and_train(config, env, layout, preemption, make_extra_evaluation, fault, guard)
+    except CollectiveError as err:
+        return guard.collective_failed(err)
+    finally:
+        guard.stop()
+
+
+def _build_and_train(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    preemption: PreemptionHandler,
+    make_extra_evaluation: Callable[[Run], ExtraEvaluation] | None,
+    fault: FaultSpec | None,
+    guard: HangGuard,
+) -> int:
     try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
-        run = build_run(config, env, layout)
+        run = build_run(config, env, layout, guard, fault)
         run.preemption = preemption
         extra_evaluation = make_extra_evaluation(run) if make_extra_evaluation is not None else None
         resume_if_asked(run)
@@ -284,7 +342,8 @@ def run_training(
             train(run, extra_evaluation)
         except TrainingStopped:
             if run.checkpointer is not None:
-                run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first
+                with relaxed(run):
+                    run.checkpointer.wait()  # the stop's checkpoint, written in the background, completes first
             raise
     except (CheckpointError, MetricsWriteError) as err:  # a failed write: one line; the last checkpoint stays
         run.metrics.close()
@@ -298,4 +357,7 @@ def run_training(
             else:
                 print(f"error: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
+    except CollectiveError:
+        run.metrics.close()  # what was logged stays readable; the hang report follows (run_training)
+        raise
     return EXIT_OK

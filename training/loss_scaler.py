@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from config.schema import OptimConfig
+
 
 class ConstantLossScaler:
     """bf16 / fp32: no loss scaling, never skips."""
@@ -22,15 +24,15 @@ class ConstantLossScaler:
 
 
 class DynamicLossScaler:
-    """fp16 dynamic loss scaling (Megatron's DynamicGradScaler): after `hysteresis` overflowing steps
-    (counted since the last growth) halve the scale, not below `min`; after `window` clean steps in a
-    row double it."""
+    """fp16 dynamic loss scaling (Megatron's DynamicGradScaler), set by the optim section: start at
+    `initial_loss_scale`; after `hysteresis` overflowing steps (counted since the last growth) halve the scale,
+    not below `min_loss_scale`; after `loss_scale_window` clean steps in a row double it."""
 
     dynamic = True
 
-    def __init__(self, initial: float = 2.0**32, min: float = 1.0, window: int = 1000, hysteresis: int = 2):
-        self.scale, self.min_scale = float(initial), float(min)
-        self.window, self.hysteresis = int(window), int(hysteresis)
+    def __init__(self, optim: OptimConfig):
+        self.scale, self.min_scale = float(optim.initial_loss_scale), float(optim.min_loss_scale)
+        self.window, self.hysteresis = int(optim.loss_scale_window), int(optim.hysteresis)
         self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
 
     def update(self, found_inf: bool) -> None:
@@ -57,3 +59,8 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
+
+
+def loss_scaler_for(precision: str, optim: OptimConfig) -> ConstantLossScaler | DynamicLossScaler:
+    """The scaler of train.precision: dynamic (the optim section's settings) for fp16, none otherwise."""
+    return DynamicLossScaler(optim) if precision == "fp16" else ConstantLossScaler()

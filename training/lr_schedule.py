@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DECAY_STYLES = ("cosine", "linear", "constant")
+from config.schema import LR_DECAY_STYLES, OptimConfig
 
 
 class LRSchedule:
@@ -26,13 +26,19 @@ class LRSchedule:
         decay_style: "cosine", "linear" or "constant".
     """
 
-    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str = "cosine"):
+    def __init__(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str):
         self._set(max_lr, min_lr, warmup_iters, decay_iters, decay_style)
+
+    @classmethod
+    def of(cls, optim: OptimConfig, train_iters: int) -> LRSchedule:
+        """The schedule of the optim section; the decay ends at optim.lr_decay_iters, else at train.train_iters."""
+        decay_iters = optim.lr_decay_iters or train_iters
+        return cls(optim.lr, optim.min_lr, optim.lr_warmup_iters, decay_iters, optim.lr_decay_style)
 
     def _set(self, max_lr: float, min_lr: float, warmup_iters: int, decay_iters: int, decay_style: str) -> None:
         """Check and take the settings (the constructor, and a checkpoint's settings on load)."""
-        if decay_style not in DECAY_STYLES:
-            raise ValueError(f"decay_style={decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
+        if decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"decay_style={decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}")
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"min_lr={min_lr} and max_lr={max_lr} need 0 <= min_lr <= max_lr")
         if warmup_iters < 0 or decay_iters < warmup_iters:

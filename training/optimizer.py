@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from config.schema import PRECISIONS, OptimConfig, TrainConfig
 from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
-from training.loss_scaler import ConstantLossScaler, DynamicLossScaler
-
-PRECISIONS = ("fp32", "bf16", "fp16")
+from training.loss_scaler import loss_scaler_for
 
 
 @dataclass
@@ -87,31 +86,22 @@ def _pieces(ddp: DataParallel, bucket: Bucket, start: int, end: int):
 class Optimizer:
     """AdamW over the whole grad buffers of `ddp` (plain, dp-replicated state). See the module docstring.
 
-    `step(lr)` is collective over the world (the inf/nan check) and the model-parallel group (the norm).
+    The settings are the config's: lr, weight_decay, adam_beta1/2 and adam_eps of the optim section (and its
+    loss-scaler settings under fp16); train.clip_grad; train.precision (fp32: each param becomes a view of its
+    master). `step(lr)` is collective over the world (the inf/nan check) and the model-parallel group (the norm).
     """
 
     distributed = False
 
-    # The hyperparameters optimizer_settings forwards by name (build_optimizer, build_sharded_optimizer), defaults alike.
-    def __init__(
-        self,
-        ddp: DataParallel,
-        state,
-        lr: float,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        clip_grad: float = 1.0,
-        loss_scaler: Any | None = None,
-        alias_fp32_params: bool = False,
-    ):
+    def __init__(self, ddp: DataParallel, state, optim: OptimConfig, train: TrainConfig):
         self.ddp, self.state = ddp, state
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.clip_grad = clip_grad
-        self.scaler = loss_scaler or ConstantLossScaler()
+        self.lr, self.weight_decay = optim.lr, optim.weight_decay
+        self.betas, self.eps = (optim.adam_beta1, optim.adam_beta2), optim.adam_eps
+        self.clip_grad = train.clip_grad
+        self.scaler = loss_scaler_for(train.precision, optim)
         self.step_count = 0
         self.segments = self._build_segments()
-        self.aliased = alias_fp32_params and self._alias_params()
+        self.aliased = train.precision == "fp32" and self._alias_params()
 
     # ---- construction -----------------------------------------------------------------------
     def _build_segments(self) -> list[Segment]:
@@ -295,8 +285,8 @@ class DistributedOptimizer(Optimizer):
 
     distributed = True
 
-    def __init__(self, ddp: DataParallel, state, *args: Any, overlap_param_gather: bool = False, **kwargs: Any):
-        super().__init__(ddp, state, *args, **kwargs)
+    def __init__(self, ddp: DataParallel, state, optim: OptimConfig, train: TrainConfig, overlap_param_gather: bool):
+        super().__init__(ddp, state, optim, train)
         overlap = overlap_param_gather and state.dp_cp_size > 1  # the shards span dp x cp
         self.param_gather = ParamGather(ddp, state.dp_cp_group) if overlap else None
 
@@ -333,50 +323,32 @@ class DistributedOptimizer(Optimizer):
             copy_bucket_to_params(self.ddp, bucket, full)
 
 
-def optimizer_settings(
-    lr: float,
-    weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    precision: str = "fp32",
-    loss_scale_cfg: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Optimizer.__init__'s keyword arguments for these hyperparameters and `precision` (the loss scaler: dynamic
-    for fp16 with `loss_scale_cfg`'s initial, min, window, hysteresis). Shared by every data-parallel flavour's
-    optimizer (training/sharded_optimizer.py for FSDP)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    scaler = DynamicLossScaler(**(loss_scale_cfg or {})) if precision == "fp16" else ConstantLossScaler()
-    return dict(
-        lr=lr,
-        weight_decay=weight_decay,
-        betas=betas,
-        eps=eps,
-        clip_grad=clip_grad,
-        loss_scaler=scaler,
-        alias_fp32_params=precision == "fp32",
-    )
+def check_optimizer_inputs(
+    chunks: list[nn.Module], ddp_chunks: list[nn.Module], train: TrainConfig, builder: str
+) -> None:
+    """What every optimizer builder checks: a known precision, and `chunks` the ones data parallelism wraps."""
+    if train.precision not in PRECISIONS:
+        raise ValueError(f"train.precision={train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if [id(c) for c in chunks] != [id(c) for c in ddp_chunks]:
+        raise ValueError(f"{builder}: chunks are not the ones data parallelism was built on")
 
 
 def build_optimizer(
     chunks: list[nn.Module],
     ddp: DataParallel,
     state,
-    lr: float,
-    overlap_param_gather: bool = False,
-    **hyperparameters: Any,
+    optim: OptimConfig,
+    train: TrainConfig,
+    *,
+    overlap_param_gather: bool,
 ) -> Optimizer:
-    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) and the precision; FSDP's
-    (a ShardedDataParallel) is training/sharded_optimizer.build_sharded_optimizer.
-
-    `chunks` must be the chunks `ddp` was built on; `hyperparameters` are optimizer_settings' (weight_decay,
-    betas, eps, clip_grad, precision, loss_scale_cfg). `overlap_param_gather` (distributed only) gathers the
-    updated params in the background until the next forward.
+    """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) with the settings of the optim
+    and train sections (Optimizer's docstring); FSDP's (a ShardedDataParallel) is
+    training/sharded_optimizer.build_sharded_optimizer. `chunks` must be the chunks `ddp` was built on.
+    `overlap_param_gather` (parallel.overlap_param_gather; distributed only) gathers the updated params in the
+    background until the next forward.
     """
-    if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
-        raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
-    hyper = optimizer_settings(lr, **hyperparameters)
+    check_optimizer_inputs(chunks, ddp.chunks, train, "build_optimizer")
     if ddp.distributed_optimizer:
-        return DistributedOptimizer(ddp, state, overlap_param_gather=overlap_param_gather, **hyper)
-    return Optimizer(ddp, state, **hyper)
+        return DistributedOptimizer(ddp, state, optim, train, overlap_param_gather)
+    return Optimizer(ddp, state, optim, train)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from config.schema import Config
 from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
-from parallel.comm import CommRecorder
+from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
 from parallel.layout import Layout
@@ -29,8 +28,10 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
+from training.faults import FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
@@ -45,8 +46,10 @@ from training.setup import (
     resolve_sample_data,
 )
 from training.sharded_optimizer import build_sharded_optimizer
+from training.straggler import StragglerReport
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
+from training.watchdog import HangGuard
 
 
 @dataclass
@@ -72,6 +75,8 @@ class Run:
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
+    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (training/watchdog.py)
+    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (training/straggler.py)
 
     @property
     def vocab_size(self) -> int:
@@ -83,15 +88,20 @@ class Run:
 
     def checkpoint_parts(self) -> CheckpointParts:
         """What this run's checkpoints are written from and loaded into."""
-        ctx = self.ctx
-        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker)
+        ctx, layout = self.ctx, self.layout
+        recorded = CheckpointLayout.of(
+            self.state, layout.sequence_parallel, self.config.parallel.distributed_optimizer, layout.schedule
+        )
+        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker, recorded)
 
 
-def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[int, DatasetSplits, ResumePlan | None]:
+def prepare_data(
+    config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
+) -> tuple[int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
     and verified before anything is written) and datasets; then the resolved config is saved.
     Returns the end-of-document id, the datasets and the resume plan."""
-    resolve_sample_data(config, env, logger)
+    resolve_sample_data(config, env, logger, comm)
     data = config.data
     tokenizer = build_tokenizer(
         data.tokenizer_type,
@@ -104,7 +114,7 @@ def prepare_data(config: Config, env: DistEnv, logger: logging.Logger) -> tuple[
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
     resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
-    datasets = build_datasets(config, env, config.train.global_batch_size)
+    datasets = build_datasets(config, env, config.train.global_batch_size, comm)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
         resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
@@ -136,35 +146,15 @@ def build_optimizer_and_schedule(
     config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
 ) -> tuple[DataParallel | ShardedDataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
     """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
-    par, train_cfg, optim = config.parallel, config.train, config.optim
     ddp = build_data_parallel(config, chunks, state, layout)
-    hyperparameters: dict[str, Any] = dict(
-        weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2),
-        eps=optim.adam_eps,
-        clip_grad=train_cfg.clip_grad,
-        precision=train_cfg.precision,
-        loss_scale_cfg=dict(
-            initial=optim.initial_loss_scale,
-            min=optim.min_loss_scale,
-            window=optim.loss_scale_window,
-            hysteresis=optim.hysteresis,
-        ),
-    )
     optimizer: Optimizer
     if isinstance(ddp, ShardedDataParallel):
-        optimizer = build_sharded_optimizer(chunks, ddp, state, optim.lr, **hyperparameters)
+        optimizer = build_sharded_optimizer(chunks, ddp, state, config.optim, config.train)
     else:
         optimizer = build_optimizer(
-            chunks, ddp, state, optim.lr, overlap_param_gather=par.overlap_param_gather, **hyperparameters
+            chunks, ddp, state, config.optim, config.train, overlap_param_gather=config.parallel.overlap_param_gather
         )
-    lr_schedule = LRSchedule(
-        optim.lr,
-        optim.min_lr,
-        optim.lr_warmup_iters,
-        optim.lr_decay_iters or train_cfg.train_iters,
-        optim.lr_decay_style,
-    )
+    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     return ddp, optimizer, lr_schedule
 
 
@@ -192,8 +182,7 @@ def build_chunks(
         env.device,
         dtype,
         spec,
-        compile_layers=train_cfg.compile,
-        compile_backend=train_cfg.compile_backend,
+        compile_backend=train_cfg.compile_backend if train_cfg.compile else None,
     )
     log_kernel_choices(
         chunks, model_cfg, train_cfg.micro_batch_size, state.tp_size, env.device, dtype, get_logger(env.rank)
@@ -201,13 +190,38 @@ def build_chunks(
     return chunks
 
 
-def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked."""
+def build_state(
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    guard: HangGuard | None,
+    fault: FaultSpec | None,
+    logger: logging.Logger,
+) -> ParallelState:
+    """The parallel state with its recorder (the latest collectives of this rank, always kept), its groups on the
+    start-up timeout, the hang guard started, and the fault-injection test hook on the rank it names."""
+    state = ParallelState.from_layout(layout, CommRecorder(), config.parallel.init_timeout_s)
+    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
+    if guard is not None:
+        guard.start(state)
+    if fault is not None:
+        logger.info(fault.describe())
+        if fault.rank == env.rank and state.comm.recorder is not None:
+            if env.rank != 0:
+                logger.warning(fault.describe())
+            state.comm.before_issue = FaultInjector(fault, state.comm.recorder, logger)
+    return state
+
+
+def build_run(
+    config: Config, env: DistEnv, layout: Layout, guard: HangGuard | None = None, fault: FaultSpec | None = None
+) -> Run:
+    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked.
+    `guard` (timeouts and watchdog) starts as soon as the state exists; `fault` is PTDP_INJECT_FAULT's."""
     par, train_cfg = config.parallel, config.train
     logger = get_logger(env.rank)
-    state = ParallelState.from_layout(layout, CommRecorder())  # the latest collectives of this rank, always kept
-    logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
-    eod_id, datasets, resume_plan = prepare_data(config, env, logger)
+    state = build_state(config, env, layout, guard, fault, logger)
+    eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
@@ -256,7 +270,15 @@ def build_run(config: Config, env: DistEnv, layout: Layout) -> Run:
         logger=logger,
         checkpoint_root=os.path.join(config.run.dir, "checkpoints"),
         resume_plan=resume_plan,
-        checkpointer=Checkpointer(config.checkpoint.async_save, logger.info) if config.checkpoint.save else None,
+        checkpointer=(
+            Checkpointer(config.checkpoint.async_save, logger.info, state.comm, par.init_timeout_s)
+            if config.checkpoint.save
+            else None
+        ),
+        hang_guard=guard,
+        straggler=StragglerReport(
+            config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
+        ),
     )
 
 

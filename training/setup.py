@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from config.data_config import DataConfig
 from config.schema import Config, TrainConfig
 from data.blended_dataset import BlendedDataset
 from data.builder import SPLIT_NAMES, BuildOptions, build_split_datasets, build_train_valid_test_datasets
@@ -15,6 +17,7 @@ from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
+from parallel.comm import Collectives
 from training.preemption import ignore_stop_signals, stop_at_once
 from training.threads import log_thread_plan, set_threads
 
@@ -72,13 +75,16 @@ def check_devices(train: TrainConfig, environ) -> bool:
     return True
 
 
-def init_distributed(use_cuda: bool | None = None, num_threads: int = 0, announce_threads: bool = True) -> DistEnv:
+def init_distributed(
+    use_cuda: bool | None = None, num_threads: int = 0, announce_threads: bool = True, timeout_s: float | None = None
+) -> DistEnv:
     """Join the process group torchrun / srun described in the environment (NCCL on GPUs, gloo on CPU).
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
     `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
     train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py);
-    `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output).
+    `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output);
+    `timeout_s` bounds the world group's collectives (parallel.init_timeout_s; None: torch's default).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -94,16 +100,21 @@ def init_distributed(use_cuda: bool | None = None, num_threads: int = 0, announc
         log_thread_plan(plan, rank, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
-            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(world_size, rank, local_rank, local_world_size, device)
 
 
-def barrier(env: DistEnv) -> None:
+def barrier(env: DistEnv, comm: Collectives | None = None) -> None:
+    """Every rank meets (through `comm` when given: recorded, and a timeout is a CollectiveError)."""
     if env.world_size > 1:
-        dist.barrier()
+        if comm is not None:
+            comm.barrier()
+        else:
+            dist.barrier()
 
 
 def check_sample_corpus_fits(config: Config) -> None:
@@ -122,8 +133,9 @@ def check_sample_corpus_fits(config: Config) -> None:
         )
 
 
-def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
-    """With no data path, use the bundled sample corpus (built on first use by local rank 0)."""
+def resolve_sample_data(config: Config, env: DistEnv, logger, comm: Collectives | None = None) -> None:
+    """With no data path, use the bundled sample corpus (built on first use by local rank 0; the others wait in
+    a barrier through `comm`, when given)."""
     data = config.data
     if data.has_data:
         return
@@ -132,7 +144,7 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     with stop_at_once("building the sample corpus"):
         if env.local_rank == 0:
             info = ensure_sample_corpus(root, progress=env.rank == 0)
-        barrier(env)
+        barrier(env, comm)
         if env.local_rank != 0:
             info = ensure_sample_corpus(root, progress=False)
     data.data_path = [info["data_prefix"]]
@@ -141,7 +153,16 @@ def resolve_sample_data(config: Config, env: DistEnv, logger) -> None:
     logger.info(f"data: sample corpus {info['data_prefix']}")
 
 
-def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
+def build_options(data: DataConfig) -> BuildOptions:
+    """The data section's Megatron GPTDatasetConfig options, as data/builder.py takes them."""
+    return BuildOptions(
+        extra_token=data.add_extra_token_to_sequence,
+        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
+        mid_level_surplus=data.mid_level_dataset_surplus,
+    )
+
+
+def build_datasets(config: Config, env: DistEnv, gbs: int, comm: Collectives | None = None) -> DatasetSplits:
     """Train / valid / test datasets; rank 0 writes the index caches first, the others then map them.
 
     The test split is not built: the trainer never evaluates on it. A split with fewer samples than the
@@ -150,11 +171,7 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
     """
     train, data = config.train, config.data
     num_samples = (train.train_iters * gbs, train.eval_iters * gbs, 0)
-    options = BuildOptions(
-        extra_token=data.add_extra_token_to_sequence,
-        drop_last_partial_validation=data.drop_last_partial_validation_sequence,
-        mid_level_surplus=data.mid_level_dataset_surplus,
-    )
+    options = build_options(data)
     seq_length, split_paths = config.model.seq_length, tuple(getattr(data, key) for key in data.SPLIT_KEYS)
 
     def build():
@@ -166,7 +183,7 @@ def build_datasets(config: Config, env: DistEnv, gbs: int) -> DatasetSplits:
 
     with stop_at_once("building the data indices"):
         datasets: tuple | None = build() if env.rank == 0 else None
-        barrier(env)
+        barrier(env, comm)  # a start-up timeout here: rank 0's index building took longer than init_timeout_s
         datasets = datasets if datasets is not None else build()
     for k, (dataset, needed) in enumerate(zip(datasets, num_samples)):
         if needed and (dataset is None or len(dataset) < needed):
@@ -227,6 +244,7 @@ def data_iterator(
 
 
 def param_dtype(precision: str) -> torch.dtype:
+    """The parameters' dtype of train.precision."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 

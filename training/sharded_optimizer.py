@@ -17,17 +17,18 @@ from typing import Any
 
 import torch
 
+from config.schema import OptimConfig, TrainConfig
 from parallel.fsdp import ShardedDataParallel, local_shard, local_tensor
 from parallel.grad_utils import counts_in_grad_norm
-from training.optimizer import Optimizer, Segment, StepStats, _runs, decays, optimizer_settings
+from training.optimizer import Optimizer, Segment, StepStats, _runs, check_optimizer_inputs, decays
 
 
 class ShardedOptimizer(Optimizer):
     """AdamW over the FSDP shards of `ddp` (a ShardedDataParallel); see the module docstring."""
 
-    def __init__(self, ddp: ShardedDataParallel, state: Any, *args: Any, **kwargs: Any):
+    def __init__(self, ddp: ShardedDataParallel, state: Any, optim: OptimConfig, train: TrainConfig):
         self.fsdp = ddp
-        super().__init__(ddp, state, *args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(ddp, state, optim, train)  # type: ignore[arg-type]
         self.aliased = True  # in every precision: FSDP keeps the fp32 shards and casts them for compute
 
     def _alias_params(self) -> bool:
@@ -95,9 +96,8 @@ class ShardedOptimizer(Optimizer):
 
 
 def build_sharded_optimizer(
-    chunks: list[torch.nn.Module], ddp: ShardedDataParallel, state: Any, lr: float, **hyperparameters: Any
+    chunks: list[torch.nn.Module], ddp: ShardedDataParallel, state: Any, optim: OptimConfig, train: TrainConfig
 ) -> ShardedOptimizer:
-    """training/optimizer.build_optimizer's twin for FSDP: the same hyperparameters (optimizer_settings)."""
-    if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
-        raise ValueError("build_sharded_optimizer: chunks are not the ones ShardedDataParallel was built on")
-    return ShardedOptimizer(ddp, state, **optimizer_settings(lr, **hyperparameters))
+    """training/optimizer.build_optimizer's twin for FSDP: the same settings (the optim and train sections)."""
+    check_optimizer_inputs(chunks, ddp.chunks, train, "build_sharded_optimizer")
+    return ShardedOptimizer(ddp, state, optim, train)

@@ -14,13 +14,14 @@ from typing import Protocol
 
 import torch
 
+from data.microbatch import Microbatch
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
-from parallel.pipeline.executor import ForwardFn, Microbatch, execute_schedule
+from parallel.pipeline.executor import ForwardFn, execute_schedule
 from parallel.pipeline.plan import PipelinePlan, build_plan
 from parallel.state import ParallelState
 from training.optimizer import DistributedOptimizer, Optimizer
@@ -43,7 +44,7 @@ class StepContext:
     activation_dtype: torch.dtype
     device: torch.device
     scatter_gather: bool
-    overlap_p2p_comm: bool = False  # compute while pipeline messages are in flight (executor docstring)
+    overlap_p2p_comm: bool  # compute while pipeline messages are in flight (executor docstring)
     train_plan: PipelinePlan = field(init=False)
     eval_plan: PipelinePlan = field(init=False)
 
@@ -91,7 +92,7 @@ def _to_device(microbatch: Microbatch, device: torch.device, state: ParallelStat
     sequence (after the CPU-side token checks, which name positions of the whole sample)."""
     if state.cp_size > 1:
         microbatch = cut_microbatch(microbatch, state.cp_rank, state.cp_size)
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in microbatch.items()}
+    return microbatch.to(device, non_blocking=True)
 
 
 def make_forward_fn(num_microbatches: int) -> ForwardFn:
@@ -101,24 +102,22 @@ def make_forward_fn(num_microbatches: int) -> ForwardFn:
         chunk_index: int, chunk: torch.nn.Module, input_tensor: torch.Tensor | None, mb: Microbatch, /
     ) -> torch.Tensor:
         output = chunk(
-            input_ids=mb["tokens"] if chunk.pre_process else None,
-            position_ids=mb["position_ids"],
+            input_ids=mb.tokens if chunk.pre_process else None,
+            position_ids=mb.position_ids,
             hidden_states=input_tensor,
-            attention_mask=mb.get("attention_mask"),
-            labels=mb["labels"] if chunk.post_process else None,
+            attention_mask=mb.attention_mask,
+            labels=mb.labels if chunk.post_process else None,
         )
         if not chunk.post_process:
             return output
-        mask = mb["loss_mask"]
         # Megatron's loss: mean over the micro-batch's unmasked tokens, averaged over micro-batches. Under
         # context parallelism the denominator is the whole sequence's count and the cp parts add up.
-        tokens = mb["loss_tokens"] if "loss_tokens" in mb else mask.sum()
-        return (output * mask).sum() / tokens.clamp(min=1.0) / num_microbatches
+        return (output * mb.loss_mask).sum() / mb.loss_tokens.clamp(min=1.0) / num_microbatches
 
     return forward_fn
 
 
-def take_microbatches(data_iter: Iterator[dict], count: int) -> list[dict]:
+def take_microbatches(data_iter: Iterator[Microbatch], count: int) -> list[Microbatch]:
     """This rank's `count` micro-batches of the next global batch, still on the CPU (where the trainer checks
     their token ids before they reach the embedding)."""
     return [next(data_iter) for _ in range(count)]
@@ -141,7 +140,7 @@ def _global_mean_loss(losses: list[torch.Tensor], state: ParallelState) -> float
 
 
 def train_step(
-    ctx: StepContext, microbatches: list[dict], lr: float, before_update: Callable[[], None] | None = None
+    ctx: StepContext, microbatches: list[Microbatch], lr: float, before_update: Callable[[], None] | None = None
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches of the global batch (from `take_microbatches`),
     gradient reduction, clipping and the optimizer step.
@@ -180,9 +179,9 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     ctx: ForwardOnlyContext,
-    data_iter: Iterator[dict],
+    data_iter: Iterator[Microbatch],
     eval_iters: int,
-    check_batch: Callable[[list[dict], int], None] | None = None,
+    check_batch: Callable[[list[Microbatch], int], None] | None = None,
 ) -> float:
     """Mean validation loss over eval_iters global batches (forward only); `check_batch(microbatches, k)`,
     if given, sees the k-th batch on the CPU first (and may raise)."""

@@ -26,9 +26,9 @@ from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.weight_grad import DeferredWeightGrad, backward_input, engine_run
 from parallel.state import ParallelState
 
-# One micro-batch as the data loader yields it (tensors by name, data/loader.py collate_samples); the executor
-# only hands it to the forward_fn, which knows the keys.
-Microbatch = dict[str, Any]
+# One micro-batch, opaque to the executor: it only hands it to the forward_fn, which reads it (the trainer's
+# and evaluation's are data.microbatch.Microbatch; the executor's tests drive toy models with their own).
+OpaqueMicrobatch = Any
 
 
 class ForwardFn(Protocol):
@@ -40,7 +40,12 @@ class ForwardFn(Protocol):
     """
 
     def __call__(
-        self, chunk_index: int, chunk: torch.nn.Module, input_tensor: torch.Tensor | None, microbatch: Microbatch, /
+        self,
+        chunk_index: int,
+        chunk: torch.nn.Module,
+        input_tensor: torch.Tensor | None,
+        microbatch: OpaqueMicrobatch,
+        /,
     ) -> torch.Tensor: ...
 
 
@@ -74,7 +79,7 @@ class _Run:
     """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
 
     chunks: Sequence[torch.nn.Module]
-    microbatches: list[Microbatch]
+    microbatches: list[OpaqueMicrobatch]
     forward_fn: ForwardFn
     state: ParallelState
     comm: StageComm
@@ -157,17 +162,20 @@ class _Run:
 def execute_schedule(
     plan: PipelinePlan,
     chunks: Sequence[torch.nn.Module],
-    microbatches: list[Microbatch],
+    microbatches: list[OpaqueMicrobatch],
     forward_fn: ForwardFn,
     state: ParallelState,
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,
-    scatter_gather: bool = False,
+    *,
+    scatter_gather: bool,
+    overlap_p2p_comm: bool,
     loss_scale: float = 1.0,
     on_last_backward: Callable[[int], None] | None = None,
-    overlap_p2p_comm: bool = False,
 ) -> ScheduleResult:
     """Run this rank's plan for one iteration; see the module docstring and ScheduleResult.
+    `scatter_gather` and `overlap_p2p_comm` are parallel.scatter_gather (off under sequence parallelism)
+    and parallel.overlap_p2p_comm.
 
     `forward_fn` (ForwardFn) returns the chunk output, or on the last virtual stage the scalar loss.
     A forward-only plan (evaluation) runs under no_grad and holds nothing for backward.

@@ -25,10 +25,12 @@ import time
 import torch
 from bench_models import model_config
 
+from config.schema import OptimConfig, ParallelConfig, TrainConfig
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress, build_save_job
 from training.lr_schedule import LRSchedule
 from training.optimizer import build_optimizer
@@ -38,8 +40,9 @@ def build(layers: int, hidden: int):
     cfg = model_config(layers, hidden, heads=8, seq_length=128, vocab_size=8192)
     state = ParallelState.single()
     chunks = build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)
-    ddp = DataParallel(chunks, state)
-    optimizer = build_optimizer(chunks, ddp, state, lr=1e-4)
+    parallel, optim = ParallelConfig(), OptimConfig(lr=1e-4)
+    ddp = DataParallel(chunks, state, parallel.grad_bucket_size_mb, parallel.distributed_optimizer)
+    optimizer = build_optimizer(chunks, ddp, state, optim, TrainConfig(), overlap_param_gather=False)
     return cfg, state, chunks, ddp, optimizer
 
 
@@ -62,9 +65,14 @@ def one_save(built, checkpointer: Checkpointer, root: str, iteration: int) -> di
     cfg, state, chunks, ddp, optimizer = built
     async_save = checkpointer.async_save
     parts = CheckpointParts(
-        state, chunks, optimizer, LRSchedule(1e-4, 1e-5, 0, 100), RNGTracker.seeded(1234, 0, 0, torch.device("cpu"))
+        state,
+        chunks,
+        optimizer,
+        LRSchedule(1e-4, 1e-5, 0, 100, "cosine"),
+        RNGTracker.seeded(1234, 0, 0, torch.device("cpu")),
+        CheckpointLayout.of(state, sequence_parallel=False, distributed_optimizer=False, schedule="1f1b"),
     )
-    job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, False)
+    job = build_save_job(root, parts, TrainingProgress(iteration, 0, 0), {"model": {}}, keep_last=0)
     started = time.perf_counter()
     checkpointer.save(job)
     steps = []

@@ -13,8 +13,12 @@ import time
 
 import numpy as np
 
+from config.data_config import DataConfig
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, write_index
+from training.setup import build_options
+
+SAMPLES = build_options(DataConfig()).samples("train")  # the data section's defaults, as the trainer builds them
 
 
 def synthetic_corpus(prefix: str, tokens: int, seed: int = 0) -> int:
@@ -41,10 +45,10 @@ def main() -> None:
         total = int(ds.sequence_lengths.astype(np.int64).sum())
         num_samples = int(total * args.epochs / args.seq_length) - 1
         start = time.perf_counter()
-        gpt = GPTDataset(ds, "train", (0, n_docs), args.seq_length, 1234, num_samples, os.path.join(tmp, "c"))
+        gpt = GPTDataset(ds, "train", (0, n_docs), args.seq_length, 1234, num_samples, os.path.join(tmp, "c"), SAMPLES)
         built = time.perf_counter() - start
         start = time.perf_counter()
-        GPTDataset(ds, "train", (0, n_docs), args.seq_length, 1234, num_samples, os.path.join(tmp, "c"))
+        GPTDataset(ds, "train", (0, n_docs), args.seq_length, 1234, num_samples, os.path.join(tmp, "c"), SAMPLES)
         cached = time.perf_counter() - start
         print(
             f"{total / 1e9:.3f}B tokens, {n_docs} documents, seq_length {args.seq_length}, "

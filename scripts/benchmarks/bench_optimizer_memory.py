@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from bench_models import fork_ranks, model_config, tied_gpt
 
+from config.schema import OptimConfig, TrainConfig
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
 from training.optimizer import build_optimizer
@@ -34,7 +35,8 @@ def _rank(
     cfg = model_config(layers, hidden, heads=4, seq_length=64, vocab_size=1000)
     model = tied_gpt(cfg, seed=0, dtype=DTYPES[precision])
     ddp = DataParallel([model], state, bucket_size_mb=0.25, distributed_optimizer=distributed)
-    optimizer = build_optimizer([model], ddp, state, lr=1e-4, precision=precision)
+    train = TrainConfig(precision=precision)
+    optimizer = build_optimizer([model], ddp, state, OptimConfig(lr=1e-4), train, overlap_param_gather=False)
     if rank == 0:
         params = list(model.parameters())
         results.put(

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_models import model_config, tied_gpt
 
+from config.schema import OptimConfig, TrainConfig
+from data.microbatch import Microbatch
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.state import ParallelState
@@ -52,7 +54,7 @@ def build(args: argparse.Namespace, state: ParallelState, overlap: bool) -> tupl
     cfg = model_config(args.layers, args.hidden, heads=4, seq_length=SEQ, vocab_size=1000)
     model = tied_gpt(cfg, seed=1234, dtype=torch.float32)
     ddp = DataParallel([model], state, bucket_size_mb=args.bucket_mb, distributed_optimizer=True)
-    optimizer = build_optimizer([model], ddp, state, lr=1e-3, overlap_param_gather=overlap)
+    optimizer = build_optimizer([model], ddp, state, OptimConfig(lr=1e-3), TrainConfig(), overlap_param_gather=overlap)
     assert isinstance(optimizer, DistributedOptimizer)
     timer = Timer()
     optimizer.copy_to_params = timer.wrap(optimizer.copy_to_params)  # type: ignore[method-assign]
@@ -69,18 +71,16 @@ def build(args: argparse.Namespace, state: ParallelState, overlap: bool) -> tupl
         activation_dtype=torch.float32,
         device=torch.device("cpu"),
         scatter_gather=False,
+        overlap_p2p_comm=False,
     )
     return ctx, timer
 
 
-def batches(step: int) -> list[dict]:
+def batches(step: int) -> list[Microbatch]:
     gen = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, 1000, (2, MICRO, SEQ + 1), generator=gen)
     positions = torch.arange(SEQ).expand(MICRO, SEQ)
-    return [
-        {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(MICRO, SEQ), "position_ids": positions}
-        for t in tokens
-    ]
+    return [Microbatch.of(t[:, :-1], t[:, 1:], torch.ones(MICRO, SEQ), positions) for t in tokens]
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

@@ -75,7 +75,15 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                 dist.barrier()
                 waited[0], start = 0.0, time.perf_counter()
                 execute_schedule(
-                    plan, [chunk], batches, _forward_fn(m, rank == 1), state, (args.tokens, args.hidden), torch.float32
+                    plan,
+                    [chunk],
+                    batches,
+                    _forward_fn(m, rank == 1),
+                    state,
+                    (args.tokens, args.hidden),
+                    torch.float32,
+                    scatter_gather=False,
+                    overlap_p2p_comm=False,
                 )
                 elapsed = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when both ranks are done

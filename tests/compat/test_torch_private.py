@@ -8,6 +8,7 @@ import ast
 import os
 import re
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -50,6 +51,24 @@ def test_the_accessors_reach_the_private_names():
     tensors = [torch.randn(5, 3), torch.randn(7)]
     norms = torch_private.foreach_norm(tensors)
     assert all(torch.equal(n, torch.linalg.vector_norm(t)) for n, t in zip(norms, tensors))
+
+
+def test_a_group_timeout_is_set_through_the_public_setter_or_the_private_function(monkeypatch):
+    calls = []
+
+    class Group:  # a process group of a torch with the public setter
+        def set_timeout(self, timeout):
+            calls.append(("public", timeout))
+
+    timeout = timedelta(seconds=7)
+    assert torch_private.set_group_timeout(Group(), timeout) and calls == [("public", timeout)]
+    import torch.distributed.distributed_c10d as c10d
+
+    assert resolve(torch_private.SET_PG_TIMEOUT) is c10d._set_pg_timeout
+    monkeypatch.setattr(c10d, "_set_pg_timeout", lambda t, group: calls.append(("private", t)))
+    assert torch_private.set_group_timeout(object(), timeout) and calls[-1] == ("private", timeout)
+    monkeypatch.delattr(c10d, "_set_pg_timeout")
+    assert not torch_private.set_group_timeout(object(), timeout)
 
 
 def test_the_dcp_allow_list_names_exist():

@@ -8,6 +8,7 @@ import pytest
 
 from data.builder import build_train_valid_test_datasets
 from data.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetError, write_index
+from tests.data.options import BUILD
 from tests.data.test_gpt_dataset import make_dataset
 from training.setup import check_vocab_size
 
@@ -54,26 +55,26 @@ def test_validation_is_fast_on_large_indexes(tmp_path):
 def test_empty_dataset_and_empty_split_are_one_line_errors(tmp_path):
     empty = make_dataset(tmp_path / "empty", [])
     with pytest.raises(ValueError, match=r"empty: the dataset holds no documents"):
-        build_train_valid_test_datasets([empty], "1", 8, 1, (10, 0, 0), None)
+        build_train_valid_test_datasets([empty], "1", 8, 1, (10, 0, 0), None, BUILD)
     small = make_dataset(tmp_path / "small", [20] * 10)
     with pytest.raises(
         ValueError,
         match=r"small: the valid split is empty: split '98,2,0' gives it documents "
         r"\[10, 10\) of 10",
     ):
-        build_train_valid_test_datasets([small], "98,2,0", 8, 1, (10, 5, 0), None)
+        build_train_valid_test_datasets([small], "98,2,0", 8, 1, (10, 5, 0), None, BUILD)
     zero_tokens = make_dataset(tmp_path / "zero", [0, 0, 5])
     with pytest.raises(ValueError, match=r"zero: train split has 2 documents and no tokens"):
-        build_train_valid_test_datasets([zero_tokens], "2,1", 8, 1, (10, 0, 0), None)
+        build_train_valid_test_datasets([zero_tokens], "2,1", 8, 1, (10, 0, 0), None, BUILD)
     with pytest.raises(ValueError, match=r"small: the valid split is empty"):  # an empty blend component
         build_train_valid_test_datasets(
-            [0.5, make_dataset(tmp_path / "big", [20] * 100), 0.5, small], "98,2,0", 8, 1, (10, 5, 0), None
+            [0.5, make_dataset(tmp_path / "big", [20] * 100), 0.5, small], "98,2,0", 8, 1, (10, 5, 0), None, BUILD
         )
 
 
 def test_split_of_one_token_builds_as_in_megatron(tmp_path):
     prefix = make_dataset(tmp_path / "one", [1, 30])
-    train, _, _ = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), None)
+    train, _, _ = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), None, BUILD)
     assert len(train) == 6 and all(len(set(train[i]["text"].tolist())) == 1 for i in range(6))
 
 

@@ -9,6 +9,7 @@ from data.blended_dataset import BlendedDataset, build_blending_indices
 from data.builder import build_train_valid_test_datasets, split_document_ranges
 from data.gpt_dataset import GPTDataset, build_indices
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tests.data.options import BUILD, SAMPLES
 
 
 def make_dataset(path, lengths, seed=0):
@@ -83,7 +84,7 @@ def test_samples_equal_reference(tmp_path, seq_length, num_samples):
     prefix = make_dataset(tmp_path / "d", LENGTHS)
     ds = IndexedDataset(prefix)
     doc_range = (2, 13)
-    gpt = GPTDataset(ds, "train", doc_range, seq_length, 1234, num_samples, None)
+    gpt = GPTDataset(ds, "train", doc_range, seq_length, 1234, num_samples, None, SAMPLES)
     expected = reference_samples(ds, range(*doc_range), seq_length, num_samples, 1234)
     assert len(gpt) == len(expected) >= num_samples
     for i in range(len(gpt)):
@@ -98,7 +99,7 @@ def test_separate_final_epoch_case_is_exercised():
     sizes = np.full(10, 10, dtype=np.int32)
     docs = np.arange(10, dtype=np.int32)
     # 100 tokens/epoch, seq 9 -> 11 samples/epoch; 23 samples need 3 epochs; final epoch gives 1 < 8.
-    doc_index, _, shuffle = build_indices(sizes, docs, 9, 23, 0)
+    doc_index, _, shuffle = build_indices(sizes, docs, 9, 23, 0, SAMPLES)
     assert sorted(doc_index[20:].tolist()) == list(range(10))  # the last epoch shuffled on its own
     assert sorted(shuffle[:22].tolist()) == list(range(22))
 
@@ -111,12 +112,12 @@ def test_split_ranges_follow_megatron_rounding():
 
 def test_builder_splits_caches_and_none(tmp_path):
     prefix = make_dataset(tmp_path / "corpus", [30] * 20)
-    train, valid, test = build_train_valid_test_datasets([prefix], "80,20,0", 8, 5, (40, 3, 2), None)
+    train, valid, test = build_train_valid_test_datasets([prefix], "80,20,0", 8, 5, (40, 3, 2), None, BUILD)
     assert test is None and len(train) >= 40 and len(valid) >= 3
     cache = tmp_path / "index-cache"
     files = sorted(os.listdir(cache))
     assert len(files) == 8 and not [f for f in files if "tmp" in f]
-    again = build_train_valid_test_datasets([prefix], "80,20,0", 8, 5, (40, 3, 0), str(cache))
+    again = build_train_valid_test_datasets([prefix], "80,20,0", 8, 5, (40, 3, 0), str(cache), BUILD)
     assert isinstance(again[0].shuffle_index, np.memmap)
     assert all(np.array_equal(train[i]["text"], again[0][i]["text"]) for i in range(len(train)))
     assert again[2] is None
@@ -126,7 +127,7 @@ def test_unwritable_cache_dir_still_builds(tmp_path):
     prefix = make_dataset(tmp_path / "corpus", [30] * 20)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache folder would go")
-    train, _, _ = build_train_valid_test_datasets([prefix], "1", 8, 5, (10, 0, 0), str(blocker / "cache"))
+    train, _, _ = build_train_valid_test_datasets([prefix], "1", 8, 5, (10, 0, 0), str(blocker / "cache"), BUILD)
     assert len(train) >= 10
 
 
@@ -145,7 +146,7 @@ def test_blending_indices_follow_weights_and_rule():
 def test_blended_builder_is_deterministic_and_proportional(tmp_path):
     a = make_dataset(tmp_path / "a", [50] * 10, seed=1)
     b = make_dataset(tmp_path / "b", [20] * 30, seed=2)
-    args = (["0.7", a, 0.3, b], "1,0,0", 16, 9, (200, 0, 0), str(tmp_path / "cache"))
+    args = (["0.7", a, 0.3, b], "1,0,0", 16, 9, (200, 0, 0), str(tmp_path / "cache"), BUILD)
     first, second = build_train_valid_test_datasets(*args), build_train_valid_test_datasets(*args)
     blend = first[0]
     assert isinstance(blend, BlendedDataset) and len(blend) == 200 and first[1] is None

@@ -12,6 +12,7 @@ from data.atomic_files import atomic_output, process_umask, temporary_path
 from data.builder import build_split_datasets, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset, build_sample_index, save_atomic
 from data.indexed_dataset import IndexedDataset
+from tests.data.options import BUILD, SAMPLES
 from tests.data.test_gpt_dataset import make_dataset
 
 
@@ -41,7 +42,7 @@ def test_index_cache_files_follow_the_umask(tmp_path, umask_027):
     assert process_umask() == 0o027
     prefix = make_dataset(tmp_path / "d", [30, 50, 20, 70])
     cache = tmp_path / "cache"
-    GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 40, str(cache))
+    GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 40, str(cache), SAMPLES)
     modes = {name: os.stat(cache / name).st_mode & 0o777 for name in os.listdir(cache)}
     assert len(modes) == 4 and set(modes.values()) == {0o640}, modes  # mkstemp would give 0o600
     save_atomic(str(tmp_path / "big.npy"), np.arange(100_000).reshape(-1, 2))
@@ -66,7 +67,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     live = cache / os.path.basename(temporary_path("abc-GPTDataset-shuffle_index.npy"))
     for path in (dead, other_host, live):
         path.write_bytes(b"x" * 100)
-    GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 40, str(cache))
+    GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 40, str(cache), SAMPLES)
     assert not dead.exists()  # a kill -9 of an earlier build on this host
     assert other_host.exists() and live.exists()  # maybe still being written
 
@@ -76,7 +77,7 @@ def test_an_index_too_large_for_the_disk_is_refused_before_building(tmp_path, mo
     cache = tmp_path / "cache"
     monkeypatch.setattr(index_budget, "free_disk_bytes", lambda folder: 10_000)
     with pytest.raises(ValueError) as error:
-        GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 100_000, str(cache))
+        GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 100_000, str(cache), SAMPLES)
     message = str(error.value)
     assert "\n" not in message and prefix in message and "train split" in message
     # ceil(800,001 / 170) = 4,706 epochs, (4,706 * 170 - 1) // 8 = 100,002 samples: 4 * 18,824 + 16 * 100,003 + 4 * 100,002 bytes
@@ -89,22 +90,22 @@ def test_an_index_too_large_for_memory_is_refused(tmp_path, monkeypatch):
     prefix = make_dataset(tmp_path / "d", [30, 50, 20, 70])
     monkeypatch.setattr(index_budget, "available_memory_bytes", lambda: 50_000)
     with pytest.raises(ValueError, match=r"more than half of the 48\.8 KiB memory available"):
-        GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 100_000, None)
+        GPTDataset(IndexedDataset(prefix), "train", (0, 4), 8, 1, 100_000, None, SAMPLES)
 
 
 def test_separate_split_paths_use_every_document_of_their_prefix(tmp_path):
     train_prefix = make_dataset(tmp_path / "a", [30, 50, 20, 70], seed=1)
     valid_prefix = make_dataset(tmp_path / "b", [40, 10, 25], seed=2)
     cache = str(tmp_path / "cache")
-    train, valid, test = build_split_datasets(([train_prefix], [valid_prefix], []), 8, 1, (20, 6, 0), cache)
+    train, valid, test = build_split_datasets(([train_prefix], [valid_prefix], []), 8, 1, (20, 6, 0), cache, BUILD)
     assert test is None
     assert train.description["document_range"] == [0, 4] and train.description["split"] == "train"
     assert valid.description["document_range"] == [0, 3] and valid.description["split"] == "valid"
     assert valid.indexed.path_prefix == valid_prefix
     # The train split equals data_path=[a] with all of it given to train.
-    alone = build_train_valid_test_datasets([train_prefix], "1,0,0", 8, 1, (20, 0, 0), cache)[0]
+    alone = build_train_valid_test_datasets([train_prefix], "1,0,0", 8, 1, (20, 0, 0), cache, BUILD)[0]
     assert [list(train[i]["text"]) for i in range(len(train))] == [list(alone[i]["text"]) for i in range(len(alone))]
-    weighted = build_split_datasets(([0.5, train_prefix, 0.5, valid_prefix], [], []), 8, 1, (20, 0, 0), cache)
+    weighted = build_split_datasets(([0.5, train_prefix, 0.5, valid_prefix], [], []), 8, 1, (20, 0, 0), cache, BUILD)
     assert len(weighted[0]) == 20 and weighted[1] is None
 
 

@@ -31,8 +31,9 @@ def _stream(dataset, consumed, mbs, dp_rank, dp_size, workers=0):
         eod_mask_loss=False,
         reset_position_ids=False,
         reset_attention_mask=False,
+        extra_token=True,
     )
-    return [b["tokens"][:, 0].tolist() for b in it]
+    return [b.tokens[:, 0].tolist() for b in it]
 
 
 def test_sampler_slices_chunks_per_rank():
@@ -57,15 +58,27 @@ def test_batch_fields_shapes_and_types():
     ds = CountingDataset(10, 6)
     batch = next(
         build_data_iterator(
-            ds, 0, 2, 0, 1, 0, eod_id=3, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True
+            ds,
+            0,
+            2,
+            0,
+            1,
+            0,
+            eod_id=3,
+            eod_mask_loss=True,
+            reset_position_ids=True,
+            reset_attention_mask=True,
+            extra_token=True,
         )
     )
-    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (2, 6)
-    assert torch.equal(batch["labels"], batch["tokens"] + 1)
-    assert batch["loss_mask"].dtype == torch.float32
-    assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].shape == (2, 1, 6, 6)
-    plain = next(build_data_iterator(ds, 0, 2, 0, 1, 0, 3, False, False, False))
-    assert plain["attention_mask"] is None
+    assert batch.tokens.dtype == torch.int64 and batch.tokens.shape == (2, 6)
+    assert torch.equal(batch.labels, batch.tokens + 1)
+    assert batch.loss_mask.dtype == torch.float32
+    assert batch.attention_mask is not None
+    assert batch.attention_mask.dtype == torch.bool and batch.attention_mask.shape == (2, 1, 6, 6)
+    assert batch.position_ids.dtype == torch.int64 and float(batch.loss_tokens) == float(batch.loss_mask.sum())
+    plain = next(build_data_iterator(ds, 0, 2, 0, 1, 0, 3, False, False, False, True))
+    assert plain.attention_mask is None
 
 
 def reference_masks(tokens, eod, eod_mask_loss, reset_pos, reset_attn):

@@ -19,6 +19,7 @@ from data.blend_index import build_blending_indices
 from data.builder import BuildOptions, build_train_valid_test_datasets
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.conftest import free_port
+from tests.data.options import BUILD
 
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
     import megatron.core.datasets.gpt_dataset as mcore
@@ -125,9 +126,9 @@ def _assert_same_sample(sample, item, extra_token, i):
     from data.loader import collate_samples
 
     batch = collate_samples([sample], 0, False, False, False, extra_token)
-    assert np.array_equal(batch["tokens"][0].numpy(), item["tokens"].numpy()), i
-    assert np.array_equal(batch["labels"][0].numpy(), item["labels"].numpy()), i
-    assert np.array_equal(batch["loss_mask"][0].numpy(), item["loss_mask"].numpy()), i
+    assert np.array_equal(batch.tokens[0].numpy(), item["tokens"].numpy()), i
+    assert np.array_equal(batch.labels[0].numpy(), item["labels"].numpy()), i
+    assert np.array_equal(batch.loss_mask[0].numpy(), item["loss_mask"].numpy()), i
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,7 @@ def test_split_of_one_token_as_megatron(prefixes, tmp_path):
         eod_mask_loss=False,
     )
     theirs = BlendedMegatronDatasetBuilder(mcore.GPTDataset, [6, 0, 0], lambda: True, config).build()[0]
-    ours = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), str(tmp_path / "ours"))[0]
+    ours = build_train_valid_test_datasets([prefix], "1,1", 4, 1, (6, 0, 0), str(tmp_path / "ours"), BUILD)[0]
     assert len(ours) == len(theirs) == 6
     for i in range(6):
         _assert_same_sample(ours[i], theirs[i], True, i)

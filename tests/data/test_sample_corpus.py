@@ -8,6 +8,7 @@ from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset
 from data.sample_corpus import ensure_sample_corpus, stdlib_source_files
 from data.tokenizers import build_tokenizer
+from tests.data.options import SAMPLES
 
 
 def _fake_stdlib(root):
@@ -43,7 +44,7 @@ def test_build_once_then_return_at_once(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["lib", "sample_data"]  # no build folder or lock left
     assert ensure_sample_corpus(str(tmp_path / "sample_data"), stdlib_dir=stdlib) == info
     assert capsys.readouterr().out == ""
-    assert len(GPTDataset(ds, "train", (0, 3), 8, 1, 5, None)[0]["text"]) == 9
+    assert len(GPTDataset(ds, "train", (0, 3), 8, 1, 5, None, SAMPLES)[0]["text"]) == 9
 
 
 def test_refuses_a_foreign_non_empty_folder(tmp_path):

@@ -63,7 +63,9 @@ def _chunks(iter_dir: str) -> dict[str, list]:
 def test_train_state_of_the_fixture() -> None:
     saved = read_train_state(os.path.join(FIXTURE, "checkpoints", SAVED_ITER))
     assert (saved.iteration, saved.progress.consumed_samples, saved.progress.skipped_iters) == (4, 32, 0)
-    assert saved.layout["tp"] == 2 and saved.layout["dp"] == 2 and saved.layout["distributed_optimizer"]
+    assert saved.layout.sizes == (2, 1, 1, 1, 2) and saved.layout.world_size == 4
+    assert saved.layout.distributed_optimizer and saved.layout.schedule is None  # not recorded then
+    assert saved.layout.describe() == "tp 2 x cp 1 x pp 1 x vp 1 x dp 2 (world 4, distributed optimizer)"
     assert saved.has_optimizer and saved.optimizer is not None and saved.optimizer.step == 4
     assert saved.lr_schedule is not None and saved.config["model"]["num_layers"] == 2
     with open(os.path.join(FIXTURE, "checkpoints", SAVED_ITER, "meta.json"), encoding="utf-8") as handle:

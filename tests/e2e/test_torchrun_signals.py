@@ -2,7 +2,10 @@
 to its ranks), SIGUSR1 to the ranks (what SLURM's `scancel --signal=USR1` does), and SIGUSR1 / SIGKILL to
 torchrun, which dies of them: its ranks notice that their launcher is gone (the kernel's parent-death signal)
 and stop as if it had sent SIGTERM. Every rank stops after the same iteration, a checkpoint of it is saved, the
-ranks exit 3, and a resumed run's losses equal an uninterrupted run's bit for bit."""
+ranks exit 3, and a resumed run's losses equal an uninterrupted run's bit for bit. The signalled runs are real
+torchrun runs; the uninterrupted reference and the resumes, which check the checkpoint and not the launcher,
+run the same trainer on 4 gloo ranks of tests/conftest.run_ranks (each torchrun start costs ~25 CPU s of
+python and torch imports: docs/testing.md)."""
 
 import os
 import signal
@@ -11,7 +14,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
+import pretrain_gpt
+from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from training import checkpointing
 
@@ -47,11 +51,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def _rank_main(rank: int, world_size: int, argv: list[str]) -> None:
+    assert pretrain_gpt.main(argv) == 0
+
+
+def train_on_ranks(corpus, run_dir, *extra) -> None:
+    """The run of `command` (4 ranks, tp 2 x pp 2) on forked gloo ranks instead of torchrun."""
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *LAYOUT, *extra)]
+    run_ranks(4, _rank_main, argv, timeout=300.0)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    proc = subprocess.run(command(tiny_corpus, run_dir), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_on_ranks(tiny_corpus, run_dir)
     return [r["lm_loss"] for r in read_metrics(run_dir)]
 
 
@@ -116,12 +129,5 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
         assert proc.returncode == 1
         assert ("exitcode  : 3" in output) if target == "ranks" else (f"got signal: {sig.value}" in output)
     assert [r["iteration"] for r in read_metrics(run_dir)][-1] == saved
-    resumed = subprocess.run(
-        command(tiny_corpus, run_dir, "checkpoint.load=true"),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    train_on_ranks(tiny_corpus, run_dir, "checkpoint.load=true")
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == reference

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data.loader import get_batch_masks
+from data.microbatch import Microbatch
 from parallel.context_parallel import block_attention, chunk_indices, context_parallel_hooks, cut_microbatch
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
@@ -27,15 +28,15 @@ def test_chunk_indices_balance_the_causal_triangle():
 def test_cut_microbatch_keeps_true_positions_and_masks():
     tokens = torch.tensor([[5, 1, 7, 0, 3, 4, 0, 2]])  # eod id 0
     loss_mask, position_ids, mask = get_batch_masks(tokens, 0, True, True, True)
-    mb = {"tokens": tokens, "labels": tokens, "loss_mask": loss_mask, "position_ids": position_ids}
-    mb["attention_mask"] = mask
+    mb = Microbatch.of(tokens, tokens, loss_mask, position_ids, mask)
     part = cut_microbatch(mb, 1, 2)  # chunks 1 and 2 of 4: tokens 2, 3, 4, 5
-    assert part["tokens"].tolist() == [[7, 0, 3, 4]]
-    assert part["position_ids"].tolist() == position_ids[:, 2:6].tolist()
-    assert float(part["loss_tokens"]) == float(loss_mask.sum())
+    assert part.tokens.tolist() == [[7, 0, 3, 4]]
+    assert part.position_ids.tolist() == position_ids[:, 2:6].tolist()
+    assert part.loss_mask.tolist() == loss_mask[:, 2:6].tolist()
+    assert float(part.loss_tokens) == float(loss_mask.sum())  # the whole micro-batch's denominator
     # rows: this rank's queries; columns: rank 0's keys (0, 1, 6, 7), then rank 1's (2, 3, 4, 5)
     order = [0, 1, 6, 7, 2, 3, 4, 5]
-    assert torch.equal(part["attention_mask"], mask[:, :, 2:6][..., order])
+    assert part.attention_mask is not None and torch.equal(part.attention_mask, mask[:, :, 2:6][..., order])
 
 
 def test_block_attention_matches_sdpa_and_returns_lse():
@@ -80,8 +81,8 @@ def _ring_rank(rank: int, world_size: int, seq: int, documents: bool) -> None:
     local = [t.index_select(0, mine).clone().requires_grad_() for t in (q, k, v)]
     local_mask = None
     if mask is not None:
-        mb = {key: torch.zeros(2, seq) for key in ("tokens", "labels", "loss_mask", "position_ids")}
-        local_mask = cut_microbatch({**mb, "attention_mask": mask}, rank, world_size)["attention_mask"]
+        zeros = torch.zeros(2, seq)
+        local_mask = cut_microbatch(Microbatch.of(zeros, zeros, zeros, zeros, mask), rank, world_size).attention_mask
     attention = context_parallel_hooks(state).attention
     assert attention is not None
     out = attention(*local, local_mask)

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from config.schema import OptimConfig, TrainConfig
+from data.microbatch import Microbatch
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
@@ -95,19 +97,14 @@ def step_context(
         activation_dtype=dtype,
         device=torch.device("cpu"),
         scatter_gather=False,
+        overlap_p2p_comm=False,
     )
 
 
 def run_train_step(ctx: StepContext, micros: list[dict]):
     """One iteration of the real train_step on these micro-batches at the optimizer's lr; its StepResult."""
     loader_batches = [
-        {
-            "tokens": mb["input_ids"],
-            "labels": mb["labels"],
-            "loss_mask": mb["loss_mask"],
-            "position_ids": mb["position_ids"],
-        }
-        for mb in micros
+        Microbatch.of(mb["input_ids"], mb["labels"], mb["loss_mask"], mb["position_ids"]) for mb in micros
     ]
     return train_step(ctx, loader_batches, ctx.optimizer.lr)
 
@@ -124,22 +121,18 @@ def run_step(model: GPTModel, ddp: DataParallel, optimizer, state: ParallelState
 EPS = 1e-6
 
 
-def build(
-    cfg, state, dtype=torch.float32, distributed=False, precision="fp32", bucket_mb=0.01, loss_scale_cfg=None, lr=1e-2
-):
+def optim_config(lr: float = 1e-2, **overrides) -> OptimConfig:
+    """The optim section these tests step with: weight decay 0.1 on matrices, eps EPS (above), `overrides`
+    (the loss scaler's keys under fp16)."""
+    return OptimConfig(lr=lr, weight_decay=0.1, adam_eps=EPS, **overrides)
+
+
+def build(cfg, state, dtype=torch.float32, distributed=False, precision="fp32", bucket_mb=0.01, lr=1e-2, **optim):
+    """A tiny model, its DataParallel and optimizer (clip 1.0) at `precision`; `optim`: OptimConfig keys."""
     model = tiny_model(cfg, dtype)
     ddp = DataParallel([model], state, bucket_size_mb=bucket_mb, distributed_optimizer=distributed)
-    optimizer = build_optimizer(
-        [model],
-        ddp,
-        state,
-        lr=lr,
-        weight_decay=0.1,
-        clip_grad=1.0,
-        eps=EPS,
-        precision=precision,
-        loss_scale_cfg=loss_scale_cfg,
-    )
+    train = TrainConfig(precision=precision, clip_grad=1.0)
+    optimizer = build_optimizer([model], ddp, state, optim_config(lr, **optim), train, overlap_param_gather=False)
     return model, ddp, optimizer
 
 
@@ -224,8 +217,8 @@ def _overlap_ranks(rank, world_size, out_dir, unused_param=False):
     model = tiny_model(cfg)
     if unused_param:  # the root's own params come first in parameters(): it lands in the last bucket
         model.unused = torch.nn.Parameter(torch.ones(5))
-    ddp = DataParallel([model], state, bucket_size_mb=0.01)
-    optimizer = build_optimizer([model], ddp, state, lr=1e-2, eps=EPS)
+    ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=False)
+    optimizer = build_optimizer([model], ddp, state, optim_config(), TrainConfig(), overlap_param_gather=False)
     events, phase = [], ["backward"]
     original_launch, original_enable, original_finish = ddp._launch, ddp.enable_grad_sync, ddp.finish_grad_sync
 
@@ -277,7 +270,8 @@ def _pipeline_ranks(rank, world_size, out_dir, distributed):
     first = state.is_first_stage
     model = tiny_model(cfg, layer_ids=[0] if first else [1], pre=first, post=not first)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=distributed)
-    optimizer = build_optimizer([model], ddp, state, lr=1e-2, weight_decay=0.1, clip_grad=1.0, eps=EPS)
+    train = TrainConfig(clip_grad=1.0)
+    optimizer = build_optimizer([model], ddp, state, optim_config(), train, overlap_param_gather=False)
     ctx = step_context([model], ddp, optimizer, state, GLOBAL_BATCH // state.dp_size)
     norms = []
     for step in range(3):
@@ -324,7 +318,7 @@ def test_distributed_layout_pads_and_tiles_buckets():
         covered = sum(hi - lo for lo, hi in owned[name])
         assert covered == param.numel(), name
     first_stage = tiny_model(cfg, layer_ids=[0], pre=True, post=False)  # pp > 1: the tied weight is marked
-    ddp = DataParallel([first_stage], ParallelState.single(), bucket_size_mb=1.0)
+    ddp = DataParallel([first_stage], ParallelState.single(), bucket_size_mb=1.0, distributed_optimizer=False)
     embedding = first_stage.embedding.word_embeddings.weight
     assert param_info(embedding).shared_embedding and ddp.param_ranges[embedding].bucket.params == [embedding]
     assert len(ddp.buckets[0]) >= 2  # 1 MiB would hold the whole chunk: the embedding was split off

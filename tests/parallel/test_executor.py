@@ -66,6 +66,9 @@ def serial_reference(m: int):
 
 
 def run_pipeline(state, schedule: str, m: int, vp: int, forward_only: bool = False, **kwargs):
+    """This rank's chunks of the toy model through `schedule`; `kwargs` for execute_schedule (default: no
+    scatter-gather, no overlapped messages)."""
+    kwargs = {"scatter_gather": False, "overlap_p2p_comm": False, **kwargs}
     blocks = full_blocks()
     chunks = rank_chunks(blocks, state.pp_size, state.pp_rank, vp)
     if state.is_last_stage:

@@ -9,14 +9,15 @@ import os
 import pytest
 import torch
 
+from config.schema import TrainConfig
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 from tests.parallel.test_data_parallel import (
-    EPS,
     GLOBAL_BATCH,
     global_batch,
     micro_batches,
+    optim_config,
     run_train_step,
     step_context,
     tiny_cfg,
@@ -37,9 +38,8 @@ def _ranks(rank: int, world_size: int, out_dir: str, overlap: bool, precision: s
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = tiny_model(cfg, dtype)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=True)
-    optimizer = build_optimizer(
-        [model], ddp, state, lr=1e-2, weight_decay=0.1, eps=EPS, precision=precision, overlap_param_gather=overlap
-    )
+    train = TrainConfig(precision=precision)
+    optimizer = build_optimizer([model], ddp, state, optim_config(), train, overlap_param_gather=overlap)
     ctx = step_context([model], ddp, optimizer, state, GLOBAL_BATCH // state.dp_size)
     losses, norms, pending = [], [], []
     for step in range(3):

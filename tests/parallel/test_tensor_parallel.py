@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config.schema import ParallelConfig
 from model.config import ModelConfig
 from model.gpt import GPTModel, StreamDropout
 from model.init import initialize_parameters
@@ -93,7 +94,8 @@ def _row_case(rank, world_size, sequence_parallel, bias):
     y, x_grad, w_grad, b_grad = _run_serial(serial, x, grad_out)
     layer = _holding_shard_of(RowParallelLinear(OUT, H, comm, bias=bias, sequence_parallel=sequence_parallel), serial)
     x_local = x.chunk(world_size, -1)[rank].clone().requires_grad_()
-    ddp = DataParallel([layer], state)  # the trainer's gradient path: main_grad, then finalize_model_grads
+    # the trainer's gradient path: main_grad, then finalize_model_grads
+    ddp = DataParallel([layer], state, ParallelConfig().grad_bucket_size_mb, distributed_optimizer=False)
     ddp.zero_grad()
     y_local = layer(x_local)
     seq_shard = (lambda t: t.chunk(world_size, 0)[rank]) if sequence_parallel else (lambda t: t)

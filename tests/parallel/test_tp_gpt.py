@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from config.schema import OptimConfig, ParallelConfig, TrainConfig
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
@@ -94,8 +95,9 @@ def _backward_as_trainer(model: GPTModel, state: ParallelState, ddp: DataParalle
 def _train(
     model: GPTModel, cfg: ModelConfig, state: ParallelState, counter=None, sequence_parallel: bool = False
 ) -> list[float]:
-    ddp = DataParallel([model], state)
-    optimizer = build_optimizer([model], ddp, state, lr=3e-3, weight_decay=0.0, clip_grad=0.0)
+    ddp = DataParallel([model], state, ParallelConfig().grad_bucket_size_mb, distributed_optimizer=False)
+    optim, train = OptimConfig(lr=3e-3, weight_decay=0.0), TrainConfig(clip_grad=0.0)
+    optimizer = build_optimizer([model], ddp, state, optim, train, overlap_param_gather=False)
     losses = []
     for iteration in range(ITERS):
         ids, positions, labels, mask = _batch(cfg, iteration)
@@ -190,7 +192,7 @@ def _dropout_rank(rank, world_size):
             full = Recompute("full", "uniform", 0, make_checkpoint_fn(tracker)) if recompute else None
             model = _build(cfg, state, sequence_parallel, tracker=tracker, recompute=full)
             loss = (model(ids, positions, labels=labels) * mask).sum() / mask.sum()
-            ddp = DataParallel([model], state)
+            ddp = DataParallel([model], state, ParallelConfig().grad_bucket_size_mb, distributed_optimizer=False)
             _backward_as_trainer(model, state, ddp, loss)
             runs.append((loss.detach(), [p.main_grad.clone() for p in model.parameters()]))
         assert torch.equal(runs[0][0], runs[1][0])

@@ -32,7 +32,17 @@ def _run(state, schedule: str, m: int, vp: int, v_shape: bool, forward_only: boo
         chunks.append(chunk)
         stages.append(k)
     plan = build_plan(schedule, state.pp_size, state.pp_rank, m, vp, forward_only=forward_only)
-    result = execute_schedule(plan, chunks, make_microbatches(m), make_forward_fn(m), state, SHAPE, torch.float32)
+    result = execute_schedule(
+        plan,
+        chunks,
+        make_microbatches(m),
+        make_forward_fn(m),
+        state,
+        SHAPE,
+        torch.float32,
+        scatter_gather=False,
+        overlap_p2p_comm=False,
+    )
     return result, chunks, stages, per
 
 

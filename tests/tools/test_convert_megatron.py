@@ -191,7 +191,7 @@ def test_tokenizer_named_in_args(tmp_path):
     HuggingFaceTokenizer folder or tokenizer.json, GPT-2 BPE; a hub name or missing files carry nothing."""
     from argparse import Namespace
 
-    from convert.megatron import tokenizer_from_args
+    from convert.megatron_args import tokenizer_from_args
     from tests.data.test_hf_tokenizer import make_tokenizer_json
 
     nothing = dict(vocab_file=None, merge_file=None, tokenizer_model=None)

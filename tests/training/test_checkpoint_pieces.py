@@ -65,7 +65,7 @@ def test_pieces_reshard_between_tp_and_flat_dp_shards(
         bounds = [flat.numel() * d // save_dp for d in range(save_dp + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
             pieces += pieces_of(flat[lo:hi].clone(), lo, tuple(param.shape), blocks)
-    write_checkpoint(SaveJob(str(tmp_path), 1, {name: GlobalPieces(tuple(stored.shape), pieces)}, None))
+    write_checkpoint(SaveJob(str(tmp_path), 1, {name: GlobalPieces(tuple(stored.shape), pieces)}, None, keep_last=0))
     iter_dir = str(tmp_path / "iter_0000001")
     assert torch.equal(read_global_tensors(iter_dir)[name], stored)
 
@@ -97,7 +97,7 @@ def test_two_copies_of_a_tensor_on_one_rank_are_both_loaded(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     stored = torch.randn(6, 4)
-    write_checkpoint(SaveJob(str(tmp_path), 1, {"w": GlobalPieces((6, 4), [((0, 0), stored)])}, None))
+    write_checkpoint(SaveJob(str(tmp_path), 1, {"w": GlobalPieces((6, 4), [((0, 0), stored)])}, None, keep_last=0))
     embedding, head_copy = torch.zeros(6, 4), torch.zeros(6, 4)
     wanted = {"w": GlobalPieces((6, 4), [((0, 0), embedding), ((0, 0), head_copy)])}
     reader = dcp.FileSystemReader(str(tmp_path / "iter_0000001"))

@@ -19,6 +19,8 @@ from config.schema import TrainConfig
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset, TokenSource
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from data.microbatch import Microbatch
+from tests.data.options import BUILD, SAMPLES
 from training.guards import NonFiniteGuard, TrainingStopped, find_bad_token
 from training.logging import LOGGER_NAME, MetricsWriter
 from training.run_lock import RunLock, RunLockError
@@ -88,18 +90,25 @@ def _dataset(tmp_path, documents):
     for doc in documents:
         builder.add_document(doc)
     builder.finalize(prefix + ".idx")
-    return GPTDataset(IndexedDataset(prefix), "train", (0, len(documents)), 4, 1, 20, None)
+    return GPTDataset(IndexedDataset(prefix), "train", (0, len(documents)), 4, 1, 20, None, SAMPLES)
+
+
+def ids_only(text: torch.Tensor) -> Microbatch:
+    """A micro-batch of samples `text` [b, s + 1] (tokens and labels; every position weighs in the loss)."""
+    positions = torch.arange(text.shape[1] - 1).expand(text.shape[0], -1)
+    return Microbatch.of(text[:, :-1], text[:, 1:], torch.ones(positions.shape), positions)
 
 
 def test_bad_token_is_found_and_located_in_its_document(tmp_path):
     docs = [list(range(10, 17)), [20, 21, 22], list(range(30, 41))]
     docs[2][5] = 999  # document 2, offset 5
     dataset = _dataset(tmp_path, docs)
-    blend = BlendedDataset([dataset], [1.0], len(dataset))  # one component: blend sample i is sample i
+    blend = BlendedDataset(
+        [dataset], [1.0], len(dataset), None, BUILD.mid_level_surplus
+    )  # one component: blend sample i is sample i
     for sample in range(len(dataset)):
         text = torch.from_numpy(dataset[sample]["text"]).unsqueeze(0)  # [1, s + 1]
-        mb = {"tokens": text[:, :-1], "labels": text[:, 1:]}
-        found = find_bad_token([mb], vocab_size=100)
+        found = find_bad_token([ids_only(text)], vocab_size=100)
         if 999 not in text:
             assert found is None
             continue
@@ -111,9 +120,9 @@ def test_bad_token_is_found_and_located_in_its_document(tmp_path):
 
 def test_last_label_and_negative_ids_are_checked():
     text = torch.tensor([[1, 2, 3, 4, 120]])
-    assert find_bad_token([{"tokens": text[:, :-1], "labels": text[:, 1:]}], 100) == (0, 0, 4, 120)
+    assert find_bad_token([ids_only(text)], 100) == (0, 0, 4, 120)
     text = torch.tensor([[1, -3, 3]])
-    assert find_bad_token([{"tokens": text[:, :-1], "labels": text[:, 1:]}], 100) == (0, 0, 1, -3)
+    assert find_bad_token([ids_only(text)], 100) == (0, 0, 1, -3)
 
 
 # ---- non-finite values -----------------------------------------------------------------------------

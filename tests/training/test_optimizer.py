@@ -10,13 +10,24 @@ import os
 import pytest
 import torch
 
+from config.schema import OptimConfig, TrainConfig
 from model.param_info import Sharding, set_param_info
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from tests.parallel.test_data_parallel import EPS, build, global_batch, micro_batches, run_step, tiny_cfg, tiny_model
-from training.optimizer import DynamicLossScaler, build_optimizer
+from tests.parallel.test_data_parallel import (
+    EPS,
+    build,
+    global_batch,
+    micro_batches,
+    optim_config,
+    run_step,
+    tiny_cfg,
+    tiny_model,
+)
+from training.loss_scaler import DynamicLossScaler
+from training.optimizer import build_optimizer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,8 +90,8 @@ def test_bf16_tracks_fp32(distributed):
 
 def test_fp16_skips_overflow_backs_off_and_recovers():
     cfg, state = tiny_cfg(), ParallelState.single()
-    scale_cfg = dict(initial=2.0**40, min=1.0, window=3, hysteresis=1)
-    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg, lr=1e-3)
+    scale_cfg = dict(initial_loss_scale=2.0**40, min_loss_scale=1.0, loss_scale_window=3, hysteresis=1)
+    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", lr=1e-3, **scale_cfg)
     before = [p.detach().clone() for p in model.parameters()]
     history = []
     for step in range(60):  # 2 micro-batches per step: fp16 matmuls are slow on CPU
@@ -100,8 +111,8 @@ def test_fp16_skips_overflow_backs_off_and_recovers():
 
 def test_fp16_skipped_steps_change_nothing_and_scale_grows():
     cfg, state = tiny_cfg(), ParallelState.single()
-    scale_cfg = dict(initial=2.0**40, min=1.0, window=2, hysteresis=1)
-    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg, lr=1e-3)
+    scale_cfg = dict(initial_loss_scale=2.0**40, min_loss_scale=1.0, loss_scale_window=2, hysteresis=1)
+    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", lr=1e-3, **scale_cfg)
     before = [p.detach().clone() for p in model.parameters()]
     stats = run_step(model, ddp, optimizer, state, micro_batches(global_batch(0, cfg), 0, 8))[1]
     assert stats.skipped and optimizer.loss_scale == 2.0**39 and optimizer.step_count == 0
@@ -115,8 +126,8 @@ def test_fp16_skipped_steps_change_nothing_and_scale_grows():
 
 def test_fp16_injected_inf_is_skipped():
     cfg, state = tiny_cfg(), ParallelState.single()
-    scale_cfg = dict(initial=1024.0, min=1.0, window=1000, hysteresis=1)
-    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", loss_scale_cfg=scale_cfg)
+    scale_cfg = dict(initial_loss_scale=1024.0, min_loss_scale=1.0, loss_scale_window=1000, hysteresis=1)
+    model, ddp, optimizer = build(cfg, state, torch.float16, precision="fp16", **scale_cfg)
     assert not run_steps(model, ddp, optimizer, state, range(1))[0].skipped
     before = [p.detach().clone() for p in model.parameters()]
     masters = [seg.master.clone() for seg in optimizer.segments]
@@ -130,7 +141,9 @@ def test_fp16_injected_inf_is_skipped():
 
 
 def test_dynamic_loss_scaler_hysteresis():
-    scaler = DynamicLossScaler(initial=64.0, min=16.0, window=2, hysteresis=2)
+    scaler = DynamicLossScaler(
+        OptimConfig(initial_loss_scale=64.0, min_loss_scale=16.0, loss_scale_window=2, hysteresis=2)
+    )
     scaler.update(True)
     assert scaler.scale == 64.0  # first overflow absorbed by hysteresis
     scaler.update(True)
@@ -156,7 +169,8 @@ def _tp_norm_ranks(rank, world_size, out_dir):
     set_param_info(marked["layers.1.mlp.fc2.weight"], embedding_copy=True)
     set_param_info(marked["final_norm.weight"], sequence_parallel=True)
     ddp = DataParallel([model], state, bucket_size_mb=0.01, distributed_optimizer=True)
-    optimizer = build_optimizer([model], ddp, state, lr=1e-2, eps=EPS, clip_grad=0.0)
+    train = TrainConfig(clip_grad=0.0)
+    optimizer = build_optimizer([model], ddp, state, optim_config(), train, overlap_param_gather=False)
     ddp.zero_grad()
     for mb in micro_batches(global_batch(0, cfg), state.dp_rank, state.dp_size):
         per_token = model(mb["input_ids"], mb["position_ids"], labels=mb["labels"])
@@ -205,7 +219,7 @@ def test_state_dict_round_trip_is_bitwise(precision, distributed):
     kwargs = dict(
         distributed=distributed,
         precision=precision,
-        loss_scale_cfg=dict(initial=2.0**12) if precision == "fp16" else None,
+        **(dict(initial_loss_scale=2.0**12) if precision == "fp16" else {}),
     )
     uninterrupted = build(cfg, state, dtype, **kwargs)
     run_steps(*uninterrupted, state, range(4))

@@ -1,4 +1,4 @@
-"""The trainer's thread count: train.num_threads, then OMP_NUM_THREADS, then usable cores / local ranks."""
+"""The trainer's thread count: train.num_threads, then OMP_NUM_THREADS, then free usable cores / local ranks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from training import threads
 from training.threads import plan_threads, usable_cores
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,3 +65,31 @@ def test_trainer_start_up_uses_one_thread_with_omp_num_threads_1():
 def test_trainer_start_up_takes_the_config_key():
     count, log = _threads_after_init("1", "2")
     assert count == 2 and "train.num_threads=2" in log
+
+
+def test_auto_counts_only_the_free_cores():
+    """Next to a busy process the automatic count leaves it its core (issue 33: 3.6x slower otherwise)."""
+    plan = plan_threads(0, {}, local_ranks=1, cores=2, free=1)
+    assert plan.threads == 1 and plan.source == "auto, 1 of 2 cores free"
+    assert plan_threads(0, {}, local_ranks=1, cores=2, free=0).threads == 1  # never zero
+    assert plan_threads(0, {}, local_ranks=1, cores=2, free=2) == plan_threads(0, {}, local_ranks=1, cores=2)
+    assert plan_threads(0, {}, local_ranks=2, cores=8, free=6).threads == 3
+
+
+def test_an_explicit_count_ignores_the_free_cores():
+    assert plan_threads(2, {}, local_ranks=1, cores=2, free=1).threads == 2
+    assert plan_threads(0, {"OMP_NUM_THREADS": "2"}, local_ranks=1, cores=2, free=1).threads == 2
+
+
+def test_free_cores_counts_the_cores_idle_over_the_sample(monkeypatch):
+    """cpu0 busy the whole sample, cpu1 idle 90% of it, cpu2 idle 50%: one free core."""
+    snapshots = iter(
+        [{0: (100, 1000), 1: (100, 1000), 2: (100, 1000)}, {0: (100, 1100), 1: (190, 1100), 2: (150, 1100)}]
+    )
+    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(snapshots))
+    assert threads.free_cores(sample_s=0.0) == 1
+
+
+def test_free_cores_reads_this_machine():
+    free = threads.free_cores(sample_s=0.05)
+    assert free is None or 0 <= free <= usable_cores()

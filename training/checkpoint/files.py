@@ -7,6 +7,8 @@ checkpoints/iter_0000100/            one complete checkpoint (renamed into place
     checksums.json                   size and CRC-32 of every file above (written last)
 checkpoints/iter_0000200.tmp.<pid>   a save in progress (pid of rank 0); never loaded
 checkpoints/latest_checkpointed_iteration.txt, checkpoints/latest   the trackers (written after the rename)
+
+The names Megatron-LM's checkpoints share (iter_XXXXXXX, the tracker, mp_rank_TT_PPP): folder_names.py.
 """
 
 from __future__ import annotations
@@ -20,23 +22,18 @@ from collections.abc import Callable
 from typing import Any
 
 from data.atomic_files import pid_alive
+from training.checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
 
-TRACKER = "latest_checkpointed_iteration.txt"
 ALIAS = "latest"
 META = "meta.json"
 CHECKSUMS = "checksums.json"
 DCP_METADATA = ".metadata"
-ITER_RE = re.compile(r"^iter_(\d{7})$")
 TMP_RE = re.compile(r"\.tmp\.(\d+)$")
 FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (training/checkpoint/legacy.py)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used or written: one line naming the file, key or value."""
-
-
-def iter_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 def fsync_dir(path: str) -> None:
@@ -180,7 +177,7 @@ def is_legacy(iter_dir: str) -> bool:
     return (
         not os.path.exists(os.path.join(iter_dir, META))
         and os.path.isdir(iter_dir)
-        and any(name.startswith("mp_rank_") for name in os.listdir(iter_dir))
+        and any(name.startswith(MP_RANK_PREFIX) for name in os.listdir(iter_dir))
     )
 
 

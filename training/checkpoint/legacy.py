@@ -17,12 +17,19 @@ from torch import nn
 
 from parallel.state import ParallelState
 from training.checkpoint.files import CheckpointError
+from training.checkpoint.folder_names import MAIN_FILE, mp_rank_name
+from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.safe_reader import load_weights_file
 from training.optimizer import Optimizer
 
 
 def rank_dir(iter_dir: str, tp_rank: int, pp_rank: int) -> str:
-    return os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    return os.path.join(iter_dir, mp_rank_name(tp_rank, pp_rank, name_pp_rank=True))  # format 1 always names it
+
+
+def dp_rank_file(dp_rank: int) -> str:
+    """The per-rank file of dp rank `dp_rank` (RNG states, distributed-optimizer shard) in a rank folder."""
+    return f"dp_rank_{dp_rank:03d}.pt"
 
 
 def _load_file(path: str) -> dict:
@@ -32,17 +39,19 @@ def _load_file(path: str) -> dict:
 
 
 def legacy_main_file(iter_dir: str, tp_rank: int = 0, pp_rank: int = 0) -> dict:
-    return _load_file(os.path.join(rank_dir(iter_dir, tp_rank, pp_rank), "model_optim_rng.pt"))
+    return _load_file(os.path.join(rank_dir(iter_dir, tp_rank, pp_rank), MAIN_FILE))
 
 
 def _check_layout(iter_dir: str, main: dict, state: ParallelState) -> None:
-    layout = main.get("layout", {})
-    expected = {"tp": state.tp_size, "pp": state.pp_size, "vp": state.vp_size}
-    if layout != expected:
+    try:
+        saved = CheckpointLayout.from_dict(main.get("layout") or {})  # format 1 records tp, pp and vp
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {iter_dir}: its main file's layout is not one: {err}") from None
+    if (saved.tp, saved.pp, saved.vp) != (state.tp_size, state.pp_size, state.vp_size):
         raise CheckpointError(
-            f"checkpoint {iter_dir} is in the per-rank format of earlier versions, saved at layout {layout}; "
-            f"this run is {expected}: resume it once at its own layout (the next save writes the layout-free "
-            f"format, which loads at any layout)"
+            f"checkpoint {iter_dir} is in the per-rank format of earlier versions, saved at {saved.describe()}; "
+            f"this run is tp {state.tp_size} x pp {state.pp_size} x vp {state.vp_size}: resume it once at its own "
+            f"layout (the next save writes the layout-free format, which loads at any layout)"
         )
 
 
@@ -64,9 +73,7 @@ def load_legacy(
 ) -> tuple[dict, dict]:
     """Weights, optimizer (unless None) of this rank; returns (main file, per-rank file)."""
     main = load_legacy_weights(iter_dir, chunks, state)
-    per_rank = _load_file(
-        os.path.join(rank_dir(iter_dir, state.tp_rank, state.pp_rank), f"dp_rank_{state.dp_rank:03d}.pt")
-    )
+    per_rank = _load_file(os.path.join(rank_dir(iter_dir, state.tp_rank, state.pp_rank), dp_rank_file(state.dp_rank)))
     if optimizer is not None:
         try:
             optimizer.load_state_dict(per_rank["optimizer"] if distributed_optimizer else main["optimizer"])

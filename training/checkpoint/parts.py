@@ -9,6 +9,7 @@ from torch import nn
 
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
+from training.checkpoint.layout import CheckpointLayout
 from training.lr_schedule import LRSchedule
 from training.optimizer import Optimizer
 
@@ -16,10 +17,12 @@ from training.optimizer import Optimizer
 @dataclass(frozen=True)
 class CheckpointParts:
     """This rank's parallel state, model chunks, optimizer (plain or distributed), LR schedule and dropout RNG
-    streams: everything besides the counters (train_state.TrainingProgress) a trainer's checkpoint holds."""
+    streams: everything besides the counters (train_state.TrainingProgress) a trainer's checkpoint holds; and
+    the run's layout as checkpoints record it (saved with each one, compared on resume)."""
 
     state: ParallelState
     chunks: Sequence[nn.Module]
     optimizer: Optimizer
     lr_schedule: LRSchedule
     rng_tracker: RNGTracker
+    layout: CheckpointLayout

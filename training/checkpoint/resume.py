@@ -20,11 +20,10 @@ from typing import Any
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
 from parallel.random import RNGTracker
-from parallel.state import ParallelState
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.parts import CheckpointParts
-from training.checkpoint.train_state import TrainingProgress, TrainState, describe_layout, read_train_state
+from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 from training.lr_schedule import LRSchedule
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
@@ -205,13 +204,13 @@ def load_into_run(
         log(f"fine-tuning from {plan.iter_dir}: weights loaded; iteration 0, fresh optimizer and data order")
         return TrainingProgress()
     apply_lr_schedule(saved.lr_schedule, parts.lr_schedule, config.optim.override_lr_schedule, log)
-    restore_rng(plan, config, state, parts.rng_tracker, log)
+    restore_rng(plan, config, parts, log)
     what = (
         "weights (checkpoint.load_optimizer=false: fresh optimizer state)"
         if plan.weights_only
         else "weights and optimizer state"
     )
-    log(f"loaded {what} of iteration {saved.iteration} from {plan.iter_dir} (saved at {describe_layout(saved.layout)})")
+    log(f"loaded {what} of iteration {saved.iteration} from {plan.iter_dir} (saved at {saved.layout.describe()})")
     return dataclasses.replace(saved.progress)  # the loop advances it
 
 
@@ -237,25 +236,14 @@ def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: boo
         )
 
 
-def sizes_of(state: ParallelState) -> dict[str, int]:
-    """This run's layout in the keys a checkpoint records (for describe_layout)."""
-    return {"tp": state.tp_size, "cp": state.cp_size, "pp": state.pp_size, "vp": state.vp_size, "dp": state.dp_size}
-
-
-def same_layout(saved: dict, state: ParallelState) -> bool:
-    # a checkpoint without "cp" was written without context parallelism
-    return all(saved.get(key, 1 if key == "cp" else None) == value for key, value in sizes_of(state).items())
-
-
-def restore_rng(
-    plan: ResumePlan, config: Config, state: ParallelState, rng_tracker: RNGTracker, log: Callable[[str], None]
-) -> None:
-    """Same layout: each rank continues its own saved streams (bitwise resume). Another layout: the streams
-    are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed, iteration)."""
+def restore_rng(plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]) -> None:
+    """Same sizes (tp, cp, pp, vp, dp): each rank continues its own saved streams (bitwise resume). Another
+    layout: the streams are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed,
+    iteration)."""
     from training.checkpoint.loader import load_rng
 
-    layout = plan.train_state.layout
-    saved = load_rng(plan.iter_dir, state.rank) if same_layout(layout, state) else None
+    state, rng_tracker, saved_layout = parts.state, parts.rng_tracker, plan.train_state.layout
+    saved = load_rng(plan.iter_dir, state.rank) if saved_layout.same_sizes(parts.layout) else None
     if saved is not None:
         rng_tracker.load_state_dict(saved)
         return
@@ -263,7 +251,7 @@ def restore_rng(
     fresh = RNGTracker.seeded(seed, state.tp_rank, state.pp_rank, rng_tracker.device_type)
     rng_tracker.set_states(fresh.get_states())
     log(
-        f"layout changed ({describe_layout(layout)} -> {describe_layout(sizes_of(state))}): dropout RNG streams "
+        f"layout changed ({saved_layout.describe()} -> {parts.layout.describe()}): dropout RNG streams "
         f"restarted from seed {seed} (derived from train.seed and iteration {plan.train_state.iteration})"
     )
 

@@ -2,11 +2,14 @@
 iter_XXXXXXX.tmp.<pid>, checksums are gathered, then rank 0 renames the folder into place and writes the
 trackers. `Checkpointer` runs that synchronously or, with async_save, in a background thread per rank on its
 own gloo group: the thread first copies the pieces aside (overlapping the next forward and backward; the loop
-waits for the copy only before its next optimizer step), then writes them.
+waits for the copy only before its next optimizer step), then writes them. That group keeps the start-up timeout
+(parallel.init_timeout_s, training/watchdog.py), and its gathers go through the trainer's Collectives under the
+name "checkpoint" (a hang report then shows how far each rank got in a save).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -14,12 +17,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from parallel.comm import Collectives
 from training.checkpoint import files
 from training.checkpoint.dcp_planners import GlobalPieces, PiecesSavePlanner
 from training.checkpoint.files import CheckpointError
@@ -36,7 +41,7 @@ class SaveJob:
     iteration: int
     tensors: dict[str, GlobalPieces]
     train_state: TrainState | None  # rank 0 writes its meta.json, every rank its RNG states (when not None)
-    keep_last: int = 0
+    keep_last: int  # checkpoint.keep_last: after this one, keep the newest N (0: all)
     before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
 
 
@@ -53,11 +58,14 @@ def _rank_info(group: Any) -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj: Any, group: Any) -> list:
+def _all_gather(obj: Any, group: Any, comm: Collectives | None) -> list:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=group)
+    if comm is not None:
+        comm.all_gather_object(out, obj, group)
+    else:
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -70,13 +78,14 @@ def _pieces_bytes(job: SaveJob) -> int:
     return sum(view.numel() * view.element_size() for t in job.tensors.values() for _, view in t.pieces)
 
 
-def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
-    """Collective over all ranks (on `group`). Raises CheckpointError with one line if any rank failed;
-    the previous checkpoint then stays the latest and the partial folder is removed."""
+def write_checkpoint(job: SaveJob, group: Any = None, comm: Collectives | None = None) -> SaveResult:
+    """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
+    with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
+    removed."""
     rank, world = _rank_info(group)
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))
-    tmp = _all_gather(f"{final}.tmp.{os.getpid()}" if rank == 0 else None, group)[0]
+    tmp = _all_gather(f"{final}.tmp.{os.getpid()}" if rank == 0 else None, group, comm)[0]
     status: Any = None
     if os.path.exists(final):
         status = f"{final} already exists; a checkpoint is never overwritten"
@@ -88,7 +97,7 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
                 torch.save(job.train_state.rng, rng_path(tmp, rank))
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("unexpected pos")
         status = f"{tmp}: {describe_write_error(err, job.root, needed)}"
-    error = _first_error(_all_gather(status, group))
+    error = _first_error(_all_gather(status, group, comm))
     if error is None:
         try:
             with warnings.catch_warnings():
@@ -116,11 +125,11 @@ def write_checkpoint(job: SaveJob, group: Any = None) -> SaveResult:
             sums = files.checksum_files(tmp, _own_files(tmp, rank))
         except OSError as err:
             sums = f"{tmp}: {describe_write_error(err, job.root)}"
-    gathered = _all_gather(sums if error is None else error, group)
+    gathered = _all_gather(sums if error is None else error, group, comm)
     error = error or _first_error(gathered)
     if rank == 0:
         error = error or _finalize(job, tmp, final, gathered)
-    error = _all_gather(error, group)[0]
+    error = _all_gather(error, group, comm)[0]
     if error is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,15 +167,26 @@ class Checkpointer:
     """Saves of one run: synchronous, or asynchronous (one save in flight; the next save, or `wait()`,
     first finishes the previous one). Collective: every rank calls save() and wait() at the same points.
 
-    `log(message)` receives the line printed after each save (size, write time, time the loop was blocked).
+    `log(message)` receives the line printed after each save (size, write time, time the loop was blocked);
+    `comm` (the trainer's Collectives) records the saves' gathers under "checkpoint"; `timeout_s` is that
+    group's timeout (None: torch's default).
     """
 
-    def __init__(self, async_save: bool, log: Callable[[str], None]):
-        self.async_save, self.log = async_save, log
+    def __init__(
+        self,
+        async_save: bool,
+        log: Callable[[str], None],
+        comm: Collectives | None = None,
+        timeout_s: float | None = None,
+    ):
+        self.async_save, self.log, self.comm = async_save, log, comm
         distributed = dist.is_available() and dist.is_initialized()
         # Own gloo group: object collectives on CPU also under NCCL, and the background thread's collectives
         # never interleave with the training loop's on the default group.
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        if comm is not None and self.group is not None:
+            comm.register(self.group, "checkpoint", dist.get_world_size())
         self._thread: threading.Thread | None = None
         self._outcome: dict[str, Any] = {}
         self._staging: dict | None = None  # async: CPU copies of the pieces, reused from save to save
@@ -179,7 +199,7 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         if not self.async_save:
-            result = write_checkpoint(job, self.group)
+            result = write_checkpoint(job, self.group, self.comm)
             self._report(job, result, time.perf_counter() - started)
             return
         self._outcome, self._staged = {}, threading.Event()
@@ -198,6 +218,11 @@ class Checkpointer:
         self._staged = None
 
     def _run(self, job: SaveJob, staged: threading.Event) -> None:
+        labels = self.comm.region("checkpoint", job.iteration) if self.comm is not None else contextlib.nullcontext()
+        with labels:  # this thread's own labels (parallel/comm.py)
+            self._write_in_background(job, staged)
+
+    def _write_in_background(self, job: SaveJob, staged: threading.Event) -> None:
         try:
             started = time.perf_counter()
             try:
@@ -205,7 +230,7 @@ class Checkpointer:
             finally:
                 staged.set()
                 self._outcome["copy_seconds"] = time.perf_counter() - started
-            self._outcome["result"] = (job, write_checkpoint(job, self.group))
+            self._outcome["result"] = (job, write_checkpoint(job, self.group, self.comm))
         except BaseException as err:  # reported on the main thread by wait()
             self._outcome["error"] = err
 

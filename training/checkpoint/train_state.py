@@ -16,20 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.checkpoint import files
-
-LAYOUT_KEYS = ("tp", "pp", "vp", "dp", "world_size", "sequence_parallel", "distributed_optimizer")  # + "cp" > 1
-
-
-def describe_layout(layout: dict[str, Any]) -> str:
-    """The layout a checkpoint records, as words ("tp 2 x cp 2 x pp 1 x vp 1 x dp 1 (world 4, sequence
-    parallel)"); every report of a stored layout uses this one. A checkpoint without "cp" was written without
-    context parallelism; one without a layout (format 1) says so."""
-    if not layout:
-        return "an unknown layout"
-    sizes = " x ".join(f"{key} {layout.get(key, 1 if key == 'cp' else '?')}" for key in ("tp", "cp", "pp", "vp", "dp"))
-    extras = [f"world {layout['world_size']}"] if "world_size" in layout else []
-    extras += [name.replace("_", " ") for name in ("sequence_parallel", "distributed_optimizer") if layout.get(name)]
-    return sizes + (f" ({', '.join(extras)})" if extras else "")
+from training.checkpoint.layout import CheckpointLayout
 
 
 @dataclass
@@ -61,8 +48,7 @@ class TrainState:
     Attributes:
         progress: iteration, consumed samples, skipped iterations.
         config: the run config (Config.to_dict() form).
-        layout: the layout that wrote it (LAYOUT_KEYS; informational, loading works at any layout;
-            a format-1 checkpoint records tp, pp and vp only, or nothing).
+        layout: the layout that wrote it (CheckpointLayout; informational, loading works at any layout).
         lr_schedule: LRSchedule.state_dict(); None in a weights-only checkpoint.
         optimizer: the optimizer's scalars; None when the checkpoint holds no optimizer state (or, format 1,
             when they live in its per-rank files).
@@ -73,7 +59,7 @@ class TrainState:
 
     progress: TrainingProgress = field(default_factory=TrainingProgress)
     config: dict[str, Any] = field(default_factory=dict)
-    layout: dict[str, Any] = field(default_factory=dict)
+    layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     lr_schedule: dict[str, Any] | None = None
     optimizer: OptimizerScalars | None = None
     has_optimizer: bool = False
@@ -93,7 +79,7 @@ class TrainState:
             "has_optimizer": self.has_optimizer,
             "optimizer": None if self.optimizer is None else dataclasses.asdict(self.optimizer),
             "lr_schedule": self.lr_schedule,
-            "layout": self.layout,
+            "layout": self.layout.to_dict(),
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
@@ -107,7 +93,7 @@ class TrainState:
             None if optimizer is None else OptimizerScalars(int(optimizer["step"]), optimizer["loss_scaler"])
         )
         self.lr_schedule = meta.get("lr_schedule")
-        self.layout = meta.get("layout") or {}
+        self.layout = CheckpointLayout.from_dict(meta.get("layout") or {})
 
     @classmethod
     def from_legacy(cls, main: dict[str, Any]) -> TrainState:
@@ -116,7 +102,7 @@ class TrainState:
         return cls(
             progress=TrainingProgress.from_dict(main),
             config=main["config"],
-            layout=main.get("layout") or {},
+            layout=CheckpointLayout.from_dict(main.get("layout") or {}),
             lr_schedule=main["lr_schedule"],
             has_optimizer=True,
             format_version=1,

@@ -1,0 +1,48 @@
+"""How the suite spreads over two workers (tests/xdist_setup.py): how many, and which tests share one."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+from tests import xdist_setup
+
+
+def _item(nodeid: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(nodeid=nodeid, path=os.path.join("/repo", nodeid.split("::")[0]))
+
+
+def test_expensive_shared_fixtures_and_system_tests_keep_to_one_worker():
+    assert xdist_setup.xdist_group_of(_item("tests/model/test_kernels_aot.py::test_x[80]")) == (
+        "tests/model/test_kernels_aot.py"
+    )
+    assert xdist_setup.xdist_group_of(_item("tests/e2e/test_slurm.py::test_y")) == "system"
+    assert xdist_setup.xdist_group_of(_item("tests/e2e/test_two_nodes.py::test_z")) == "system"
+    assert xdist_setup.xdist_group_of(_item("tests/e2e/test_layouts.py::test_layout[tp2]")) is None
+
+
+@pytest.mark.parametrize(
+    "capture,pdb,chosen,expected",
+    [
+        ("fd", False, None, min(2, xdist_setup._usable_cores())),
+        ("no", False, None, 0),
+        ("fd", True, None, 0),
+        ("fd", False, "3", 3),
+    ],
+)
+def test_the_number_of_workers(monkeypatch, capture, pdb, chosen, expected):
+    config = types.SimpleNamespace(option=types.SimpleNamespace(capture=capture), getoption=lambda name, default: pdb)
+    if chosen is None:
+        monkeypatch.delenv("PTDP_TEST_WORKERS", raising=False)
+    else:
+        monkeypatch.setenv("PTDP_TEST_WORKERS", chosen)
+    assert xdist_setup.pytest_xdist_auto_num_workers(config) == expected
+
+
+def test_a_worker_runs_one_thread(request):
+    """Under xdist (two workers on two cores) each worker is told OMP_NUM_THREADS=1 unless the user chose."""
+    if not hasattr(request.config, "workerinput"):
+        pytest.skip("not running under pytest-xdist")
+    assert os.environ.get("OMP_NUM_THREADS")

@@ -1,0 +1,103 @@
+"""The layout a checkpoint was written at, as one typed record: `CheckpointLayout`, a field of
+training/checkpoint/train_state.TrainState (meta.json's "layout"), built once by the run
+(training/run.Run.checkpoint_parts) and read by the resume (the RNG streams) and every report of a stored layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from parallel.state import ParallelState
+
+SIZE_NAMES = ("tp", "cp", "pp", "vp", "dp")  # CheckpointLayout.sizes, in this order
+# The fields besides the sizes (whole numbers >= 1), with their types.
+OTHER_TYPES: dict[str, type] = {"schedule": str, "sequence_parallel": bool, "distributed_optimizer": bool}
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The layout a checkpoint was written at: informational (a layout-free checkpoint loads at any layout),
+    except that each rank's dropout RNG streams continue only at the same sizes (`same_sizes`).
+
+    meta.json's "layout" holds the recorded fields (`to_dict` / `from_dict`, the keys of format 2): a field an
+    older writer did not record is None and stays out of the file; `cp` is there only when > 1 (written before
+    context parallelism: 1). A format-1 checkpoint records tp, pp and vp only, or nothing at all.
+    """
+
+    tp: int | None = None
+    cp: int = 1
+    pp: int | None = None
+    vp: int | None = None
+    dp: int | None = None
+    world_size: int | None = None
+    schedule: str | None = None  # the schedule that ran (parallel/layout.effective_schedule)
+    sequence_parallel: bool | None = None
+    distributed_optimizer: bool | None = None
+
+    @classmethod
+    def of(
+        cls, state: ParallelState, sequence_parallel: bool, distributed_optimizer: bool, schedule: str | None
+    ) -> CheckpointLayout:
+        """The layout this run records: its sizes (from `state`), parallel.sequence_parallel,
+        parallel.distributed_optimizer and the schedule that runs (None: a weights-only save records none)."""
+        return cls(
+            tp=state.tp_size,
+            cp=state.cp_size,
+            pp=state.pp_size,
+            vp=state.vp_size,
+            dp=state.dp_size,
+            world_size=state.world_size,
+            schedule=schedule,
+            sequence_parallel=bool(sequence_parallel),
+            distributed_optimizer=bool(distributed_optimizer),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """meta.json's "layout": the recorded fields (cp only when > 1, as since format 2)."""
+        recorded = dataclasses.asdict(self)
+        if self.cp == 1:
+            del recorded["cp"]
+        return {key: value for key, value in recorded.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> CheckpointLayout:
+        """The layout a meta.json (or a format-1 main file) records; keys of other writers are ignored.
+        TypeError / ValueError for a value of the wrong kind."""
+        if not isinstance(saved, dict):
+            raise TypeError(f"the layout is {type(saved).__name__}, not a mapping")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = saved.get(f.name)
+            if value is None:
+                continue
+            kind = OTHER_TYPES.get(f.name)
+            if kind is None and (type(value) is not int or value < 1):
+                raise ValueError(f"layout {f.name}={value!r} is not a whole number >= 1")
+            if kind is not None and not isinstance(value, kind):
+                raise ValueError(f"layout {f.name}={value!r} is not a {kind.__name__}")
+            values[f.name] = value
+        return cls(**values)
+
+    @property
+    def sizes(self) -> tuple[int | None, ...]:
+        """(tp, cp, pp, vp, dp): what decides whether each rank's RNG streams carry over."""
+        return self.tp, self.cp, self.pp, self.vp, self.dp
+
+    def same_sizes(self, other: CheckpointLayout) -> bool:
+        """Whether both record the same (tp, cp, pp, vp, dp), every one known."""
+        return None not in self.sizes and self.sizes == other.sizes
+
+    def describe(self) -> str:
+        """The layout as words ("tp 2 x cp 2 x pp 1 x vp 1 x dp 1 (world 4, sequence parallel)"); every report
+        of a stored layout uses this one. Sizes not recorded show as "?"; nothing recorded (format 1) says so."""
+        if self.tp is None:
+            return "an unknown layout"
+        sizes = " x ".join(f"{name} {'?' if size is None else size}" for name, size in zip(SIZE_NAMES, self.sizes))
+        extras = [f"world {self.world_size}"] if self.world_size is not None else []
+        extras += [f"schedule {self.schedule}"] if self.schedule is not None else []
+        extras += [
+            name.replace("_", " ") for name in ("sequence_parallel", "distributed_optimizer") if getattr(self, name)
+        ]
+        return sizes + (f" ({', '.join(extras)})" if extras else "")
