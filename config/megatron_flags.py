@@ -38,6 +38,7 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
     ),
     "--sequence-parallel": ("parallel.sequence_parallel=true", ""),
     "--use-distributed-optimizer": ("parallel.distributed_optimizer=true", ""),
+    "--use-torch-fsdp2": ("parallel.fsdp=true", "ZeRO-3 over dp x cp, with pp = 1"),
     "--overlap-p2p-communication": ("parallel.overlap_p2p_comm=true", "on by default here"),
     "--no-scatter-gather-tensors-in-pipeline": ("parallel.scatter_gather=false", ""),
     "--distributed-timeout-minutes": (

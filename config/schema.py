@@ -51,6 +51,10 @@ class ParallelConfig:
     scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
     overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
     grad_bucket_size_mb: float = 25.0
+    # Sharded data parallelism (ZeRO-3) with torch's FSDP2 over the dp (x cp) ranks (parallel/fsdp.py)
+    fsdp: bool = False
+    fsdp_reshard_after_forward: bool = True  # false: parameters stay gathered from forward to backward (ZeRO-2 like)
+    fsdp_replicate: int = 1  # HSDP: replicas of the sharded model (dp = fsdp_replicate x the shard group)
     # Seconds a collective may wait (training/watchdog.py, docs/operations.md): start-up (process groups, loading a
     # checkpoint, the first iteration) and every checkpoint save, then steady training after the first step; a rank
     # that makes no progress that long (+5 s) is stopped by its watchdog. torchtitan's defaults.
@@ -67,6 +71,21 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{key}={getattr(self, key)} must be > 0 and at most a week (604800)")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
+        self._validate_fsdp()
+
+    def _validate_fsdp(self) -> None:
+        if self.fsdp_replicate < 1:
+            raise ConfigError(f"parallel.fsdp_replicate={self.fsdp_replicate} must be >= 1")
+        if not self.fsdp:
+            if self.fsdp_replicate > 1 or not self.fsdp_reshard_after_forward:
+                key = "fsdp_replicate" if self.fsdp_replicate > 1 else "fsdp_reshard_after_forward"
+                raise ConfigError(f"parallel.{key}={getattr(self, key)} needs parallel.fsdp=true")
+            return
+        if self.distributed_optimizer:
+            raise ConfigError(
+                "parallel.fsdp=true shards the optimizer state itself (ZeRO-3 includes ZeRO-1): "
+                "set parallel.distributed_optimizer=false"
+            )
 
 
 @dataclass
@@ -285,6 +304,11 @@ class Config:
             and not (data.tokenizer_model)
         ):
             raise ConfigError(f"data.data_path is set, so {data.tokenizer_type} needs data.tokenizer_model")
+        if self.parallel.fsdp and self.train.compile:
+            raise ConfigError(
+                "parallel.fsdp=true does not run with train.compile=true (FSDP's hooks around each compiled "
+                "layer): set train.compile=false"
+            )
         decay_iters = self.optim.lr_decay_iters or self.train.train_iters
         if self.optim.lr_warmup_iters > decay_iters:
             source = "optim.lr_decay_iters" if self.optim.lr_decay_iters else "train.train_iters"

@@ -329,8 +329,8 @@ class GPTModel(nn.Module):
 
     def _vocab_start_index(self) -> int:
         """First vocabulary id of this rank's logits [s, b, V(/tp)]: where its output-layer shard starts."""
-        weight = self.output_weight()
-        return param_info(weight).tp_rank * weight.shape[0]
+        # from the hooks, not the weight: under FSDP the forward sees the gathered weight, a new tensor
+        return self.tp_hooks.tp_rank * self.output_weight().shape[0]
 
     def compile_layers(self, backend: str) -> None:
         """Regional compilation: torch.compile each transformer layer in place (parameter names unchanged).

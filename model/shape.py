@@ -180,6 +180,16 @@ class ParamShape:
     numel: int  # elements on one tp rank
     shared_embedding: bool = False  # a tied-embedding copy on a chunk without the other end
     sequence_parallel: bool = False  # replicated over tp, gradient partial under sequence parallelism
+    rows: int = 0  # dim 0 on one tp rank (what FSDP shards and pads); 0: a 1-D parameter, numel rows
+
+    @property
+    def dim0(self) -> int:
+        """Rows of the parameter on one tp rank (dim 0: what FSDP splits)."""
+        return self.rows or self.numel
+
+    def padded_numel(self, shards: int) -> int:
+        """Elements FSDP moves for it over `shards` ranks: dim 0 padded to a multiple of the ranks."""
+        return -(-self.dim0 // shards) * shards * (self.numel // self.dim0)
 
 
 def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
@@ -189,7 +199,9 @@ def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape
 
 def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[ParamShape]:
     """Weight and bias of one GEMM on one tp rank; a row-parallel bias is replicated (partial grad under SP)."""
-    found = [ParamShape(f"{prefix}.weight", gemm.weights // tp_size)]
+    # nn.Linear's weight is [out, in]: a column split cuts its rows, a row split its columns
+    rows = gemm.out_features // tp_size if gemm.split == "column" else gemm.out_features
+    found = [ParamShape(f"{prefix}.weight", gemm.weights // tp_size, rows=rows)]
     if gemm.bias:
         column = gemm.split == "column"
         bias = gemm.out_features // tp_size if column else gemm.out_features
@@ -227,15 +239,20 @@ def chunk_parameters(
     tied_copy = cfg.tie_embeddings and pre_process != post_process
     found = []
     if pre_process:
-        found.append(ParamShape("embedding.word_embeddings.weight", vocab_local * cfg.hidden_size, tied_copy))
+        found.append(
+            ParamShape("embedding.word_embeddings.weight", vocab_local * cfg.hidden_size, tied_copy, rows=vocab_local)
+        )
         if cfg.position_embedding_type == "learned":
-            found.append(ParamShape("embedding.position_embeddings.weight", cfg.max_positions * cfg.hidden_size))
+            positions = cfg.max_positions
+            found.append(
+                ParamShape("embedding.position_embeddings.weight", positions * cfg.hidden_size, rows=positions)
+            )
     for layer in layer_ids:
         found += _layer_parameters(cfg, layer, tp_size, sp)
     if post_process:
         found += _norm_parameters(cfg, "final_norm", sp)
         if not (cfg.tie_embeddings and pre_process):
-            found.append(ParamShape("output_layer.weight", vocab_local * cfg.hidden_size, tied_copy))
+            found.append(ParamShape("output_layer.weight", vocab_local * cfg.hidden_size, tied_copy, rows=vocab_local))
     return found
 
 

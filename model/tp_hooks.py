@@ -70,6 +70,7 @@ class TensorParallelHooks:
     """What GPTModel builds and calls where tensor parallelism changes the computation.
 
     tp_size                       the tensor-parallel size these hooks and layers were made for
+    tp_rank                       this rank's place in its tp group (where its vocabulary shard starts)
     sequence_parallel             norms see s/tp tokens: their parameters' gradients are partial (ParamInfo)
     layers                        the factories of the split layers (`LayerFactories`)
     scatter_to_sequence_parallel  the embedding's output [s, b, h] -> this rank's [s/tp, b, h] under sequence
@@ -82,6 +83,7 @@ class TensorParallelHooks:
     """
 
     tp_size: int = 1
+    tp_rank: int = 0
     sequence_parallel: bool = False
     layers: LayerFactories = field(default_factory=LayerFactories)
     scatter_to_sequence_parallel: TensorFn = identity

@@ -26,10 +26,10 @@ timeout of its own, so the works returned here pass the group's timeout to wait(
 CPU until the GPU finishes, so they do not (NCCL's own watchdog bounds its collectives). A call that raises
 (a timeout, a peer gone) raises `CollectiveError`, naming the call, with torch's error as its cause.
 
-Collectives issued by torch itself (FSDP2's all-gathers and reduce-scatters) can be recorded without being
-issued here: `Collectives.note(kind, nbytes, group)` records one call on a registered group, which is what an
-FSDP `set_custom_all_gather` / `set_custom_reduce_scatter` hook calling `all_gather_into` /
-`reduce_scatter_into` would do for free.
+FSDP2's all-gathers and reduce-scatters come here too, through its custom collectives (parallel/fsdp.py:
+`set_custom_all_gather` / `set_custom_reduce_scatter` call `all_gather_into` / `reduce_scatter_into`); what torch
+issues by itself is recorded with `Collectives.note(kind, nbytes, group)` (HSDP's all-reduce, from FSDP's
+all-reduce hook).
 
 Compatibility: torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
 `all_gather_single` / `reduce_scatter_single`, while torch 2.11 (the GPU machine) may lack the new names;
@@ -67,7 +67,7 @@ class CommRecord:
     """One collective or one send/recv as issued by this rank."""
 
     seq: int  # collectives: n-th on `group` (same on every member); send/recv: n-th to / from `peer` on `group`
-    group: str  # "tp", "cp", "dp", "dp_cp", "pp", "embedding", "tp_pp", "world", or a name given to `register`
+    group: str  # "tp", "cp", "dp", "dp_cp", "pp", "embedding", "tp_pp", "world", HSDP's "dp_shard", "dp_replicate", or a name given to `register`
     group_size: int
     kind: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier, all_gather_object
     nbytes: int  # the full buffer (see the module docstring)

@@ -27,6 +27,7 @@ from compat.torch_private import foreach_norm
 from model.param_info import ParamInfo, param_info
 from parallel.comm import Collectives
 from parallel.data_parallel import DataParallel
+from parallel.fsdp import ShardedDataParallel
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], comm: Collectives, group: Any) -> None:
@@ -55,7 +56,7 @@ def _unique_params(chunks: Iterable[nn.Module], flag: str) -> list[nn.Parameter]
     return found
 
 
-def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel) -> None:
+def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel | ShardedDataParallel) -> None:
     """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""

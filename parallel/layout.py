@@ -42,6 +42,13 @@ class Layout:
     schedule: str
     sequence_parallel: bool = False
     cp_size: int = 1  # context parallelism: each micro-batch's sequence split over cp ranks
+    fsdp: bool = False  # parameters, gradients and optimizer state sharded over dp x cp (parallel/fsdp.py)
+    fsdp_replicate: int = 1  # HSDP: the dp x cp ranks are fsdp_replicate replicas of a sharded model
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks one FSDP shard group spans: dp x cp, or its part of one HSDP replica (0 without FSDP)."""
+        return self.dp_size * self.cp_size // self.fsdp_replicate if self.fsdp else 0
 
     @property
     def world_size(self) -> int:
@@ -63,8 +70,14 @@ class Layout:
         return (
             f"world {self.world_size} = tp {self.tp_size}{cp} x dp {self.dp_size} x pp {self.pp_size} "
             f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
-            f"{self.schedule}{sp}"
+            f"{self.schedule}{sp}{self._describe_fsdp()}"
         )
+
+    def _describe_fsdp(self) -> str:
+        if not self.fsdp:
+            return ""
+        hsdp = f" in {self.fsdp_replicate} replicas (HSDP)" if self.fsdp_replicate > 1 else ""
+        return f", FSDP over {self.fsdp_shard_size} ranks{hsdp}"
 
     @classmethod
     def single(cls, num_microbatches: int = 1) -> Layout:
@@ -236,7 +249,24 @@ def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layo
         )
     num_microbatches = train.global_batch_size // per_step
     schedule = check_schedule(parallel.schedule, pp, vp, num_microbatches, per_step)
-    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel), cp)
+    fsdp, replicate = bool(getattr(parallel, "fsdp", False)), int(getattr(parallel, "fsdp_replicate", 1))
+    if fsdp:
+        check_fsdp(pp, dp, replicate)
+        fsdp = dp * cp > 1  # one data-parallel rank: nothing to shard (the trainer says so, runs it plain)
+    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel), cp, fsdp, replicate)
+
+
+def check_fsdp(pp_size: int, dp_size: int, replicate: int) -> None:
+    """FSDP runs without pipeline parallelism (one chunk per rank: FSDP's per-backward reduce-scatter and
+    reshard have no place in the executor's interleaved forwards and split backwards), and HSDP's replicas
+    cut the dp ranks evenly."""
+    if pp_size > 1:
+        raise LayoutError(
+            f"parallel.fsdp=true runs with parallel.pp_size=1 (got {pp_size}): shard over dp with tp, cp and "
+            f"HSDP, or use parallel.distributed_optimizer=true with pipeline parallelism"
+        )
+    check_positive(fsdp_replicate=replicate)
+    require_divisible("dp (world / (tp * cp * pp))", dp_size, "parallel.fsdp_replicate", replicate)
 
 
 def layout_from_config(config: Any, world_size: int) -> Layout:

@@ -51,6 +51,9 @@ class ParallelState:
     dp_group: Any = None
     model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
     embedding_group: Any = None  # None unless this rank holds one of the tied copies on two ranks
+    fsdp_replicate: int = 1  # HSDP: the dp x cp ranks as this many replicas of an FSDP-sharded model
+    hsdp_shard_group: Any = None  # HSDP only: this rank's replica (dp x cp / fsdp_replicate ranks)
+    hsdp_replicate_group: Any = None  # HSDP only: the ranks holding the same shard in the other replicas
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
@@ -85,7 +88,14 @@ class ParallelState:
             state.comm.recorder = recorder
             return state
         return cls.create(
-            layout.tp_size, layout.pp_size, layout.vp_size, layout.cp_size, layout.stages.v_shape, recorder, timeout_s
+            layout.tp_size,
+            layout.pp_size,
+            layout.vp_size,
+            layout.cp_size,
+            layout.stages.v_shape,
+            recorder,
+            timeout_s,
+            layout.fsdp_replicate if layout.fsdp else 1,
         )
 
     @classmethod
@@ -98,9 +108,11 @@ class ParallelState:
         v_shape: bool = False,
         recorder: CommRecorder | None = None,
         timeout_s: float | None = None,
+        fsdp_replicate: int = 1,
     ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective).
-        `timeout_s`: the timeout of the new groups' collectives (None: torch's default, not the world's)."""
+        `timeout_s`: the timeout of the new groups' collectives (None: torch's default, not the world's).
+        `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
 
@@ -117,6 +129,7 @@ class ParallelState:
             vp_size=vp_size,
             cp_size=cp_size,
             v_shape=v_shape,
+            fsdp_replicate=fsdp_replicate,
             comm=Collectives(recorder),
         )
         grid = state.grid
@@ -142,7 +155,26 @@ class ParallelState:
                 state.model_parallel_group = state._named(group, "tp_pp", ranks)
         if cp_size > 1:  # new groups only with cp: a cp = 1 run creates exactly the groups it did before
             state._create_cp_groups(new_group)
+        if fsdp_replicate > 1:
+            state._create_hsdp_groups(new_group)
         return state
+
+    def _create_hsdp_groups(self, new_group: Any) -> None:
+        """HSDP cuts each dp x cp group (in dp_cp_rank order) into `fsdp_replicate` replicas of consecutive
+        ranks: FSDP shards over a replica ("dp_shard") and all-reduces over the ranks holding the same shard
+        in every replica ("dp_replicate"), as torchtitan's dp_replicate (outer) and dp_shard x cp (inner)."""
+        shard = self.dp_cp_size // self.fsdp_replicate
+        for ranks in self.grid.groups("cp", "dp"):  # ascending = dp_cp_rank order (cp varies faster)
+            replicas = [ranks[i * shard : (i + 1) * shard] for i in range(self.fsdp_replicate)]
+            for members in replicas:
+                group = new_group(members)
+                if self.rank in members:
+                    self.hsdp_shard_group = self._named(group, "dp_shard", members)
+            for index in range(shard):
+                members = [replica[index] for replica in replicas]
+                group = new_group(members)
+                if self.rank in members:
+                    self.hsdp_replicate_group = self._named(group, "dp_replicate", members)
 
     def _create_cp_groups(self, new_group: Any) -> None:
         for ranks in self.grid.groups("cp"):

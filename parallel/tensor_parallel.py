@@ -94,6 +94,7 @@ def tensor_parallel_hooks(comm: TPComm, sequence_parallel: bool = False) -> Tens
     loss_comm = comm.with_scope("loss")
     return TensorParallelHooks(
         tp_size=comm.size,
+        tp_rank=comm.rank,
         sequence_parallel=sequence_parallel,
         layers=tp_layer_factories(comm, sequence_parallel),
         # [s, b, h] replicated after the vocab all-reduce -> this rank's [s/tp, b, h] (backward: all-gather)

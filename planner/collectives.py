@@ -16,6 +16,8 @@
                              rank owns
     optimizer(pp_rank)       the inf check (fp16), the grad norm's scalars, the distributed optimizer's gathers
     loss()                   the loss's scalars over cp, pp and dp
+    sharded                  with parallel.fsdp (ZeRO-3): FSDP's gathers and reductions per unit and micro-batch
+                             (planner/sharded.py), which replace the buckets
     rank(pp_rank, dp_cp)     all of it for one rank, in no particular order
 
 planner/predict.py charges exactly these (a tp collective as NCCL's ring, a send as one link transfer), so what
@@ -44,17 +46,9 @@ from parallel.pipeline.p2p import Step, plan_steps
 from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import ChunkPlacement
 from parallel.run_shape import TIED_GROUP, RunShape
+from planner.collective import Collective
+from planner.sharded import ShardedCollectives
 from planner.software import TRAINER, Software
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective or one send / receive of one rank (parallel/comm.py records the same fields)."""
-
-    kind: str  # all_reduce, all_gather, reduce_scatter, send, recv
-    group: str  # tp, cp, pp, dp, dp_cp, embedding, tp_pp, world
-    group_size: int
-    nbytes: int  # the full buffer: an all-gather's output, a reduce-scatter's input, the tensor otherwise
 
 
 @dataclass(frozen=True)
@@ -103,6 +97,8 @@ class LayoutCollectives:
         self.scatter = bool(par.scatter_gather) and not lay.sequence_parallel and lay.tp_size > 1
         self.scatter = self.scatter and message % lay.tp_size == 0
         self._actions: dict[tuple[int, Op], ActionCollectives] = {}
+        # ZeRO-3 / FSDP: its gathers and reductions replace the buckets
+        self.sharded = ShardedCollectives(config, layout, self.run, software) if layout.fsdp else None
 
     # ---- the pipeline ------------------------------------------------------------------------------
     @cached_property
@@ -246,7 +242,7 @@ class LayoutCollectives:
 
     def grad_reduction(self, pp_rank: int) -> list[Collective]:
         """The dp (x cp) reduction of the rank's gradients, one collective per bucket in launch order."""
-        if self.dp_cp[1] == 1:
+        if self.dp_cp[1] == 1 or self.sharded is not None:  # FSDP reduces per unit and micro-batch: `sharded`
             return []
         kind = "reduce_scatter" if self.config.parallel.distributed_optimizer else "all_reduce"
         element = int(self.software.grad_reduce_bytes)
@@ -256,6 +252,9 @@ class LayoutCollectives:
         """The tied embedding over the embedding group and the sequence-parallel grads over tp, on the part of
         each fp32 main grad the rank owns (all of it, or its distributed-optimizer shard; nothing is sent for
         an empty part)."""
+        if self.sharded is not None:  # pp = 1: no tied copies; the sequence-parallel grads of the rank's shards
+            owned = self.sharded.owned_numel(self.sharded.sequence_parallel_params(), dp_cp_rank)
+            return [Collective("all_reduce", *self.tp, 4 * owned)] if self.layout.tp_size > 1 and owned else []
         owned_shared = owned_sp = 0
         for bucket in self._buckets(pp_rank):
             shard = (bucket.start, bucket.end)
@@ -285,6 +284,8 @@ class LayoutCollectives:
         if self.config.train.precision == "fp16":
             found.append(Collective("all_reduce", "world", lay.world_size, 4))
         found.append(Collective("all_reduce", "tp_pp", lay.tp_size * lay.pp_size, 4))
+        if self.sharded is not None:  # the norm over the shards: summed over the shard group, not the replicas
+            return found + [Collective("all_reduce", *self.sharded.shard_group, 4)]
         if par.distributed_optimizer:
             found.append(Collective("all_reduce", *self.dp_cp, 4))
             if self.dp_cp[1] > 1:
@@ -312,5 +313,7 @@ class LayoutCollectives:
             if step.compute is not None:
                 action = self.lists[pp_rank][step.compute]
                 found += self.action(self.run.stages.virtual_stage(pp_rank, action.chunk), action.op).all
+        if self.sharded is not None:
+            found += self.sharded.iteration()
         found += self.grad_reduction(pp_rank) + self.finalize(pp_rank, dp_cp_rank)
         return found + self.optimizer(pp_rank) + self.loss()

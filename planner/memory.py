@@ -5,6 +5,7 @@ Model state per parameter (what training/optimizer.py and parallel/data_parallel
 docs/performance.md "Optimizer memory"): weights in the param dtype (4 B fp32, 2 B bf16/fp16), fp32 main
 grads (4 B), and the optimizer: fp32 plain keeps only the two Adam moments (8 B; the fp32 params are their own
 masters), bf16/fp16 plain fp32 masters + moments (12 B), the distributed optimizer 12/dp B in every precision.
+With FSDP (ZeRO-3) every byte of it is sharded, plus what is gathered at once (planner/sharded.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from planner.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
+from planner.sharded import ShardedCollectives, sharded_state_bytes
+from planner.software import TRAINER, Software
 
 GIB = 2.0**30
 
@@ -95,9 +98,11 @@ def rank_memory(
     pp_rank: int,
     allowance_bytes: float,
     activation_overhead: float = 0.0,
+    model_state: tuple[float, float, float] | None = None,
 ) -> MemoryEstimate:
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
-    is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead)."""
+    is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead);
+    `model_state`, when given, is the (weights, grads, optimizer) bytes (FSDP's: planner/sharded.py)."""
     run = RunShape(model, layout, train)
     roles = run.chunk_roles(pp_rank)
     params = rank_params(model, layout.tp_size, layout.pp_size, roles)
@@ -120,12 +125,17 @@ def rank_memory(
         working = 0.0
     if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
         working = max(working, 4.0 * shape.local_seq * shape.micro_batch * run.vocab_local)
-    return MemoryEstimate(
-        pp_rank,
-        params,
+    weights, grads, optimizer = model_state or (
         params * state["weights"],
         params * state["grads"],
         params * state["optimizer"],
+    )
+    return MemoryEstimate(
+        pp_rank,
+        params,
+        weights,
+        grads,
+        optimizer,
         activations,
         working,
         allowance_bytes,
@@ -141,13 +151,41 @@ def layout_memory(
     shape: ActivationShape,
     allowance_bytes: float,
     activation_overhead: float = 0.0,
+    model_state: tuple[float, float, float] | None = None,
 ) -> MemoryEstimate:
     """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the head's
     rank the output layer and the logits, the last rank (zb-v: the turn of the V) as many micro-batches as
     rank 0 with the V placement; the ranks between hold less."""
     ranks = {0, layout.stages.head_pp_rank, layout.pp_size - 1}
     estimates = [
-        rank_memory(model, layout, train, distributed_optimizer, shape, r, allowance_bytes, activation_overhead)
+        rank_memory(
+            model, layout, train, distributed_optimizer, shape, r, allowance_bytes, activation_overhead, model_state
+        )
         for r in sorted(ranks)
     ]
     return max(estimates, key=lambda e: e.total)
+
+
+def config_memory(
+    config: Any,
+    layout: Layout,
+    shape: ActivationShape,
+    allowance_bytes: float,
+    activation_overhead: float = 0.0,
+    software: Software = TRAINER,
+) -> MemoryEstimate:
+    """layout_memory of a config (model, parallel and train sections), FSDP's sharded model state included."""
+    model_state = None
+    if layout.fsdp:
+        sharded = ShardedCollectives(config, layout, RunShape(config.model, layout, config.train), software)
+        model_state = sharded_state_bytes(sharded, float(shape.value_bytes))
+    return layout_memory(
+        config.model,
+        layout,
+        config.train,
+        config.parallel.distributed_optimizer,
+        shape,
+        allowance_bytes,
+        activation_overhead,
+        model_state,
+    )

@@ -34,7 +34,8 @@ from planner.costs import (
     optimizer_seconds,
     step_seconds,
 )
-from planner.memory import GIB, MemoryEstimate, layout_memory
+from planner.memory import GIB, MemoryEstimate, config_memory
+from planner.sharded import sharded_times
 from planner.software import TRAINER, Software
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -48,10 +49,11 @@ class ActionCost:
     compute: float
     tp_comm: float
     pp_comm: float = 0.0
+    dp_comm: float = 0.0  # ZeRO-3 / FSDP: the gathers and reductions around it not hidden by compute
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm
+        return self.compute + self.tp_comm + self.pp_comm + self.dp_comm
 
 
 @dataclass
@@ -84,9 +86,10 @@ class Prediction:
     def describe_layout(self) -> str:
         lay = self.layout
         sp = " sp" if lay.sequence_parallel else ""
+        fsdp = (" fsdp" + (f" x{lay.fsdp_replicate}" if lay.fsdp_replicate > 1 else "")) if lay.fsdp else ""
         return (
             f"tp {lay.tp_size} pp {lay.pp_size} vp {lay.vp_size} dp {lay.dp_size} mb {self.micro_batch_size} "
-            f"recompute {self.recompute}{sp}"
+            f"recompute {self.recompute}{sp}{fsdp}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +106,8 @@ class Prediction:
                 "sequence_parallel": lay.sequence_parallel,
                 "recompute": self.recompute,
                 "world_size": lay.world_size,
+                "fsdp": lay.fsdp,
+                "fsdp_replicate": lay.fsdp_replicate,
             },
             "tflops_per_gpu": self.tflops_per_gpu,
             "iteration_seconds": self.iteration_seconds,
@@ -127,7 +132,8 @@ class _Costs:
         model, train = config.model, config.train
         self.layout, self.hw, self.comms, self.run = layout, hw, comms, comms.run
         per_chunk = self.run.stages.layers_per_chunk(model.num_layers)
-        layer = layer_times(shape, model, hw, train.recompute)
+        layer = self.layer = layer_times(shape, model, hw, train.recompute)
+        self.sharded = sharded_times(comms.sharded, self._sharded_seconds) if comms.sharded is not None else None
         self.recompute_per_chunk = per_chunk * layer.recompute
         self.block_seconds = layer.core / layout.cp_size  # one ring step's block attention
         head_f, head_b = head_times(shape, model, hw, self.run.padded_vocab)
@@ -164,8 +170,35 @@ class _Costs:
                 case _:
                     unhandled_op(action.op)
             comm = action_comm_seconds(self.hw, self.comms.action(stage, action.op), self.block_seconds)
-            cost = self._cache[key] = ActionCost(compute, comm, self._send(pp_rank, action))
+            cost = self._cache[key] = ActionCost(compute, comm, self._send(pp_rank, action), self._sharded(action))
         return cost
+
+    def _sharded_seconds(self, collective: Collective) -> float:
+        """A sharded collective: priced at the software's share of the links, plus the HBM copies into and out of
+        its flat buffer (read and write the gathered parameters, or the gradients)."""
+        software, hw = self.comms.software, self.hw
+        if software.sharded_bandwidth != 1.0:
+            eff = hw.cluster.efficiency
+            scaled = hw.cluster.with_efficiency(
+                network=eff.network * software.sharded_bandwidth, nvlink=eff.nvlink * software.sharded_bandwidth
+            )
+            hw = Hardware(scaled, hw.fp32, hw.grid)
+        copies = 2 * collective.nbytes if collective.kind in ("all_gather", "reduce_scatter") else 0
+        return collective_seconds_of(hw, collective) + self.hw.memory_seconds(copies)
+
+    def _sharded(self, action: Action) -> float:
+        """ZeRO-3's exposed gathers and reductions around a forward or a backward (pp = 1: the whole model)."""
+        if self.sharded is None:
+            return 0.0
+        match action.op:
+            case Op.FORWARD:
+                return self.sharded.forward_exposed(self.layer.forward)
+            case Op.BACKWARD:
+                return self.sharded.backward_exposed(self.layer.backward)
+            case Op.BACKWARD_INPUT | Op.WEIGHT:  # zero bubble needs pp > 1, which FSDP refuses
+                raise ValueError("a zero-bubble action under FSDP: the layout rules refuse pp > 1 with parallel.fsdp")
+            case _:
+                unhandled_op(action.op)
 
     def _send(self, pp_rank: int, action: Action) -> float:
         """Without the plan: the producer sends its output synchronously (transfer and, with scatter/gather,
@@ -207,18 +240,12 @@ def _dp_exposed(events: list[Event], dp_seconds: float, bucket_seconds: float) -
     return max(min(bucket_seconds, dp_seconds), dp_seconds - window)
 
 
-def memory_of(config: Any, layout: Layout, cluster: ClusterSpec, shape: Any) -> MemoryEstimate:
+def memory_of(
+    config: Any, layout: Layout, cluster: ClusterSpec, shape: Any, software: Software = TRAINER
+) -> MemoryEstimate:
     """The busiest rank's memory with the cluster's allowance and allocator overhead."""
     allowance = cluster.memory_allowance_gib * GIB
-    return layout_memory(
-        config.model,
-        layout,
-        config.train,
-        config.parallel.distributed_optimizer,
-        shape,
-        allowance,
-        cluster.activation_overhead,
-    )
+    return config_memory(config, layout, shape, allowance, cluster.activation_overhead, software)
 
 
 def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> Prediction:
@@ -248,7 +275,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
         rank_total = sum(rank_parts.values())
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
-    memory = memory_of(config, layout, cluster, shape)
+    memory = memory_of(config, layout, cluster, shape, software)
     flops = comms.run.flops.with_recompute  # the paper's achieved FLOPs
     backwards = (a for a in comms.lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     recompute = sum(costs.recompute_per_chunk for _ in backwards)
@@ -274,24 +301,30 @@ def _rank_parts(
     spent = [costs.of(pp_rank, e.action) for e in events]
     compute = sum(c.compute for c in spent)
     tp_comm = sum(c.tp_comm for c in spent)
+    sharded_comm = sum(c.dp_comm for c in spent)
     # the plan's batch transfers the rank waited for, or its synchronous sends
     pp_comm = timeline.exposed_comm[pp_rank] + sum(c.pp_comm for c in spent)
-    bubble = max(0.0, timeline.finish[pp_rank] - (compute + tp_comm + pp_comm))  # rounding: -1e-16 on a stage
+    busy = compute + tp_comm + pp_comm + sharded_comm
+    bubble = max(0.0, timeline.finish[pp_rank] - busy)  # rounding: -1e-16 on a stage
     buckets = [collective_seconds_of(costs.hw, c) for c in comms.grad_reduction(pp_rank)]
     dp_seconds = sum(buckets)
     dp_comm = _dp_exposed(events, dp_seconds, buckets[-1]) if software.overlap_grad_reduce and buckets else dp_seconds
+    dp_comm += sharded_comm
     after = comms.finalize(pp_rank) + comms.optimizer(pp_rank) + comms.loss()
     tp_comm += costs.seconds([c for c in after if c.group == "tp"])  # sequence-parallel grads
     dp_comm += costs.seconds([c for c in after if c.group != "tp"])
     params = rank_params(config.model, layout.tp_size, layout.pp_size, comms.run.chunk_roles(pp_rank))
-    optimizer = optimizer_seconds(
-        params,
-        layout.dp_size * layout.cp_size,  # the optimizer shards over dp x cp
-        config.parallel.distributed_optimizer,
-        costs.hw,
-        software.step_bytes,
-        software.copy_bytes,
-    )
+    if comms.sharded is not None:  # the step on the rank's shards (the masters are the shards: no copy-back)
+        optimizer = costs.hw.memory_seconds(software.step_bytes * comms.sharded.params_per_shard)
+    else:
+        optimizer = optimizer_seconds(
+            params,
+            layout.dp_size * layout.cp_size,  # the optimizer shards over dp x cp
+            config.parallel.distributed_optimizer,
+            costs.hw,
+            software.step_bytes,
+            software.copy_bytes,
+        )
     return {
         "compute": compute,
         "bubble": bubble,

@@ -1,7 +1,8 @@
 """Published measurements on DGX A100 80GB (Narayanan et al., SC21), used to calibrate and check the model.
 
-Table 1 (weak scaling, the ten configs of configs/paper/) and the PTD-P rows of Table 2 (GPT-3 175B and the
-530B model at fixed batch on more and more GPUs). Each row runs as the paper ran it, from the scripts the
+Table 1 (weak scaling, the ten configs of configs/paper/), the PTD-P rows of Table 2 (GPT-3 175B and the
+530B model at fixed batch on more and more GPUs) and its ZeRO-3 rows (DeepSpeed, no model parallelism: one
+constant fitted on one row, `fit_sharded_bandwidth`). Each row runs as the paper ran it, from the scripts the
 authors published with it (Megatron-LM examples/academic_paper_scripts/sc21, for Megatron-LM commit 6985e58):
 sequence 2048, vocabulary 51,200, fp16 with full ("uniform") activation recomputation, and per row the
 micro-batch size, the chunks of the interleaved schedule (`--num-layers-per-virtual-pipeline-stage`; rows
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from config.schema import Config, config_from_dict, load_config
 from parallel.layout import layout_from_config
@@ -44,7 +46,27 @@ PAPER_LOCAL_DDP = Software(
 PAPER_TORCH_DDP = Software(
     grad_reduce_bytes=2.0, overlap_grad_reduce=True, planned_p2p=False, step_bytes=_PAPER_STEP_BYTES, copy_bytes=8.0
 )
-PAPER_SOFTWARE = {"local": PAPER_LOCAL_DDP, "torch": PAPER_TORCH_DDP}
+# DeepSpeed's ZeRO-3 as Table 2 ran it (Megatron-LM's model integrated with the DeepSpeed library, 2021, fp16): each
+# parameter partitioned over all ranks and all-gathered by its own collective (per parameter, not per layer), in
+# fp16, before its module's forward and again before its backward; the fp16 gradients reduce-scattered after it;
+# defaults stage3_prefetch_bucket_size = 5e7 parameters fetched ahead and overlap_comm = false (the reductions
+# do not overlap the backward); the fp16 optimizer's step on the rank's partition (as Megatron's, 52 B per
+# element). One constant is fitted, on one row (`fit_sharded_bandwidth`: 174.6B on 768 GPUs, the doubled count):
+# the share of the cost model's collective bandwidth these collectives reached, 0.218, about 1.7 network cards'
+# worth per GPU where NCCL's ring over eight GPUs per node would use all eight; the other five rows are held out.
+PAPER_DEEPSPEED_ZERO3 = Software(
+    grad_reduce_bytes=2.0,
+    bucketed_grads=False,
+    overlap_grad_reduce=False,
+    planned_p2p=False,
+    step_bytes=_PAPER_STEP_BYTES,
+    copy_bytes=0.0,
+    gather_bytes=2.0,
+    prefetch_params=5e7,
+    gather_per_param=True,
+    sharded_bandwidth=0.218,
+)
+PAPER_SOFTWARE = {"local": PAPER_LOCAL_DDP, "torch": PAPER_TORCH_DDP, "zero3": PAPER_DEEPSPEED_ZERO3}
 
 
 @dataclass(frozen=True)
@@ -73,6 +95,7 @@ class PublishedRow:
     config_name: str = ""  # configs/paper/<name>.yaml (Table 1)
     model: tuple[int, int, int] = (0, 0, 0)  # (layers, hidden, heads) for Table 2
     layout: tuple[int, int, int] = (0, 0, 0)  # (tp, pp, global batch) for Table 2
+    fsdp: bool = False  # Table 2's ZeRO-3 rows (parallel.fsdp: sharded data parallelism)
 
     def config(self) -> Config:
         """The row's config as the paper ran it (micro-batch, schedule, scatter/gather)."""
@@ -92,7 +115,7 @@ class PublishedRow:
                     "seq_length": 2048,
                     "vocab_size": 51200,
                 },
-                "parallel": {"tp_size": tp, "pp_size": pp, "schedule": "1f1b"},
+                "parallel": {"tp_size": tp, "pp_size": pp, "schedule": "1f1b", "fsdp": self.fsdp},
                 "train": {"micro_batch_size": 1, "global_batch_size": batch, "precision": "bf16", "recompute": "full"},
             }
         )
@@ -134,6 +157,49 @@ TABLE_2_PTDP = [
     )
     for gpus, tflops in runs
 ]
+
+
+def paper_software(config: Any) -> Software:
+    """How the paper's software ran a layout: DeepSpeed's ZeRO-3 with parallel.fsdp, else Megatron-LM 2021's
+    local DDP (the DDP of every row above 18.4B, Table 2's PTD-P rows included)."""
+    return PAPER_DEEPSPEED_ZERO3 if getattr(config.parallel, "fsdp", False) else PAPER_LOCAL_DDP
+
+
+# ZeRO-3 without model parallelism (DeepSpeed; the 530B model needed 640 GPUs and batch 2560 at micro-batch 4)
+TABLE_2_ZERO3 = [
+    PublishedRow(
+        f"{name} ZeRO-3 on {gpus} GPUs",
+        gpus,
+        tflops,
+        None,
+        PaperRun(mb, 1, "zero3"),
+        model=model,
+        layout=(1, 1, batch),
+        fsdp=True,
+    )
+    for name, model, runs in (
+        ("174.6B", (96, 12288, 96), ((384, 4, 1536, 144), (768, 2, 1536, 88), (1536, 1, 1536, 44))),
+        ("529.6B", (105, 20480, 128), ((640, 4, 2560, 138), (1120, 2, 2240, 98), (2240, 1, 2240, 48))),
+    )
+    for gpus, mb, batch, tflops in runs
+]
+ZERO3_FIT_ROW = 1  # the row the one constant of PAPER_DEEPSPEED_ZERO3 is fitted on: 174.6B on 768 GPUs
+
+
+def fit_sharded_bandwidth(cluster: Any, row: PublishedRow = TABLE_2_ZERO3[ZERO3_FIT_ROW]) -> float:
+    """The `sharded_bandwidth` at which the planner gives `row`'s published TFLOP/s (bisection in log space:
+    throughput rises with it)."""
+    from planner.predict import predict
+
+    def tflops(share: float) -> float:
+        software = dataclasses.replace(row.run.software, sharded_bandwidth=share)
+        return predict(row.config(), cluster, row.world_size, software).tflops_per_gpu
+
+    low, high = 0.01, 1.0
+    for _ in range(40):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if tflops(middle) < row.tflops_per_gpu else (low, middle)
+    return (low * high) ** 0.5
 
 
 def observations(rows: list[PublishedRow]) -> list:

@@ -13,7 +13,7 @@ the precision are kept as the config has them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from planner.collectives import LayoutCollectives
 from planner.costs import Hardware, action_comm_seconds, layer_times
 from planner.memory import GIB
 from planner.predict import Prediction, memory_of, predict
+from planner.software import TRAINER, Software
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -51,6 +52,8 @@ def outside_domain(p: Prediction) -> list[str]:
         reasons.append(f"vp {lay.vp_size}")
     if lay.sequence_parallel:
         reasons.append("sequence parallel")
+    if lay.fsdp:
+        reasons.append("FSDP (ZeRO-3)")
     return reasons
 
 
@@ -77,14 +80,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def with_layout(config: Any, tp: int, pp: int, vp: int, micro_batch: int, recompute: str) -> Any:
-    """A copy of `config` with another layout, micro-batch and recomputation."""
+def with_layout(
+    config: Any, tp: int, pp: int, vp: int, micro_batch: int, recompute: str, fsdp: bool | None = None
+) -> Any:
+    """A copy of `config` with another layout, micro-batch and recomputation (and FSDP on or off: ZeRO-3 takes
+    the optimizer's sharding over, so the distributed optimizer goes off with it)."""
     schedule = config.parallel.schedule
     if vp > 1:
         schedule = "interleaved"
     elif schedule == "interleaved":
         schedule = "1f1b"
     parallel = dataclasses.replace(config.parallel, tp_size=tp, pp_size=pp, vp_size=vp, schedule=schedule)
+    if fsdp is not None:
+        distributed = parallel.distributed_optimizer and not fsdp
+        parallel = dataclasses.replace(
+            parallel,
+            fsdp=fsdp,
+            distributed_optimizer=distributed,
+            overlap_param_gather=False if fsdp else parallel.overlap_param_gather,
+        )
     train = dataclasses.replace(config.train, micro_batch_size=micro_batch, recompute=recompute)
     return dataclasses.replace(config, parallel=parallel, train=train)
 
@@ -92,27 +106,34 @@ def with_layout(config: Any, tp: int, pp: int, vp: int, micro_batch: int, recomp
 def candidate_configs(
     config: Any, world_size: int, max_vp: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
 ) -> Iterator[Any]:
-    """Every (tp, pp, vp, micro-batch, recompute) combination whose layout is valid."""
+    """Every (tp, pp, vp, micro-batch, recompute) combination whose layout is valid, and the sharded ones:
+    FSDP (ZeRO-3) over the dp ranks at every tp, without pipeline parallelism."""
     layers = config.model.num_layers
     for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            if layers % pp:
-                continue
-            for vp in (v for v in _divisors(layers // pp) if v <= max_vp and (v == 1 or pp > 1)):
-                for mb in micro_batches:
-                    for recompute in RECOMPUTE_MODES:
-                        candidate = with_layout(config, tp, pp, vp, mb, recompute)
-                        try:
-                            build_layout(candidate.model, candidate.parallel, candidate.train, world_size)
-                        except LayoutError:
-                            continue
-                        yield candidate
+        shapes = [
+            (pp, vp, False) for pp in _divisors(world_size // tp) if not layers % pp for vp in _divisors(layers // pp)
+        ]
+        shapes = [(pp, vp, False) for pp, vp, _ in shapes if vp <= max_vp and (vp == 1 or pp > 1)]
+        for pp, vp, fsdp in shapes + [(1, 1, True)]:
+            for mb in micro_batches:
+                for recompute in RECOMPUTE_MODES:
+                    candidate = with_layout(config, tp, pp, vp, mb, recompute, fsdp)
+                    try:
+                        layout = build_layout(candidate.model, candidate.parallel, candidate.train, world_size)
+                    except LayoutError:
+                        continue
+                    if fsdp and not layout.fsdp:  # one data-parallel rank: the same run as without FSDP
+                        continue
+                    yield candidate
 
 
-def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
-    """Seconds per iteration from per-layer costs and the bubble formula (only to order the candidates)."""
+def first_estimate(config: Any, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> float:
+    """Seconds per iteration from per-layer costs and the bubble formula (only to order the candidates); a
+    sharded layout (pp = 1: no pipeline to simulate) is predicted in full."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
+    if layout.fsdp:
+        return predict(config, cluster, world_size, software).iteration_seconds
     shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
     hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout))
     layer = layer_times(shape, model, hw, train.recompute)
@@ -131,21 +152,28 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int) -> float:
     return layout.num_microbatches * per_microbatch * (1.0 + bubble)
 
 
-def search(config: Any, cluster: ClusterSpec, world_size: int, simulate_top: int = 30) -> SearchResult:
-    """Rank the layouts of `config`'s model, batch and precision on `world_size` GPUs of `cluster`."""
+def search(
+    config: Any,
+    cluster: ClusterSpec,
+    world_size: int,
+    simulate_top: int = 30,
+    software_of: Callable[[Any], Software] = lambda config: TRAINER,
+) -> SearchResult:
+    """Rank the layouts of `config`'s model, batch and precision on `world_size` GPUs of `cluster`, each run by
+    `software_of(candidate)` (this trainer by default)."""
     fitting, considered = [], 0
     for candidate in candidate_configs(config, world_size):
         considered += 1
         model, par, train = candidate.model, candidate.parallel, candidate.train
         layout = build_layout(model, par, train, world_size)
         shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
-        memory = memory_of(candidate, layout, cluster, shape)
+        memory = memory_of(candidate, layout, cluster, shape, software_of(candidate))
         if memory.total / GIB <= cluster.memory_gib:
-            fitting.append((first_estimate(candidate, cluster, world_size), candidate))
+            fitting.append((first_estimate(candidate, cluster, world_size, software_of(candidate)), candidate))
     fitting.sort(key=lambda item: item[0])
-    ranked = [predict(candidate, cluster, world_size) for _, candidate in fitting[:simulate_top]]
+    ranked = [predict(c, cluster, world_size, software_of(c)) for _, c in fitting[:simulate_top]]
     try:
-        reference = predict(config, cluster, world_size)
+        reference = predict(config, cluster, world_size, software_of(config))
     except LayoutError:
         reference = None
     if reference is not None and not any(_same_layout(reference, p) for p in ranked):

@@ -1,14 +1,15 @@
 """The planner against the paper's published throughputs (Narayanan et al., SC21, DGX A100 80GB).
 
     python scripts/plan_paper_tables.py [--cluster configs/clusters/dgx_a100_80gb.yaml] [--report] [--figures]
-                                        [--trainer]
+                                        [--trainer] [--figure-10 docs/plan/fig10.png]
 
 Prints Table 1 (the ten configs of configs/paper/) and the PTD-P rows of Table 2 as the paper ran them
 (planner/published.py: the sc21 scripts' micro-batches, chunks and DDP kinds), predicted against published, as
 markdown. --report first runs the fit report (planner/fit_report.py: the fit on all ten rows, and the two
 leave-half-out fits; several minutes of CPU) and prints the tables with the all-rows constants. --figures
 prints every published effect of Figures 7 and 11-18 (planner/paper_figures.py) against the prediction.
---trainer predicts the same configs as this trainer would run them (planner.software.TRAINER: fp32 bucketed
+--figure-10 prints Table 2 whole (its ZeRO-3 rows as DeepSpeed ran them: planner/figure_10.py) and draws
+Figure 10. --trainer predicts the same configs as this trainer would run them (planner.software.TRAINER: fp32 bucketed
 gradients, the executor's plan of pipeline messages with the config's overlap_p2p_comm) instead of as
 Megatron-LM ran them in 2021.
 """
@@ -19,7 +20,7 @@ import argparse
 import sys
 import time
 
-from planner import fit_report, paper_figures, published
+from planner import figure_10, fit_report, paper_figures, published
 from planner.cluster import efficiency_yaml, load_cluster
 from planner.predict import predict
 from planner.software import TRAINER
@@ -75,6 +76,7 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="run the fit report (and leave-half-out) first")
     parser.add_argument("--figures", action="store_true", help="the figures' effects against the planner")
     parser.add_argument("--trainer", action="store_true", help="as this trainer would run them (not as in 2021)")
+    parser.add_argument("--figure-10", metavar="PNG", help="Table 2 / Figure 10 (PTD-P against ZeRO-3) and its plot")
     args = parser.parse_args()
     cluster = load_cluster(args.cluster)
     if args.report:
@@ -84,6 +86,11 @@ def main() -> int:
         print(f"\nfitted in {time.time() - start:.0f} s:\n{efficiency_yaml(cluster.efficiency)}")
     if args.figures:
         print("\n".join(figures(cluster)))
+        return 0
+    if args.figure_10:
+        points = figure_10.figure_10_points(cluster)
+        print("\n".join(figure_10.table_lines(points)))
+        print(f"wrote {figure_10.draw_figure_10(points, args.figure_10)}", file=sys.stderr)
         return 0
     how = ", as this trainer would run it" if args.trainer else ""
     print("\n".join(table(cluster, published.TABLE_1, f"Table 1 (weak scaling){how}", args.trainer)))

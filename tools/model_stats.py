@@ -23,7 +23,7 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel import tensor_parallel_hooks, tp_comm
 from planner.activations import shape_from_config
 from planner.collectives import LayoutCollectives
-from planner.memory import layout_memory
+from planner.memory import config_memory
 
 
 def meta_chunks(config: Config, tp_rank: int, pp_rank: int, dp_size: int) -> list[GPTModel]:
@@ -83,7 +83,7 @@ def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[s
     )
     # the planner's estimate, as the trainer's size check uses it (no cluster allowance)
     activations = shape_from_config(m, par, train)
-    memory = layout_memory(m, layout, train, par.distributed_optimizer, activations, 0.0).as_gib()
+    memory = config_memory(config, layout, activations, 0.0).as_gib()
     lines.append(
         f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "
         f"micro-batch {train.micro_batch_size}): weights+grads+optimizer "

@@ -6,7 +6,11 @@
         [--output fitted_cluster.yaml]
 
 The layout, micro-batch, global batch, precision and recomputation come from the config (the trainer's
-section.key=value overrides apply). What the model counts and ignores: docs/performance.md, "Planner".
+section.key=value overrides apply; parallel.fsdp=true: ZeRO-3, sharded data parallelism). --compare predicts the
+config's layout against ZeRO-3 without model parallelism (tp 1, pp 1) and FSDP with tp over one node, at the same
+model, batch and GPUs, and says which wins and why. --software paper predicts as the paper's software ran it in
+2021 (Megatron-LM's local DDP; DeepSpeed's ZeRO-3 with parallel.fsdp=true) instead of this trainer. What the
+model counts and ignores: docs/performance.md, "Planner".
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from parallel.layout import LayoutError
 from planner import calibrate
 from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
 from planner.predict import Prediction, predict
+from planner.published import paper_software
 from planner.search import (
     IN_DOMAIN_ERROR,
     OUT_OF_DOMAIN_ERROR,
@@ -36,8 +41,11 @@ from planner.search import (
     outside_domain,
     search,
     why_best_wins,
+    with_layout,
 )
+from planner.software import TRAINER
 
+SOFTWARE = ("trainer", "paper")
 MAX_GPUS = 2**20  # ten times the largest clusters; --search's divisor loop is linear in it
 NUMBER_OPTIONS = ("--gpus", "--top", "--tokens")  # `--tokens -1e9` is then a value, refused in one line
 
@@ -54,6 +62,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrate", nargs="+", metavar="RUN", help="fit the efficiency constants to runs")
     parser.add_argument("--output", help="with --calibrate: write the cluster spec with the fitted constants")
     parser.add_argument("--tokens", type=float, help="print the end-to-end training time for this many tokens")
+    parser.add_argument(
+        "--compare", action="store_true", help="the config's layout against ZeRO-3 (tp 1, pp 1) and FSDP + tp"
+    )
+    parser.add_argument(
+        "--software",
+        choices=SOFTWARE,
+        default="trainer",
+        help="trainer: as this trainer runs it (default); paper: as Megatron-LM / DeepSpeed ran the paper's runs",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     return parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv, NUMBER_OPTIONS))
 
@@ -121,6 +138,68 @@ def training_time_lines(p: Prediction, config: Any, tokens: float) -> list[str]:
     ]
 
 
+def compared_schemes(config: Any, gpus_per_node: int) -> list[tuple[str, Any]]:
+    """(name, config) of the three schemes --compare predicts: the config's own layout (PTD-P, or whatever it
+    says), ZeRO-3 without model parallelism, and FSDP with tp over one node (sequence parallel), all at the
+    config's model, batch, micro-batch and recomputation."""
+    model = config.model
+    node_tp = max(t for t in range(1, gpus_per_node + 1) if not model.num_attention_heads % t and not gpus_per_node % t)
+    zero3 = with_layout(config, 1, 1, 1, config.train.micro_batch_size, config.train.recompute, fsdp=True)
+    fsdp_tp = with_layout(config, node_tp, 1, 1, config.train.micro_batch_size, config.train.recompute, fsdp=True)
+    fsdp_tp = dataclasses.replace(fsdp_tp, parallel=dataclasses.replace(fsdp_tp.parallel, sequence_parallel=True))
+    return [("config", config), ("ZeRO-3 (tp 1, pp 1)", zero3), (f"FSDP + tp {node_tp} (sp)", fsdp_tp)]
+
+
+def run_compare(config: Any, cluster: ClusterSpec, args: argparse.Namespace, software_of: Any) -> int:
+    """Predict the schemes of `compared_schemes` and say which wins and why (largest time terms)."""
+    results: list[tuple[str, Prediction | str]] = []
+    for name, candidate in compared_schemes(config, cluster.gpus_per_node):
+        try:
+            results.append((name, predict(candidate, cluster, args.gpus, software_of(candidate))))
+        except LayoutError as err:
+            results.append((name, f"invalid: {err}"))
+    valid = [(n, p) for n, p in results if isinstance(p, Prediction) and p.fits]
+    verdict = compare_verdict(valid)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "schemes": {n: (p.to_dict() if isinstance(p, Prediction) else p) for n, p in results},
+                    "verdict": verdict,
+                }
+            )
+        )
+        return 0
+    for name, p in results:
+        if isinstance(p, str):
+            print(f"{name}: {p}")
+            continue
+        fits = "fits" if p.fits else "DOES NOT FIT"
+        print(
+            f"{name}: {p.describe_layout()}: {p.tflops_per_gpu:.1f} TFLOP/s per GPU, {p.iteration_seconds:.2f} s per "
+            f"iteration, {p.memory_gib:.1f} GiB ({fits}); "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in p.breakdown.items() if v > 0)
+        )
+    print(f"why: {verdict}")
+    return 0
+
+
+def compare_verdict(valid: list[tuple[str, Prediction]]) -> str:
+    """Which scheme is fastest, by how much, and the time terms that make the difference."""
+    if not valid:
+        return "none of the schemes fits in memory"
+    ranked = sorted(valid, key=lambda item: item[1].iteration_seconds)
+    best_name, best = ranked[0]
+    lines = []
+    for name, other in ranked[1:]:
+        deltas = sorted(((other.breakdown[k] - best.breakdown[k], k) for k in best.breakdown), reverse=True)
+        terms = ", ".join(f"{k.replace('_', ' ')} +{d:.2f} s" for d, k in deltas[:2] if d > 0)
+        lines.append(
+            f"{other.iteration_seconds / best.iteration_seconds:.2f}x faster than {name} ({terms or 'no term'})"
+        )
+    return f"{best_name} wins: " + ("; ".join(lines) if lines else "the only scheme that fits")
+
+
 def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     observations = [calibrate.load_run(run) for run in args.calibrate]
     before = calibrate.error_table(cluster, observations)
@@ -180,8 +259,11 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
 
         for path in draw_all(config, cluster, args.gpus, args.plot):
             print(f"wrote {path}", file=sys.stderr)
+    software_of = paper_software if args.software == "paper" else (lambda _: TRAINER)
+    if args.compare:
+        return run_compare(config, cluster, args, software_of)
     if args.search:
-        result = search(config, cluster, args.gpus)
+        result = search(config, cluster, args.gpus, software_of=software_of)
         if not result.considered:
             raise ConfigError(no_layout_message(config, args.gpus))
         reason = why_best_wins(result)
@@ -207,10 +289,10 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
         print("\n".join(format_ranking(result.ranked, args.top)))
         print(f"why: {reason}")
         return 0
-    prediction = predict(config, cluster, args.gpus)
+    prediction = predict(config, cluster, args.gpus, software_of(config))
     if args.json:
         extra = {"training_time": training_time_lines(prediction, config, args.tokens)} if args.tokens else {}
-        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name, **extra}))
+        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name, "software": args.software, **extra}))
         return 0
     print(f"cluster: {cluster.name} ({args.gpus} GPUs, {cluster.gpus_per_node} per node)")
     print("\n".join(format_prediction(prediction)))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
 from data.microbatch import Microbatch
+from parallel.fsdp import local_tensor
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_HUNG = 5
@@ -144,7 +145,7 @@ class NonFiniteGuard:
 
 def weights_are_finite(chunks: list, state: Any, device: torch.device) -> bool:
     """Whether every parameter on every rank is finite (one sync and one all-reduce; run before a save)."""
-    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    params = [local_tensor(p).detach() for chunk in chunks for p in chunk.parameters()]  # FSDP: this rank's shard
     ok = torch.stack([torch.isfinite(p).all() for p in params]).all() if params else torch.tensor(True)
     flag = ok.to(device=device, dtype=torch.int32).reshape(1)
     if state.is_distributed:

@@ -48,7 +48,7 @@ class Segment:
     """One owned range [start, end) of chunk `bucket.chunk_index`'s grad buffer and its optimizer state.
     `pieces` are (param, segment offset, param-flat offset, length) of the params overlapping it."""
 
-    bucket: Bucket
+    bucket: Bucket | None  # None: a sharded parameter's segment (training/sharded_optimizer.py)
     start: int
     end: int
     grad: torch.Tensor  # [end - start] view into the grad buffer
@@ -100,10 +100,14 @@ class Optimizer:
         self.clip_grad = train.clip_grad
         self.scaler = loss_scaler_for(train.precision, optim)
         self.step_count = 0
-        self.segments = [self._build_segment(b, *self._owned(b)) for b in ddp._all_buckets() if b.numel]
+        self.segments = self._build_segments()
         self.aliased = train.precision == "fp32" and self._alias_params()
 
     # ---- construction -----------------------------------------------------------------------
+    def _build_segments(self) -> list[Segment]:
+        """One segment per gradient bucket: the whole bucket, or (distributed) this rank's shard of it."""
+        return [self._build_segment(b, *self._owned(b)) for b in self.ddp._all_buckets() if b.numel]
+
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.start, bucket.end
 
@@ -225,7 +229,7 @@ class Optimizer:
             "dp_rank": self.state.dp_cp_rank,
             "segments": [
                 {
-                    "chunk": seg.bucket.chunk_index,
+                    "chunk": seg.bucket.chunk_index if seg.bucket is not None else 0,
                     "start": seg.start,
                     "end": seg.end,
                     "master": seg.master,
@@ -303,6 +307,7 @@ class DistributedOptimizer(Optimizer):
         segments = self.segments[::-1] if self.param_gather is not None else self.segments
         for seg in segments:
             bucket = seg.bucket
+            assert bucket is not None  # the distributed optimizer's segments are bucket shards
             dtypes = {p.dtype for p in bucket.params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
             full = torch.empty(bucket.numel, dtype=dtype, device=seg.master.device)  # [bucket] in param dtype
@@ -318,6 +323,16 @@ class DistributedOptimizer(Optimizer):
             copy_bucket_to_params(self.ddp, bucket, full)
 
 
+def check_optimizer_inputs(
+    chunks: list[nn.Module], ddp_chunks: list[nn.Module], train: TrainConfig, builder: str
+) -> None:
+    """What every optimizer builder checks: a known precision, and `chunks` the ones data parallelism wraps."""
+    if train.precision not in PRECISIONS:
+        raise ValueError(f"train.precision={train.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if [id(c) for c in chunks] != [id(c) for c in ddp_chunks]:
+        raise ValueError(f"{builder}: chunks are not the ones data parallelism was built on")
+
+
 def build_optimizer(
     chunks: list[nn.Module],
     ddp: DataParallel,
@@ -328,14 +343,12 @@ def build_optimizer(
     overlap_param_gather: bool,
 ) -> Optimizer:
     """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) with the settings of the optim
-    and train sections (Optimizer's docstring). `chunks` must be the chunks `ddp` was built on.
+    and train sections (Optimizer's docstring); FSDP's (a ShardedDataParallel) is
+    training/sharded_optimizer.build_sharded_optimizer. `chunks` must be the chunks `ddp` was built on.
     `overlap_param_gather` (parallel.overlap_param_gather; distributed only) gathers the updated params in the
     background until the next forward.
     """
-    if train.precision not in PRECISIONS:
-        raise ValueError(f"train.precision={train.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if [id(c) for c in chunks] != [id(c) for c in ddp.chunks]:
-        raise ValueError("build_optimizer: chunks are not the ones DataParallel was built on")
+    check_optimizer_inputs(chunks, ddp.chunks, train, "build_optimizer")
     if ddp.distributed_optimizer:
         return DistributedOptimizer(ddp, state, optim, train, overlap_param_gather)
     return Optimizer(ddp, state, optim, train)

@@ -21,6 +21,7 @@ from model.gpt import GPTModel
 from model.rank_spec import Recompute
 from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
+from parallel.fsdp import ShardedDataParallel
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
@@ -44,6 +45,7 @@ from training.setup import (
     param_dtype,
     resolve_sample_data,
 )
+from training.sharded_optimizer import build_sharded_optimizer
 from training.straggler import StragglerReport
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
@@ -122,21 +124,36 @@ def prepare_data(
     return tokenizer.eod, datasets, resume_plan
 
 
-def build_optimizer_and_schedule(
-    config: Config, chunks: list[torch.nn.Module], state: ParallelState
-) -> tuple[DataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
-    """Gradient buffers (data parallelism), the (distributed) optimizer and the LR schedule."""
+def build_data_parallel(
+    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
+) -> DataParallel | ShardedDataParallel:
+    """The data-parallel flavour: FSDP's shards (parallel.fsdp), or gradient buckets over whole parameters (with
+    the distributed optimizer: reduce-scattered into its shards). The step does not know which it got."""
     par = config.parallel
-    ddp = DataParallel(
+    if layout.fsdp:
+        compute_dtype = param_dtype(config.train.precision)
+        return ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
+    return DataParallel(
         chunks,
         state,
         bucket_size_mb=par.grad_bucket_size_mb,
         distributed_optimizer=par.distributed_optimizer,
         grad_dtype=torch.float32,
     )
-    optimizer = build_optimizer(
-        chunks, ddp, state, config.optim, config.train, overlap_param_gather=par.overlap_param_gather
-    )
+
+
+def build_optimizer_and_schedule(
+    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
+) -> tuple[DataParallel | ShardedDataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
+    """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
+    ddp = build_data_parallel(config, chunks, state, layout)
+    optimizer: Optimizer
+    if isinstance(ddp, ShardedDataParallel):
+        optimizer = build_sharded_optimizer(chunks, ddp, state, config.optim, config.train)
+    else:
+        optimizer = build_optimizer(
+            chunks, ddp, state, config.optim, config.train, overlap_param_gather=config.parallel.overlap_param_gather
+        )
     lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     return ddp, optimizer, lr_schedule
 
@@ -152,7 +169,8 @@ def build_chunks(
 ) -> list[GPTModel]:
     """This rank's model chunks (its virtual pipeline stages, tp-sharded), in the run's parameter dtype."""
     train_cfg, model_cfg = config.train, config.model
-    dtype = param_dtype(train_cfg.precision)
+    # FSDP keeps the sharded parameters in fp32 (the master weights) and computes in the run's precision
+    dtype = torch.float32 if layout.fsdp else param_dtype(train_cfg.precision)
     recompute = Recompute(
         train_cfg.recompute, train_cfg.recompute_method, train_cfg.recompute_num_layers, make_checkpoint_fn(rng_tracker)
     )
@@ -209,7 +227,11 @@ def build_run(
     comm_counter = CommCounter()
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
     # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
-    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state)
+    if par.fsdp and not layout.fsdp:
+        logger.info(
+            "parallel.fsdp=true with one data-parallel rank (dp x cp = 1): nothing to shard, plain data parallelism"
+        )
+    ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state, layout)
     shape = RunShape.of(config, layout)
     ctx = StepContext(
         chunks=chunks,

@@ -19,7 +19,7 @@ from typing import Any
 
 from data.index_budget import available_memory_bytes
 from planner.activations import shape_from_config
-from planner.memory import GIB, MemoryEstimate, layout_memory
+from planner.memory import GIB, MemoryEstimate, config_memory
 
 _MAX_MICROBATCHES_PER_STAGE = 64  # beyond it the estimate is bounded (a schedule of 10^6 actions is not built)
 _VOCAB_UNKNOWN = 1  # before the tokenizer is read: the smallest vocabulary, so the estimate stays a lower bound
@@ -49,7 +49,7 @@ def lower_bound_estimate(config: Any, layout: Any) -> MemoryEstimate:
     cap = _MAX_MICROBATCHES_PER_STAGE * layout.pp_size  # a multiple of pp, as interleaving needs
     bounded = dataclasses.replace(layout, num_microbatches=min(layout.num_microbatches, cap))
     shape = shape_from_config(model, config.parallel, config.train, attention="flash")
-    return layout_memory(model, bounded, config.train, config.parallel.distributed_optimizer, shape, 0.0)
+    return config_memory(dataclasses.replace(config, model=model), bounded, shape, 0.0)
 
 
 def check_fits(config: Any, layout: Any, use_cuda: bool, environ: Mapping[str, str]) -> None:

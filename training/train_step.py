@@ -18,6 +18,7 @@ from data.microbatch import Microbatch
 from model.gpt import GPTModel
 from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
+from parallel.fsdp import ShardedDataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
 from parallel.pipeline.executor import ForwardFn, execute_schedule
@@ -37,7 +38,7 @@ class StepContext:
     chunks: list[GPTModel]
     state: ParallelState
     layout: Layout
-    ddp: DataParallel
+    ddp: DataParallel | ShardedDataParallel  # the data-parallel flavour: the step calls the same methods on each
     optimizer: Optimizer | DistributedOptimizer
     activation_shape: tuple[int, int, int]  # [s(/tp with sequence parallelism), b, h] between stages
     activation_dtype: torch.dtype

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 import torch.multiprocessing as mp
+from bench_models import set_rank_environment
 
 from config.schema import load_config
 from parallel.layout import layout_from_config
@@ -121,15 +122,7 @@ class SavedTensorMeter:
 
 
 def _rank(rank: int, world_size: int, port: int, overrides: list[str], verbose: bool, results) -> None:
-    # The environment torchrun gives a rank, as tests/conftest.py's _rank_entry (its twin) sets it.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    set_rank_environment(rank, world_size, port)
     if not verbose:
         logging.disable(logging.INFO)
     config = load_config(DEFAULT_CONFIG, overrides)

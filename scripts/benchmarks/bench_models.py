@@ -1,13 +1,16 @@
 """What several benchmarks build alike: a dropout-free GPT config (a measurement must not depend on the dropout
-RNG), a single GPT with its deterministic initial weights, and the trainer's command line for a short run
-without checkpoints or evaluation. Imported by its siblings as `bench_models` (a script's folder is on sys.path).
+RNG), a single GPT with its deterministic initial weights, the trainer's command line for a short run
+without checkpoints or evaluation, and the environment torchrun gives a forked rank. Imported by its siblings as `bench_models` (a script's folder is on sys.path).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 from model.config import ModelConfig
 from model.gpt import GPTModel
@@ -43,10 +46,13 @@ def trainer_argv(launcher: list[str], arguments: list[str], iters: int, run_dir:
     """The command line of a short trainer run: `launcher` (python, or torchrun with its options), then
     pretrain_gpt.py with `arguments`, `iters` iterations logged each, no evaluation, no checkpoint, no
     TensorBoard, its config.yaml and metrics.jsonl written into `run_dir`."""
+    return [*launcher, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *arguments, *short_run(iters, run_dir)]
+
+
+def short_run(iters: int, run_dir: str) -> list[str]:
+    """The overrides of a short run: `iters` iterations logged each, no evaluation, no checkpoint, no TensorBoard,
+    written into `run_dir`."""
     return [
-        *launcher,
-        os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-        *arguments,
         f"train.train_iters={iters}",
         "optim.lr_warmup_iters=1",
         "train.eval_iters=0",
@@ -55,3 +61,26 @@ def trainer_argv(launcher: list[str], arguments: list[str], iters: int, run_dir:
         "logging.tensorboard=false",
         f"run.dir={run_dir}",
     ]
+
+
+def set_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """The environment torchrun gives a rank (tests/conftest.py's _rank_entry sets the same for tests)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
+def fork_ranks(fn: Any, world_size: int, *args: Any) -> Any:
+    """Run `fn(rank, world_size, port, *args, results)` on `world_size` forked ranks (a free port for their
+    process group) until they end; returns `results`, the queue they put their figures in (small ones)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.get_context("fork").SimpleQueue()
+    mp.start_processes(fn, args=(world_size, port, *args, results), nprocs=world_size, start_method="fork")
+    return results

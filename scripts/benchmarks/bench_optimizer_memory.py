@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_models import model_config, tied_gpt
+from bench_models import fork_ranks, model_config, tied_gpt
 
 from config.schema import OptimConfig, TrainConfig
 from parallel.data_parallel import DataParallel
@@ -55,15 +53,7 @@ def _rank(
 
 def measure(dp: int, layers: int, hidden: int, distributed: bool, precision: str) -> tuple[int, ...]:
     """(numel, param bytes, grad buffer bytes, optimizer state bytes) of dp rank 0."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("fork")
-    results = ctx.SimpleQueue()
-    mp.start_processes(
-        _rank, args=(dp, port, layers, hidden, distributed, precision, results), nprocs=dp, start_method="fork"
-    )
-    return results.get()
+    return fork_ranks(_rank, dp, layers, hidden, distributed, precision).get()
 
 
 def main() -> None:

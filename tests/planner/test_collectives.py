@@ -49,6 +49,26 @@ LAYOUTS = [
         4,
         ["parallel.tp_size=2", "parallel.cp_size=2", "train.recompute=selective", "train.precision=bf16"],
     ),
+    # sharded data parallelism (FSDP2): the gathers and reduce-scatters it issues through its custom collectives
+    ("fsdp-dp4-two-microbatches", 4, ["parallel.fsdp=true", "train.global_batch_size=16"]),
+    (
+        "fsdp-dp3-uneven-shards-recompute",
+        3,
+        ["parallel.fsdp=true", "train.global_batch_size=6", "train.recompute=full"],
+    ),
+    (
+        "fsdp-dp2-tp2-sp-no-reshard-bf16",
+        4,
+        ["parallel.fsdp=true", "parallel.fsdp_reshard_after_forward=false", "parallel.tp_size=2"]
+        + ["parallel.sequence_parallel=true", "train.precision=bf16"],
+    ),
+    ("fsdp-dp2-cp2", 4, ["parallel.fsdp=true", "parallel.cp_size=2"]),
+    (
+        "hsdp-2x2-tp2-sp-fp16",
+        8,
+        ["parallel.fsdp=true", "parallel.fsdp_replicate=2", "parallel.tp_size=2", "parallel.sequence_parallel=true"]
+        + ["train.precision=fp16", "optim.initial_loss_scale=128"],
+    ),
 ]
 
 

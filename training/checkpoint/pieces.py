@@ -55,8 +55,9 @@ def global_shape(param: torch.Tensor) -> tuple[int, ...]:
 def tp_blocks(param: torch.Tensor) -> list[Block]:
     """Where this rank's tp shard of `param` lies in the global tensor, as local-to-global blocks: one per
     stacked part (SwiGLU's fc1 [gate; up]), padding rows left out (read off the parameter's Sharding)."""
-    local = as_matrix(param)
-    rows, cols = local.shape
+    if param.ndim not in (1, 2):
+        raise ValueError(f"checkpoint pieces support 1-D and 2-D tensors, got shape {tuple(param.shape)}")
+    rows, cols = param.shape[0], (param.shape[1] if param.ndim == 2 else 1)  # shapes only: FSDP's are DTensors
     info = param_info(param)
     if info.sharding.axis(info.tp_size) == 1:  # a row-parallel weight: columns split
         return [Block(0, rows, s.start, s.stop, 0, s.offset) for s in info.spans(cols)]

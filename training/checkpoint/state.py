@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from model.param_info import param_info
+from parallel.fsdp import LocalShard, local_shard, shard_replicas
 from parallel.state import ParallelState
 from training.checkpoint.dcp_planners import GlobalPieces
 from training.checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
@@ -39,6 +40,7 @@ class ParamRecord:
     blocks: list[Block]  # where the local tp shard lies in the global tensor
     writes: bool  # this rank writes the weight (and with the plain optimizer its state)
     replica_writer: bool  # among tp replicas and tied copies, this rank is the one that may write
+    local: LocalShard  # the elements this rank holds: the whole tp shard, or its FSDP shard of it
 
 
 def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[ParamRecord]:
@@ -51,8 +53,9 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
             copy = info.embedding_copy
             replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
-            # dp x cp replicas dealt round-robin
-            writes = replica_writer and len(records) % state.dp_cp_size == state.dp_cp_rank
+            # replicas dealt round-robin: the dp x cp ranks, or for an FSDP shard HSDP's replicas of it
+            replicas, replica_rank = shard_replicas(param) or (state.dp_cp_size, state.dp_cp_rank)
+            writes = replica_writer and len(records) % replicas == replica_rank
             records.append(
                 ParamRecord(
                     name,
@@ -61,6 +64,7 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
                     tp_blocks(param),
                     writes,
                     replica_writer,
+                    local_shard(param),
                 )
             )
     return records
@@ -77,8 +81,8 @@ def weight_pieces(records: list[ParamRecord], for_save: bool, key_of=lambda name
     for rec in records:
         if for_save and not rec.writes:
             continue
-        flat = rec.param.detach().view(-1)
-        _add(out, key_of(rec.name), rec.shape, pieces_of(flat, 0, tuple(rec.param.shape), rec.blocks))
+        flat, start = rec.local
+        _add(out, key_of(rec.name), rec.shape, pieces_of(flat, start, tuple(rec.param.shape), rec.blocks))
     return out
 
 

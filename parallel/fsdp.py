@@ -1,0 +1,231 @@
+"""Sharded data parallelism (ZeRO-3) with torch's FSDP2: the third data-parallel flavour, beside DataParallel
+(replicated parameters, bucketed gradient all-reduce) and DataParallel + DistributedOptimizer (ZeRO-1).
+
+`ShardedDataParallel` shards each model chunk over the data-parallel ranks with `fully_shard` (public API of
+torch.distributed.fsdp, the same in torch 2.11 and 2.13): one FSDP unit per transformer layer plus the chunk itself
+(the embedding, the final norm and the output layer), on a DeviceMesh made from the ParallelState's own groups:
+1-D over the dp x cp ranks (context-parallel ranks hold replicas too), or 2-D for HSDP (`parallel.fsdp_replicate`
+replicas of consecutive dp x cp ranks: all-reduce over "dp_replicate", shard over "dp_shard"). Tensor
+parallelism stays the project's own (plain local tensors, not DTensor TP): FSDP shards each rank's tp shard
+along dim 0, as torchtitan's dp_shard x cp over a tp mesh.
+
+What FSDP does per micro-batch: all-gather a layer's parameters before its forward (the next layer prefetched),
+free them after it (`parallel.fsdp_reshard_after_forward`, ZeRO-3; false keeps them until backward, ZeRO-2
+like), gather again before its backward (the previous layer prefetched), reduce-scatter its gradients right
+after it (the shards accumulate over micro-batches in fp32). Mixed precision with the trainer's semantics: the
+sharded parameters stay fp32 (they are the optimizer's master weights), compute runs in bf16/fp16
+(`MixedPrecisionPolicy(param_dtype)`: the all-gather carries 16-bit values) and gradients are reduced in fp32
+(`reduce_dtype`), summed and divided by dp (not dp x cp: cp ranks' losses are parts of one sum, as
+DataParallel). FSDP's all-gathers and reduce-scatters go through `state.comm` (custom collectives: the
+recorder sees them like every other collective), HSDP's all-reduce is noted there after FSDP issues it.
+
+The interface is DataParallel's (`zero_grad`, `enable_grad_sync`, `finish_grad_sync`, `owned_main_grad`,
+`grad_buffer_bytes`), so the step and the loop do not know which flavour they hold; the optimizer
+(training/sharded_optimizer.py) steps each rank's fp32 shards with the same AdamW arithmetic, and checkpoints
+store the shards as pieces of global tensors (`local_shard`), so they stay layout-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from model.param_info import param_info, set_param_info
+from parallel.comm import Collectives
+
+
+class LocalShard(NamedTuple):
+    """This rank's part of a parameter (or of a param-shaped tensor): `flat` holds the parameter's flat elements
+    [start, start + flat.numel()) (a view: writing it writes the parameter)."""
+
+    flat: torch.Tensor
+    start: int
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: an FSDP shard's local part, or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_shard(tensor: torch.Tensor) -> LocalShard:
+    """Where this rank's elements of `tensor` lie in its flat elements: an FSDP parameter (Shard(0) over its
+    mesh's last dimension, torch.chunk's split: ceil(rows / n) rows per rank, the last ranks fewer or none) or
+    a plain tensor (all of it)."""
+    if not isinstance(tensor, DTensor):
+        return LocalShard(tensor.detach().view(-1), 0)
+    local = tensor.to_local().detach()
+    rows = tensor.shape[0]
+    per_row = tensor.numel() // rows if rows else 0
+    placement = tensor.placements[-1]
+    if not isinstance(placement, Shard) or placement.dim != 0:
+        raise ValueError(f"expected an FSDP parameter sharded along dim 0, got placements {tensor.placements}")
+    mesh = tensor.device_mesh
+    index, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    first_row = min(index * -(-rows // size), rows)
+    return LocalShard(local.view(-1), first_row * per_row)
+
+
+def shard_replicas(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(replicas, this rank's replica) of an FSDP shard: HSDP's replicas of it, or (1, 0) without HSDP; None for
+    a plain tensor (its replicas are the dp x cp ranks)."""
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh
+    return (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)
+
+
+def fsdp_mesh(state: Any, device_type: str) -> DeviceMesh:
+    """The mesh FSDP shards over, from the state's groups: 1-D over dp x cp, or (replicate, shard) for HSDP."""
+    if state.fsdp_replicate == 1:
+        return DeviceMesh.from_group(state.dp_cp_group, device_type, mesh_dim_names=("dp_shard",))
+    shard = state.dp_cp_size // state.fsdp_replicate
+    dp_cp_ranks = state.grid.group(state.rank, "cp", "dp")  # ascending: dp_cp_rank order, as the HSDP groups
+    layout = torch.tensor(dp_cp_ranks, dtype=torch.int).view(state.fsdp_replicate, shard)
+    return DeviceMesh.from_group(
+        [state.hsdp_replicate_group, state.hsdp_shard_group],
+        device_type,
+        mesh=layout,
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+    )
+
+
+class RecordedAllGather:
+    """FSDP's parameter all-gather (the `set_custom_all_gather` interface: allocate, then call) issued through
+    the project's Collectives, so the rank's recorder sees it."""
+
+    def __init__(self, comm: Collectives):
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+        return self.comm.all_gather_into(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class RecordedReduceScatter:
+    """FSDP's gradient reduce-scatter (`set_custom_reduce_scatter`), a sum (FSDP divides afterwards: see
+    `ShardedDataParallel`), through the project's Collectives."""
+
+    def __init__(self, comm: Collectives):
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ):
+        if op != torch.distributed.ReduceOp.SUM:  # force_sum_reduction_for_comms is set on every unit
+            raise ValueError(f"FSDP asked for a {op} reduce-scatter; the trainer sums and divides afterwards")
+        return self.comm.reduce_scatter_into(output_tensor, input_tensor, group, async_op=async_op)
+
+
+def _carry_param_info(chunk: nn.Module, before: dict[str, Any]) -> None:
+    """fully_shard replaces every parameter by a DTensor one: give each the ParamInfo its plain one had."""
+    for name, param in chunk.named_parameters(remove_duplicate=False):
+        info = before[name]
+        set_param_info(param, **{f.name: getattr(info, f.name) for f in dataclasses.fields(info)})
+
+
+class ShardedDataParallel:
+    """FSDP2 over this rank's model chunks with DataParallel's interface (module docstring).
+
+    Args:
+        chunks: this rank's model chunks (one: FSDP runs with pp = 1), built in fp32 (the master weights).
+        state: the ParallelState (dp_cp_group, or the HSDP groups with fsdp_replicate > 1).
+        compute_dtype: the dtype forward and backward run in (bf16 / fp16: FSDP casts the gathered parameters).
+        reshard_after_forward: free a layer's gathered parameters after its forward (ZeRO-3) or keep them.
+    """
+
+    distributed_optimizer = False  # the optimizer state is sharded by FSDP itself (training/sharded_optimizer.py)
+
+    def __init__(
+        self, chunks: list[nn.Module], state: Any, compute_dtype: torch.dtype, reshard_after_forward: bool = True
+    ):
+        self.chunks, self.state = chunks, state
+        # A chunk's output is a view ([b, s] loss, transposed); the executor never changes it in place, which
+        # is what FSDP warns about on every forward.
+        warnings.filterwarnings(
+            "ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+        )
+        device = next(p for chunk in chunks for p in chunk.parameters()).device
+        self.mesh = fsdp_mesh(state, device.type)
+        policy = MixedPrecisionPolicy(
+            param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+        )
+        for chunk in chunks:
+            self._shard_chunk(chunk, policy, reshard_after_forward)
+        unique = {id(p): p for chunk in chunks for p in chunk.parameters() if p.requires_grad}  # tied: once
+        self.params: list[nn.Parameter] = list(unique.values())
+
+    @property
+    def shard_group(self) -> Any:
+        """The group each parameter is sharded over (dp x cp, or one HSDP replica): the grad norm sums over it."""
+        return self.state.dp_cp_group if self.state.fsdp_replicate == 1 else self.state.hsdp_shard_group
+
+    def _shard_chunk(self, chunk: nn.Module, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
+        before = {name: param_info(p) for name, p in chunk.named_parameters(remove_duplicate=False)}
+        layers = [layer for _, layer in chunk.transformer_layers()]  # type: ignore[operator]
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        # the chunk's own parameters (embedding, final norm, head) are needed again first thing in backward:
+        # kept gathered from forward to backward (FSDP's own choice for a root unit when left unset)
+        fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False, mp_policy=policy)
+        _carry_param_info(chunk, before)
+        units: list[FSDPModule] = [*layers, chunk]  # type: ignore[list-item]
+        for current, following in zip(layers, layers[1:]):  # layer i gathers layer i+1 while it computes
+            current.set_modules_to_forward_prefetch([following])
+        for current, previous in zip(layers[1:], layers):  # and, in backward, layer i - 1
+            current.set_modules_to_backward_prefetch([previous])
+        for unit in units:
+            self._configure(unit)
+
+    def _configure(self, unit: FSDPModule) -> None:
+        comm = self.state.comm
+        unit.set_custom_all_gather(RecordedAllGather(comm))  # type: ignore[arg-type]
+        unit.set_custom_reduce_scatter(RecordedReduceScatter(comm))  # type: ignore[arg-type]
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the division is FSDP's own, after
+        unit.set_gradient_divide_factor(float(self.state.dp_size))  # dp, not dp x cp (see the module docstring)
+        if self.state.fsdp_replicate > 1:
+            group = self.state.hsdp_replicate_group
+
+            def note_all_reduce(reduced: torch.Tensor) -> None:  # FSDP issued it (HSDP) just before this call
+                comm.note("all_reduce", reduced.numel() * reduced.element_size(), group)
+
+            unit.set_all_reduce_hook(note_all_reduce)
+
+    # ---- DataParallel's interface ------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Drop the sharded gradients (FSDP allocates them again in the next backward)."""
+        for param in self.params:
+            param.grad = None
+
+    def enable_grad_sync(self, chunk_index: int = 0) -> None:
+        """Nothing to enable: FSDP reduce-scatters every micro-batch's gradients as its backward ends (the
+        shards accumulate; no rank holds a whole gradient across micro-batches, as ZeRO-3)."""
+
+    def finish_grad_sync(self) -> None:
+        """FSDP waited for its reduce-scatters at the end of backward; a parameter that got no gradient gets a
+        zero shard, so every rank steps the same elements."""
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def owned_main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The flat fp32 gradient of this rank's shard of `param` (after finish_grad_sync)."""
+        if param.grad is None:
+            raise RuntimeError("owned_main_grad before finish_grad_sync: FSDP has not reduced the gradients yet")
+        return local_tensor(param.grad).view(-1)
+
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of this rank's fp32 gradient shards (held from backward to the step)."""
+        return sum(local_tensor(p).numel() * 4 for p in self.params)
