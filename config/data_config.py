@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 
-def _expand_home(value: Any) -> Any:
+def _expand_home(value: object) -> object:
     """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
     return os.path.expanduser(value) if isinstance(value, str) else value
 

@@ -19,7 +19,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, TypeGuard, TypeVar, Union
 
 import yaml
 
@@ -31,6 +31,12 @@ from model.config import ModelConfig
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
 LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
+
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Section = TypeVar("_Section", bound="DataclassInstance")  # one section's dataclass
 
 
 class ConfigError(ValueError):
@@ -321,7 +327,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _type_matches(value: Any, annotation: Any) -> bool:
+def _type_matches(value: object, annotation: object) -> bool:
     """Whether a YAML value fits a dataclass field annotation (int accepted for float)."""
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
@@ -334,14 +340,14 @@ def _type_matches(value: Any, annotation: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is list or annotation is list:
         return isinstance(value, list)
-    return isinstance(value, annotation)
+    return isinstance(value, typing.cast(type, annotation))  # every leaf of a field annotation is a class
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _coerce_float(value: Any, annotation: Any) -> Any:
+def _coerce_float(value: object, annotation: object) -> object:
     """PyYAML reads `1e-4` (no dot) as a string; accept it where a float is expected."""
     accepts_float = annotation is float or float in typing.get_args(annotation)
     if accepts_float and isinstance(value, str):
@@ -352,7 +358,7 @@ def _coerce_float(value: Any, annotation: Any) -> Any:
     return value
 
 
-def _build_section(cls: type, values: dict, section: str) -> Any:
+def _build_section(cls: type[_Section], values: dict[str, object], section: str) -> _Section:
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     for key, value in values.items():

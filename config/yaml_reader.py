@@ -74,12 +74,12 @@ class _StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key repeated in one mapping (sections and keys alike), nesting past
     MAX_DEPTH and aliases that expand past MAX_ALIAS_EXPANSION values."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
         self._literal_nodes = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
         if self.check_event(yaml.AliasEvent):
             return super().compose_node(parent, index)
         self._literal_nodes += 1
@@ -98,7 +98,7 @@ class _StrictLoader(yaml.SafeLoader):
         return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
+        seen: dict[str | int | float | bool, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat what it merges
                 continue
@@ -113,7 +113,7 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml_text(text: str) -> Any:
+def load_yaml_text(text: str) -> object:
     """The YAML document of `text`, loaded strictly and boundedly (see the module docstring); anything wrong
     raises a yaml.YAMLError (YamlBoundError for a bound) whose str() names the line."""
     try:

@@ -10,7 +10,7 @@ section.key=value overrides apply; parallel.fsdp=true: ZeRO-3, sharded data para
 config's layout against ZeRO-3 without model parallelism (tp 1, pp 1) and FSDP with tp over one node, at the same
 model, batch and GPUs, and says which wins and why. --software paper predicts as the paper's software ran it in
 2021 (Megatron-LM's local DDP; DeepSpeed's ZeRO-3 with parallel.fsdp=true) instead of this trainer. What the
-model counts and ignores: docs/performance.md, "Planner".
+model counts and ignores: docs/planner.md.
 """
 
 from __future__ import annotations
