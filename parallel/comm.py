@@ -56,7 +56,7 @@ from torch.distributed import ProcessGroup, Work
 
 from compat import torch_private
 
-_T = TypeVar("_T")  # what all_gather_object gathers
+GatheredT = TypeVar("GatheredT")  # what all_gather_object gathers
 WORLD = "world"
 P2P_KINDS = ("send", "recv")
 # What this rank has done with a call: issued it (an async one in flight), is blocked in it, saw it complete or
@@ -405,7 +405,9 @@ class Collectives:
     def barrier(self, group: ProcessGroup | None = None) -> None:
         self._call("barrier", 0, group, lambda: dist.barrier(group=group))
 
-    def all_gather_object(self, outputs: list[_T | None], obj: _T, group: ProcessGroup | None = None) -> None:
+    def all_gather_object(
+        self, outputs: list[GatheredT | None], obj: GatheredT, group: ProcessGroup | None = None
+    ) -> None:
         """Every rank's picklable `obj` into `outputs` (placeholders, one per rank; bytes unknown before pickling:
         recorded as 0)."""
         self._call("all_gather_object", 0, group, lambda: dist.all_gather_object(outputs, obj, group=group))
