@@ -12,9 +12,12 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import GradientEdge
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
 
 def resolve(name: PrivateName) -> Any:
     """The object `name` refers to in the installed torch; AttributeError / ImportError when it is gone."""
-    value: Any = importlib.import_module(name.module)
+    value: object = importlib.import_module(name.module)
     for part in name.path.split("."):
         value = getattr(value, part)
     return value
@@ -111,7 +114,22 @@ def dcp_metadata_classes() -> dict[str, tuple[str, ...]]:
     return classes
 
 
-def autograd_engine() -> Any | None:
+class AutogradEngine(Protocol):
+    """What the pipeline calls on torch's autograd engine (parallel/pipeline/weight_grad.engine_run)."""
+
+    def run_backward(
+        self,
+        tensors: tuple[torch.Tensor | GradientEdge, ...],
+        grad_tensors: tuple[torch.Tensor, ...],
+        keep_graph: bool,
+        create_graph: bool,
+        inputs: tuple[torch.Tensor, ...],
+        allow_unreachable: bool,
+        accumulate_grad: bool,
+    ) -> tuple[torch.Tensor, ...]: ...
+
+
+def autograd_engine() -> AutogradEngine | None:
     """torch's autograd engine object when it has `run_backward` (AUTOGRAD_ENGINE), else None."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     return engine if engine is not None and hasattr(engine, "run_backward") else None
@@ -125,7 +143,7 @@ def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(fused(tensors))
 
 
-def fused_sdp_choice() -> Callable[..., Any] | None:
+def fused_sdp_choice() -> Callable[..., int] | None:
     """torch's SDPA backend selector (FUSED_SDP_CHOICE), or None when this torch has none."""
     return getattr(torch, "_fused_sdp_choice", None)
 
@@ -137,7 +155,7 @@ def is_view(tensor: torch.Tensor) -> bool | None:
     return tensor._base is not None
 
 
-def set_group_timeout(group: Any, timeout: timedelta) -> bool:
+def set_group_timeout(group: object, timeout: timedelta) -> bool:
     """Make `timeout` the timeout of `group`'s future collectives: the public ProcessGroup.set_timeout, else
     SET_PG_TIMEOUT; False when this torch has neither (the group keeps its timeout)."""
     setter = getattr(group, "set_timeout", None)

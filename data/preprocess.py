@@ -16,12 +16,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from multiprocessing.pool import Pool
+from typing import ClassVar
 
 import numpy as np
 
 from data.indexed_dataset import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
-from data.tokenizers import EOD_TOKEN, build_tokenizer
+from data.tokenizers import EOD_TOKEN, Tokenizer, build_tokenizer
+
+# What one line of the input becomes: (line number, {json key: token arrays of its sequences} or the reason the
+# line is bad, bytes read)
+EncodedLine = tuple[int, dict[str, list[np.ndarray]] | str, int]
 
 # A task is up to this many lines or bytes: enough to amortise inter-process pickling, small enough that
 # a corpus of a few thousand large documents still spreads evenly over the workers.
@@ -49,7 +54,7 @@ class PreprocessStats:
 class _Encoder:
     """Encodes batches of raw lines; the tokenizer lives on the class so each worker builds it once."""
 
-    tokenizer: Any = None  # one of data/tokenizers.py's classes, built by initialize()
+    tokenizer: ClassVar[Tokenizer | None] = None  # one of data/tokenizers.py's classes, built by initialize()
     settings: ClassVar[dict] = {}
 
     @classmethod
@@ -58,14 +63,15 @@ class _Encoder:
         cls.tokenizer = build_tokenizer(**settings["tokenizer_args"])
 
     @classmethod
-    def encode_batch(cls, batch: tuple[int, list[bytes]]):
+    def encode_batch(cls, batch: tuple[int, list[bytes]]) -> list[EncodedLine]:
         """[(line_no, {key: tokens} or error message, n_bytes)] for one batch of lines."""
         first_line, lines = batch
         return [cls._encode_line(first_line + k, raw) for k, raw in enumerate(lines)]
 
     @classmethod
-    def _encode_line(cls, line_no: int, raw: bytes):
+    def _encode_line(cls, line_no: int, raw: bytes) -> EncodedLine:
         settings, tokenizer = cls.settings, cls.tokenizer
+        assert tokenizer is not None, "_Encoder.initialize builds the tokenizer first"
         try:
             record = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
@@ -96,6 +102,7 @@ class _Encoder:
     def _encode_text(cls, text: str) -> list[int]:
         """Token ids; with parse_special_tokens a literal end-of-document string becomes the eod id."""
         tokenizer = cls.tokenizer
+        assert tokenizer is not None, "_Encoder.initialize builds the tokenizer first"
         if not cls.settings["parse_special_tokens"]:
             return tokenizer.encode(text)
         ids: list[int] = []
@@ -189,7 +196,7 @@ def preprocess_jsonl(
     return stats
 
 
-def _start_encoding(input_path: str, settings: dict, workers: int) -> tuple[Any, Iterator[Any]]:
+def _start_encoding(input_path: str, settings: dict, workers: int) -> tuple[Pool | None, Iterator[list[EncodedLine]]]:
     """(the worker pool or None, the encoded batches in input order): `workers` processes, or this one."""
     if workers > 1:
         pool = multiprocessing.get_context("fork").Pool(workers, _Encoder.initialize, (settings,))
@@ -244,7 +251,13 @@ def _settings(input_path, tokenizer_args: dict, json_keys, append_eod, parse_spe
 
 
 def _consume(
-    results, builders, stats: PreprocessStats, input_path: str, skip_bad_lines: bool, log_interval: int, log
+    results: Iterator[list[EncodedLine]],
+    builders: dict[str, IndexedDatasetBuilder],
+    stats: PreprocessStats,
+    input_path: str,
+    skip_bad_lines: bool,
+    log_interval: int,
+    log: Callable[[str], None],
 ) -> None:
     start = time.perf_counter()
     for batch in results:
@@ -278,7 +291,7 @@ def _cpu_seconds(children: bool) -> float:
     return time.process_time()
 
 
-def _report(stats: PreprocessStats, workers: int, log) -> None:
+def _report(stats: PreprocessStats, workers: int, log: Callable[[str], None]) -> None:
     rate = stats.bytes / max(stats.seconds, 1e-9) / 1e6
     log(
         f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in "

@@ -11,6 +11,7 @@ import logging
 import os
 import unicodedata
 from itertools import chain
+from typing import Protocol
 
 import regex
 
@@ -24,6 +25,18 @@ from data.bpe import (
 )
 
 EOD_TOKEN = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    """What every tokenizer here exposes (the module docstring)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eod(self) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
+
+
 # Bounds the per-word cache so a long preprocessing run over an open-ended vocabulary of words cannot
 # grow without limit; natural text re-hits a few hundred thousand words most of the time.
 _CACHE_LIMIT = 1_000_000

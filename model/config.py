@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import ClassVar
 
 
-def _structural(compared_as: str | None = None) -> dict[str, Any]:
+def _structural(compared_as: str | None = None) -> dict[str, str | None]:
     """Field metadata of a key that changes the tensors (names or shapes): a checkpoint must match it.
     `compared_as` names the derived property to compare when the key has a default resolved from others
     (num_query_groups None and num_query_groups == heads build the same tensors)."""

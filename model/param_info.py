@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -158,12 +159,25 @@ class ParamInfo:
 _DEFAULT = ParamInfo()
 
 
+class ParamInfoFields(TypedDict, total=False):
+    """Keyword arguments of `set_param_info`: any of ParamInfo's fields."""
+
+    init_name: str | None
+    full_shape: tuple[int, ...] | None
+    sharding: Sharding
+    tp_rank: int
+    tp_size: int
+    sequence_parallel: bool
+    shared_embedding: bool
+    embedding_copy: bool
+
+
 def param_info(param: torch.Tensor) -> ParamInfo:
     """The parameter's record (the default record when none was set)."""
     return getattr(param, ATTRIBUTE, _DEFAULT)
 
 
-def set_param_info(param: torch.Tensor, **fields) -> ParamInfo:
+def set_param_info(param: torch.Tensor, **fields: Unpack[ParamInfoFields]) -> ParamInfo:
     """Replace the given fields of the parameter's record; returns the new record."""
     info = dataclasses.replace(param_info(param), **fields)
     setattr(param, ATTRIBUTE, info)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
+
+import torch
 
 from model.config import ModelConfig
 from model.kernels import KernelSelection, select_kernels
@@ -21,8 +23,13 @@ from model.tp_hooks import ContextParallelHooks, TensorParallelHooks
 
 # opens a random stream for the block it guards (parallel/random.RNGTracker.fork)
 RNGFork = Callable[[], AbstractContextManager[None]]
-# checkpoint_fn(fn, *args): fn(*args) under activation checkpointing (parallel/random.make_checkpoint_fn)
-CheckpointFn = Callable[..., Any]
+
+
+class CheckpointFn(Protocol):
+    """`checkpoint_fn(fn, *args)`: fn(*args) under activation checkpointing (parallel/random.make_checkpoint_fn);
+    `fn` is a layer or the attention core, `args` its tensors (and None for an absent mask)."""
+
+    def __call__(self, fn: Callable[..., torch.Tensor], /, *args: object) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

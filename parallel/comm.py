@@ -48,13 +48,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, Work
 
 from compat import torch_private
 
+GatheredT = TypeVar("GatheredT")  # what all_gather_object gathers
 WORLD = "world"
 P2P_KINDS = ("send", "recv")
 # What this rank has done with a call: issued it (an async one in flight), is blocked in it, saw it complete or
@@ -178,7 +180,7 @@ class CommRecorder:
             if (region is None or r.region == region) and (iteration is None or r.iteration == iteration)
         ]
 
-    def dump(self) -> list[dict[str, Any]]:
+    def dump(self) -> list[dict[str, str | int | float]]:
         """The ring's records and the latest of each group and peer, in the order issued, as plain dicts."""
         with self._lock:
             kept = {r.order: r for r in self.recent}
@@ -208,24 +210,26 @@ class P2P(NamedTuple):
     kind: str  # "send" | "recv"
     tensor: torch.Tensor
     peer: int
-    group: Any
+    group: ProcessGroup | None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _gather_into(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _gather_into(output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None, async_op: bool) -> Work | None:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input_, group=group, async_op=async_op)
 
 
-def _scatter_into(output: torch.Tensor, input_: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _scatter_into(
+    output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None, async_op: bool
+) -> Work | None:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input_, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def set_group_timeout(group: Any, seconds: float) -> bool:
+def set_group_timeout(group: ProcessGroup | None, seconds: float) -> bool:
     """Make `seconds` the timeout of `group`'s future collectives (gloo and NCCL); False if torch cannot."""
     return torch_private.set_group_timeout(group, timedelta(seconds=seconds))
 
@@ -234,10 +238,10 @@ class RecordedWork:
     """A torch Work whose wait() marks its records completed (or failed) and counts the seconds blocked in it;
     on gloo the wait is bounded by the group's timeout (see the module docstring)."""
 
-    def __init__(self, work: Any, records: Sequence[CommRecord | None], comm: Collectives, group: Any):
+    def __init__(self, work: Work, records: Sequence[CommRecord | None], comm: Collectives, group: ProcessGroup | None):
         self._work, self._records, self._comm, self._group = work, records, comm, group
 
-    def wait(self, timeout: timedelta | None = None) -> Any:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         recorder, records = self._comm.recorder, [r for r in self._records if r is not None]
         for entry in records:
             if entry.state == ENTERED:
@@ -258,7 +262,7 @@ class RecordedWork:
                     started = time.perf_counter()  # the batch's time is counted once
         return result
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._work, name)
 
 
@@ -273,20 +277,20 @@ class Collectives:
         self.recorder = recorder
         self.before_issue: Callable[[str, str, bool], bool] | None = None
         self._names: dict[int, tuple[str, int]] = {}  # id(process group) -> (name, size)
-        self._groups: dict[str, Any] = {}  # name -> process group
+        self._groups: dict[str, ProcessGroup] = {}  # name -> process group
         self._gloo_timeouts: dict[int, float] = {}  # id(gloo group) -> its timeout, for wait() (module docstring)
 
-    def register(self, group: Any, name: str, size: int) -> None:
+    def register(self, group: ProcessGroup, name: str, size: int) -> None:
         """Name `group` (a process group of `size` ranks) in the records."""
         self._names[id(group)] = (name, size)
         self._groups[name] = group
 
-    def _named(self, group: Any) -> tuple[str, int]:
+    def _named(self, group: ProcessGroup | None) -> tuple[str, int]:
         if group is None or group is dist.group.WORLD:
             return WORLD, dist.get_world_size()
         return self._names.get(id(group)) or ("unnamed", dist.get_world_size(group))
 
-    def groups(self) -> dict[str, Any]:
+    def groups(self) -> dict[str, ProcessGroup | None]:
         """The named groups of this rank, the world included (when torch.distributed is up)."""
         world = {WORLD: dist.group.WORLD} if dist.is_available() and dist.is_initialized() else {}
         return {**world, **self._groups}
@@ -299,12 +303,14 @@ class Collectives:
                 if dist.get_backend(group) == "gloo":
                     self._gloo_timeouts[id(group if group is not None else dist.group.WORLD)] = seconds
 
-    def wait_timeout(self, group: Any) -> timedelta | None:
+    def wait_timeout(self, group: ProcessGroup | None) -> timedelta | None:
         """What a wait() on `group`'s work passes as its timeout: the gloo group's, None elsewhere."""
         seconds = self._gloo_timeouts.get(id(group if group is not None else dist.group.WORLD))
         return timedelta(seconds=seconds) if seconds is not None else None
 
-    def note(self, kind: str, nbytes: int, group: Any = None, peer: int = -1, state: str = NOTED) -> CommRecord | None:
+    def note(
+        self, kind: str, nbytes: int, group: ProcessGroup | None = None, peer: int = -1, state: str = NOTED
+    ) -> CommRecord | None:
         """Record one call of `kind` on `group` (by default one that someone else issues, e.g. torch's FSDP)."""
         if self.recorder is None:
             return None
@@ -331,7 +337,14 @@ class Collectives:
             entry,
         )
 
-    def _call(self, kind: str, nbytes: int, group: Any, issue: Callable[[], Any], async_op: bool = False) -> Any:
+    def _call(
+        self,
+        kind: str,
+        nbytes: int,
+        group: ProcessGroup | None,
+        issue: Callable[[], Work | None],
+        async_op: bool = False,
+    ) -> RecordedWork | None:
         """Issue one collective through `issue()`: recorded, timed, its failure named."""
         if self.before_issue is not None and not self.before_issue(kind, self._named(group)[0], async_op):
             return None
@@ -342,15 +355,20 @@ class Collectives:
         except Exception as err:
             raise self.failure(entry, started, err) from err
         if async_op:
+            assert result is not None, f"torch returned no work for an asynchronous {kind}"
             return RecordedWork(result, [entry], self, group)
         if entry is not None and self.recorder is not None:
             self.recorder.finish(entry, started)
-        return result
+        return None  # a blocking call: torch returns no work
 
     # ---- collectives ---------------------------------------------------------------------------------
     def all_reduce(
-        self, tensor: torch.Tensor, group: Any = None, op: Any = dist.ReduceOp.SUM, async_op: bool = False
-    ) -> Any:
+        self,
+        tensor: torch.Tensor,
+        group: ProcessGroup | None = None,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> RecordedWork | None:
         """Reduce `tensor` over `group` in place (op: SUM, MAX, MIN)."""
         return self._call(
             "all_reduce",
@@ -361,38 +379,41 @@ class Collectives:
         )
 
     def all_gather_into(
-        self, output: torch.Tensor, input_: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> Any:
+        self, output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> RecordedWork | None:
         """Concatenate every rank's `input_` along dim 0 into `output` (group size x input rows)."""
         return self._call(
             "all_gather", _nbytes(output), group, lambda: _gather_into(output, input_, group, async_op), async_op
         )
 
     def reduce_scatter_into(
-        self, output: torch.Tensor, input_: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> Any:
+        self, output: torch.Tensor, input_: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+    ) -> RecordedWork | None:
         """Sum `input_` over ranks and keep this rank's dim-0 slice (input rows / group size) in `output`."""
         return self._call(
             "reduce_scatter", _nbytes(input_), group, lambda: _scatter_into(output, input_, group, async_op), async_op
         )
 
-    def all_gather(self, outputs: list[torch.Tensor], input_: torch.Tensor, group: Any = None) -> Any:
+    def all_gather(self, outputs: list[torch.Tensor], input_: torch.Tensor, group: ProcessGroup | None = None) -> None:
         """Every rank's `input_` into the list `outputs` (one tensor per rank)."""
         nbytes = sum(_nbytes(t) for t in outputs)
-        return self._call("all_gather", nbytes, group, lambda: dist.all_gather(outputs, input_, group=group))
+        self._call("all_gather", nbytes, group, lambda: dist.all_gather(outputs, input_, group=group))
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> Any:
-        return self._call("broadcast", _nbytes(tensor), group, lambda: dist.broadcast(tensor, src=src, group=group))
+    def broadcast(self, tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
+        self._call("broadcast", _nbytes(tensor), group, lambda: dist.broadcast(tensor, src=src, group=group))
 
-    def barrier(self, group: Any = None) -> Any:
-        return self._call("barrier", 0, group, lambda: dist.barrier(group=group))
+    def barrier(self, group: ProcessGroup | None = None) -> None:
+        self._call("barrier", 0, group, lambda: dist.barrier(group=group))
 
-    def all_gather_object(self, outputs: list[Any], obj: Any, group: Any = None) -> None:
-        """Every rank's picklable `obj` into `outputs` (bytes unknown before pickling: recorded as 0)."""
+    def all_gather_object(
+        self, outputs: list[GatheredT | None], obj: GatheredT, group: ProcessGroup | None = None
+    ) -> None:
+        """Every rank's picklable `obj` into `outputs` (placeholders, one per rank; bytes unknown before pickling:
+        recorded as 0)."""
         self._call("all_gather_object", 0, group, lambda: dist.all_gather_object(outputs, obj, group=group))
 
     # ---- point to point ------------------------------------------------------------------------------
-    def batch_isend_irecv(self, ops: Sequence[P2P]) -> list[Any]:
+    def batch_isend_irecv(self, ops: Sequence[P2P]) -> list[RecordedWork]:
         """Post `ops` as one batch (NCCL-safe order is the caller's); returns the works to wait on."""
         if not ops:
             return []

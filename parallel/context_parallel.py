@@ -21,13 +21,17 @@ names (torch._scaled_dot_product_flash_attention), so CUDA runs the same path.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 from data.microbatch import Microbatch
 from model.tp_hooks import ContextParallelHooks
-from parallel.comm import P2P, Collectives
+from parallel.comm import P2P, Collectives, RecordedWork
+
+if TYPE_CHECKING:
+    from parallel.state import ParallelState
 
 Selection = tuple[slice, slice, bool]  # query rows, key columns (of the two local chunks), causal
 
@@ -117,19 +121,19 @@ def block_grads(
 class _Ring:
     """The cp group seen by one rank: its neighbours and asynchronous exchanges with them."""
 
-    def __init__(self, comm: Collectives, group: Any, ranks: list[int], cp_rank: int):
+    def __init__(self, comm: Collectives, group: ProcessGroup | None, ranks: list[int], cp_rank: int):
         self.comm, self.group, self.cp_size, self.cp_rank = comm, group, len(ranks), cp_rank
         self.next_rank = ranks[(cp_rank + 1) % self.cp_size]
         self.prev_rank = ranks[(cp_rank - 1) % self.cp_size]
 
-    def pass_on(self, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    def pass_on(self, send: torch.Tensor) -> tuple[torch.Tensor, list[RecordedWork]]:
         """Post: send `send` to the next rank, receive the previous rank's into a new buffer; wait later."""
         received = torch.empty_like(send)
         ops = [P2P("send", send, self.next_rank, self.group), P2P("recv", received, self.prev_rank, self.group)]
         return received, self.comm.batch_isend_irecv(ops)
 
 
-def _wait(works: list[Any]) -> None:
+def _wait(works: list[RecordedWork]) -> None:
     for work in works:
         work.wait()
 
@@ -149,7 +153,7 @@ def ring_forward(
     local = q.shape[-2]
     out = lse = torch.empty(0)
     for step in range(ring.cp_size):
-        pending: list[Any] = []
+        pending: list[RecordedWork] = []
         if step + 1 < ring.cp_size:  # the next block travels while this one is attended to
             next_kv, pending = ring.pass_on(kv)
         rows, cols, causal = block_selection(step, ring.cp_rank, ring.cp_size, local)
@@ -177,10 +181,10 @@ def ring_backward(
     q, dout, lse, delta = saved
     local = q.shape[-2]
     dq = torch.zeros_like(q)
-    dkv_works: list[Any] = []
+    dkv_works: list[RecordedWork] = []
     dkv_in = torch.empty(0)
     for step in range(ring.cp_size):
-        kv_works: list[Any] = []
+        kv_works: list[RecordedWork] = []
         if step + 1 < ring.cp_size:
             next_kv, kv_works = ring.pass_on(kv)
         rows, cols, causal = block_selection(step, ring.cp_rank, ring.cp_size, local)
@@ -214,6 +218,16 @@ def _kv_block(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack((k, v)).permute(0, 2, 3, 1, 4).unsqueeze(3).contiguous()
 
 
+class _RingContext(Protocol):
+    """What RingAttention keeps on autograd's context object between forward and backward."""
+
+    ring: _Ring
+    scale: float
+    saved_tensors: tuple[torch.Tensor, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention over the whole sequence of the cp group; q [s/cp, b, nq, d], k/v [s/cp, b, nkv, d]
     (query heads grouped per kv head, as SelfAttention lays them out) -> context [s/cp, b, nq * d].
@@ -224,7 +238,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, ring: _Ring
+        ctx: _RingContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, ring: _Ring
     ) -> torch.Tensor:
         s, b, nq, d = q.shape
         groups = k.shape[2]
@@ -236,7 +250,7 @@ class RingAttention(torch.autograd.Function):
         return context
 
     @staticmethod
-    def backward(ctx: Any, grad_context: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _RingContext, grad_context: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, context, lse, mask = ctx.saved_tensors
         s, b, nq, d = q.shape
         groups = k.shape[2]
@@ -250,7 +264,7 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def context_parallel_hooks(state: Any) -> ContextParallelHooks:
+def context_parallel_hooks(state: ParallelState) -> ContextParallelHooks:
     """The model's cp seam for this rank: ring attention over its cp group (one process: the defaults)."""
     if state.cp_size == 1:
         return ContextParallelHooks()

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from model.param_info import param_info
+from parallel.comm import RecordedWork
+
+if TYPE_CHECKING:
+    from parallel.state import ParallelState
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Bucket:
     end: int
     params: list[nn.Parameter]
     pending: set[int] = field(default_factory=set)  # ids of params whose hook has not fired since sync on
-    work: Any | None = None
+    work: RecordedWork | None = None
     launched: bool = False
 
     @property
@@ -122,7 +127,7 @@ class DataParallel:
     def __init__(
         self,
         chunks: list[nn.Module],
-        state,
+        state: ParallelState,
         bucket_size_mb: float,
         distributed_optimizer: bool,
         grad_dtype: torch.dtype = torch.float32,
@@ -137,7 +142,7 @@ class DataParallel:
         self.param_ranges: dict[nn.Parameter, ParamRange] = {}
         self._sync_enabled = [False] * len(chunks)
         self._next_launch = [0] * len(chunks)
-        self._hook_handles: list[Any] = []
+        self._hook_handles: list[RemovableHandle] = []
         for chunk_index, chunk in enumerate(chunks):
             self._build_chunk(chunk_index, chunk)
 

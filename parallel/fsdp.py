@@ -30,16 +30,20 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from model.param_info import param_info, set_param_info
-from parallel.comm import Collectives
+from model.param_info import ParamInfo, param_info, set_param_info
+from parallel.comm import Collectives, RecordedWork
+
+if TYPE_CHECKING:
+    from parallel.state import ParallelState
 
 
 class LocalShard(NamedTuple):
@@ -82,13 +86,15 @@ def shard_replicas(tensor: torch.Tensor) -> tuple[int, int] | None:
     return (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)
 
 
-def fsdp_mesh(state: Any, device_type: str) -> DeviceMesh:
+def fsdp_mesh(state: ParallelState, device_type: str) -> DeviceMesh:
     """The mesh FSDP shards over, from the state's groups: 1-D over dp x cp, or (replicate, shard) for HSDP."""
     if state.fsdp_replicate == 1:
+        assert state.dp_cp_group is not None, "FSDP shards over dp x cp > 1 ranks: the state has their group"
         return DeviceMesh.from_group(state.dp_cp_group, device_type, mesh_dim_names=("dp_shard",))
     shard = state.dp_cp_size // state.fsdp_replicate
     dp_cp_ranks = state.grid.group(state.rank, "cp", "dp")  # ascending: dp_cp_rank order, as the HSDP groups
     layout = torch.tensor(dp_cp_ranks, dtype=torch.int).view(state.fsdp_replicate, shard)
+    assert state.hsdp_replicate_group is not None and state.hsdp_shard_group is not None, "HSDP groups not created"
     return DeviceMesh.from_group(
         [state.hsdp_replicate_group, state.hsdp_shard_group],
         device_type,
@@ -107,7 +113,9 @@ class RecordedAllGather:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup, async_op: bool = False
+    ) -> RecordedWork | None:
         return self.comm.all_gather_into(output_tensor, input_tensor, group, async_op=async_op)
 
 
@@ -122,14 +130,19 @@ class RecordedReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ):
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: ProcessGroup,
+        op: torch.distributed.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> RecordedWork | None:
         if op != torch.distributed.ReduceOp.SUM:  # force_sum_reduction_for_comms is set on every unit
             raise ValueError(f"FSDP asked for a {op} reduce-scatter; the trainer sums and divides afterwards")
         return self.comm.reduce_scatter_into(output_tensor, input_tensor, group, async_op=async_op)
 
 
-def _carry_param_info(chunk: nn.Module, before: dict[str, Any]) -> None:
+def _carry_param_info(chunk: nn.Module, before: dict[str, ParamInfo]) -> None:
     """fully_shard replaces every parameter by a DTensor one: give each the ParamInfo its plain one had."""
     for name, param in chunk.named_parameters(remove_duplicate=False):
         info = before[name]
@@ -149,7 +162,11 @@ class ShardedDataParallel:
     distributed_optimizer = False  # the optimizer state is sharded by FSDP itself (training/sharded_optimizer.py)
 
     def __init__(
-        self, chunks: list[nn.Module], state: Any, compute_dtype: torch.dtype, reshard_after_forward: bool = True
+        self,
+        chunks: list[nn.Module],
+        state: ParallelState,
+        compute_dtype: torch.dtype,
+        reshard_after_forward: bool = True,
     ):
         self.chunks, self.state = chunks, state
         # A chunk's output is a view ([b, s] loss, transposed); the executor never changes it in place, which
@@ -168,7 +185,7 @@ class ShardedDataParallel:
         self.params: list[nn.Parameter] = list(unique.values())
 
     @property
-    def shard_group(self) -> Any:
+    def shard_group(self) -> ProcessGroup | None:
         """The group each parameter is sharded over (dp x cp, or one HSDP replica): the grad norm sums over it."""
         return self.state.dp_cp_group if self.state.fsdp_replicate == 1 else self.state.hsdp_shard_group
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from compat.torch_private import foreach_norm
 from model.param_info import ParamInfo, param_info
@@ -29,8 +30,11 @@ from parallel.comm import Collectives
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
 
+if TYPE_CHECKING:
+    from parallel.state import ParallelState
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], comm: Collectives, group: Any) -> None:
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], comm: Collectives, group: ProcessGroup | None) -> None:
     """Sum `tensors` over `group` in one collective (flatten, all_reduce, copy back); nothing when they are
     all empty (a distributed-optimizer rank that owns none of them)."""
     tensors = [t for t in tensors if t.numel()]
@@ -56,7 +60,9 @@ def _unique_params(chunks: Iterable[nn.Module], flag: str) -> list[nn.Parameter]
     return found
 
 
-def finalize_model_grads(chunks: Sequence[nn.Module], state, ddp: DataParallel | ShardedDataParallel) -> None:
+def finalize_model_grads(
+    chunks: Sequence[nn.Module], state: ParallelState, ddp: DataParallel | ShardedDataParallel
+) -> None:
     """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""
@@ -91,7 +97,7 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cp
     return torch.stack(norms).pow(2).sum()
 
 
-def reduce_norm(local_sum_sq: torch.Tensor, comm: Collectives, groups: list[Any]) -> float:
+def reduce_norm(local_sum_sq: torch.Tensor, comm: Collectives, groups: list[ProcessGroup | None]) -> float:
     """sqrt of the sum over `groups` (one after another; None entries skipped) of a local sum of squares."""
     total = local_sum_sq.clone()
     for group in groups:
@@ -108,7 +114,10 @@ def clip_coefficient(grad_norm: float, max_norm: float) -> float:
 
 
 def any_non_finite(
-    tensors: list[torch.Tensor], comm: Collectives, groups: list[Any], device: torch.device | str = "cpu"
+    tensors: list[torch.Tensor],
+    comm: Collectives,
+    groups: list[ProcessGroup | None],
+    device: torch.device | str = "cpu",
 ) -> bool:
     """True if any element of `tensors` on any rank of `groups` is inf or nan (one host sync)."""
     flag = torch.zeros((), dtype=torch.float32, device=device)

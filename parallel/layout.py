@@ -11,15 +11,49 @@ Nothing here needs torch.distributed or a process group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from parallel.pipeline.stages import StageMap
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")  # backward split into input (B) and weight (W) gradients
 # Block attention backends of context parallelism and whether each returns the log-sum-exp that the ring's
 # online-softmax merge needs: "torch" is plain matmul + logsumexp (CPU and GPU); SDPA returns no LSE.
 CP_ATTENTION_BACKENDS = {"torch": True, "sdpa": False}
+
+
+class ParallelSection(Protocol):
+    """What the layout rules read of the parallel section (config.schema.ParallelConfig; this package does not
+    import config/). `fsdp` and `fsdp_replicate` are read when present (off and 1 otherwise)."""
+
+    tp_size: int
+    pp_size: int
+    vp_size: int
+    cp_size: int
+    schedule: str
+    sequence_parallel: bool
+    cp_attention_backend: str
+
+
+class BatchSection(Protocol):
+    """What the layout rules read of the train section (config.schema.TrainConfig)."""
+
+    micro_batch_size: int
+    global_batch_size: int
+
+
+class ConfigSections(Protocol):
+    """A config.schema.Config as the layout rules see it: its model, parallel and train sections."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def parallel(self) -> ParallelSection: ...
+    @property
+    def train(self) -> BatchSection: ...
 
 
 class LayoutError(ValueError):
@@ -173,7 +207,7 @@ def check_schedule(schedule: str, pp_size: int, vp_size: int, num_microbatches: 
     return resolved
 
 
-def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> None:
+def check_tensor_parallel(model: ModelConfig, tp_size: int, sequence_parallel: bool) -> None:
     """Every size tensor parallelism splits must be divisible by tp."""
     check_positive(tp_size=tp_size)
     require_divisible("model.num_attention_heads", model.num_attention_heads, "parallel.tp_size", tp_size)
@@ -190,7 +224,9 @@ def check_tensor_parallel(model: Any, tp_size: int, sequence_parallel: bool) -> 
         )
 
 
-def check_context_parallel(model: Any, cp_size: int, tp_size: int, sequence_parallel: bool, backend: str) -> None:
+def check_context_parallel(
+    model: ModelConfig, cp_size: int, tp_size: int, sequence_parallel: bool, backend: str
+) -> None:
     """Context parallelism cuts each sequence into 2 * cp chunks (rank i holds chunks i and 2cp-1-i) and merges
     attention blocks by their log-sum-exp, so the block attention backend must return it."""
     check_positive(cp_size=cp_size)
@@ -230,7 +266,7 @@ def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
         )
 
 
-def build_layout(model: Any, parallel: Any, train: Any, world_size: int) -> Layout:
+def build_layout(model: ModelConfig, parallel: ParallelSection, train: BatchSection, world_size: int) -> Layout:
     """Validate every layout rule for these config sections (config.schema's model, parallel and train; this
     package does not import config/) and world size. No process group is needed.
     """
@@ -269,6 +305,6 @@ def check_fsdp(pp_size: int, dp_size: int, replicate: int) -> None:
     require_divisible("dp (world / (tp * cp * pp))", dp_size, "parallel.fsdp_replicate", replicate)
 
 
-def layout_from_config(config: Any, world_size: int) -> Layout:
+def layout_from_config(config: ConfigSections, world_size: int) -> Layout:
     """build_layout on a config.schema.Config."""
     return build_layout(config.model, config.parallel, config.train, world_size)

@@ -12,12 +12,15 @@ overlap, so losses are bitwise equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
+from parallel.comm import RecordedWork
 from parallel.data_parallel import Bucket, DataParallel
 
 
@@ -27,7 +30,7 @@ class PendingGather:
 
     bucket: Bucket
     full: torch.Tensor
-    work: Any
+    work: RecordedWork | None  # None: the gather was left out (Collectives.before_issue)
 
 
 def copy_bucket_to_params(ddp: DataParallel, bucket: Bucket, full: torch.Tensor) -> None:
@@ -40,12 +43,12 @@ def copy_bucket_to_params(ddp: DataParallel, bucket: Bucket, full: torch.Tensor)
 class ParamGather:
     """The gathers in flight and the forward pre-hooks that finish them (see the module docstring)."""
 
-    def __init__(self, ddp: DataParallel, group: Any):
+    def __init__(self, ddp: DataParallel, group: ProcessGroup | None):
         self.ddp, self.group = ddp, group
         self.pending: dict[int, PendingGather] = {}  # id(bucket) -> gather in flight
         self.handles = [handle for chunk in ddp.chunks for handle in self._hook_modules(chunk)]
 
-    def _hook_modules(self, chunk: nn.Module) -> list[Any]:
+    def _hook_modules(self, chunk: nn.Module) -> list[RemovableHandle]:
         """A forward pre-hook on every module that owns params (directly) in the grad buffers."""
         handles = []
         for module in chunk.modules():
@@ -58,8 +61,8 @@ class ParamGather:
                 handles.append(module.register_forward_pre_hook(self._make_hook(list(buckets.values()))))
         return handles
 
-    def _make_hook(self, buckets: list[Bucket]) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _make_hook(self, buckets: list[Bucket]) -> Callable[[nn.Module, tuple[object, ...]], None]:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             if self.pending:
                 for bucket in buckets:
                     self.wait(bucket)
@@ -77,7 +80,8 @@ class ParamGather:
         gather = self.pending.pop(id(bucket), None)
         if gather is None:
             return
-        gather.work.wait()
+        if gather.work is not None:
+            gather.work.wait()
         copy_bucket_to_params(self.ddp, gather.bucket, gather.full)
 
     def finish(self) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
-from model.rank_spec import DropoutStreams
+from model.rank_spec import CheckpointFn, DropoutStreams
 
 MODEL_PARALLEL = "model-parallel"
 TP_SEED_OFFSET = 2718
@@ -144,22 +145,22 @@ class _RecomputeContext:
         self.rng_tracker.set_states(self.saved.pop())
 
 
-def make_checkpoint_fn(rng_tracker: RNGTracker) -> Callable:
+def make_checkpoint_fn(rng_tracker: RNGTracker) -> CheckpointFn:
     """`checkpoint_fn(fn, *args)`: non-reentrant activation checkpointing whose recomputation sees the same
     random numbers as the original forward, for the default generator (preserve_rng_state) and for the
     tracker's states (snapshot at forward, swapped in during recomputation, then restored)."""
 
-    def context_fn():
+    def context_fn() -> tuple[AbstractContextManager[None], _RecomputeContext]:
         snapshot: dict[str, torch.Tensor] = {}
 
         @contextlib.contextmanager
-        def forward_context():
+        def forward_context() -> Iterator[None]:
             snapshot.update(rng_tracker.get_states())
             yield
 
         return forward_context(), _RecomputeContext(rng_tracker, snapshot)
 
-    def checkpoint_fn(fn: Callable, *args):
+    def checkpoint_fn(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         return torch.utils.checkpoint.checkpoint(
             fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
         )

@@ -23,7 +23,7 @@ the model (layers, vocabulary, sequence) and the train section (batch, recomputa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from model.config import ModelConfig
 from model.rank_spec import Recompute
@@ -38,6 +38,15 @@ class TrainShape(RecomputeSettings, Protocol):
     """What a RunShape needs of the train section (config.schema.TrainConfig has these)."""
 
     micro_batch_size: int
+
+
+class ShapeSections(Protocol):
+    """What a RunShape reads of a config.schema.Config: its model and train sections."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def train(self) -> TrainShape: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class RunShape:
     train: TrainShape
 
     @classmethod
-    def of(cls, config: Any, layout: Layout) -> RunShape:
+    def of(cls, config: ShapeSections, layout: Layout) -> RunShape:
         """From a config.schema.Config (or any object with model and train sections) and its Layout."""
         return cls(config.model, layout, config.train)
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives, CommRecorder
 from parallel.layout import Layout, derive_dp_size
@@ -44,16 +45,18 @@ class ParallelState:
     vp_size: int = 1
     cp_size: int = 1
     v_shape: bool = False  # zb-v's V placement of the two chunks per rank (parallel/pipeline/stages.py)
-    tp_group: Any = None
-    cp_group: Any = None  # ring attention's group: ranks holding other chunks of the same sequence
-    dp_x_cp_group: Any = None  # the dp x cp group when cp > 1 (read it as `dp_cp_group`)
-    pp_group: Any = None
-    dp_group: Any = None
-    model_parallel_group: Any = None  # tp x pp ranks sharing one dp_rank
-    embedding_group: Any = None  # None unless this rank holds one of the tied copies on two ranks
+    tp_group: ProcessGroup | None = None
+    cp_group: ProcessGroup | None = None  # ring attention's group: ranks holding other chunks of the same sequence
+    dp_x_cp_group: ProcessGroup | None = None  # the dp x cp group when cp > 1 (read it as `dp_cp_group`)
+    pp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    model_parallel_group: ProcessGroup | None = None  # tp x pp ranks sharing one dp_rank
+    embedding_group: ProcessGroup | None = None  # None unless this rank holds one of the tied copies on two ranks
     fsdp_replicate: int = 1  # HSDP: the dp x cp ranks as this many replicas of an FSDP-sharded model
-    hsdp_shard_group: Any = None  # HSDP only: this rank's replica (dp x cp / fsdp_replicate ranks)
-    hsdp_replicate_group: Any = None  # HSDP only: the ranks holding the same shard in the other replicas
+    hsdp_shard_group: ProcessGroup | None = None  # HSDP only: this rank's replica (dp x cp / fsdp_replicate ranks)
+    hsdp_replicate_group: ProcessGroup | None = (
+        None  # HSDP only: the ranks holding the same shard in the other replicas
+    )
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
@@ -116,7 +119,7 @@ class ParallelState:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
 
-        def new_group(ranks: list[int]) -> Any:
+        def new_group(ranks: list[int]) -> ProcessGroup:  # (torch's sentinel on non-members, never kept)
             return dist.new_group(ranks, timeout=timeout)
 
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
@@ -159,7 +162,7 @@ class ParallelState:
             state._create_hsdp_groups(new_group)
         return state
 
-    def _create_hsdp_groups(self, new_group: Any) -> None:
+    def _create_hsdp_groups(self, new_group: Callable[[list[int]], ProcessGroup]) -> None:
         """HSDP cuts each dp x cp group (in dp_cp_rank order) into `fsdp_replicate` replicas of consecutive
         ranks: FSDP shards over a replica ("dp_shard") and all-reduces over the ranks holding the same shard
         in every replica ("dp_replicate"), as torchtitan's dp_replicate (outer) and dp_shard x cp (inner)."""
@@ -176,7 +179,7 @@ class ParallelState:
                 if self.rank in members:
                     self.hsdp_replicate_group = self._named(group, "dp_replicate", members)
 
-    def _create_cp_groups(self, new_group: Any) -> None:
+    def _create_cp_groups(self, new_group: Callable[[list[int]], ProcessGroup]) -> None:
         for ranks in self.grid.groups("cp"):
             group = new_group(ranks)
             if self.rank in ranks:
@@ -186,7 +189,7 @@ class ParallelState:
             if self.rank in ranks:
                 self.dp_x_cp_group = self._named(group, "dp_cp", ranks)
 
-    def _named(self, group: Any, name: str, ranks: list[int]) -> Any:
+    def _named(self, group: ProcessGroup, name: str, ranks: list[int]) -> ProcessGroup:
         """`group`, registered under `name` with `comm` (the records name groups by their dimensions)."""
         self.comm.register(group, name, len(ranks))
         return group
@@ -215,7 +218,7 @@ class ParallelState:
         return self.grid.coord(self.rank, "cp")
 
     @property
-    def dp_cp_group(self) -> Any:
+    def dp_cp_group(self) -> ProcessGroup | None:
         """Group of the replicas of every parameter (dp x cp): gradient reduction, optimizer shards."""
         return self.dp_group if self.cp_size == 1 else self.dp_x_cp_group
 

@@ -13,8 +13,6 @@ model/init.py (which gives it its value: the shard of the full tensor), the chec
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,12 +37,22 @@ def _new_param(
     dtype: torch.dtype | None,
     comm: TPComm,
     sharding: Sharding,
-    **info: Any,
+    *,
+    full_shape: tuple[int, ...],
+    sequence_parallel: bool = False,
 ) -> nn.Parameter:
     """An uninitialised parameter of the local `shape` (model/init.py gives it its value, the shard of the
-    full tensor), its ParamInfo carrying the layer's split, the rank's place in the tp group and `info`."""
+    full tensor `full_shape`), its ParamInfo carrying the layer's split, the rank's place in the tp group and
+    whether it is sequence-parallel."""
     param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    set_param_info(param, sharding=sharding, tp_rank=comm.rank, tp_size=comm.size, **info)
+    set_param_info(
+        param,
+        sharding=sharding,
+        tp_rank=comm.rank,
+        tp_size=comm.size,
+        full_shape=full_shape,
+        sequence_parallel=sequence_parallel,
+    )
     return param
 
 

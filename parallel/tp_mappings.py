@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives
 
@@ -71,7 +71,7 @@ class CommCounter:
 class TPComm:
     """The tensor-parallel group as seen by one rank, plus where to count its collectives."""
 
-    group: Any
+    group: ProcessGroup | None
     rank: int
     size: int
     counter: CommCounter | None = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,16 @@ from model.kernels.registry import KernelOps, register_kernel_ops
 KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy")
 
 
+class KernelSettings(Protocol):
+    """The keys of the model section that choose the kernels (model.config.ModelConfig has them; that module
+    imports this package, so the type is named by what it is read for)."""
+
+    @property
+    def fused_kernels(self) -> bool: ...
+    @property
+    def fused_kernel_names(self) -> list[str] | None: ...
+
+
 @dataclass(frozen=True)
 class KernelSelection:
     """Which fused kernels the model uses (empty: none, the default), and their registered ops (None until
@@ -47,7 +57,7 @@ class KernelSelection:
     ops: KernelOps | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_model_config(cls, cfg) -> KernelSelection:
+    def from_model_config(cls, cfg: KernelSettings) -> KernelSelection:
         """From model.fused_kernels (all on/off) and model.fused_kernel_names (a subset, or None = all)."""
         if not cfg.fused_kernels:
             return cls()
@@ -87,7 +97,7 @@ class KernelSelection:
         return f"fused kernels: {chosen} via {path}"
 
 
-def select_kernels(cfg) -> KernelSelection:
+def select_kernels(cfg: KernelSettings) -> KernelSelection:
     """The model config's kernels, their ops registered: the one call a model build makes."""
     return KernelSelection.from_model_config(cfg).registered()
 

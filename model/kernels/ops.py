@@ -14,7 +14,8 @@ Either way eager calls run the same launches, so the numbers do not depend on th
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -25,12 +26,20 @@ ELEMENTWISE_BLOCK = 1024  # elements per program of the elementwise kernels (mod
 USES_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not interpreter_on()
 
 
-def _launcher(kernel: Any) -> Any:
+class TritonKernel(Protocol):
+    """A `@triton.jit` kernel (or torch's wrap_triton of one): indexed by its launch grid, then called with the
+    kernel's arguments."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]: ...
+    def __call__(self, *args: object, **kwargs: object) -> object: ...  # (called only inside another kernel)
+
+
+def _launcher(kernel: TritonKernel) -> TritonKernel:
     """The kernel, wrapped so that torch.compile can trace its launch when the ops are triton_ops."""
     return torch.library.wrap_triton(kernel) if USES_TRITON_OP else kernel
 
 
-def _launch_elementwise(kernel: Any, n_elements: int, *args: Any, **constexprs: Any) -> None:
+def _launch_elementwise(kernel: TritonKernel, n_elements: int, *args: torch.Tensor, **constexprs: int) -> None:
     tk = triton_kernels()
     grid = tk.elementwise_grid(n_elements, ELEMENTWISE_BLOCK)
     _launcher(kernel)[grid](*args, n_elements, **constexprs, BLOCK=ELEMENTWISE_BLOCK)
@@ -44,7 +53,7 @@ def bias_grad(grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | N
 
 
 def _bias_activation_bwd(
-    kernel_name: str, n_elements: int, grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, **sizes: Any
+    kernel_name: str, n_elements: int, grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, **sizes: int
 ) -> torch.Tensor:
     """grad_y [like y] of act(y + bias) from the backward kernel `kernel_name` over `n_elements` outputs; without
     a bias the kernel is handed y in its place (HAS_BIAS=False: never read)."""

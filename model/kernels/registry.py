@@ -15,14 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import Tensor
+from torch.library import CustomOpDef
 
 from model.kernels import ops
 
 OP_NAMESPACE = "gpt_kernels"
-Op = Any  # a registered operator (torch._ops.OpOverload): callable like the launch it wraps
+if TYPE_CHECKING:  # OpOverload is generic in the type stubs; its aliases are for annotations only
+    from torch.library import OpOverload
+
+    # The registered operators, each callable like the launch of model/kernels/ops.py it wraps
+    BiasActivationOp = OpOverload[[Tensor, Tensor | None], Tensor]  # (y, bias) -> act(y + bias)
+    BiasActivationBwdOp = OpOverload[[Tensor, Tensor, Tensor | None], Tensor]  # (grad, y, bias) -> grad_y
+    BiasDropoutAddOp = OpOverload[[Tensor, Tensor | None, Tensor, Tensor | None], Tensor]  # (y, bias, residual, mask)
+    MulOp = OpOverload[[Tensor, Tensor], Tensor]
+    NormFwdOp = OpOverload[[Tensor, Tensor, Tensor | None, float, bool], tuple[Tensor, Tensor, Tensor]]
+    NormBwdOp = OpOverload[[Tensor, Tensor, Tensor, Tensor, Tensor, bool, bool], tuple[Tensor, Tensor, Tensor]]
+    RotateOp = OpOverload[[Tensor, Tensor, Tensor, bool], Tensor]  # (x, cos2d, sin2d, backward)
 
 
 @dataclass(frozen=True)
@@ -30,17 +42,17 @@ class KernelOps:
     """The registered ops (call them like the launches of model/kernels/ops.py) and the two entry points the
     dispatch functions of model/kernels/__init__.py use besides them."""
 
-    bias_gelu: Op
-    bias_gelu_bwd: Op
-    bias_swiglu: Op
-    bias_swiglu_bwd: Op
-    bias_dropout_add: Op
-    mul: Op
-    norm_fwd: Op
-    norm_bwd: Op
-    rotate: Op
+    bias_gelu: BiasActivationOp
+    bias_gelu_bwd: BiasActivationBwdOp
+    bias_swiglu: BiasActivationOp
+    bias_swiglu_bwd: BiasActivationBwdOp
+    bias_dropout_add: BiasDropoutAddOp
+    mul: MulOp
+    norm_fwd: NormFwdOp
+    norm_bwd: NormBwdOp
+    rotate: RotateOp
 
-    def custom_ops(self) -> tuple[Op, ...]:
+    def custom_ops(self) -> tuple[OpOverload, ...]:
         """Every op, for opcheck and the graph-break test."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
@@ -61,12 +73,13 @@ class KernelOps:
         return self.rotate(q, cos2d, sin2d, False), self.rotate(k, cos2d, sin2d, False)
 
 
-def _registered(name: str) -> Op:
+def _registered(name: str) -> OpOverload:
+    """The registered op gpt_kernels::<name> (its signature is the launch's: looked up by name)."""
     return getattr(getattr(torch.ops, OP_NAMESPACE), name).default
 
 
 # ---- fake (meta) implementations: every op returns fresh tensors ------------------------------------------
-def _like_first(x: torch.Tensor, *args: Any) -> torch.Tensor:
+def _like_first(x: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -78,16 +91,28 @@ def _swiglu_fake(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
 
 
-def _bias_dropout_add_fake(y: torch.Tensor, bias: Any, residual: torch.Tensor, mask: Any) -> torch.Tensor:
+def _bias_dropout_add_fake(
+    y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     return torch.empty_like(residual)
 
 
-def _norm_fwd_fake(x2d: torch.Tensor, weight: torch.Tensor, bias: Any, eps: float, is_rms: bool):
+def _norm_fwd_fake(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, is_rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stats = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
     return torch.empty_like(x2d), stats, torch.empty_like(stats)
 
 
-def _norm_bwd_fake(grad, x2d: torch.Tensor, weight, mean, rstd, has_bias: bool, is_rms: bool):
+def _norm_bwd_fake(
+    grad: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
+    is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_rows, hidden = x2d.shape
     block_rows = ops.rows_per_block(ops.triton_kernels().next_power_of_2(hidden), n_rows, x2d.device)
     programs, _ = ops.backward_programs(n_rows, block_rows, x2d.device)
@@ -96,41 +121,65 @@ def _norm_bwd_fake(grad, x2d: torch.Tensor, weight, mean, rstd, has_bias: bool, 
 
 
 # ---- autograd formulas (the backward calls the registered backward ops) ----------------------------------
-def _save_y_bias(ctx: Any, inputs: tuple, output: Any) -> None:
+class _OpContext(Protocol):
+    """The context object torch.library hands an op's setup_context and backward."""
+
+    saved_tensors: tuple[Tensor | None, ...]
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None: ...
+
+
+class _NormContext(_OpContext, Protocol):
+    has_bias: bool
+    is_rms: bool
+    weight_dtype: torch.dtype
+    bias_dtype: torch.dtype | None
+
+
+class _RotateContext(_OpContext, Protocol):
+    backward: bool
+
+
+def _save_y_bias(ctx: _OpContext, inputs: tuple[Tensor, Tensor | None], output: object) -> None:
     y, bias = inputs
     ctx.save_for_backward(y.contiguous(), bias)
 
 
-def _bias_grad(ctx: Any, index: int, grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def _bias_grad(ctx: _OpContext, index: int, grad: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The bias gradient when autograd asks for it (fp32 sum over tokens, in the bias dtype)."""
     return ops.bias_grad(grad, bias) if ctx.needs_input_grad[index] else None
 
 
-def _gelu_backward(ctx: Any, grad: torch.Tensor):
+def _gelu_backward(ctx: _OpContext, grad: Tensor) -> tuple[Tensor, Tensor | None]:
     y, bias = ctx.saved_tensors
     grad_y = _registered("bias_gelu_bwd")(grad, y, bias)
     return grad_y, _bias_grad(ctx, 1, grad_y, bias)
 
 
-def _swiglu_backward(ctx: Any, grad: torch.Tensor):
+def _swiglu_backward(ctx: _OpContext, grad: Tensor) -> tuple[Tensor, Tensor | None]:
     y, bias = ctx.saved_tensors
     grad_y = _registered("bias_swiglu_bwd")(grad, y, bias)
     return grad_y, _bias_grad(ctx, 1, grad_y, bias)
 
 
-def _bda_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+def _bda_setup(ctx: _OpContext, inputs: tuple[Tensor, Tensor | None, Tensor, Tensor | None], output: object) -> None:
     _, bias, _, scaled_mask = inputs
     ctx.save_for_backward(scaled_mask, bias)
 
 
-def _bda_backward(ctx: Any, grad: torch.Tensor):
+def _bda_backward(ctx: _OpContext, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor, None]:
     scaled_mask, bias = ctx.saved_tensors
     grad = grad.contiguous()
     grad_y = _registered("mul")(grad, scaled_mask) if scaled_mask is not None else grad
     return grad_y, _bias_grad(ctx, 1, grad_y, bias), grad, None
 
 
-def _norm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+def _norm_setup(
+    ctx: _NormContext,
+    inputs: tuple[Tensor, Tensor, Tensor | None, float, bool],
+    output: tuple[Tensor, Tensor, Tensor],
+) -> None:
     x2d, weight, bias, _, is_rms = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x2d, weight, mean, rstd)
@@ -138,27 +187,31 @@ def _norm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.weight_dtype, ctx.bias_dtype = weight.dtype, bias.dtype if bias is not None else None
 
 
-def _norm_backward(ctx: Any, grad: torch.Tensor, _grad_mean: Any, _grad_rstd: Any):
+def _norm_backward(
+    ctx: _NormContext, grad: Tensor, _grad_mean: Tensor | None, _grad_rstd: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, None, None]:
     x2d, weight, mean, rstd = ctx.saved_tensors
     grad_x, dw_part, db_part = _registered("norm_bwd")(grad, x2d, weight, mean, rstd, ctx.has_bias, ctx.is_rms)
     grad_bias = db_part.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
     return grad_x, dw_part.sum(0).to(ctx.weight_dtype), grad_bias, None, None
 
 
-def _rotate_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+def _rotate_setup(ctx: _RotateContext, inputs: tuple[Tensor, Tensor, Tensor, bool], output: object) -> None:
     _, cos2d, sin2d, backward = inputs
     ctx.save_for_backward(cos2d, sin2d)
     ctx.backward = backward
 
 
-def _rotate_backward(ctx: Any, grad: torch.Tensor):
+def _rotate_backward(ctx: _RotateContext, grad: Tensor) -> tuple[Tensor, None, None, None]:
     cos2d, sin2d = ctx.saved_tensors
     return _registered("rotate")(grad, cos2d, sin2d, not ctx.backward), None, None, None
 
 
 # name -> (launch, fake, (backward, setup_context) or None); backward ops first, each forward op's formula
 # calls them
-OP_TABLE: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[Callable, Callable] | None]] = {
+Launch = Callable[..., Tensor | tuple[Tensor, ...]]  # a launch of ops.py, or its fake
+Formula = tuple[Callable[..., tuple[Tensor | None, ...]], Callable[..., None]]  # (backward, setup_context)
+OP_TABLE: dict[str, tuple[Launch, Launch, Formula | None]] = {
     "bias_gelu_bwd": (ops.bias_gelu_bwd, _like_y, None),
     "bias_swiglu_bwd": (ops.bias_swiglu_bwd, _like_y, None),
     "mul": (ops.mul, _like_first, None),
@@ -171,12 +224,15 @@ OP_TABLE: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[Callable
 }
 
 
-def _define(name: str, launch: Callable[..., Any]) -> Any:
+def _define(name: str, launch: Launch) -> CustomOpDef:
     """Register `launch` as the op gpt_kernels::<name> (no argument is mutated: outputs are fresh)."""
     qualname = f"{OP_NAMESPACE}::{name}"
     if ops.USES_TRITON_OP:
-        return torch.library.triton_op(qualname, launch, mutates_args=())
-    return torch.library.custom_op(qualname, launch, mutates_args=())
+        op = torch.library.triton_op(qualname, launch, mutates_args=())
+    else:
+        op = torch.library.custom_op(qualname, launch, mutates_args=())
+    assert isinstance(op, CustomOpDef), op  # given the function, both return the op (not a decorator)
+    return op
 
 
 def register_kernel_ops() -> KernelOps:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -28,10 +28,11 @@ from parallel.state import ParallelState
 
 # One micro-batch, opaque to the executor: it only hands it to the forward_fn, which reads it (the trainer's
 # and evaluation's are data.microbatch.Microbatch; the executor's tests drive toy models with their own).
-OpaqueMicrobatch = Any
+MicrobatchT = TypeVar("MicrobatchT")
+MicrobatchT_contra = TypeVar("MicrobatchT_contra", contravariant=True)
 
 
-class ForwardFn(Protocol):
+class ForwardFn(Protocol[MicrobatchT_contra]):
     """The model-specific part of a forward, called by the executor for each forward action.
 
     Returns the chunk's output ([s, b, h], sent to the next virtual stage), or on the last virtual stage the
@@ -44,7 +45,7 @@ class ForwardFn(Protocol):
         chunk_index: int,
         chunk: torch.nn.Module,
         input_tensor: torch.Tensor | None,
-        microbatch: OpaqueMicrobatch,
+        microbatch: MicrobatchT_contra,
         /,
     ) -> torch.Tensor: ...
 
@@ -75,12 +76,12 @@ def run_backward(out: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 @dataclass
-class _Run:
+class _Run(Generic[MicrobatchT]):
     """Mutable state of one iteration on one rank (local to `execute_schedule`)."""
 
     chunks: Sequence[torch.nn.Module]
-    microbatches: list[OpaqueMicrobatch]
-    forward_fn: ForwardFn
+    microbatches: list[MicrobatchT]
+    forward_fn: ForwardFn[MicrobatchT]
     state: ParallelState
     comm: StageComm
     loss_scale: float
@@ -162,8 +163,8 @@ class _Run:
 def execute_schedule(
     plan: PipelinePlan,
     chunks: Sequence[torch.nn.Module],
-    microbatches: list[OpaqueMicrobatch],
-    forward_fn: ForwardFn,
+    microbatches: list[MicrobatchT],
+    forward_fn: ForwardFn[MicrobatchT],
     state: ParallelState,
     activation_shape: tuple[int, ...],
     activation_dtype: torch.dtype,

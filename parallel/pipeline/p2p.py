@@ -19,9 +19,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from parallel.comm import P2P
+from parallel.comm import P2P, RecordedWork
 from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.stages import last_virtual_stage, stage_rank, virtual_stage
 from parallel.state import ParallelState
@@ -138,7 +137,7 @@ def plan_steps(lists: list[list[Action]], vp_size: int, v_shape: bool = False) -
 class InFlight:
     """A posted batch: its works, the receive buffers to hand over, the sent tensors kept alive until done."""
 
-    works: list[dist.Work]
+    works: list[RecordedWork]
     received: list[tuple[Message, torch.Tensor]]
     sent: list[torch.Tensor]
 
