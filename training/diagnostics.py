@@ -21,7 +21,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 import torch.distributed as dist
 
@@ -41,7 +42,17 @@ def dump_stem(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def rank_identity(state: ParallelState) -> dict[str, Any]:
+class RankIdentity(TypedDict, total=False):
+    """rank_identity's record (a dump's first fields); empty until the watchdog has read it."""
+
+    rank: int
+    world_size: int
+    coords: dict[str, int]
+    sizes: dict[str, int]
+    groups: dict[str, list[int]]
+
+
+def rank_identity(state: ParallelState) -> RankIdentity:
     """Who this rank is: global rank, coordinates, and the global ranks of each of its named groups (read once
     at start: a dump written after a failure asks torch.distributed nothing)."""
     coords = {dim: state.grid.coord(state.rank, dim) for dim in MEGATRON_ORDER}
@@ -92,7 +103,7 @@ def _stacks(path: str) -> str:
 
 def write_dump(
     run_dir: str,
-    identity: dict[str, Any],
+    identity: RankIdentity,
     cause: str,
     reason: str,
     iteration: int,
@@ -122,11 +133,12 @@ def write_dump(
     return stem + ".json"
 
 
-def _readable_json(dump: dict[str, Any]) -> str:
+def _readable_json(dump: Mapping[str, object]) -> str:
     """JSON with one field per line and one record per line (a dump is also read by eye)."""
     fields = []
     for key, value in dump.items():
         if key == "records":
+            assert isinstance(value, list)  # recorder.dump()'s records
             rows = ",\n".join(f"  {json.dumps(record)}" for record in value)
             fields.append(f' "records": [\n{rows}\n ]' if value else ' "records": []')
         else:

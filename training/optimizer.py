@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
 from training.loss_scaler import loss_scaler_for
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Optimizer:
         """Multiply the loss by this before backward (1.0 unless fp16)."""
         return self.scaler.scale
 
-    def _norm_groups(self) -> list[Any]:
+    def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group] if self.state.is_distributed else []
 
     def grad_norm(self) -> float:
@@ -293,7 +296,7 @@ class DistributedOptimizer(Optimizer):
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
 
-    def _norm_groups(self) -> list[Any]:
+    def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group, self.state.dp_cp_group] if self.state.is_distributed else []
 
     def finish_param_gather(self) -> None:

@@ -15,7 +15,6 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
@@ -44,7 +43,7 @@ class ResumePlan:
     reset_progress: bool  # finetune: iteration 0, fresh data order and LR schedule
 
 
-def _model_value(model: dict, key: str) -> Any:
+def _model_value(model: dict, key: str) -> object:
     known = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
     return getattr(ModelConfig(**known), key)
 
