@@ -13,14 +13,14 @@ parameter (parallel/fsdp.local_shard), so training/checkpoint/state.py stores it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from config.schema import OptimConfig, TrainConfig
 from parallel.fsdp import ShardedDataParallel, local_shard, local_tensor
 from parallel.grad_utils import counts_in_grad_norm
-from training.optimizer import Optimizer, Segment, StepStats, _runs, check_optimizer_inputs, decays
+from training.optimizer import Optimizer, OptimizerState, Segment, StepStats, _runs, check_optimizer_inputs, decays
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -87,13 +87,13 @@ class ShardedOptimizer(Optimizer):
             seg.exp_avg_sq.zero_()
         self.step_count = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> OptimizerState:
         raise ValueError(
             "the per-rank optimizer format of earlier versions has no FSDP shards: checkpoints of an FSDP run are "
             "written in the layout-free format (training/checkpoint/)"
         )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: OptimizerState) -> None:
         raise ValueError(
             "a checkpoint in the per-rank format of earlier versions loads only at its own layout, without "
             "parallel.fsdp: resume it without FSDP once (the next save is layout-free), then with FSDP"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from config.schema import Config
@@ -213,7 +213,9 @@ def load_into_run(
     return dataclasses.replace(saved.progress)  # the loop advances it
 
 
-def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: bool, log: Callable[[str], None]) -> None:
+def apply_lr_schedule(
+    saved: Mapping[str, object] | None, lr_schedule: LRSchedule, override: bool, log: Callable[[str], None]
+) -> None:
     """Megatron's rule: the checkpoint's LR schedule wins unless optim.override_lr_schedule=true; every
     difference is logged either way."""
     if not saved:
