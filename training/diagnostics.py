@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import TypedDict, TypeGuard
 
 import torch.distributed as dist
 
@@ -50,6 +50,45 @@ class RankIdentity(TypedDict, total=False):
     coords: dict[str, int]
     sizes: dict[str, int]
     groups: dict[str, list[int]]
+
+
+class RecordJson(TypedDict):
+    """One of a dump's "records": parallel/comm.py's CommRecord as a plain dict (CommRecorder.dump())."""
+
+    seq: int
+    group: str
+    group_size: int
+    kind: str
+    nbytes: int
+    iteration: int
+    region: str
+    peer: int
+    order: int
+    state: str
+    started: float
+    wait_s: float
+    error: str
+
+
+class DumpJson(TypedDict):
+    """A rank's dump (rank_XXXXX.json) as write_dump writes it: the format, the rank's identity, then why and
+    where it stopped, its records, and its threads (ident -> name) and their stacks."""
+
+    format: int
+    rank: int
+    world_size: int
+    coords: dict[str, int]
+    sizes: dict[str, int]
+    groups: dict[str, list[int]]
+    iteration: int
+    cause: str
+    reason: str
+    time: float
+    host: str
+    pid: int
+    records: list[RecordJson]
+    threads: dict[str, str]
+    stacks: str
 
 
 def rank_identity(state: ParallelState) -> RankIdentity:
@@ -146,7 +185,12 @@ def _readable_json(dump: Mapping[str, object]) -> str:
     return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
-def read_dumps(folder: str) -> list[dict[str, Any]]:
+def _is_dump(value: object) -> TypeGuard[DumpJson]:
+    """Whether a decoded JSON file is a dump of this format."""
+    return isinstance(value, dict) and value.get("format") == FORMAT_VERSION and "records" in value
+
+
+def read_dumps(folder: str) -> list[DumpJson]:
     """Every rank's dump in `folder` (a run.dir or its diagnostics/), by rank. ValueError (one line) for a
     folder without dumps or a file that is not one."""
     if os.path.isdir(diagnostics_dir(folder)):
@@ -164,7 +208,7 @@ def read_dumps(folder: str) -> list[dict[str, Any]]:
                 dump = json.load(handle)
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable dump ({err})") from None
-        if not isinstance(dump, dict) or dump.get("format") != FORMAT_VERSION or "records" not in dump:
+        if not _is_dump(dump):
             raise ValueError(f"{path}: not a dump of format {FORMAT_VERSION}")
         dumps.append(dump)
     return sorted(dumps, key=lambda dump: dump["rank"])
