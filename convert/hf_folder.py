@@ -26,7 +26,7 @@ from convert.hf_mapping import (
 from convert.model_weights import check_dtypes, check_finite, meta_state
 from convert.safe_pickle import first_line
 from data.atomic_files import honour_umask
-from data.tokenizers import EOD_TOKEN
+from data.tokenizers import EOD_TOKEN, HuggingFaceTokenizer
 from model.config import ModelConfig
 from training.checkpoint.safe_reader import load_weights_file
 
@@ -191,7 +191,7 @@ def write_tokenizer(folder: str, data: dict[str, Any], vocab_size: int | None, m
     return ids
 
 
-def _write_hf_tokenizer(folder: str, tokenizer: Any, max_length: int) -> dict[str, int]:
+def _write_hf_tokenizer(folder: str, tokenizer: HuggingFaceTokenizer, max_length: int) -> dict[str, int]:
     """tokenizer.json, and its tokenizer_config.json when it has one (else a minimal one naming the end of
     document as bos and eos, as documents here are separated by eod only); bos/eos ids = the eod."""
     shutil.copyfile(tokenizer.path, os.path.join(folder, HF_TOKENIZER))
@@ -207,7 +207,7 @@ def _write_hf_tokenizer(folder: str, tokenizer: Any, max_length: int) -> dict[st
 
 
 # ---- reading ---------------------------------------------------------------------------------------
-def read_json_object(path: str) -> dict[str, Any]:
+def read_json_object(path: str) -> dict[str, object]:
     """A JSON file that must hold an object ({...}); HFFolderError naming the file otherwise."""
     try:
         with open(path, encoding="utf-8") as handle:
@@ -219,7 +219,7 @@ def read_json_object(path: str) -> dict[str, Any]:
     return value
 
 
-def read_config(folder: str) -> dict[str, Any]:
+def read_config(folder: str) -> dict[str, object]:
     """config.json of a transformers folder (a JSON object)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -315,11 +315,11 @@ def read_hf_weights(folder: str, cfg: ModelConfig) -> Tensors:
     return tensors
 
 
-def tokenizer_section(folder: str) -> dict[str, Any] | None:
+def tokenizer_section(folder: str) -> dict[str, str | None] | None:
     """Our data-section tokenizer keys for the tokenizer files of a transformers folder (vocab.json +
     merges.txt, else tokenizer.model, else tokenizer.json: Llama-3 and most current models), or None."""
     vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-    keys: dict[str, Any] = {"vocab_file": None, "merge_file": None, "tokenizer_model": None}
+    keys: dict[str, str | None] = {"vocab_file": None, "merge_file": None, "tokenizer_model": None}
     if os.path.isfile(vocab) and os.path.isfile(merges):
         return {"tokenizer_type": "GPT2BPETokenizer", **keys, "vocab_file": vocab, "merge_file": merges}
     for name, kind in (("tokenizer.model", "SentencePieceTokenizer"), (HF_TOKENIZER, "HuggingFaceTokenizer")):

@@ -14,6 +14,7 @@ Pure tensors and dicts: the files (config.json, safetensors, tokenizer) are writ
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
     )
 
 
-def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, object]:
     """config.json content for our model (vocab_size unpadded)."""
     common = {
         "vocab_size": cfg.vocab_size,
@@ -105,7 +106,7 @@ def _refuse(condition: bool, option: str) -> None:
         raise UnsupportedModelError(f"transformers option {option} is not supported by this model")
 
 
-def model_config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+def model_config_from_hf(config: Mapping[str, object], source: str = "config.json") -> ModelConfig:
     """Our model section for a transformers config.json (GPT-2 or Llama), checked as the trainer checks its
     model section; unsupported options and malformed values refused naming `source` and the key."""
     model_type = config.get("model_type")
@@ -129,11 +130,11 @@ class HFSettings:
     """A config.json's values read with their types checked: a missing size or one of the wrong type is one
     line naming the file and the key, not a KeyError deep in the mapping."""
 
-    def __init__(self, config: dict[str, Any], source: str) -> None:
+    def __init__(self, config: Mapping[str, object], source: str) -> None:
         self.config, self.source = config, source
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A value that needs no check (strings, flags, nested sections), or the default."""
+    def get(self, key: str, default: object = None) -> Any:
+        """A value that needs no check (strings, flags, nested sections: any JSON value), or the default."""
         return self.config.get(key, default)
 
     def size(self, key: str, default: int | None = None, optional: bool = False) -> int:

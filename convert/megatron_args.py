@@ -31,15 +31,15 @@ class ArgRule:
     the model (derived or fixed values), and nothing is read back."""
 
     field: str | None
-    write: Callable[[ModelConfig], dict[str, Any]]
-    read: Callable[[Args], Any] | None = None
+    write: Callable[[ModelConfig], dict[str, object]]
+    read: Callable[[Args], Any] | None = None  # any value of Megatron's args
 
 
 def _arg(args: Args, name: str, default: Any = None) -> Any:
     return getattr(args, name) if default is REQUIRED else getattr(args, name, default)
 
 
-def same(field: str, arg: str | None = None, default: Any = REQUIRED, written: str | None = None) -> ArgRule:
+def same(field: str, arg: str | None = None, default: object = REQUIRED, written: str | None = None) -> ArgRule:
     """A value Megatron keeps as it is, under `arg` (default: the field's name); `default` is Megatron's
     assumption when the args lack it; export writes the resolved property `written` when the field may be
     None (ffn_size for ffn_hidden_size, ...)."""
@@ -134,7 +134,7 @@ MODEL_ARGS: tuple[ArgRule, ...] = (
     same("make_vocab_size_divisible_by", default=128),
 )
 # Megatron options this model does not have, refused when set: name -> is the value unsupported?
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "num_experts": lambda v: v not in (None, 0),
     "apply_residual_connection_post_layernorm": bool,
     "qk_layernorm": bool,
@@ -151,7 +151,7 @@ TOKENIZERS = {
 }
 
 
-def model_args(cfg: ModelConfig) -> dict[str, Any]:
+def model_args(cfg: ModelConfig) -> dict[str, object]:
     """The model fields of Megatron-LM's args for `cfg` (export), in MODEL_ARGS order."""
     return {name: value for rule in MODEL_ARGS for name, value in rule.write(cfg).items()}
 

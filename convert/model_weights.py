@@ -47,8 +47,9 @@ def read_run_config(iter_dir: str) -> dict:
     config = read_saved_config(iter_dir)
     data = config.get("data") or {}
     for key in DataConfig.FILE_KEYS:
-        if key in data:
-            data[key] = resolve_data_file(data[key], os.path.dirname(iter_dir), base_first=True)
+        path = data.get(key)
+        if isinstance(path, str):  # None stays None
+            data[key] = resolve_data_file(path, os.path.dirname(iter_dir), base_first=True)
     return config
 
 

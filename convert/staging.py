@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from types import FrameType
 
 from data.atomic_files import atomic_output, remove_stale_temporaries, temporary_path
 
@@ -40,7 +40,7 @@ def stop_raises() -> Iterator[None]:
 
     raised: list[int] = []
 
-    def handle(signum: int, frame: Any) -> None:
+    def handle(signum: int, frame: FrameType | None) -> None:
         if not raised:  # once: a second SIGTERM must not cut the cleanup the first one started
             raised.append(signum)
             raise Stopped(signum)

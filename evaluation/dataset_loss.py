@@ -10,7 +10,7 @@ validation loss the run logged.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 
@@ -23,6 +23,10 @@ from training.guards import agree, bad_token_message, find_bad_token
 from training.setup import DistEnv, build_options, data_iterator
 from training.train_step import ForwardOnlyContext, evaluate
 
+if TYPE_CHECKING:
+    from data.blended_dataset import BlendedDataset
+    from data.gpt_dataset import GPTDataset
+
 SPLITS = ("all", *SPLIT_NAMES)
 
 
@@ -34,7 +38,7 @@ class ReportedError(EvalInputError):
         self.reporting_rank = reporting_rank
 
 
-def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> Any:
+def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> GPTDataset | BlendedDataset:
     """One epoch of `split` of the dataset at `prefix` (rank 0 writes the index caches first)."""
     if split not in SPLITS:
         raise EvalInputError(f"--split={split} is not one of {', '.join(SPLITS)}")
@@ -44,7 +48,7 @@ def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> Any:
     # None builds one epoch of the split (data/builder.py); 0 builds nothing.
     counts = cast(tuple[int, int, int], tuple(None if k == index else 0 for k in range(3)))
 
-    def build() -> Any:
+    def build() -> GPTDataset | BlendedDataset | None:
         return build_train_valid_test_datasets(
             [prefix], ratios, config.model.seq_length, config.train.seed, counts, data.cache_dir, options
         )[index]
@@ -67,7 +71,12 @@ def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> Any:
 
 
 def loss_task(
-    ctx: ForwardOnlyContext, config: Config, dataset: Any, batches: int | None, eod: int, env: DistEnv
+    ctx: ForwardOnlyContext,
+    config: Config,
+    dataset: GPTDataset | BlendedDataset,
+    batches: int | None,
+    eod: int,
+    env: DistEnv,
 ) -> Figures:
     """Mean validation loss over the first `batches` global batches of `dataset` (None: every whole global
     batch of its epoch); a token id outside the model's vocabulary stops every rank, one of them naming it."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -82,7 +82,21 @@ def run_config(checkpoint: str | None, hf: str | None, overrides: list[str]) -> 
     return config, source
 
 
-def run_tokenizer(config: Config, exact: bool = True) -> Any:
+class TextTokenizer(Protocol):
+    """What evaluation asks of data/tokenizers.py's tokenizers: text to ids and back, and their sizes."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eod(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def run_tokenizer(config: Config, exact: bool = True) -> TextTokenizer:
     """The run's tokenizer; EvalInputError when its vocabulary is not the model's (a tokenizer the model
     was not trained with; exact=False allows a model vocabulary larger than the tokenizer's, as the trainer
     does) or when it cannot turn text into ids (NullTokenizer)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from evaluation.detokenizers import wikitext_detokenizer
 from evaluation.documents import EvalInputError, harness_word_count, megatron_word_count, split_articles
@@ -24,7 +23,7 @@ from evaluation.windows import (
     rolling_windows,
 )
 
-Figures = dict[str, Any]
+Figures = dict[str, str | int | float]  # a task's named results (metrics.jsonl, --json)
 
 
 def safe_exp(value: float) -> float:

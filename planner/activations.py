@@ -20,7 +20,11 @@ backend of one process would be.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from config.schema import ParallelConfig, TrainConfig
+    from model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,11 @@ class ActivationShape:
 
 
 def shape_from_config(
-    model: Any, parallel: Any, train: Any, attention: str = "materialized", micro_batch: int | None = None
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    attention: str = "materialized",
+    micro_batch: int | None = None,
 ) -> ActivationShape:
     """The ActivationShape of a run config (config.schema sections)."""
     return ActivationShape(

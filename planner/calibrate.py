@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from config.schema import ConfigError, load_config
+from config.schema import Config, ConfigError, load_config
 from parallel.layout import layout_from_config
 from parallel.run_shape import RunShape
 from planner.cluster import ClusterSpec
@@ -47,7 +47,7 @@ class Observation:
     """A measured iteration time for a config on `world_size` GPUs."""
 
     label: str
-    config: Any
+    config: Config
     world_size: int
     measured_seconds: float
     software: Software = TRAINER  # how the measured run's software reduces gradients
@@ -90,7 +90,7 @@ def load_run(run_dir: str) -> Observation:
     return Observation(run_dir, config, _world_from_tflops(config, kept, seconds), seconds)
 
 
-def _world_from_tflops(config: Any, records: list[dict], seconds: float) -> int:
+def _world_from_tflops(config: Config, records: list[dict], seconds: float) -> int:
     """The world size of a run logged before metrics.jsonl carried it: the iteration's FLOPs (RunShape, the
     trainer's figure, which does not depend on dp) over seconds x logged TFLOP/s per device."""
     par = config.parallel
@@ -114,7 +114,7 @@ def log_errors(cluster: ClusterSpec, observations: list[Observation]) -> list[fl
 def _with_logs(cluster: ClusterSpec, keys: list[str], x: list[float], tied: bool) -> ClusterSpec:
     """The cluster with constants exp(x) (clamped to BOUNDS); `tied` scales gemm_max and hbm together."""
     eff = cluster.efficiency
-    values: dict[str, Any]  # Efficiency fields by name
+    values: dict[str, Any]  # Efficiency's float fields by name (dataclasses.replace types each by its field)
     if tied:
         scale = math.exp(x[0])
         values = {"gemm_max": min(1.0, eff.gemm_max * scale), "hbm": min(1.0, eff.hbm * scale)}

@@ -37,18 +37,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 from model.shape import ParamShape, chunk_parameters
 from parallel.data_parallel import owned_slice, plan_buckets, shard_range
 from parallel.layout import Layout
 from parallel.pipeline.p2p import Step, plan_steps
-from parallel.pipeline.schedules import Op, build_schedule, unhandled_op
+from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import ChunkPlacement
 from parallel.run_shape import TIED_GROUP, RunShape
 from planner.collective import Collective
 from planner.sharded import ShardedCollectives
 from planner.software import TRAINER, Software
+
+if TYPE_CHECKING:
+    from config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class _Bucket:
 class LayoutCollectives:
     """The collectives of one layout (module docstring); every method is pure arithmetic."""
 
-    def __init__(self, config: Any, layout: Layout, software: Software = TRAINER):
+    def __init__(self, config: Config, layout: Layout, software: Software = TRAINER):
         self.config, self.layout, self.software = config, layout, software
         self.run = RunShape.of(config, layout)
         model, par, train = config.model, config.parallel, config.train
@@ -102,7 +105,7 @@ class LayoutCollectives:
 
     # ---- the pipeline ------------------------------------------------------------------------------
     @cached_property
-    def lists(self) -> list[list[Any]]:
+    def lists(self) -> list[list[Action]]:
         """Every pipeline rank's action list (parallel/pipeline/schedules.py)."""
         lay = self.layout
         return [

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from model.config import ModelConfig
 from model.shape import attention_matmul_flops, layer_gemm_flops, output_gemm
@@ -44,21 +43,20 @@ class Hardware:
     cluster: ClusterSpec
     fp32: bool
     grid: RankGrid
-    _placement: dict[tuple[str, ...], Any] = field(default_factory=dict, compare=False, repr=False)
+    _per_node: dict[tuple[str, ...], int] = field(default_factory=dict, compare=False, repr=False)
+    _crosses: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def per_node(self, *dims: str) -> int:
         """Members of a group along `dims` ("tp"; "dp", "cp" for the gradient reduction) that share a node."""
-        key = ("per_node", *dims)
-        if key not in self._placement:  # walks every group of the grid: once per run
-            self._placement[key] = self.grid.per_node(self.cluster.gpus_per_node, *dims)
-        return self._placement[key]
+        if dims not in self._per_node:  # walks every group of the grid: once per run
+            self._per_node[dims] = self.grid.per_node(self.cluster.gpus_per_node, *dims)
+        return self._per_node[dims]
 
     def crosses_nodes(self, dim: str) -> bool:
         """Whether some `dim` group (e.g. a pipeline) spans two nodes."""
-        key = ("crosses", dim)
-        if key not in self._placement:
-            self._placement[key] = self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
-        return self._placement[key]
+        if dim not in self._crosses:
+            self._crosses[dim] = self.grid.crosses_nodes(dim, self.cluster.gpus_per_node)
+        return self._crosses[dim]
 
     @property
     def device_share(self) -> float:

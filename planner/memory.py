@@ -11,7 +11,7 @@ With FSDP (ZeRO-3) every byte of it is sharded, plus what is gathered at once (p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from model.shape import rank_params
 from parallel.layout import Layout
@@ -26,6 +26,10 @@ from planner.activations import (
 )
 from planner.sharded import ShardedCollectives, sharded_state_bytes
 from planner.software import TRAINER, Software
+
+if TYPE_CHECKING:
+    from config.schema import Config, TrainConfig
+    from model.config import ModelConfig
 
 GIB = 2.0**30
 
@@ -90,9 +94,9 @@ class MemoryEstimate:
 
 
 def rank_memory(
-    model: Any,
+    model: ModelConfig,
     layout: Layout,
-    train: Any,
+    train: TrainConfig,
     distributed_optimizer: bool,
     shape: ActivationShape,
     pp_rank: int,
@@ -144,9 +148,9 @@ def rank_memory(
 
 
 def layout_memory(
-    model: Any,
+    model: ModelConfig,
     layout: Layout,
-    train: Any,
+    train: TrainConfig,
     distributed_optimizer: bool,
     shape: ActivationShape,
     allowance_bytes: float,
@@ -167,7 +171,7 @@ def layout_memory(
 
 
 def config_memory(
-    config: Any,
+    config: Config,
     layout: Layout,
     shape: ActivationShape,
     allowance_bytes: float,

@@ -9,21 +9,24 @@ Points whose layout does not fit in memory are drawn hollow.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parallel.layout import LayoutError
 from planner.cluster import ClusterSpec
 from planner.predict import predict
 from planner.search import with_layout
 
+if TYPE_CHECKING:
+    from config.schema import Config
 
-def _batch(config: Any, global_batch: int) -> Any:
+
+def _batch(config: Config, global_batch: int) -> Config:
     import dataclasses
 
     return dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=global_batch))
 
 
-def _point(config: Any, cluster: ClusterSpec, world: int) -> tuple[float, bool] | None:
+def _point(config: Config, cluster: ClusterSpec, world: int) -> tuple[float, bool] | None:
     try:
         p = predict(config, cluster, world)
     except LayoutError:
@@ -31,7 +34,7 @@ def _point(config: Any, cluster: ClusterSpec, world: int) -> tuple[float, bool] 
     return p.tflops_per_gpu, p.fits
 
 
-def batch_sizes(config: Any, world: int) -> list[int]:
+def batch_sizes(config: Config, world: int) -> list[int]:
     """Batch sizes around the config's: 1/4, 1/2, 1 and 2 times it."""
     base = config.train.global_batch_size
     return sorted({max(1, int(base * f)) for f in (0.25, 0.5, 1.0, 2.0)})
@@ -46,7 +49,7 @@ def _plot_series(ax, xs, points, label) -> None:
         ax.plot([x], [y], "o", color=line.get_color(), markerfacecolor=line.get_color() if fits else "none")
 
 
-def sweep_tp_pp(config: Any, cluster: ClusterSpec, world: int) -> dict[int, list]:
+def sweep_tp_pp(config: Config, cluster: ClusterSpec, world: int) -> dict[int, list]:
     """{batch: [(tp, pp, point)]} over every split of the config's tp*pp."""
     model_parallel = config.parallel.tp_size * config.parallel.pp_size
     splits = [(t, model_parallel // t) for t in range(1, model_parallel + 1) if model_parallel % t == 0]
@@ -60,7 +63,7 @@ def sweep_tp_pp(config: Any, cluster: ClusterSpec, world: int) -> dict[int, list
     }
 
 
-def sweep_microbatch(config: Any, cluster: ClusterSpec, world: int) -> dict[int, list]:
+def sweep_microbatch(config: Config, cluster: ClusterSpec, world: int) -> dict[int, list]:
     """{batch: [(micro-batch, point)]} for the config's layout."""
     par, recompute = config.parallel, config.train.recompute
     base = config.train.global_batch_size
@@ -80,7 +83,7 @@ def sweep_microbatch(config: Any, cluster: ClusterSpec, world: int) -> dict[int,
     }
 
 
-def sweep_interleaving(config: Any, cluster: ClusterSpec, world: int, vp: int) -> dict[int, list]:
+def sweep_interleaving(config: Config, cluster: ClusterSpec, world: int, vp: int) -> dict[int, list]:
     """{vp: [(batch, point)]} for plain 1F1B (vp 1) and `vp` chunks."""
     par, train = config.parallel, config.train
     per_step = world // (par.tp_size * par.pp_size) * train.micro_batch_size * par.pp_size
@@ -103,7 +106,7 @@ def sweep_interleaving(config: Any, cluster: ClusterSpec, world: int, vp: int) -
     }
 
 
-def draw_all(config: Any, cluster: ClusterSpec, world: int, out_dir: str) -> list[str]:
+def draw_all(config: Config, cluster: ClusterSpec, world: int, out_dir: str) -> list[str]:
     """Write the three PNGs into out_dir; returns their paths."""
     import matplotlib
 

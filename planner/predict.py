@@ -14,15 +14,15 @@ layout (tests/planner/test_collectives.py: the list equals what the trainer issu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from model.shape import rank_params
 from parallel.layout import Layout, build_layout
 from parallel.pipeline.p2p import Step, produced_message
 from parallel.pipeline.schedules import Action, Op, unhandled_op
-from parallel.pipeline.simulator import CommPlan, Event, simulate
+from parallel.pipeline.simulator import CommPlan, Event, Timeline, simulate
 from parallel.rank_grid import RankGrid
-from planner.activations import shape_from_config
+from planner.activations import ActivationShape, shape_from_config
 from planner.cluster import ClusterSpec
 from planner.collectives import Collective, LayoutCollectives
 from planner.costs import (
@@ -37,6 +37,9 @@ from planner.costs import (
 from planner.memory import GIB, MemoryEstimate, config_memory
 from planner.sharded import sharded_times
 from planner.software import TRAINER, Software
+
+if TYPE_CHECKING:
+    from config.schema import Config
 
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
@@ -92,7 +95,7 @@ class Prediction:
             f"recompute {self.recompute}{sp}{fsdp}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         lay = self.layout
         return {
             "layout": {
@@ -128,7 +131,7 @@ class _Costs:
     """Per-action costs of one layout: compute per chunk and the collectives each action issues (listed by
     `comms`), and the seconds of each batch of pipeline messages."""
 
-    def __init__(self, config: Any, layout: Layout, hw: Hardware, shape: Any, comms: LayoutCollectives):
+    def __init__(self, config: Config, layout: Layout, hw: Hardware, shape: ActivationShape, comms: LayoutCollectives):
         model, train = config.model, config.train
         self.layout, self.hw, self.comms, self.run = layout, hw, comms, comms.run
         per_chunk = self.run.stages.layers_per_chunk(model.num_layers)
@@ -241,14 +244,14 @@ def _dp_exposed(events: list[Event], dp_seconds: float, bucket_seconds: float) -
 
 
 def memory_of(
-    config: Any, layout: Layout, cluster: ClusterSpec, shape: Any, software: Software = TRAINER
+    config: Config, layout: Layout, cluster: ClusterSpec, shape: ActivationShape, software: Software = TRAINER
 ) -> MemoryEstimate:
     """The busiest rank's memory with the cluster's allowance and allocator overhead."""
     allowance = cluster.memory_allowance_gib * GIB
     return config_memory(config, layout, shape, allowance, cluster.activation_overhead, software)
 
 
-def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> Prediction:
+def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> Prediction:
     """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid), as
     `software` runs it (default: this trainer)."""
     model, par, train = config.model, config.parallel, config.train
@@ -294,7 +297,7 @@ def predict(config: Any, cluster: ClusterSpec, world_size: int, software: Softwa
 
 
 def _rank_parts(
-    config: Any, costs: _Costs, pp_rank: int, events: list[Event], timeline: Any, software: Software
+    config: Config, costs: _Costs, pp_rank: int, events: list[Event], timeline: Timeline, software: Software
 ) -> dict[str, float]:
     """The time of pipeline rank `pp_rank`, split as BREAKDOWN_KEYS (sums to the rank's iteration time)."""
     layout, comms = costs.layout, costs.comms

@@ -19,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from config.schema import Config, config_from_dict, load_config
 from parallel.layout import layout_from_config
 from parallel.run_shape import RunShape
 from planner.software import Software
+
+if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,7 +162,7 @@ TABLE_2_PTDP = [
 ]
 
 
-def paper_software(config: Any) -> Software:
+def paper_software(config: Config) -> Software:
     """How the paper's software ran a layout: DeepSpeed's ZeRO-3 with parallel.fsdp, else Megatron-LM 2021's
     local DDP (the DDP of every row above 18.4B, Table 2's PTD-P rows included)."""
     return PAPER_DEEPSPEED_ZERO3 if getattr(config.parallel, "fsdp", False) else PAPER_LOCAL_DDP
@@ -186,7 +189,7 @@ TABLE_2_ZERO3 = [
 ZERO3_FIT_ROW = 1  # the row the one constant of PAPER_DEEPSPEED_ZERO3 is fitted on: 174.6B on 768 GPUs
 
 
-def fit_sharded_bandwidth(cluster: Any, row: PublishedRow = TABLE_2_ZERO3[ZERO3_FIT_ROW]) -> float:
+def fit_sharded_bandwidth(cluster: ClusterSpec, row: PublishedRow = TABLE_2_ZERO3[ZERO3_FIT_ROW]) -> float:
     """The `sharded_bandwidth` at which the planner gives `row`'s published TFLOP/s (bisection in log space:
     throughput rises with it)."""
     from planner.predict import predict

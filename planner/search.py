@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from parallel.layout import LayoutError, build_layout
 from parallel.pipeline.schedules import Op
@@ -27,6 +27,9 @@ from planner.costs import Hardware, action_comm_seconds, layer_times
 from planner.memory import GIB
 from planner.predict import Prediction, memory_of, predict
 from planner.software import TRAINER, Software
+
+if TYPE_CHECKING:
+    from config.schema import Config
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -81,8 +84,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def with_layout(
-    config: Any, tp: int, pp: int, vp: int, micro_batch: int, recompute: str, fsdp: bool | None = None
-) -> Any:
+    config: Config, tp: int, pp: int, vp: int, micro_batch: int, recompute: str, fsdp: bool | None = None
+) -> Config:
     """A copy of `config` with another layout, micro-batch and recomputation (and FSDP on or off: ZeRO-3 takes
     the optimizer's sharding over, so the distributed optimizer goes off with it)."""
     schedule = config.parallel.schedule
@@ -104,8 +107,8 @@ def with_layout(
 
 
 def candidate_configs(
-    config: Any, world_size: int, max_vp: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
-) -> Iterator[Any]:
+    config: Config, world_size: int, max_vp: int = 8, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+) -> Iterator[Config]:
     """Every (tp, pp, vp, micro-batch, recompute) combination whose layout is valid, and the sharded ones:
     FSDP (ZeRO-3) over the dp ranks at every tp, without pipeline parallelism."""
     layers = config.model.num_layers
@@ -127,7 +130,7 @@ def candidate_configs(
                     yield candidate
 
 
-def first_estimate(config: Any, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> float:
+def first_estimate(config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> float:
     """Seconds per iteration from per-layer costs and the bubble formula (only to order the candidates); a
     sharded layout (pp = 1: no pipeline to simulate) is predicted in full."""
     model, par, train = config.model, config.parallel, config.train
@@ -153,11 +156,11 @@ def first_estimate(config: Any, cluster: ClusterSpec, world_size: int, software:
 
 
 def search(
-    config: Any,
+    config: Config,
     cluster: ClusterSpec,
     world_size: int,
     simulate_top: int = 30,
-    software_of: Callable[[Any], Software] = lambda config: TRAINER,
+    software_of: Callable[[Config], Software] = lambda config: TRAINER,
 ) -> SearchResult:
     """Rank the layouts of `config`'s model, batch and precision on `world_size` GPUs of `cluster`, each run by
     `software_of(candidate)` (this trainer by default)."""

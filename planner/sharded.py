@@ -25,14 +25,18 @@ software: one parameter and the prefetch budget).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from model.shape import ParamShape, chunk_parameters
 from parallel.layout import Layout
 from parallel.run_shape import RunShape
 from planner.collective import Collective
 from planner.software import Software
+
+if TYPE_CHECKING:
+    from config.schema import Config
 
 
 def gather_dtype_bytes(precision: str, software: Software) -> float:
@@ -43,7 +47,7 @@ def gather_dtype_bytes(precision: str, software: Software) -> float:
 class ShardedCollectives:
     """The collectives of one FSDP layout per rank (module docstring); pure arithmetic."""
 
-    def __init__(self, config: Any, layout: Layout, run: RunShape, software: Software):
+    def __init__(self, config: Config, layout: Layout, run: RunShape, software: Software):
         self.config, self.layout, self.run, self.software = config, layout, run, software
         self.shards, self.replicas = layout.fsdp_shard_size, layout.fsdp_replicate
         if self.replicas > 1:
@@ -156,7 +160,7 @@ class ShardedTimes:
         return gather + (self.layers - 1) * per_layer + self.reduce + self.root_reduce
 
 
-def sharded_times(sharded: ShardedCollectives, seconds_of: Any) -> ShardedTimes:
+def sharded_times(sharded: ShardedCollectives, seconds_of: Callable[[Collective], float]) -> ShardedTimes:
     """The ShardedTimes of a layout; `seconds_of(collective)` prices one collective (bandwidth and HBM copies)."""
     layer = sharded.layers[0]
     return ShardedTimes(

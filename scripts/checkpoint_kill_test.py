@@ -46,7 +46,7 @@ MODEL = [
 ]
 
 
-def launch(run_dir: str, data_args: list[str], mode: str, train_iters: int) -> subprocess.Popen:
+def launch(run_dir: str, data_args: list[str], mode: str, train_iters: int) -> subprocess.Popen[str]:
     args = [
         sys.executable,
         os.path.join(REPO, "pretrain_gpt.py"),
@@ -78,6 +78,7 @@ def check_latest(root: str) -> int:
 def one_round(run_dir: str, data_args: list[str], mode: str, rng: random.Random, max_delay: float) -> bool:
     """Start, wait for the first training line, kill -9 after a random delay; True if a save was in flight."""
     proc = launch(run_dir, data_args, mode, train_iters=10_000)
+    assert proc.stdout is not None  # launched with stdout=PIPE
     seen = []
     for line in proc.stdout:
         seen.append(line)

@@ -26,9 +26,8 @@ import argparse
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
-from training.diagnostics import describe_rank, read_dumps
+from training.diagnostics import DumpJson, RecordJson, describe_rank, read_dumps
 
 REGION_ORDER = {"startup": 0, "boundary": 1, "train": 2, "report": 3, "eval": 4, "checkpoint": 5}
 BLOCKED = ("waiting", "failed")
@@ -39,9 +38,9 @@ P2P_KINDS = ("send", "recv")
 class RankDump:
     """One rank's dump, with the lookups the analysis needs."""
 
-    raw: dict[str, Any]
+    raw: DumpJson
     rank: int = 0
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[RecordJson] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rank = int(self.raw["rank"])
@@ -51,13 +50,13 @@ class RankDump:
     def who(self) -> str:
         return describe_rank(self.rank, self.raw["coords"])
 
-    def collectives(self, group: str) -> dict[int, dict[str, Any]]:
+    def collectives(self, group: str) -> dict[int, RecordJson]:
         return {r["seq"]: r for r in self.records if r["group"] == group and r["kind"] not in P2P_KINDS}
 
-    def transfers(self, group: str, kind: str, peer: int) -> dict[int, dict[str, Any]]:
+    def transfers(self, group: str, kind: str, peer: int) -> dict[int, RecordJson]:
         return {r["seq"]: r for r in self.records if (r["group"], r["kind"], r["peer"]) == (group, kind, peer)}
 
-    def blocked(self) -> dict[str, Any] | None:
+    def blocked(self) -> RecordJson | None:
         """The call this rank was stuck in: the one that failed, else the latest it was waiting in."""
         failed = [r for r in self.records if r["state"] == "failed"]
         waiting = [r for r in self.records if r["state"] == "waiting"]
@@ -90,12 +89,12 @@ def _sentence(text: str) -> str:
     return text.split(". ")[0][:160]
 
 
-def position(record: dict[str, Any]) -> tuple[int, int]:
+def position(record: RecordJson) -> tuple[int, int]:
     """Where in the loop a call was made: (iteration, phase), in the loop's order."""
     return record["iteration"], REGION_ORDER.get(record["region"], 0)
 
 
-def describe(record: dict[str, Any], with_group: bool = True) -> str:
+def describe(record: RecordJson, with_group: bool = True) -> str:
     peer = f" {'to' if record['kind'] == 'send' else 'from'} rank {record['peer']}" if record["peer"] >= 0 else ""
     group = f" on {record['group']}" if with_group else ""
     return (
@@ -108,7 +107,7 @@ def ranks_text(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def why_behind(dump: RankDump, missing: dict[str, Any]) -> tuple[bool, str]:
+def why_behind(dump: RankDump, missing: RecordJson) -> tuple[bool, str]:
     """Why `dump`'s rank did not reach `missing` (a call its peers entered): (skipped it, the reason)."""
     blocked = dump.blocked()
     later = [r for r in dump.records if position(r) > position(missing)]
@@ -195,7 +194,7 @@ def unsent(dumps: dict[int, RankDump]) -> list[str]:
     return findings
 
 
-def analyse(raw_dumps: list[dict[str, Any]]) -> list[str]:
+def analyse(raw_dumps: list[DumpJson]) -> list[str]:
     """The report's lines."""
     dumps = {dump.rank: dump for dump in map(RankDump, raw_dumps)}
     world = int(next(iter(dumps.values())).raw["world_size"])
@@ -211,7 +210,7 @@ def analyse(raw_dumps: list[dict[str, Any]]) -> list[str]:
     for (name, ranks), members in sorted(group_instances(dumps).items()):
         lines += parting(name, ranks, members)
         if len(members) < len(ranks):
-            waiting = [d.rank for d in members if (d.blocked() or {}).get("group") == name]
+            waiting = [d.rank for d in members if (blocked := d.blocked()) is not None and blocked["group"] == name]
             absent = [rank for rank in ranks if rank not in dumps]
             if waiting:
                 lines.append(

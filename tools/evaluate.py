@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -42,6 +42,11 @@ from evaluation.tasks import Task, lambada_task, wikitext_task
 from parallel.layout import layout_from_config
 from training.logging import json_safe
 from training.setup import DistEnv, check_devices, init_distributed
+
+if TYPE_CHECKING:
+    from config.schema import Config
+    from evaluation.model_source import TextTokenizer
+    from evaluation.tasks import Figures
 
 TASKS = ("wikitext", "lambada", "loss")
 SKIPPED_IN_TABLE = ("task", "convention")
@@ -72,7 +77,7 @@ def dataset_prefix(path: str) -> str:
     return prefix
 
 
-def prepare_task(args: argparse.Namespace, config: Any, tokenizer: Any) -> Task | None:
+def prepare_task(args: argparse.Namespace, config: Config, tokenizer: TextTokenizer) -> Task | None:
     """The wikitext / lambada task of --data, tokenized and windowed (None for loss)."""
     if args.task == "loss":
         return None
@@ -98,7 +103,7 @@ class ProgressBar:
             )
 
 
-def evaluate(args: argparse.Namespace, env_holder: list[DistEnv]) -> dict[str, Any]:
+def evaluate(args: argparse.Namespace, env_holder: list[DistEnv]) -> Figures:
     """Every check of the input, then the model, then the task's figures (with where they come from)."""
     data_prefix = dataset_prefix(args.data) if args.task == "loss" else None
     config, source = run_config(args.checkpoint, args.hf, args.overrides)
@@ -118,7 +123,7 @@ def evaluate(args: argparse.Namespace, env_holder: list[DistEnv]) -> dict[str, A
     return {**figures, **describe_source(source, args, layout.describe())}
 
 
-def describe_source(source: ModelSource, args: argparse.Namespace, layout: str) -> dict[str, Any]:
+def describe_source(source: ModelSource, args: argparse.Namespace, layout: str) -> Figures:
     return {
         "iteration": source.iteration,
         "model": source.describe(),
@@ -128,7 +133,7 @@ def describe_source(source: ModelSource, args: argparse.Namespace, layout: str) 
     }
 
 
-def print_table(record: dict[str, Any]) -> None:
+def print_table(record: Figures) -> None:
     print(f"{record['task']} of {record['data']}: {record['model']} ({record['dtype']}, {record['layout']})")
     for key, value in record.items():
         if key in SKIPPED_IN_TABLE or key in ("data", "model", "dtype", "layout"):

@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,9 +106,10 @@ def shared_prompt(args: argparse.Namespace, env, tokenizer) -> tuple[str, list[i
         prompt, problem = "", str(err)
     prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod]
     if env.world_size > 1:  # every rank runs the same prompt
-        holder: list[Any] = [prompt_ids, problem]
+        holder: list[object] = [prompt_ids, problem]
         dist.broadcast_object_list(holder, src=0)
-        prompt_ids, problem = holder
+        prompt_ids, sent = holder
+        problem = None if sent is None else str(sent)  # rank 0's reason (a str), or None
     if problem is not None:
         raise ValueError(problem)
     return prompt, prompt_ids

@@ -21,7 +21,8 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -44,6 +45,10 @@ from planner.search import (
     with_layout,
 )
 from planner.software import TRAINER
+
+if TYPE_CHECKING:
+    from config.schema import Config
+    from planner.software import Software
 
 SOFTWARE = ("trainer", "paper")
 MAX_GPUS = 2**20  # ten times the largest clusters; --search's divisor loop is linear in it
@@ -75,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv, NUMBER_OPTIONS))
 
 
-def no_layout_message(config: Any, gpus: int) -> str:
+def no_layout_message(config: Config, gpus: int) -> str:
     """Why --search found nothing to rank: no layout of this model and batch divides the GPU count."""
     model, train = config.model, config.train
     return (
@@ -122,7 +127,7 @@ def format_ranking(ranked: list[Prediction], top: int) -> list[str]:
     return lines
 
 
-def training_time_lines(p: Prediction, config: Any, tokens: float) -> list[str]:
+def training_time_lines(p: Prediction, config: Config, tokens: float) -> list[str]:
     """End-to-end training time for `tokens` tokens: the planner's (iterations x predicted time) and the
     paper's equation (4), 8 T P / (n X), with X the predicted TFLOP/s per GPU."""
     batch_tokens = config.train.global_batch_size * config.model.seq_length
@@ -138,7 +143,7 @@ def training_time_lines(p: Prediction, config: Any, tokens: float) -> list[str]:
     ]
 
 
-def compared_schemes(config: Any, gpus_per_node: int) -> list[tuple[str, Any]]:
+def compared_schemes(config: Config, gpus_per_node: int) -> list[tuple[str, Config]]:
     """(name, config) of the three schemes --compare predicts: the config's own layout (PTD-P, or whatever it
     says), ZeRO-3 without model parallelism, and FSDP with tp over one node (sequence parallel), all at the
     config's model, batch, micro-batch and recomputation."""
@@ -150,7 +155,9 @@ def compared_schemes(config: Any, gpus_per_node: int) -> list[tuple[str, Any]]:
     return [("config", config), ("ZeRO-3 (tp 1, pp 1)", zero3), (f"FSDP + tp {node_tp} (sp)", fsdp_tp)]
 
 
-def run_compare(config: Any, cluster: ClusterSpec, args: argparse.Namespace, software_of: Any) -> int:
+def run_compare(
+    config: Config, cluster: ClusterSpec, args: argparse.Namespace, software_of: Callable[[Config], Software]
+) -> int:
     """Predict the schemes of `compared_schemes` and say which wins and why (largest time terms)."""
     results: list[tuple[str, Prediction | str]] = []
     for name, candidate in compared_schemes(config, cluster.gpus_per_node):

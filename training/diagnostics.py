@@ -21,7 +21,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TypedDict, TypeGuard
 
 import torch.distributed as dist
 
@@ -41,7 +42,56 @@ def dump_stem(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def rank_identity(state: ParallelState) -> dict[str, Any]:
+class RankIdentity(TypedDict, total=False):
+    """rank_identity's record (a dump's first fields); empty until the watchdog has read it."""
+
+    rank: int
+    world_size: int
+    coords: dict[str, int]
+    sizes: dict[str, int]
+    groups: dict[str, list[int]]
+
+
+class RecordJson(TypedDict):
+    """One of a dump's "records": parallel/comm.py's CommRecord as a plain dict (CommRecorder.dump())."""
+
+    seq: int
+    group: str
+    group_size: int
+    kind: str
+    nbytes: int
+    iteration: int
+    region: str
+    peer: int
+    order: int
+    state: str
+    started: float
+    wait_s: float
+    error: str
+
+
+class DumpJson(TypedDict):
+    """A rank's dump (rank_XXXXX.json) as write_dump writes it: the format, the rank's identity, then why and
+    where it stopped, its records, and its threads (ident -> name) and their stacks."""
+
+    format: int
+    rank: int
+    world_size: int
+    coords: dict[str, int]
+    sizes: dict[str, int]
+    groups: dict[str, list[int]]
+    iteration: int
+    cause: str
+    reason: str
+    time: float
+    host: str
+    pid: int
+    records: list[RecordJson]
+    threads: dict[str, str]
+    stacks: str
+
+
+def rank_identity(state: ParallelState) -> RankIdentity:
     """Who this rank is: global rank, coordinates, and the global ranks of each of its named groups (read once
     at start: a dump written after a failure asks torch.distributed nothing)."""
     coords = {dim: state.grid.coord(state.rank, dim) for dim in MEGATRON_ORDER}
@@ -92,7 +142,7 @@ def _stacks(path: str) -> str:
 
 def write_dump(
     run_dir: str,
-    identity: dict[str, Any],
+    identity: RankIdentity,
     cause: str,
     reason: str,
     iteration: int,
@@ -122,11 +172,12 @@ def write_dump(
     return stem + ".json"
 
 
-def _readable_json(dump: dict[str, Any]) -> str:
+def _readable_json(dump: Mapping[str, object]) -> str:
     """JSON with one field per line and one record per line (a dump is also read by eye)."""
     fields = []
     for key, value in dump.items():
         if key == "records":
+            assert isinstance(value, list)  # recorder.dump()'s records
             rows = ",\n".join(f"  {json.dumps(record)}" for record in value)
             fields.append(f' "records": [\n{rows}\n ]' if value else ' "records": []')
         else:
@@ -134,7 +185,12 @@ def _readable_json(dump: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
-def read_dumps(folder: str) -> list[dict[str, Any]]:
+def _is_dump(value: object) -> TypeGuard[DumpJson]:
+    """Whether a decoded JSON file is a dump of this format."""
+    return isinstance(value, dict) and value.get("format") == FORMAT_VERSION and "records" in value
+
+
+def read_dumps(folder: str) -> list[DumpJson]:
     """Every rank's dump in `folder` (a run.dir or its diagnostics/), by rank. ValueError (one line) for a
     folder without dumps or a file that is not one."""
     if os.path.isdir(diagnostics_dir(folder)):
@@ -152,7 +208,7 @@ def read_dumps(folder: str) -> list[dict[str, Any]]:
                 dump = json.load(handle)
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable dump ({err})") from None
-        if not isinstance(dump, dict) or dump.get("format") != FORMAT_VERSION or "records" not in dump:
+        if not _is_dump(dump):
             raise ValueError(f"{path}: not a dump of format {FORMAT_VERSION}")
         dumps.append(dump)
     return sorted(dumps, key=lambda dump: dump["rank"])

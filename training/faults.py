@@ -17,11 +17,11 @@ It acts through `Collectives.before_issue` (parallel/comm.py), on the training l
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from parallel.comm import P2P_KINDS, CommRecorder
 
@@ -83,7 +83,7 @@ def fault_from_env(world_size: int, environ: Mapping[str, str] | None = None) ->
 class FaultInjector:
     """`Collectives.before_issue` for rank `spec.rank`: returns False for the one call `skip` leaves out."""
 
-    def __init__(self, spec: FaultSpec, recorder: CommRecorder, logger: Any):
+    def __init__(self, spec: FaultSpec, recorder: CommRecorder, logger: logging.Logger):
         self.spec, self.recorder, self.logger = spec, recorder, logger
         self.done = False
 

@@ -23,8 +23,9 @@ to the same value on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,10 @@ from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
 from data.microbatch import Microbatch
 from parallel.fsdp import local_tensor
+
+if TYPE_CHECKING:
+    from parallel.state import ParallelState
+    from training.train_step import StepResult
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_HUNG = 5
@@ -55,7 +60,7 @@ class Agreement:
     bad_token_rank: int  # the lowest rank holding a bad batch, -1 = none
 
 
-def agree(state: Any, device: torch.device, signal_number: int, time_up: bool, bad_batch: bool) -> Agreement:
+def agree(state: ParallelState, device: torch.device, signal_number: int, time_up: bool, bad_batch: bool) -> Agreement:
     """One MAX all-reduce over the world of [signal, time up, world - rank if this rank's batch is bad]."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if state.is_distributed else (1, 0)
     flags = torch.tensor(
@@ -115,14 +120,14 @@ class NonFiniteGuard:
         self.max_consecutive, self.min_loss_scale, self.dynamic_scale = max_consecutive, min_loss_scale, dynamic_scale
         self.count = 0
 
-    def is_bad(self, result: Any) -> bool:
+    def is_bad(self, result: StepResult) -> bool:
         if not math.isfinite(result.loss):
             return True
         if not result.skipped:
             return False
         return not self.dynamic_scale or result.loss_scale <= self.min_loss_scale
 
-    def check(self, result: Any, iteration: int) -> None:
+    def check(self, result: StepResult, iteration: int) -> None:
         """Account for one iteration's StepResult; raise TrainingStopped once too many were bad in a row."""
         self.count = self.count + 1 if self.is_bad(result) else 0
         if self.count < self.max_consecutive:
@@ -143,7 +148,7 @@ class NonFiniteGuard:
         )
 
 
-def weights_are_finite(chunks: list, state: Any, device: torch.device) -> bool:
+def weights_are_finite(chunks: Sequence[torch.nn.Module], state: ParallelState, device: torch.device) -> bool:
     """Whether every parameter on every rank is finite (one sync and one all-reduce; run before a save)."""
     params = [local_tensor(p).detach() for chunk in chunks for p in chunk.parameters()]  # FSDP: this rank's shard
     ok = torch.stack([torch.isfinite(p).all() for p in params]).all() if params else torch.tensor(True)

@@ -8,12 +8,15 @@ import logging
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from model.shape import IterationFlops
 from training.write_errors import describe_write_error
 
 if TYPE_CHECKING:
+    from training.checkpoint.train_state import TrainingProgress
+    from training.train_step import StepResult
     from training.wandb_logging import WandbSink
 
 LOGGER_NAME = "ptdp"
@@ -133,7 +136,7 @@ class MetricsWriter:
         os.replace(self.path, f"{self.path}.{number}")
         return f"{self.path}.{number}"
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         """Append one record as one complete line (a single write to an O_APPEND file); non-finite numbers
         become null and are listed under "nonfinite", so the file stays JSON."""
         if not self.enabled:
@@ -169,7 +172,7 @@ class MetricsWriter:
             self.wandb = None
 
 
-def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+def json_safe(record: Mapping[str, object]) -> Mapping[str, object]:
     """`record` with nan/inf floats as None and their keys listed under "nonfinite" (JSON has no NaN)."""
     bad = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
     if not bad:
@@ -177,7 +180,7 @@ def json_safe(record: dict[str, Any]) -> dict[str, Any]:
     return {**{key: (None if key in bad else value) for key, value in record.items()}, "nonfinite": bad}
 
 
-def format_train_line(record: dict[str, Any], train_iters: int) -> str:
+def format_train_line(record: Mapping[str, float | None], train_iters: int) -> str:
     """The console line of one logging interval."""
     parts = [
         f"iter {record['iteration']:>6}/{train_iters}",
@@ -189,8 +192,9 @@ def format_train_line(record: dict[str, Any], train_iters: int) -> str:
         f"{record['tokens_per_sec']:.0f} tok/s",
         f"{record['tflops_per_device']:.3f} TFLOP/s/dev (paper, recompute incl.)",
     ]
-    if record.get("mfu") is not None:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    mfu = record.get("mfu")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
     parts.append(f"mem {record['memory_gib']:.2f} GiB")
     if record.get("loss_scale", 1.0) != 1.0 or record.get("skipped_iters"):
         parts.append(f"loss scale {record['loss_scale']:.0f}")
@@ -255,7 +259,7 @@ class IntervalStats:
         self.loss_sum = self.all_loss_sum = self.seconds = 0.0
         self.last: dict[str, float] = {}
 
-    def add(self, result: Any, lr: float, seconds: float) -> None:
+    def add(self, result: StepResult, lr: float, seconds: float) -> None:
         """One finished iteration (a training.train_step.StepResult); skipped steps do not count in the loss."""
         self.iters += 1
         self.seconds += seconds
@@ -267,7 +271,7 @@ class IntervalStats:
             self.loss_sum += result.loss
         self.last = {"lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale}
 
-    def flush(self, progress: Any) -> dict[str, Any]:
+    def flush(self, progress: TrainingProgress) -> dict[str, float | None]:
         seconds_per_iter = self.seconds / max(self.iters, 1)
         model_tflops = self.flops.model / seconds_per_iter / self.world_size / 1e12
         record = {

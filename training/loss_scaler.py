@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from config.schema import OptimConfig
 
@@ -16,10 +16,10 @@ class ConstantLossScaler:
     def update(self, found_inf: bool) -> None:
         pass
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float]:
         return {"scale": 1.0}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         pass
 
 
@@ -48,14 +48,14 @@ class DynamicLossScaler:
             self.growth_tracker, self.hysteresis_tracker = 0, self.hysteresis
             self.scale *= 2.0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float]:
         return {
             "scale": self.scale,
             "growth_tracker": self.growth_tracker,
             "hysteresis_tracker": self.hysteresis_tracker,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])

@@ -10,6 +10,7 @@ decay_iters; past decay_iters the lr stays at min_lr ("constant" stays at max_lr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from config.schema import LR_DECAY_STYLES, OptimConfig
@@ -64,7 +65,7 @@ class LRSchedule:
             coefficient = 1.0 - ratio
         return self.min_lr + coefficient * (self.max_lr - self.min_lr)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float | str]:
         """The schedule's settings (numbers and a string: torch.load(weights_only=True)-safe)."""
         return {
             "max_lr": self.max_lr,
@@ -74,7 +75,7 @@ class LRSchedule:
             "decay_style": self.decay_style,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:  # decoded from meta.json
         """Take the checkpoint's settings; returns "key: checkpoint != current" lines for the ones that
         differed (for the caller to log), empty when they agreed."""
         changed = [

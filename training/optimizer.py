@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,31 @@ from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
 from training.loss_scaler import loss_scaler_for
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class SegmentState(TypedDict):
+    """One segment of `OptimizerState`: where it lies in its chunk's grad buffer, and its fp32 tensors."""
+
+    chunk: int
+    start: int
+    end: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class OptimizerState(TypedDict):
+    """`Optimizer.state_dict()`: this rank's state (its shards when distributed) and the layout it belongs to."""
+
+    step: int
+    loss_scaler: dict[str, float]
+    distributed: bool
+    dp_size: int  # the replicas the state is sharded over (dp x cp)
+    dp_rank: int
+    segments: list[SegmentState]
 
 
 @dataclass
@@ -147,7 +172,7 @@ class Optimizer:
         """Multiply the loss by this before backward (1.0 unless fp16)."""
         return self.scaler.scale
 
-    def _norm_groups(self) -> list[Any]:
+    def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group] if self.state.is_distributed else []
 
     def grad_norm(self) -> float:
@@ -219,7 +244,7 @@ class Optimizer:
         per_segment = 2 if self.aliased else 3
         return sum(per_segment * seg.master.numel() * seg.master.element_size() for seg in self.segments)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> OptimizerState:
         """This rank's state (its shards when distributed); tensors, numbers, strings, lists and dicts only."""
         return {
             "step": self.step_count,
@@ -255,12 +280,13 @@ class Optimizer:
         self.step_count = 0
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: OptimizerState) -> None:
         """Restore `state_dict()` output of the same layout and write the masters into the model params
         (collective over dp when distributed). Resharding to another dp size is not supported."""
         mine = self.state_dict()
         # The plain optimizer's state is the same on every dp rank (dp rank 0 saves it for all of them).
-        for key in ("distributed", "dp_size", "dp_rank") if self.distributed else ("distributed", "dp_size"):
+        layout_keys: tuple[Literal["distributed", "dp_size", "dp_rank"], ...] = ("distributed", "dp_size", "dp_rank")
+        for key in layout_keys if self.distributed else layout_keys[:2]:
             if state[key] != mine[key]:
                 raise ValueError(f"optimizer checkpoint has {key}={state[key]}, this run has {mine[key]}")
         ranges = [(s["chunk"], s["start"], s["end"]) for s in state["segments"]]
@@ -269,9 +295,10 @@ class Optimizer:
                 "optimizer checkpoint's buffer layout differs from this model's "
                 "(model shape, bucket size or parameter order changed)"
             )
+        tensor_keys: tuple[Literal["master", "exp_avg", "exp_avg_sq"], ...] = ("master", "exp_avg", "exp_avg_sq")
         for seg, saved in zip(self.segments, state["segments"]):
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(seg, key).copy_(saved[key])
+            for tensor_key in tensor_keys:
+                getattr(seg, tensor_key).copy_(saved[tensor_key])
         self.step_count = int(state["step"])
         self.scaler.load_state_dict(state["loss_scaler"])
         self.copy_to_params()
@@ -293,7 +320,7 @@ class DistributedOptimizer(Optimizer):
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
 
-    def _norm_groups(self) -> list[Any]:
+    def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group, self.state.dp_cp_group] if self.state.is_distributed else []
 
     def finish_param_gather(self) -> None:

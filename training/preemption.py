@@ -23,12 +23,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from types import FrameType
 
 from training.run_lock import process_start_ticks
 
+# what signal.signal returns: the previous handler, SIG_DFL / SIG_IGN, or None (not installed from Python)
+SignalHandler = Callable[[int, FrameType | None], object] | int | None
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAUNCHER_DIED = signal.SIGRTMIN + 1  # a real-time signal nobody else sends (torchrun forwards none of them)
@@ -43,7 +45,7 @@ class PreemptionHandler:
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._received: signal.Signals | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, SignalHandler] = {}
         self._pid = os.getpid()
         self._launcher = launcher_pid(os.environ if environ is None else environ)
 
@@ -65,12 +67,12 @@ class PreemptionHandler:
                 ask_for_signal_on_parent_death(LAUNCHER_DIED)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self._pid:  # a forked child that inherited this handler: the trainer decides
             return
         sig = signal.Signals(signum)
@@ -79,7 +81,7 @@ class PreemptionHandler:
         if self._received is None:
             self._note(sig)
 
-    def _handle_launcher_death(self, signum: int, frame: Any) -> None:
+    def _handle_launcher_death(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() == self._pid and self._received is None:
             self._note(signal.SIGTERM, launcher_gone=True)
 
@@ -157,7 +159,7 @@ def stop_at_once(what: str) -> Iterator[None]:
         return
     pid = os.getpid()
 
-    def handle(signum: int, frame: Any) -> None:
+    def handle(signum: int, frame: FrameType | None) -> None:
         if os.getpid() == pid:  # a forked worker leaves the decision to the trainer
             raise SetupInterrupted(
                 f"received {signal.Signals(signum).name} while {what}: stopped before the first iteration "

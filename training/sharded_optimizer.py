@@ -13,20 +13,25 @@ parameter (parallel/fsdp.local_shard), so training/checkpoint/state.py stores it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from config.schema import OptimConfig, TrainConfig
 from parallel.fsdp import ShardedDataParallel, local_shard, local_tensor
 from parallel.grad_utils import counts_in_grad_norm
-from training.optimizer import Optimizer, Segment, StepStats, _runs, check_optimizer_inputs, decays
+from training.optimizer import Optimizer, OptimizerState, Segment, StepStats, _runs, check_optimizer_inputs, decays
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from parallel.state import ParallelState
 
 
 class ShardedOptimizer(Optimizer):
     """AdamW over the FSDP shards of `ddp` (a ShardedDataParallel); see the module docstring."""
 
-    def __init__(self, ddp: ShardedDataParallel, state: Any, optim: OptimConfig, train: TrainConfig):
+    def __init__(self, ddp: ShardedDataParallel, state: ParallelState, optim: OptimConfig, train: TrainConfig):
         self.fsdp = ddp
         super().__init__(ddp, state, optim, train)  # type: ignore[arg-type]
         self.aliased = True  # in every precision: FSDP keeps the fp32 shards and casts them for compute
@@ -59,7 +64,7 @@ class ShardedOptimizer(Optimizer):
             )
         return segments
 
-    def _norm_groups(self) -> list[Any]:
+    def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group, self.fsdp.shard_group] if self.state.is_distributed else []
 
     def _bind_grads(self) -> None:
@@ -82,13 +87,13 @@ class ShardedOptimizer(Optimizer):
             seg.exp_avg_sq.zero_()
         self.step_count = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> OptimizerState:
         raise ValueError(
             "the per-rank optimizer format of earlier versions has no FSDP shards: checkpoints of an FSDP run are "
             "written in the layout-free format (training/checkpoint/)"
         )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: OptimizerState) -> None:
         raise ValueError(
             "a checkpoint in the per-rank format of earlier versions loads only at its own layout, without "
             "parallel.fsdp: resume it without FSDP once (the next save is layout-free), then with FSDP"
@@ -96,7 +101,11 @@ class ShardedOptimizer(Optimizer):
 
 
 def build_sharded_optimizer(
-    chunks: list[torch.nn.Module], ddp: ShardedDataParallel, state: Any, optim: OptimConfig, train: TrainConfig
+    chunks: list[torch.nn.Module],
+    ddp: ShardedDataParallel,
+    state: ParallelState,
+    optim: OptimConfig,
+    train: TrainConfig,
 ) -> ShardedOptimizer:
     """training/optimizer.build_optimizer's twin for FSDP: the same settings (the optim and train sections)."""
     check_optimizer_inputs(chunks, ddp.chunks, train, "build_sharded_optimizer")

@@ -15,11 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from data.index_budget import available_memory_bytes
 from planner.activations import shape_from_config
 from planner.memory import GIB, MemoryEstimate, config_memory
+
+if TYPE_CHECKING:
+    from config.schema import Config
+    from parallel.layout import Layout
 
 _MAX_MICROBATCHES_PER_STAGE = 64  # beyond it the estimate is bounded (a schedule of 10^6 actions is not built)
 _VOCAB_UNKNOWN = 1  # before the tokenizer is read: the smallest vocabulary, so the estimate stays a lower bound
@@ -40,7 +44,7 @@ def available_memory(use_cuda: bool, local_rank: int, environ: Mapping[str, str]
     return total / local_ranks, f"{total / GIB:.1f} GiB of available memory{share}"
 
 
-def lower_bound_estimate(config: Any, layout: Any) -> MemoryEstimate:
+def lower_bound_estimate(config: Config, layout: Layout) -> MemoryEstimate:
     """The planner's per-rank estimate of `config` under `layout` (parallel.layout.Layout), as a lower bound
     (see the module docstring)."""
     model = config.model
@@ -52,7 +56,7 @@ def lower_bound_estimate(config: Any, layout: Any) -> MemoryEstimate:
     return config_memory(dataclasses.replace(config, model=model), bounded, shape, 0.0)
 
 
-def check_fits(config: Any, layout: Any, use_cuda: bool, environ: Mapping[str, str]) -> None:
+def check_fits(config: Config, layout: Layout, use_cuda: bool, environ: Mapping[str, str]) -> None:
     """ValueError (one line: the planner's estimate, the memory there is, what to change) when the run
     cannot fit on one rank of this machine."""
     estimate = lower_bound_estimate(config, layout)

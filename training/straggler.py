@@ -16,7 +16,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ class StragglerSummary:
     iteration: int
     compute_ms: list[float]
     wait_ms: list[float]
-    record: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, float] = field(default_factory=dict)
     line: str = ""
     warnings: list[str] = field(default_factory=list)
 

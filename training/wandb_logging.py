@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import os
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from config.schema import Config, LoggingConfig
@@ -30,7 +31,7 @@ class WandbSink:
         run.define_metric("iteration")
         run.define_metric("*", step_metric="iteration")
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: Mapping[str, object]) -> None:
         """Send one record's numbers (the same record metrics.jsonl gets)."""
         numbers = {key: value for key, value in record.items() if isinstance(value, (int, float))}
         if numbers:

@@ -25,16 +25,16 @@ the stalled rank times out, one blocked with a peer that already exited fails at
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from parallel.comm import CollectiveError
 from parallel.state import ParallelState
-from training.diagnostics import describe_rank, rank_identity, set_aside_previous, write_dump
+from training.diagnostics import RankIdentity, describe_rank, rank_identity, set_aside_previous, write_dump
 from training.guards import EXIT_HUNG
 
 WATCHDOG_GRACE_S = 5.0  # a rank blocked in a collective reports its timeout before its watchdog fires
@@ -46,12 +46,12 @@ class HangGuard:
     """One rank's timeouts, watchdog and hang report. `start(state)` once the parallel state exists; the loop
     calls `iteration_started`, `steady` after its first iteration, and `relaxed()` around checkpoint saves."""
 
-    def __init__(self, init_timeout_s: float, train_timeout_s: float, run_dir: str, logger: Any):
+    def __init__(self, init_timeout_s: float, train_timeout_s: float, run_dir: str, logger: logging.Logger):
         self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
         self.run_dir, self.logger = run_dir, logger
         self.iteration = 0  # the iteration the loop is in (0: before the first)
         self.state: ParallelState | None = None
-        self._identity: dict[str, Any] = {}
+        self._identity: RankIdentity = {}
         self._steady = False
         self._relaxed = 0
         self._beats = 0

@@ -39,7 +39,7 @@ from training.optimizer import build_optimizer
 def build(layers: int, hidden: int):
     cfg = model_config(layers, hidden, heads=8, seq_length=128, vocab_size=8192)
     state = ParallelState.single()
-    chunks = build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)
+    chunks: list[torch.nn.Module] = [*build_model_chunks(cfg, state, 1234, torch.device("cpu"), torch.float32)]
     parallel, optim = ParallelConfig(), OptimConfig(lr=1e-4)
     ddp = DataParallel(chunks, state, parallel.grad_bucket_size_mb, parallel.distributed_optimizer)
     optimizer = build_optimizer(chunks, ddp, state, optim, TrainConfig(), overlap_param_gather=False)
@@ -95,7 +95,7 @@ def main() -> int:
     params = sum(p.numel() for p in chunks[0].parameters())
     baseline = min(step(cfg, chunks, ddp, optimizer) for _ in range(3))
     workdir = args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")
-    results = {"sync": [], "async": []}
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
     log: list[str] = []
     checkpointers = {mode: Checkpointer(mode == "async", log.append) for mode in results}  # as in a run
     iteration = 0

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -89,8 +90,9 @@ class SavedTensorMeter:
 
     class _Handle:
         __slots__ = ("__weakref__", "tensor")
+        tensor: torch.Tensor
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor]):
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
         self.live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.bytes = self.peak = 0

@@ -51,6 +51,7 @@ def _case(args: argparse.Namespace, chunked: bool, queue: mp.Queue) -> None:
         loss = reference.linear_cross_entropy(hidden, weight, labels, args.vocab)
     loss.mean().backward()
     seconds = time.perf_counter() - started
+    assert weight.grad is not None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     queue.put((peak - baseline, seconds, float(loss.detach().mean()), float(weight.grad.norm())))
 

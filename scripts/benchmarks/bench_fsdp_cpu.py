@@ -52,7 +52,7 @@ class BufferMeter:
     def __init__(self) -> None:
         self.live = 0
 
-    def wrap(self, comm_class: type, every: int = 1) -> None:
+    def wrap(self, comm_class: type[RecordedAllGather | RecordedReduceScatter], every: int = 1) -> None:
         """Count the buffers `comm_class.allocate` makes (only the first of every `every` calls)."""
         meter, allocate, calls = self, comm_class.allocate, [0]
 
@@ -65,7 +65,7 @@ class BufferMeter:
                 weakref.finalize(tensor, meter.release, nbytes)
             return tensor
 
-        comm_class.allocate = counted
+        comm_class.allocate = counted  # type: ignore[method-assign]
 
     def release(self, nbytes: int) -> None:
         self.live -= nbytes

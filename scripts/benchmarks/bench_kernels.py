@@ -28,8 +28,8 @@ def measure(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) 
 
     def once() -> None:
         out = fn()
-        out = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward([o.float().sum() for o in out])
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward([o.float().sum() for o in outs])
 
     once()
     best = float("inf")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from collections.abc import Callable
+from multiprocessing.queues import SimpleQueue
 
 import torch
 import torch.multiprocessing as mp
@@ -75,7 +76,7 @@ def set_rank_environment(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def fork_ranks(fn: Any, world_size: int, *args: Any) -> Any:
+def fork_ranks(fn: Callable[..., None], world_size: int, *args: object) -> SimpleQueue:
     """Run `fn(rank, world_size, port, *args, results)` on `world_size` forked ranks (a free port for their
     process group) until they end; returns `results`, the queue they put their figures in (small ones)."""
     with socket.socket() as sock:

@@ -102,7 +102,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             if round_index:
                 best[overlap] = min(best[overlap], float(exposed))
     if rank == 0:
-        buckets = len(sides[False][0].ddp.buckets[0])
+        ddp = sides[False][0].ddp
+        assert isinstance(ddp, DataParallel)
+        buckets = len(ddp.buckets[0])
         print(
             f"exposed param all-gather per iteration, {world} ranks, {buckets} buckets: "
             f"overlap_param_gather off {best[False] * 1e3:.2f} ms, on {best[True] * 1e3:.2f} ms "

@@ -88,7 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"{usable_cores()} usable cores; load average {load:.2f} (an idle machine reads < 1)")
-    cases = [("default", {}, [])] + [parse_case(text) for text in args.case]
+    cases: list[tuple[str, dict[str, str], list[str]]] = [("default", {}, [])] + [
+        parse_case(text) for text in args.case
+    ]
     print(f"{'case':>12} | {'idle ms/iter (best; rounds)':>36} | {'busy ms/iter (best; rounds)':>36} | busy/idle")
     for name, env, overrides in cases:
         idle, busy = [], []

@@ -19,10 +19,13 @@ import re
 import shutil
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from data.atomic_files import pid_alive
 from training.checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 ALIAS = "latest"
 META = "meta.json"
@@ -62,7 +65,7 @@ def atomic_write_text(text: str, path: str) -> None:
     atomic_write_bytes(text.encode("utf-8"), path)
 
 
-def write_json(obj: Any, path: str) -> None:
+def write_json(obj: object, path: str) -> None:
     atomic_write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", path)
 
 
@@ -157,7 +160,7 @@ def read_meta(iter_dir: str) -> dict:
     return meta
 
 
-def check_storage_extents(iter_dir: str, metadata: Any) -> None:
+def check_storage_extents(iter_dir: str, metadata: Metadata) -> None:
     """Every chunk a torch.distributed.checkpoint index (`metadata.storage_data`) places lies inside an existing
     file of iter_dir: CheckpointError naming a missing or truncated file before DCP trips over it."""
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():

@@ -6,14 +6,25 @@ training/checkpoint/train_state.TrainState (meta.json's "layout"), built once by
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from parallel.state import ParallelState
 
 SIZE_NAMES = ("tp", "cp", "pp", "vp", "dp")  # CheckpointLayout.sizes, in this order
-# The fields besides the sizes (whole numbers >= 1), with their types.
-OTHER_TYPES: dict[str, type] = {"schedule": str, "sequence_parallel": bool, "distributed_optimizer": bool}
+LayoutJson = dict[str, int | str | bool]  # meta.json's "layout": the recorded fields
+Field = TypeVar("Field", int, str, bool)
+
+
+def _recorded(saved: Mapping[str, object], name: str, kind: type[Field]) -> Field | None:
+    """The value `saved` records for field `name` (None: not recorded); ValueError when it is not a `kind`
+    (int: a whole number >= 1)."""
+    value = saved.get(name)
+    if value is None or (isinstance(value, kind) and (kind is not int or (type(value) is int and value >= 1))):
+        return value
+    wanted = "whole number >= 1" if kind is int else kind.__name__
+    raise ValueError(f"layout {name}={value!r} is not a {wanted}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class CheckpointLayout:
             distributed_optimizer=bool(distributed_optimizer),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> LayoutJson:
         """meta.json's "layout": the recorded fields (cp only when > 1, as since format 2)."""
         recorded = dataclasses.asdict(self)
         if self.cp == 1:
@@ -62,23 +73,22 @@ class CheckpointLayout:
         return {key: value for key, value in recorded.items() if value is not None}
 
     @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> CheckpointLayout:
+    def from_dict(cls, saved: object) -> CheckpointLayout:
         """The layout a meta.json (or a format-1 main file) records; keys of other writers are ignored.
         TypeError / ValueError for a value of the wrong kind."""
         if not isinstance(saved, dict):
             raise TypeError(f"the layout is {type(saved).__name__}, not a mapping")
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            value = saved.get(f.name)
-            if value is None:
-                continue
-            kind = OTHER_TYPES.get(f.name)
-            if kind is None and (type(value) is not int or value < 1):
-                raise ValueError(f"layout {f.name}={value!r} is not a whole number >= 1")
-            if kind is not None and not isinstance(value, kind):
-                raise ValueError(f"layout {f.name}={value!r} is not a {kind.__name__}")
-            values[f.name] = value
-        return cls(**values)
+        return cls(  # fields in order: the first wrong one is named
+            tp=_recorded(saved, "tp", int),
+            cp=_recorded(saved, "cp", int) or 1,
+            pp=_recorded(saved, "pp", int),
+            vp=_recorded(saved, "vp", int),
+            dp=_recorded(saved, "dp", int),
+            world_size=_recorded(saved, "world_size", int),
+            schedule=_recorded(saved, "schedule", str),
+            sequence_parallel=_recorded(saved, "sequence_parallel", bool),
+            distributed_optimizer=_recorded(saved, "distributed_optimizer", bool),
+        )
 
     @property
     def sizes(self) -> tuple[int | None, ...]:

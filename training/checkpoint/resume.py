@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
@@ -44,7 +43,7 @@ class ResumePlan:
     reset_progress: bool  # finetune: iteration 0, fresh data order and LR schedule
 
 
-def _model_value(model: dict, key: str) -> Any:
+def _model_value(model: dict, key: str) -> object:
     known = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
     return getattr(ModelConfig(**known), key)
 
@@ -214,7 +213,9 @@ def load_into_run(
     return dataclasses.replace(saved.progress)  # the loop advances it
 
 
-def apply_lr_schedule(saved: dict | None, lr_schedule: LRSchedule, override: bool, log: Callable[[str], None]) -> None:
+def apply_lr_schedule(
+    saved: Mapping[str, object] | None, lr_schedule: LRSchedule, override: bool, log: Callable[[str], None]
+) -> None:
     """Megatron's rule: the checkpoint's LR schedule wins unless optim.override_lr_schedule=true; every
     difference is logged either way."""
     if not saved:

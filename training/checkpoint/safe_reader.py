@@ -90,11 +90,11 @@ class MetadataUnpickler(pickle.Unpickler):
         return target
 
 
-def _is_shape(value: Any, ndim: int | None = None) -> bool:
+def _is_shape(value: object, ndim: int | None = None) -> bool:
     return isinstance(value, tuple) and all(type(n) is int for n in value) and ndim in (None, len(value))
 
 
-def _is_tensor_entry(entry: Any) -> bool:
+def _is_tensor_entry(entry: object) -> bool:
     """A TensorStorageMetadata with a shape, a dtype and chunks of that rank (what every reader relies on)."""
     size, chunks = getattr(entry, "size", None), getattr(entry, "chunks", None)
     if not isinstance(size, tuple) or not isinstance(chunks, list) or not isinstance(entry, TensorStorageMetadata):
@@ -109,7 +109,7 @@ def _is_tensor_entry(entry: Any) -> bool:
     )
 
 
-def _is_data_file(info: Any) -> bool:
+def _is_data_file(info: object) -> bool:
     """A _StorageInfo naming a file of the folder itself (no path: a crafted one could read any file)."""
     name = getattr(info, "relative_path", None)
     return (
@@ -121,7 +121,7 @@ def _is_data_file(info: Any) -> bool:
     )
 
 
-def _check_shape(metadata: Any, path: str) -> Metadata:
+def _check_shape(metadata: object, path: str) -> Metadata:
     """The unpickled object, if it is an index of tensors stored in files of the folder itself."""
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")

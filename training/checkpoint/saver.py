@@ -18,11 +18,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives
 from training.checkpoint import files
@@ -45,6 +46,14 @@ class SaveJob:
     before_tracker: Callable[[], None] = lambda: None  # test seam: a crash between files and tracker
 
 
+class _Outcome(TypedDict, total=False):
+    """What the background save left for the main thread: how long the copy took, and the result or error."""
+
+    copy_seconds: float
+    result: tuple[SaveJob, SaveResult]
+    error: BaseException
+
+
 @dataclass
 class SaveResult:
     path: str
@@ -52,13 +61,13 @@ class SaveResult:
     write_seconds: float
 
 
-def _rank_info(group: Any) -> tuple[int, int]:
+def _rank_info(group: ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _all_gather(obj: Any, group: Any, comm: Collectives | None) -> list:
+def _all_gather(obj: object, group: ProcessGroup | None, comm: Collectives | None) -> list:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out = [None] * dist.get_world_size()
@@ -78,7 +87,7 @@ def _pieces_bytes(job: SaveJob) -> int:
     return sum(view.numel() * view.element_size() for t in job.tensors.values() for _, view in t.pieces)
 
 
-def write_checkpoint(job: SaveJob, group: Any = None, comm: Collectives | None = None) -> SaveResult:
+def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Collectives | None = None) -> SaveResult:
     """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
     with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
     removed."""
@@ -86,7 +95,7 @@ def write_checkpoint(job: SaveJob, group: Any = None, comm: Collectives | None =
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))
     tmp = _all_gather(f"{final}.tmp.{os.getpid()}" if rank == 0 else None, group, comm)[0]
-    status: Any = None
+    status: str | None = None
     if os.path.exists(final):
         status = f"{final} already exists; a checkpoint is never overwritten"
     needed = _pieces_bytes(job)
@@ -117,7 +126,7 @@ def write_checkpoint(job: SaveJob, group: Any = None, comm: Collectives | None =
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
             error = f"writing the tensors failed: {describe_write_error(err, job.root, needed)}"
-    sums: Any = {}
+    sums: dict[str, dict] | str = {}
     if error is None:
         try:
             if rank == 0 and job.train_state is not None:
@@ -188,7 +197,7 @@ class Checkpointer:
         if comm is not None and self.group is not None:
             comm.register(self.group, "checkpoint", dist.get_world_size())
         self._thread: threading.Thread | None = None
-        self._outcome: dict[str, Any] = {}
+        self._outcome: _Outcome = {}
         self._staging: dict | None = None  # async: CPU copies of the pieces, reused from save to save
         self._staged: threading.Event | None = None  # set once the save in flight has copied the pieces
         self._blocked = 0.0  # seconds the loop waited for the save in flight
