@@ -68,9 +68,10 @@ def _rank_info(group: ProcessGroup | None) -> tuple[int, int]:
 
 
 def _all_gather(obj: object, group: ProcessGroup | None, comm: Collectives | None) -> list:
+    """Every rank's `obj` (the callers know what they sent: the list is as untyped as pickle's output)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    out = [None] * dist.get_world_size()
+    out: list[object] = [None] * dist.get_world_size()
     if comm is not None:
         comm.all_gather_object(out, obj, group)
     else:
