@@ -4,6 +4,7 @@ every earlier writer reads and writes back unchanged, one describe() for every r
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -82,4 +83,19 @@ def test_a_bad_layout_in_meta_json_is_one_line(tmp_path) -> None:
     meta = {"format_version": 2, "iteration": 3, "config": {}, "layout": ["tp", 2]}
     (tmp_path / files.META).write_text(json.dumps(meta), encoding="utf-8")
     with pytest.raises(CheckpointError, match=r"is not a checkpoint's meta.json: TypeError the layout is list"):
+        read_train_state(str(tmp_path))
+
+
+def test_a_malformed_format1_main_file_is_one_line(tmp_path) -> None:
+    """The per-rank format of earlier versions: a main file whose config is not a mapping names the file."""
+    import torch
+
+    from training.checkpoint.folder_names import MAIN_FILE
+    from training.checkpoint.legacy import rank_dir
+
+    main_dir = rank_dir(str(tmp_path), 0, 0)
+    os.makedirs(main_dir)
+    torch.save({"iteration": 3, "config": "not a mapping", "lr_schedule": None}, os.path.join(main_dir, MAIN_FILE))
+    assert files.is_legacy(str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"model_optim_rng.pt is not a format-1 main file: TypeError"):
         read_train_state(str(tmp_path))

@@ -171,19 +171,23 @@ class TrainState:
 
 def read_train_state(iter_dir: str) -> TrainState:
     """The TrainState of the checkpoint in iter_dir (any format; its RNG states are read per rank by loader.load_rng)."""
-    if files.is_legacy(iter_dir):
-        from training.checkpoint.legacy import legacy_main_file
+    legacy = files.is_legacy(iter_dir)
+    if legacy:
+        from training.checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
 
-        return TrainState.from_legacy(legacy_main_file(iter_dir))
-    state = TrainState()
-    try:
-        state.load_state_dict(files.read_meta(iter_dir))
+        saved = legacy_main_file(iter_dir)
+        what, path = "a format-1 main file", os.path.join(rank_dir(iter_dir, 0, 0), MAIN_FILE)
+    else:
+        saved = files.read_meta(iter_dir)
+        what, path = "a checkpoint's meta.json", os.path.join(iter_dir, files.META)
+    try:  # a malformed file is one line naming it, in either format
+        if legacy:
+            return TrainState.from_legacy(saved)
+        state = TrainState()
+        state.load_state_dict(saved)
+        return state
     except (KeyError, TypeError, ValueError) as err:
-        raise files.CheckpointError(
-            f"checkpoint file {os.path.join(iter_dir, files.META)} is not a checkpoint's meta.json: "
-            f"{type(err).__name__} {err}"
-        ) from None
-    return state
+        raise files.CheckpointError(f"checkpoint file {path} is not {what}: {type(err).__name__} {err}") from None
 
 
 def read_saved_config(iter_dir: str) -> ConfigSections:
