@@ -16,7 +16,7 @@ import torch.distributed as dist
 import yaml
 
 from config.schema import Config
-from data.tokenizers import build_tokenizer
+from data.tokenizers import build_tokenizer_of
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
 from parallel.comm import Collectives, CommRecorder
@@ -103,13 +103,7 @@ def prepare_data(
     Returns the end-of-document id, the datasets and the resume plan."""
     resolve_sample_data(config, env, logger, comm)
     data = config.data
-    tokenizer = build_tokenizer(
-        data.tokenizer_type,
-        vocab_file=data.vocab_file,
-        merge_file=data.merge_file,
-        tokenizer_model=data.tokenizer_model,
-        vocab_size=config.model.vocab_size,
-    )
+    tokenizer = build_tokenizer_of(data, config.model.vocab_size)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
