@@ -51,10 +51,15 @@ from tests import rank_pool
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # environment variables a new interpreter (or torch, Triton, the C libraries) reads when it starts: a command
 # whose environment changes one of them needs a real process
-START_UP_VARIABLES = ("PYTHON", "PYTORCH", "TORCH", "TRITON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC", "LC_")
+START_UP_VARIABLES = ("PYTHON", "PYTORCH_", "TORCH_", "TRITON_", "OMP_", "GOMP_", "MKL_", "LD_", "MALLOC", "LC_")
 START_UP_EXACT = ("LANG", "CUDA_VISIBLE_DEVICES")
-# variables libraries read when they are imported: they matter where the fork already imported one of them
-READ_AT_IMPORT = {"HF_": ("huggingface_hub", "datasets", "transformers")}
+# variables read when a library is imported: they matter where the fork already imported one of them (libraries
+# also set some in-process, e.g. inductor's cache folder, which a command then inherits)
+READ_AT_IMPORT = {
+    "HF_": ("huggingface_hub", "datasets", "transformers"),
+    "TORCHINDUCTOR_": ("torch._inductor",),
+    "TORCHDYNAMO_": ("torch._dynamo",),
+}
 TORCH_DEFAULT_SEED = 67280421310721  # torch's CPU generator's seed in a new process (c10 default_rng_seed_val)
 TIMEOUT_GRACE_S = 2.0  # after `timeout`, how long the child's stack dump gets before the kill
 
