@@ -1,4 +1,4 @@
-"""tools/pipeline_timeline.py as users run it: a subprocess printing the bubble line and writing a PNG."""
+"""tools/pipeline_timeline.py as users run it (forked by run_cli as a new python would run it): the bubble line and a PNG."""
 
 import os
 import sys
