@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from data.sample_corpus import build_tiny_corpus
-from tests import rank_pool
+from tests import cli_runner, rank_pool
 from tests.xdist_setup import (  # noqa: F401 - pytest hooks: two workers, OMP_NUM_THREADS=1, grouping
     pytest_cmdline_main,
     pytest_collection_modifyitems,
@@ -209,12 +209,10 @@ def assert_entry_points_refuse(overrides: list[str], world_size: int, expected: 
         text=True,
         env=env,
     )
-    stats = subprocess.run(
+    stats = cli_runner.run_cli(  # the tool forked; the trainer's entry point is what the launch tests check
         [sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml", "model.vocab_size=257"]
         + list(overrides),
         cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
     )
     for result in (trainer, stats):
         assert result.returncode == 2 and result.stderr.strip() == f"error: {expected}", result.stderr

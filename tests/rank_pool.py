@@ -46,7 +46,7 @@ def pool_enabled() -> bool:
     return os.environ.get(POOL_SWITCH, "1") != "0"
 
 
-def _children_cpu_seconds() -> float:
+def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -97,7 +97,7 @@ def join_ranks(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
-def _set_parent_death_signal() -> None:
+def set_parent_death_signal() -> None:
     """SIGKILL this process when its parent dies (Linux prctl), so that no rank outlives pytest."""
     import ctypes
 
@@ -136,11 +136,11 @@ def _exit_status(status: int) -> str:
 def _fork_body(rank: int, world_size: int, request: tuple) -> tuple[str | None, float]:
     """Run one body in a fork of this worker: (its traceback or None, the CPU seconds it used)."""
     reader, writer = Pipe(duplex=False)
-    began = _children_cpu_seconds()
+    began = children_cpu_seconds()
     pid = os.fork()
     if pid == 0:
         reader.close()
-        _set_parent_death_signal()
+        set_parent_death_signal()
         try:
             writer.send(_run_body(rank, world_size, request))
         finally:
@@ -154,18 +154,17 @@ def _fork_body(rank: int, world_size: int, request: tuple) -> tuple[str | None, 
     _, status = os.waitpid(pid, 0)
     if error is not None and status != 0:
         error = f"{error} ({_exit_status(status)})"
-    return error, _children_cpu_seconds() - began
+    return error, children_cpu_seconds() - began
 
 
-def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigint_handler) -> None:
-    """A rank worker: fork each body the parent sends, report how it went, until the parent hangs up."""
-    import torch
-
+def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigint_handler, serve: Callable) -> None:
+    """A worker: answer each request the parent sends with `serve(rank, world_size, request)` (a rank's
+    `_fork_body`, or tests/cli_runner.py's command line), until the parent hangs up. Each body's fork sets its
+    own thread count (join_ranks: one), so the worker leaves torch's as pytest started it."""
     os.setpgid(0, 0)  # its own process group: the parent kills a worker with its body and their children
-    _set_parent_death_signal()
+    set_parent_death_signal()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the zygote ignores it; the worker waits for its bodies
     signal.signal(signal.SIGINT, sigint_handler)  # what pytest had, as a rank forked from it inherited
-    torch.set_num_threads(1)  # one thread per rank: 8 ranks on 2 cores; one thread never opens an OpenMP region
     conn = Client(address, family="AF_UNIX", authkey=authkey)
     conn.send((rank, os.getpid()))
     while True:
@@ -173,17 +172,17 @@ def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigin
             request = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(_fork_body(rank, world_size, request))
+        conn.send(serve(rank, world_size, request))
 
 
 def _zygote_main(conn: Connection) -> None:
-    """Fork rank workers on request; the zygote itself never imports more, runs a test body or starts threads."""
-    _set_parent_death_signal()
+    """Fork workers on request; the zygote itself never imports more, runs a test body or starts threads."""
+    set_parent_death_signal()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel as they exit
     sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the zygote ends when its pipe closes
     while True:
         try:
-            world_size, address, authkey = conn.recv()
+            world_size, address, authkey, serve = conn.recv()  # serve: a module-level function, by name
         except (EOFError, OSError):
             return
         for rank in range(world_size):
@@ -195,7 +194,7 @@ def _zygote_main(conn: Connection) -> None:
                 conn.close()
                 code = 0
                 try:
-                    _worker_main(rank, world_size, address, authkey, sigint_handler)
+                    _worker_main(rank, world_size, address, authkey, sigint_handler, serve)
                 except BaseException:
                     traceback.print_exc()
                     code = 1
@@ -217,8 +216,8 @@ class Zygote:
         child_end.close()
         self.pid, self.conn = pid, parent_end
 
-    def fork_workers(self, world_size: int, address: str, authkey: bytes) -> None:
-        self.conn.send((world_size, address, authkey))
+    def fork_workers(self, world_size: int, address: str, authkey: bytes, serve: Callable) -> None:
+        self.conn.send((world_size, address, authkey, serve))
 
     def close(self) -> None:
         self.conn.close()
@@ -230,16 +229,16 @@ class Zygote:
 
 
 class RankWorkers:
-    """`world_size` connected rank processes."""
+    """`world_size` connected worker processes that answer requests with `serve` (default: run a rank's body)."""
 
-    def __init__(self, zygote: Zygote, world_size: int):
+    def __init__(self, zygote: Zygote, world_size: int, serve: Callable = _fork_body):
         self.world_size = world_size
         self.folder = tempfile.mkdtemp(prefix=f"ptdp-ranks{world_size}-")
         address, authkey = os.path.join(self.folder, "socket"), secrets.token_bytes(16)
         self.conns: list[Connection] = [None] * world_size  # type: ignore[list-item]
         self.pids: list[int] = [0] * world_size
         with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
-            zygote.fork_workers(world_size, address, authkey)
+            zygote.fork_workers(world_size, address, authkey, serve)
             listener._listener._socket.settimeout(START_TIMEOUT_S)  # type: ignore[attr-defined]
             try:
                 for _ in range(world_size):
@@ -312,6 +311,7 @@ class RankPool:
     def __init__(self, zygote: Zygote):
         self.zygote = zygote
         self.workers: OrderedDict[int, RankWorkers] = OrderedDict()  # least recently used first
+        self.helpers: dict[Callable, RankWorkers] = {}  # one worker per kind of request (tests/cli_runner.py)
         self.report_cpu: Callable[[float], None] | None = None  # the cost recorder's hook (tests/cpu_costs.py)
 
     def run(self, world_size: int, payload: bytes, timeout: float, free_port: Callable[[], int]) -> None:
@@ -341,9 +341,24 @@ class RankPool:
         if workers is not None:
             workers.close()
 
+    def helper(self, serve: Callable) -> RankWorkers:
+        """The one worker that answers requests with `serve` (a module-level function), started at first use
+        and again after `retire_helper`."""
+        if serve not in self.helpers:
+            self.helpers[serve] = RankWorkers(self.zygote, 1, serve)
+        return self.helpers[serve]
+
+    def retire_helper(self, serve: Callable) -> None:
+        """Kill `serve`'s worker with whatever it runs (a command past its timeout)."""
+        helper = self.helpers.pop(serve, None)
+        if helper is not None:
+            helper.close()
+
     def close(self) -> None:
         for world_size in list(self.workers):
             self.retire(world_size)
+        for serve in list(self.helpers):
+            self.retire_helper(serve)
         self.zygote.close()
 
 

@@ -22,6 +22,7 @@ package registers nothing); every module of the model holds that one selection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, cast
@@ -179,13 +180,17 @@ def fused_linear_cross_entropy(
     reductions: CrossEntropyReductions,
 ) -> torch.Tensor:
     """Per-token loss [s, b] of hidden [s, b, h] through the output layer weight [V_local, h], chunked."""
-    return _chunked_loss_eager(
+    return _chunked_loss_eager()(
         hidden, weight, labels, vocab_start, num_valid, reductions, use_triton=triton_runs(hidden.device)
     )
 
 
-# a Python loop over chunks with injected collectives: run it eagerly even inside a compiled region
-_chunked_loss_eager = torch.compiler.disable(chunked_linear_cross_entropy)
+@functools.cache
+def _chunked_loss_eager() -> Callable[..., torch.Tensor]:
+    """chunked_linear_cross_entropy run eagerly even inside a compiled region (a Python loop over chunks with
+    injected collectives). Built at first use: torch.compiler.disable imports torch._dynamo (~1 CPU s), which a
+    process that never computes this loss (a tool, the planner) need not pay."""
+    return torch.compiler.disable(chunked_linear_cross_entropy)
 
 
 __all__ = [

@@ -1,7 +1,6 @@
 """tools/preprocess_data.py and tools/merge_datasets.py: outputs, merge parity, bad lines, atomicity."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 
 from data.indexed_dataset import IndexedDataset
 from data.tokenizers import GPT2BPETokenizer
+from tests.cli_runner import run_cli
 from tests.data.helpers import REPO_ROOT, VARIED_TEXTS, load_tool, run_preprocess, write_jsonl
 
 
@@ -97,12 +97,10 @@ def test_cli_reports_throughput_and_exits_nonzero_on_error(tmp_path, tok_files):
         "--workers",
         "2",
     ]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    done = run_cli(cmd, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert "MB/s per worker" in done.stderr
-    missing = subprocess.run(
-        cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    missing = run_cli(cmd[:3] + [str(tmp_path / "nope.jsonl")] + cmd[4:], cwd=REPO_ROOT)
     assert missing.returncode != 0 and "nope.jsonl" in missing.stderr
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import tools.evaluate as evaluate_tool
 from data.indexed_dataset import IndexedDatasetBuilder
 from data.tokenizer_training import train_gpt2_bpe
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 
 
@@ -61,10 +62,9 @@ def test_bad_input_is_one_line_and_exit_2(eval_model, eval_files, tmp_path, caps
         assert "Traceback" not in captured.err, name
 
 
-def run_cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args, cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env}
-    )
+def run_eval_cli(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """A command line from the repository root (forked where it is one of ours: tests/cli_runner.py)."""
+    return run_cli(args, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
 def test_torchrun_tp2_pp2_gives_the_table_of_one_process(eval_model, eval_files, tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_torchrun_tp2_pp2_gives_the_table_of_one_process(eval_model, eval_files,
     single = capsys.readouterr()
     assert single.out.startswith("lambada of ") and "target_perplexity" in single.out
     assert "convention: Megatron-LM LAMBADA" in single.out
-    parallel = run_cli(
+    parallel = run_eval_cli(
         [
             sys.executable,
             "-m",
@@ -93,13 +93,13 @@ def test_torchrun_tp2_pp2_gives_the_table_of_one_process(eval_model, eval_files,
     for key in ("correct", "loose_correct", "total"):
         assert str(record[key]) == table[key]
     assert abs(record["target_perplexity"] - float(table["target_perplexity"])) <= 1e-5 * record["target_perplexity"]
-    bad = run_cli([sys.executable, *argv[:-1], str(tmp_path / "none")])
+    bad = run_eval_cli([sys.executable, *argv[:-1], str(tmp_path / "none")])
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and bad.stdout == ""
 
 
 def test_the_lm_eval_command_line_runs_ptdp(eval_model, harness_files, harness_results, tmp_path):
     out = tmp_path / "results"
-    result = run_cli(
+    result = run_eval_cli(
         [
             sys.executable,
             "-m",

@@ -4,7 +4,6 @@ pp), the dp x cp replica group, and what the planner and tools/model_stats.py sa
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from planner.activations import layer_activation_bytes, shape_from_config
 from planner.cluster import load_cluster
 from planner.collectives import ActionCollectives, LayoutCollectives
 from planner.costs import Hardware, action_comm_seconds
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
 
@@ -121,12 +121,10 @@ def test_planner_activations_fall_with_cp_and_ring_bytes():
 
 
 def test_model_stats_reports_cp():
-    result = subprocess.run(
+    result = run_cli(
         [sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml", "model.vocab_size=257"]
         + ["parallel.cp_size=2", "model.attention_dropout=0.0"],
         cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "tp 1 x cp 2 x pp 1" in result.stdout and "ring attention (cp 2, 64 tokens per rank)" in result.stdout

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from planner import calibrate
 from planner.cluster import load_cluster
 from planner.predict import predict
 from planner.search import conservative_seconds, outside_domain, search, why_best_wins
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
 
@@ -21,10 +21,8 @@ A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
 
 def plan(*args):
-    """tools/plan.py as users run it (a new process)."""
-    return subprocess.run(
-        [sys.executable, "tools/plan.py", "--cluster", A100, *args], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    """tools/plan.py as users run it (forked as a new process would be: tests/cli_runner.py)."""
+    return run_cli([sys.executable, "tools/plan.py", "--cluster", A100, *args], cwd=REPO_ROOT)
 
 
 def plan_here(capsys, *args, cluster=A100):

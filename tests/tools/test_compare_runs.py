@@ -3,11 +3,11 @@
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools import compare_runs
 
@@ -90,8 +90,8 @@ def test_command_line(tmp_path):
     a = write_run(tmp_path / "a", [6.0, 5.5])
     b = write_run(tmp_path / "b", [6.0, 5.6])
     script = os.path.join(REPO_ROOT, "tools", "compare_runs.py")
-    ok = subprocess.run([sys.executable, script, a, a], cwd=tmp_path, capture_output=True, text=True)
-    bad = subprocess.run([sys.executable, script, a, b], cwd=tmp_path, capture_output=True, text=True)
+    ok = run_cli([sys.executable, script, a, a], cwd=tmp_path)
+    bad = run_cli([sys.executable, script, a, b], cwd=tmp_path)
     assert ok.returncode == 0 and "OK" in ok.stdout
     assert bad.returncode == 1 and "iteration 2" in bad.stdout
 

@@ -16,6 +16,7 @@ from convert.model_weights import load_global_state
 from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
 from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
 from training.checkpointing import save_model_weights
@@ -242,9 +243,7 @@ def test_from_hf_refuses_non_finite_weights(tmp_path):
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    return run_cli([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT)
 
 
 def assert_refused(result: subprocess.CompletedProcess, message: str, out) -> None:

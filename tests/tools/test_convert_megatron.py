@@ -19,6 +19,7 @@ from config.schema import config_from_dict
 from convert.megatron import load_megatron_checkpoint
 from convert.model_weights import build_model_from_state, load_global_state
 from parallel.tensor_parallel import param_shardings
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, assert_refused
 from tests.tools.megatron_runs import SEQ, TOKENS, VOCAB, megatron_ranks
@@ -46,9 +47,7 @@ def megatron_dir(tmp_path_factory):
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    return run_cli([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO_ROOT)
 
 
 def our_logits(cfg, tensors) -> torch.Tensor:

@@ -5,7 +5,6 @@ NullTokenizer in every direction."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import torch
@@ -15,6 +14,7 @@ from config.schema import load_config
 from convert.megatron import load_megatron_checkpoint
 from convert.model_weights import load_global_state
 from data.tokenizers import HuggingFaceTokenizer, build_tokenizer
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_convert_checkpoint import (
@@ -44,11 +44,9 @@ def test_a_moved_conversion_keeps_its_tokenizer(tokenizer_files, tmp_path, monke
     assert saved["data"]["vocab_file"] == str(moved / "tokenizer" / "vocab.json")
     to_hf(str(moved), str(tmp_path / "hf2"))
     assert (tmp_path / "hf2" / "vocab.json").read_bytes() == (tmp_path / "hf" / "vocab.json").read_bytes()
-    result = subprocess.run(
+    result = run_cli(
         [sys.executable, os.path.join(REPO_ROOT, "tools/generate.py"), "--checkpoint", str(moved)]
         + ["--prompt", "import os", "--max-new-tokens", "3", "--greedy"],
-        capture_output=True,
-        text=True,
         env={**os.environ, "PYTHONPATH": REPO_ROOT},
     )
     assert result.returncode == 0 and result.stdout.startswith("import os"), result.stderr

@@ -2,7 +2,6 @@
 new tokens (GPT-2 and Llama style), the same under tensor parallelism (tp2), and the CLI streams the text."""
 
 import argparse
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from model.generation import generate_tokens
 from parallel.state import ParallelState
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.tools.test_convert_checkpoint import GPT, LLAMA, reference_model, run_config, tokenizer_files  # noqa: F401
 from tools.convert_checkpoint import to_hf
@@ -78,7 +78,7 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
     single = greedy_tokens(str(tmp_path / "ckpt"), DistEnv(1, 0, 0, 1, torch.device("cpu")), 20)
     run_ranks(2, _tp_greedy, str(tmp_path / "ckpt"), str(tmp_path / "tokens.pt"))
     assert torch.load(tmp_path / "tokens.pt") == single
-    result = subprocess.run(
+    result = run_cli(
         [
             sys.executable,
             "tools/generate.py",
@@ -90,8 +90,6 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
         ],
         input=PROMPT,
         cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
     )
     assert result.returncode == 0, result.stderr
     from data.tokenizers import GPT2BPETokenizer
@@ -101,11 +99,7 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
     assert (
         "tokens/s" in result.stderr and f"loaded iteration 3 of {tmp_path / 'ckpt' / 'iter_0000003'}" in result.stderr
     )
-    bad = subprocess.run(
-        [sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
+    bad = run_cli(  # stdin: /dev/null
+        [sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"], cwd=REPO_ROOT
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --top-p=0.0 must be in (0, 1]"]

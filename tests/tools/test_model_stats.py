@@ -1,12 +1,12 @@
 """tools/model_stats.py: the paper's Table 1 totals, per-stage counts, FLOPs and errors, on the meta device."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from config.schema import load_config
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, report, total_parameters
 
@@ -55,17 +55,7 @@ def test_report_prints_the_papers_flops():
 
 
 def test_cli_prints_and_rejects_bad_input():
-    ok = subprocess.run(
-        [sys.executable, "tools/model_stats.py", "--config", "configs/paper/gpt_1t.yaml"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    ok = run_cli([sys.executable, "tools/model_stats.py", "--config", "configs/paper/gpt_1t.yaml"], cwd=REPO_ROOT)
     assert ok.returncode == 0 and "(1008.0 B)" in ok.stdout and "stage 63" in ok.stdout
-    bad = subprocess.run(
-        [sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = run_cli([sys.executable, "tools/model_stats.py", "--config", "configs/gpt_tiny.yaml"], cwd=REPO_ROOT)
     assert bad.returncode == 2 and "model.vocab_size" in bad.stderr

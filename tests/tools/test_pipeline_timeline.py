@@ -1,17 +1,18 @@
-"""tools/pipeline_timeline.py as users run it: a subprocess printing the bubble line and writing a PNG."""
+"""tools/pipeline_timeline.py as users run it (forked by run_cli as a new python would run it): the bubble line and a PNG."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.cli_runner import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "pipeline_timeline.py")
 
 
 def run_tool(*args):
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    return run_cli([sys.executable, TOOL, *args], cwd=REPO, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_overlap_shortens_the_printed_makespan(tmp_path):
 
 def test_default_output_goes_under_runs_and_a_missing_folder_is_created(tmp_path):
     args = ("--pp", "2", "--microbatches", "2")
-    result = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = run_cli([sys.executable, TOOL, *args], cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert os.listdir(tmp_path) == ["runs"]  # nothing at the top of the working directory
     assert (tmp_path / "runs" / "timeline" / "1f1b_p2_m2_v1.png").stat().st_size > 1000
