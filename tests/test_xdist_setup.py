@@ -46,3 +46,15 @@ def test_a_worker_runs_one_thread(request):
     if not hasattr(request.config, "workerinput"):
         pytest.skip("not running under pytest-xdist")
     assert os.environ.get("OMP_NUM_THREADS")
+
+
+def test_a_worker_groups_what_the_controller_grouped(request):
+    """The worker parses the command line again: with the default two workers (loadgroup chosen by
+    xdist_setup, not on the command line) it must still suffix grouped ids, or xdist spreads the group (as it
+    did: the kernel table was compiled on both workers)."""
+    if not hasattr(request.config, "workerinput"):
+        pytest.skip("not running under pytest-xdist")
+    if request.config.getvalue("loadgroup") is not True:
+        pytest.fail("this worker does not group: the controller's loadgroup did not reach it")
+    grouped = [item for item in request.session.items if xdist_setup.xdist_group_of(item) is not None]
+    assert all("@" in item.nodeid for item in grouped)

@@ -22,6 +22,7 @@ import pytest
 # tests that start daemons or network namespaces of the machine: never two at once
 SYSTEM_TEST_FILES = ("test_slurm.py", "test_slurm_two_nodes.py", "test_two_nodes.py")
 DEFAULT_WORKERS = 2
+LOADGROUP_SWITCH = "PTDP_XDIST_LOADGROUP"  # set by the controller for its workers
 # Modules whose module-scoped fixture costs more than its tests would lose by running on one worker (CPU
 # seconds of the fixture, measured with PTDP_TEST_COSTS: docs/testing.md). Cheaper ones are built on each
 # worker that runs one of their tests: test_layouts.py's references (~1 s each) would otherwise put its 35
@@ -42,12 +43,20 @@ def _usable_cores() -> int:
 def pytest_cmdline_main(config) -> None:
     """Turn on `-n auto --dist loadgroup` where pytest-xdist is installed and the command line did not choose."""
     option = config.option
-    if not hasattr(option, "numprocesses") or hasattr(config, "workerinput"):
-        return  # xdist not installed (or -p no:xdist), or this is a worker
+    if not hasattr(option, "numprocesses"):
+        return  # xdist not installed (or -p no:xdist)
+    if hasattr(config, "workerinput"):
+        # A worker parses the command line again, so it does not see the loadgroup chosen here: without its
+        # `loadgroup` option it would not suffix the grouped tests' ids, and the groups would be spread.
+        if os.environ.get(LOADGROUP_SWITCH) == "1":
+            option.loadgroup = True
+        return
     if option.numprocesses is None:
         option.numprocesses = "auto"
     if option.dist == "no":
         option.dist = "loadgroup"
+    if option.dist == "loadgroup":
+        os.environ[LOADGROUP_SWITCH] = "1"  # the workers start after this hook and inherit it
     if option.numprocesses != 0 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # the workers start after this hook and inherit it
 
