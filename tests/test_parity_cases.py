@@ -12,6 +12,9 @@ import ast
 import os
 import subprocess
 import sys
+import types
+
+import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
@@ -71,10 +74,19 @@ def _cases_of_this_session(request, files: list[str]) -> list[str] | None:
         return None
     if any("::" in str(arg) for arg in request.config.args):
         return None
-    items = request.session.items
-    if not set(files) <= {item.nodeid.split("::")[0] for item in items}:
+    nodeids = [_plain_nodeid(item) for item in request.session.items]
+    if not set(files) <= {nodeid.split("::")[0] for nodeid in nodeids}:
         return None
-    return sorted(item.nodeid for item in items if is_parity_test(_function_name(item.nodeid)))
+    return sorted(nodeid for nodeid in nodeids if is_parity_test(_function_name(nodeid)))
+
+
+def _plain_nodeid(item) -> str:
+    """The item's id without the "@group" xdist's loadgroup appends to the ids of grouped tests."""
+    nodeid = item.nodeid
+    for mark in item.iter_markers("xdist_group"):
+        group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+        nodeid = nodeid.removesuffix(f"@{group}")
+    return nodeid
 
 
 def listed_cases() -> list[str]:
@@ -98,3 +110,13 @@ def test_the_parity_cases_are_the_listed_ones(request):
 if __name__ == "__main__":
     print("# Layout / schedule / precision cases compared with one process (tests/test_parity_cases.py).")
     print("\n".join(collected_cases(parity_files())))
+
+
+def test_a_grouped_id_is_read_without_its_xdist_group():
+    """Under loadgroup xdist appends "@group" to the ids of grouped tests (test_checkpoint_layouts.py is one)."""
+    group = "tests/e2e/test_checkpoint_layouts.py"
+    item = types.SimpleNamespace(
+        nodeid=f"{group}::test_resume_at_another_layout[tp4]@{group}",
+        iter_markers=lambda name: [pytest.mark.xdist_group(group).mark] if name == "xdist_group" else [],
+    )
+    assert _plain_nodeid(item) == f"{group}::test_resume_at_another_layout[tp4]"
