@@ -35,6 +35,18 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 
+def repo_python_files(entries: tuple[str, ...]) -> list[str]:
+    """Every .py file of `entries` (folders, walked, and files), relative to the repository root, as paths."""
+    files = []
+    for entry in entries:
+        path = os.path.join(REPO_ROOT, entry)
+        if os.path.isfile(path):
+            files.append(path)
+        for folder, _, names in os.walk(path):
+            files += [os.path.join(folder, name) for name in names if name.endswith(".py")]
+    return sorted(files)
+
+
 def system_tests_enabled() -> bool:
     """Tests that change the machine (install slurm-wlm with apt, start daemons, create network namespaces)
     run only when PTDP_SYSTEM_TESTS=1 (.ci/run sets it): a user's `pytest tests` does not do that."""

@@ -12,7 +12,7 @@ import io
 import os
 import tokenize
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, repo_python_files
 
 ANY_BUDGET = 60
 CHECKED = (
@@ -45,18 +45,6 @@ def any_names(source: str) -> int:
     return count
 
 
-def _python_files() -> list[str]:
-    paths = []
-    for entry in CHECKED:
-        path = os.path.join(REPO_ROOT, entry)
-        if os.path.isfile(path):
-            paths.append(path)
-            continue
-        for folder, _, files in os.walk(path):
-            paths += [os.path.join(folder, name) for name in files if name.endswith(".py")]
-    return sorted(paths)
-
-
 def test_any_names_counts_annotations_not_imports() -> None:
     source = (
         "from typing import Any\n"
@@ -71,7 +59,7 @@ def test_any_names_counts_annotations_not_imports() -> None:
 
 def test_any_stays_within_its_budget() -> None:
     per_file = {}
-    for path in _python_files():
+    for path in repo_python_files(CHECKED):
         with open(path, encoding="utf-8") as handle:
             count = any_names(handle.read())
         if count:

@@ -16,7 +16,7 @@ from torch import nn
 
 from compat import torch_private
 from compat.torch_private import PRIVATE_NAMES, PrivateName, resolve
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, repo_python_files
 
 SCANNED = (
     "config",
@@ -170,14 +170,7 @@ def private_torch_uses(path: str, object_privates: set[str], module_privates: se
 
 
 def _scanned_files() -> list[str]:
-    files = []
-    for entry in SCANNED:
-        path = os.path.join(REPO_ROOT, entry)
-        if os.path.isfile(path):
-            files.append(path)
-        for folder, _, names in os.walk(path):
-            files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
-    return files
+    return repo_python_files(SCANNED)
 
 
 def test_no_private_torch_name_outside_the_compat_module():

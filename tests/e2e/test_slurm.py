@@ -201,20 +201,29 @@ def submit_signal_and_finish(
     return text
 
 
+# Long enough that USR1 lands mid-run: the tiny model trains an iteration in ~13 ms on an idle machine, and the
+# signal takes the poll (0.3 s), scancel, the batch shell's trap and its scancel to the ranks (~2 s); at 120
+# iterations an idle machine finished the run first and the job never requeued.
+USR1_ITERS = 600
+USR1_RUN = (
+    f"train.train_iters={USR1_ITERS}",
+    "optim.lr_decay_iters=500",
+    "train.eval_interval=500",
+    "train.eval_iters=1",
+)
+
+
 def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
     checkout = make_checkout(tmp_path)
     run_dir = str(tmp_path / "run")
     args = tiny_train_args(
         tiny_corpus,
         run_dir,
-        "train.train_iters=120",
-        "optim.lr_decay_iters=100",
-        "train.eval_interval=100",
-        "train.eval_iters=1",
+        *USR1_RUN,
     )
     submit_signal_and_finish(slurm, checkout, run_dir, [], args)
     lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert [r["iteration"] for r in lines if "lm_loss" in r] == list(range(1, 121))  # no iteration twice
+    assert [r["iteration"] for r in lines if "lm_loss" in r] == list(range(1, USR1_ITERS + 1))  # none twice
 
     reference = str(tmp_path / "reference")
     run_ranks(
@@ -226,10 +235,7 @@ def test_usr1_saves_requeues_and_resumes_bitwise(slurm, tiny_corpus, tmp_path):
             *tiny_train_args(
                 tiny_corpus,
                 reference,
-                "train.train_iters=120",
-                "optim.lr_decay_iters=100",
-                "train.eval_interval=100",
-                "train.eval_iters=1",
+                *USR1_RUN,
             ),
         ],
         timeout=300,
