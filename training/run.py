@@ -220,11 +220,11 @@ def build_run(
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter()
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
-    # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
     if par.fsdp and not layout.fsdp:
         logger.info(
             "parallel.fsdp=true with one data-parallel rank (dp x cp = 1): nothing to shard, plain data parallelism"
         )
+    # A list of the same modules, typed as DataParallel and the optimizer take it (lists are invariant).
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state, layout)
     shape = RunShape.of(config, layout)
     ctx = StepContext(
@@ -239,12 +239,7 @@ def build_run(
         scatter_gather=par.scatter_gather and not layout.sequence_parallel,
         overlap_p2p_comm=par.overlap_p2p_comm,
     )
-    params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
-    logger.info(
-        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {shape.padded_vocab}"
-        f", {layout.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank, {dtype}; "
-        f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
-    )
+    log_model_summary(logger, chunks, state, shape, layout, train_cfg.micro_batch_size, dtype, optimizer)
     return Run(
         config=config,
         env=env,
@@ -273,6 +268,26 @@ def build_run(
         straggler=StragglerReport(
             config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
         ),
+    )
+
+
+def log_model_summary(
+    logger: logging.Logger,
+    chunks: list[GPTModel],
+    state: ParallelState,
+    shape: RunShape,
+    layout: Layout,
+    micro_batch_size: int,
+    dtype: torch.dtype,
+    optimizer: Optimizer,
+) -> None:
+    """The start-up line on the model (its parameters summed over the model-parallel ranks) and this rank's
+    optimizer state."""
+    params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
+    logger.info(
+        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {shape.padded_vocab}"
+        f", {layout.num_microbatches} micro-batches of {micro_batch_size} per dp rank, {dtype}; "
+        f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
     )
 
 
