@@ -175,9 +175,42 @@ def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigin
         conn.send(serve(rank, world_size, request))
 
 
+def warm_up() -> None:
+    """Pay, once in the zygote, what every rank body would otherwise pay again in its fresh fork.
+
+    - Building a model on the meta device (as parallel/model_builder.py does) runs torch._refs' init functions,
+      which import torch._dynamo and Triton and build dynamo's rule tables (~0.6 CPU s).
+    - Then every object alive is moved out of the garbage collector's reach (`gc.freeze`, meant for exactly
+      this: processes forked from a warmed parent): otherwise the first full collection in each body walks the
+      ~600,000 objects of torch, dynamo and the test modules (~0.2-0.3 CPU s) and, by touching each object's
+      header, copies the pages the fork shared with the zygote.
+    Module construction on meta and imports only: no arithmetic, no thread (tests/test_rank_pool.py checks), and
+    the environment as it was.
+    """
+    import gc
+
+    import torch
+
+    from config.schema import ModelConfig
+    from model.gpt import GPTModel
+    from model.rank_spec import RankSpec
+
+    environ = dict(os.environ)
+    cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
+    with torch.device("meta"):
+        GPTModel(cfg, cfg.vocab_size, spec=RankSpec.one_process(cfg))
+    # inductor's import sets TORCHINDUCTOR_CACHE_DIR: bodies and forked command lines see the environment
+    # pytest had (tests/cli_runner.py compares a command's environment with it)
+    os.environ.clear()
+    os.environ.update(environ)
+    gc.collect()
+    gc.freeze()
+
+
 def _zygote_main(conn: Connection) -> None:
-    """Fork workers on request; the zygote itself never imports more, runs a test body or starts threads."""
+    """Fork workers on request; the zygote itself runs no test body and starts no thread."""
     set_parent_death_signal()
+    warm_up()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel as they exit
     sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the zygote ends when its pipe closes
     while True:

@@ -145,3 +145,23 @@ def test_what_ranks_print_reaches_the_test_output(capfd):
 
 def test_the_pool_is_the_sessions():
     assert _SessionPool.pool is not None
+
+
+def _report_warmth(rank: int, world_size: int, out_dir: str) -> None:
+    import gc
+    import sys
+
+    state = {"frozen": gc.get_freeze_count(), "dynamo": "torch._dynamo" in sys.modules}
+    with open(os.path.join(out_dir, f"warmth.{rank}"), "w") as handle:
+        json.dump(state, handle)
+
+
+def test_bodies_start_warm_from_a_single_threaded_zygote(tmp_path):
+    """rank_pool.warm_up ran in the zygote: bodies inherit torch._dynamo imported and the heap frozen out of the
+    collector's reach, and the zygote is still one thread (forking a process with threads is unsafe)."""
+    run_ranks(2, _report_warmth, str(tmp_path))
+    for rank in range(2):
+        state = json.loads((tmp_path / f"warmth.{rank}").read_text())
+        assert state["dynamo"] and state["frozen"] > 100_000, state
+    zygote_pid = _SessionPool.pool.zygote.pid
+    assert len(os.listdir(f"/proc/{zygote_pid}/task")) == 1
