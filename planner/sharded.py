@@ -59,8 +59,14 @@ class ShardedCollectives:
         self.reshard = bool(config.parallel.fsdp_reshard_after_forward)
         chunk = run.chunks(0)[0]  # FSDP runs with pp = 1: one chunk, the whole model
         params = chunk_parameters(config.model, layout.tp_size, chunk.layer_ids, True, True, layout.sequence_parallel)
-        self.layers = [[p for p in params if p.name.startswith(f"layers.{i}.")] for i in chunk.layer_ids]
-        self.root = [p for p in params if not p.name.startswith("layers.")]
+        by_layer: dict[str, list[ParamShape]] = {str(i): [] for i in chunk.layer_ids}
+        self.root: list[ParamShape] = []
+        for param in params:  # one pass: searched per layer, a 100-layer model's planner search spent seconds here
+            if param.name.startswith("layers."):
+                by_layer.get(param.name.split(".", 2)[1], []).append(param)
+            else:
+                self.root.append(param)
+        self.layers = [by_layer[str(i)] for i in chunk.layer_ids]
 
     # ---- one unit ------------------------------------------------------------------------------------
     def _calls(self, unit: list[ParamShape]) -> list[list[ParamShape]]:

@@ -154,9 +154,10 @@ def _runs_tests_here(config) -> bool:
 
 
 def pytest_collection_finish(session) -> None:
-    """Fork the rank pool's zygote now: every test module is imported (its workers inherit them) and no test
-    has run yet (no OpenMP threads, no gloo: safe to fork)."""
+    """Fork the rank pool's zygote now: every test module is imported (its workers inherit them, and what
+    rank_pool.warm_up adds) and no test has run yet (no OpenMP threads, no gloo: safe to fork)."""
     if rank_pool.pool_enabled() and _runs_tests_here(session.config) and _SessionPool.pool is None:
+        rank_pool.warm_up()
         _SessionPool.pool = rank_pool.RankPool(rank_pool.Zygote())
         recorder = session.config.pluginmanager.get_plugin("ptdp_cpu_costs")
         if recorder is not None:

@@ -11,10 +11,10 @@ failing rank and its traceback (a hung rank: the stack faulthandler dumped at th
 AssertionError, kills that set of workers with their bodies, and the next call starts a new set.
 
 Fork safety: the workers are forked from a zygote, which pytest forks right after collection (every test
-module imported, no test run yet: no OpenMP thread pool, no gloo), and which only ever forks. Bodies travel by
-pickle (a function by its module and qualified name), so a local function or an unpicklable argument (a
-queue, a lock) falls back to forking from pytest, as does PTDP_RANK_POOL=0 (to rule the pool out when
-debugging).
+module imported, `warm_up` done, no test run yet: no OpenMP thread pool, no gloo), and which only ever forks.
+Bodies travel by pickle (a function by its module and qualified name), so a local function or an unpicklable
+argument (a queue, a lock) falls back to forking from pytest, as does PTDP_RANK_POOL=0 (to rule the pool out
+when debugging).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigin
 
 
 def warm_up() -> None:
-    """Pay, once in the zygote, what every rank body would otherwise pay again in its fresh fork.
+    """Pay, once before the zygote is forked, what every rank body would otherwise pay again in its fresh fork.
 
     - Building a model on the meta device (as parallel/model_builder.py does) runs torch._refs' init functions,
       which import torch._dynamo and Triton and build dynamo's rule tables (~0.6 CPU s).
@@ -184,8 +184,9 @@ def warm_up() -> None:
       this: processes forked from a warmed parent): otherwise the first full collection in each body walks the
       ~600,000 objects of torch, dynamo and the test modules (~0.2-0.3 CPU s) and, by touching each object's
       header, copies the pages the fork shared with the zygote.
-    Module construction on meta and imports only: no arithmetic, no thread (tests/test_rank_pool.py checks), and
-    the environment as it was.
+    Module construction on meta and imports only: no arithmetic, no thread (tests/test_rank_pool.py checks).
+    pytest runs it before forking the zygote (tests/conftest.py), so the two stay alike: inductor's import sets
+    TORCHINDUCTOR_CACHE_DIR, and tests/cli_runner.py compares a command's environment with the zygote's.
     """
     import gc
 
@@ -195,14 +196,9 @@ def warm_up() -> None:
     from model.gpt import GPTModel
     from model.rank_spec import RankSpec
 
-    environ = dict(os.environ)
     cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
     with torch.device("meta"):
         GPTModel(cfg, cfg.vocab_size, spec=RankSpec.one_process(cfg))
-    # inductor's import sets TORCHINDUCTOR_CACHE_DIR: bodies and forked command lines see the environment
-    # pytest had (tests/cli_runner.py compares a command's environment with it)
-    os.environ.clear()
-    os.environ.update(environ)
     gc.collect()
     gc.freeze()
 
@@ -210,7 +206,6 @@ def warm_up() -> None:
 def _zygote_main(conn: Connection) -> None:
     """Fork workers on request; the zygote itself runs no test body and starts no thread."""
     set_parent_death_signal()
-    warm_up()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel as they exit
     sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the zygote ends when its pipe closes
     while True:
