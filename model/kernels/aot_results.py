@@ -5,14 +5,17 @@ beside this file, so that the test suite compiles only when a kernel or the tool
 A cold compile of the 471 cubins costs ~125 CPU s (a clean CI machine has an empty Triton cache); reading the
 table costs nothing. Regenerate it after changing a kernel, the configurations, Triton or its ptxas:
 
-    python -m model.kernels.aot_results
+    python scripts/write_aot_results.py
 
 What the table is keyed by, at two levels:
 - one fingerprint of the inputs every entry shares: the source of model/kernels/triton_kernels.py and of every
   project module it imports, the source of the compile procedure (`aot.compile_for`, `aot._local_memory`), the
   Triton version, `ptxas --version` of the ptxas Triton runs for each target (sm_100 has its own), the
   cuobjdump that reads the spills, and the environment variables Triton's own cache key reads. A change to any
-  of them can change any entry (the kernels share one file and one compiler), so the whole table is stale;
+  of them can change any entry (the kernels share one file, its module-level constants and one compiler), so
+  the whole table is stale: simpler and safer than tracing which kernel uses what, at the price of a full
+  recompile after a comment edit. (Triton's own `triton_key()` would also hash libtriton.so, which differs
+  between the Python builds of one release: every other Python would recompile for nothing.);
 - each entry's own key: a hash of its target and complete configuration (kernel, every argument's type,
   constexprs, warps). A configuration added or changed (a new block size the launch code picks) is compiled
   alone; the others still come from the table.
@@ -92,19 +95,15 @@ def _version_text(command: list[str]) -> str:
 
 def ptxas_path(arch: int) -> str:
     """The ptxas Triton runs for sm_`arch` (TRITON_PTXAS_PATH / TRITON_PTXAS_BLACKWELL_PATH honoured)."""
-    from triton.backends.nvidia import compiler as nvidia
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    if hasattr(nvidia, "get_ptxas"):
-        return nvidia.get_ptxas(arch).path
-    return nvidia.knobs.nvidia.ptxas.path  # Triton without a per-arch ptxas
+    return get_ptxas(arch).path
 
 
 def _triton_env() -> dict[str, str]:
-    """The environment variables that Triton's own compile cache is keyed by (set ones only)."""
-    try:
-        from triton._C.libtriton import get_cache_invalidating_env_vars
-    except ImportError:
-        return {}
+    """The environment variables that Triton's own compile cache is keyed by (the ones set)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
     return dict(sorted(get_cache_invalidating_env_vars().items()))
 
 
