@@ -53,7 +53,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _project_module_file(name: str) -> Path | None:
+def project_module_file(name: str) -> Path | None:
     """The source file of module `name` when it is part of this project (not Triton, not installed packages)."""
     if name.split(".")[0] == "triton":
         return None  # the Triton version and ptxas versions stand for it
@@ -72,7 +72,7 @@ def kernel_sources() -> dict[str, str]:
     pending = ["model.kernels.triton_kernels"]
     while pending:
         name = pending.pop()
-        path = _project_module_file(name)
+        path = project_module_file(name)
         if name in hashes or path is None:
             continue
         source = path.read_bytes()

@@ -97,10 +97,12 @@ def test_recorded_entries_match_a_fresh_compile():
     assert {config.kernel for config, _ in sample} == {config.kernel for config, _ in jobs}
     assert {arch for _, arch in sample} == set(aot.supported_archs())
     fresh = [aot_results.to_entry(job, result) for job, result in zip(sample, aot.compile_jobs(sample, workers=1))]
-    recorded = [table.entries[aot_results.job_key(job)] for job in sample]
-    differing = [f"recorded {old}\ncompiled {new}" for old, new in zip(recorded, fresh) if old != new]
-    assert not differing, f"regenerate with `{aot_results.REGENERATE}` and find the input the fingerprint misses:\n" + (
-        "\n".join(differing)
+    entries = [table.entries[aot_results.job_key(job)] for job in sample]
+    differing = [f"recorded {old}\ncompiled {new}" for old, new in zip(entries, fresh) if old != new]
+    assert not differing, (
+        "the recorded table differs from a fresh compile: a wrong entry, or an input that changes results but "
+        f"not the fingerprint (add it to aot_results.fingerprint_inputs); then `{aot_results.REGENERATE}`:\n"
+        + "\n".join(differing)
     )
 
 
@@ -110,6 +112,8 @@ def test_the_fingerprint_says_what_changed(tmp_path, monkeypatch):
     jobs = aot_results.all_jobs()[:3]
     results = [aot.CompileResult(config, arch, 32, 0, 0, config.num_warps) for config, arch in jobs]
     inputs = aot_results.fingerprint_inputs(sorted({arch for _, arch in jobs}))
+    assert {"model.kernels.triton_kernels", "model.kernels.aot.compile_for"} <= set(inputs["sources"])
+    assert aot_results.project_module_file("triton.language") is None  # the Triton version stands for it
     path = tmp_path / "aot_results.json"
     aot_results.write(jobs[:2], results[:2], inputs, path)
     table = aot_results.matching(aot_results.load(path), inputs)
