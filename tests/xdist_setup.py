@@ -28,7 +28,7 @@ LOADGROUP_SWITCH = "PTDP_XDIST_LOADGROUP"  # set by the controller for its worke
 # worker that runs one of their tests: test_layouts.py's references (~1 s each) would otherwise put its 35
 # tests on one worker.
 SHARED_FIXTURE_MODULES = (
-    "test_kernels_aot.py",  # compiled: every kernel for sm_80/90/100 (10 s with Triton's cache, ~330 s without)
+    "test_kernels_aot.py",  # compiled: model/kernels/aot_results.json (1 s), or 471 compiles when it is stale
     "test_torchrun_signals.py",  # reference: a torchrun run to compare the signalled ones with (29 s)
     "test_convert_megatron.py",  # megatron_dir: megatron-core checkpoints at three layouts (16 s)
     "test_checkpoint_layouts.py",  # saved_run: an 8-rank run whose checkpoint every test resumes (6.5 s)

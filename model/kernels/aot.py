@@ -265,15 +265,21 @@ def _compile_or_error(job: tuple[KernelConfig, int]) -> CompileResult | str:
 
 
 def compile_all(configs: list[KernelConfig], archs: list[int], workers: int = 2) -> list[CompileResult | str]:
-    """compile_for over configs x archs in `workers` fresh (spawned) processes with Triton's interpreter off,
-    whatever this process runs under; an error comes back as its message."""
+    """compile_for over configs x archs (arch by arch): see compile_jobs."""
+    return compile_jobs([(config, arch) for arch in archs for config in configs], workers)
+
+
+def compile_jobs(jobs: list[tuple[KernelConfig, int]], workers: int = 2) -> list[CompileResult | str]:
+    """compile_for of each (config, arch) in `workers` fresh (spawned) processes with Triton's interpreter off,
+    whatever this process runs under; an error comes back as its message. No job: no process started."""
     import multiprocessing
 
-    jobs = [(config, arch) for arch in archs for config in configs]
+    if not jobs:
+        return []
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # the workers inherit the environment as they start
     try:
-        pool = multiprocessing.get_context("spawn").Pool(max(1, workers))
+        pool = multiprocessing.get_context("spawn").Pool(max(1, min(workers, len(jobs))))
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]

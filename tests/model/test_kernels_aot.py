@@ -1,26 +1,33 @@
 """Every Triton kernel compiled ahead of time for A100 (sm_80), H100/H200 (sm_90) and Blackwell (sm_100, when
 the wheel's ptxas supports it) on this CPU-only machine (model/kernels/aot.py): no compile error, no register
 spill that model/kernels/aot.ACCEPTED_SPILLS does not name, shared memory within the target's limit.
+The results come from model/kernels/aot_results.json when its fingerprint (kernel sources, Triton, ptxas, ...)
+matches this machine, else from compiling (with a warning that the table is stale and how to regenerate it);
+a sample of the table is compiled again on every run and must match it exactly.
 Run with -s to see registers / spills / shared memory per kernel."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 
 pytest.importorskip("triton")
 aot = pytest.importorskip("model.kernels.aot")
+aot_results = pytest.importorskip("model.kernels.aot_results")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[int, list]:
-    """Every configuration compiled for every supported arch once, on two processes (CI has two cores)."""
-    archs = aot.supported_archs()
-    results = aot.compile_all(aot.kernel_configs(), archs, workers=min(2, os.cpu_count() or 1))
-    by_arch: dict[int, list] = {arch: [] for arch in archs}
-    for result in results:
-        arch = int(result.split()[0][3:]) if isinstance(result, str) else result.arch
+    """Every configuration for every supported arch: recorded, or compiled once on two processes (CI has two
+    cores) where the recorded table is stale."""
+    jobs = aot_results.all_jobs()
+    results, stale = aot_results.recorded_or_compiled(jobs, workers=min(2, os.cpu_count() or 1))
+    if stale is not None:
+        warnings.warn(stale, stacklevel=1)
+    by_arch: dict[int, list] = {arch: [] for arch in aot.supported_archs()}
+    for (_, arch), result in zip(jobs, results):
         by_arch[arch].append(result)
     return by_arch
 
@@ -74,3 +81,55 @@ def test_a_spill_is_detected_and_must_be_named():
     (result,) = aot.compile_all([narrow], [90], workers=1)
     assert result.local_bytes > 0
     assert aot.accepted_spill(result) is None  # 4 warps spill more than the entry accepts
+
+
+def test_recorded_entries_match_a_fresh_compile():
+    """A sample of the recorded table (every kernel, every target, a spill per target) compiled again: a wrong
+    entry, or an input that changes results but that the fingerprint misses, shows up as a difference."""
+    jobs = aot_results.all_jobs()
+    inputs = aot_results.fingerprint_inputs(aot.supported_archs())
+    recorded = aot_results.load()
+    table = aot_results.matching(recorded, inputs)
+    if table is None:
+        reason = aot_results.staleness(recorded, inputs, jobs)
+        pytest.skip(aot_results.stale_note(aot_results.RESULTS_PATH, reason, "no recorded entry to compare"))
+    sample = aot_results.rebuild_sample(jobs, table)
+    assert {config.kernel for config, _ in sample} == {config.kernel for config, _ in jobs}
+    assert {arch for _, arch in sample} == set(aot.supported_archs())
+    fresh = [aot_results.to_entry(job, result) for job, result in zip(sample, aot.compile_jobs(sample, workers=1))]
+    entries = [table.entries[aot_results.job_key(job)] for job in sample]
+    differing = [f"recorded {old}\ncompiled {new}" for old, new in zip(entries, fresh) if old != new]
+    assert not differing, (
+        "the recorded table differs from a fresh compile: a wrong entry, or an input that changes results but "
+        f"not the fingerprint (add it to aot_results.fingerprint_inputs); then `{aot_results.REGENERATE}`:\n"
+        + "\n".join(differing)
+    )
+
+
+def test_the_fingerprint_says_what_changed(tmp_path, monkeypatch):
+    """A table written and read back answers its jobs; a changed input or a configuration it lacks makes it
+    stale, only what it lacks is compiled, and the note names the input and the command that regenerates it."""
+    jobs = aot_results.all_jobs()[:3]
+    results = [aot.CompileResult(config, arch, 32, 0, 0, config.num_warps) for config, arch in jobs]
+    inputs = aot_results.fingerprint_inputs(sorted({arch for _, arch in jobs}))
+    assert {"model.kernels.triton_kernels", "model.kernels.aot.compile_for"} <= set(inputs["sources"])
+    assert aot_results.project_module_file("triton.language") is None  # the Triton version stands for it
+    path = tmp_path / "aot_results.json"
+    aot_results.write(jobs[:2], results[:2], inputs, path)
+    table = aot_results.matching(aot_results.load(path), inputs)
+    assert [aot_results.from_entry(job, table.entries[aot_results.job_key(job)]) for job in jobs[:2]] == results[:2]
+    assert aot_results.staleness(table, inputs, jobs[:2]) is None
+    assert aot_results.recorded_or_compiled(jobs[:2], workers=1, path=path) == (results[:2], None)
+
+    compiled_jobs: list = []
+    monkeypatch.setattr(aot, "compile_jobs", lambda todo, workers: compiled_jobs.extend(todo) or results[2:])
+    answered, note = aot_results.recorded_or_compiled(jobs, workers=1, path=path)
+    assert answered == results and compiled_jobs == jobs[2:]
+    assert note == (
+        f"{path} is stale (1 configuration(s) not recorded, 0 recorded configuration(s) no longer "
+        f"compiled): compiled 1 of 3; regenerate it with `{aot_results.REGENERATE}`"
+    )
+    ptxas = next(iter(inputs["ptxas"]))
+    changed = inputs | {"ptxas": inputs["ptxas"] | {ptxas: "another ptxas"}}
+    assert aot_results.matching(table, changed) is None
+    assert aot_results.staleness(table, changed, jobs[:2]) == f"changed since it was recorded: ptxas.{ptxas}"
