@@ -18,20 +18,21 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives
 from training.checkpoint import files
-from training.checkpoint.dcp_planners import GlobalPieces, PiecesSavePlanner
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.state import staged_copy
 from training.checkpoint.train_state import TrainState, rng_path
 from training.write_errors import describe_write_error, reraise_interrupt
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: write_checkpoint imports it
+    from training.checkpoint.dcp_planners import GlobalPieces
 
 
 @dataclass
@@ -92,6 +93,12 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
     """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
     with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
     removed."""
+    # Here, not at module level: a run that never saves does not pay DCP's import. The pieces were built on
+    # the training thread (training/checkpoint/state.py), which imported DCP before any background save.
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint.dcp_planners import PiecesSavePlanner
+
     rank, world = _rank_info(group)
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))
