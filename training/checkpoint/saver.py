@@ -93,8 +93,8 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
     """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
     with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
     removed."""
-    # Here, not at module level: a run that never saves does not pay DCP's import. The pieces were built on
-    # the training thread (training/checkpoint/state.py), which imported DCP before any background save.
+    # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
+    # on the training thread before a background save).
     import torch.distributed.checkpoint as dcp
 
     from training.checkpoint.dcp_planners import PiecesSavePlanner
@@ -213,6 +213,9 @@ class Checkpointer:
     def save(self, job: SaveJob) -> None:
         """Write `job` (blocking), or (async) hand it to a background thread that first copies the pieces aside
         and then writes them; the loop only has to call `before_update()` before its next optimizer step."""
+        # DCP's first import (write_checkpoint's) on this thread, never alongside training in the background one
+        import torch.distributed.checkpoint  # noqa: F401
+
         self.wait()
         started = time.perf_counter()
         if not self.async_save:
