@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from convert.megatron_names import GLOBAL_TO_OURS
 from convert.safe_pickle import first_line, load_megatron_file
+from training.checkpoint.dcp_reader import SafeFileSystemReader
 from training.checkpoint.files import CheckpointError, check_storage_extents
-from training.checkpoint.safe_reader import SafeFileSystemReader
 
 Tensors = dict[str, torch.Tensor]
 # A stacked layer tensor's key: the layer-local module path and the parameter.

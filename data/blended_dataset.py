@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data.blend_index import build_blending_indices
 from data.gpt_dataset import GPTDataset, TokenSource, save_atomic
 
 
@@ -62,6 +61,8 @@ class BlendedDataset:
         if paths and all(os.path.exists(p) for p in paths):
             self.dataset_index, self.dataset_sample_index = (np.load(p, mmap_mode="r") for p in paths)
         else:
+            from data.blend_index import build_blending_indices  # numba (~0.4 CPU s): only a blend builds one
+
             self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
             if cache_dir and paths:
                 self._save(cache_dir, paths)

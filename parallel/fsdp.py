@@ -28,21 +28,23 @@ store the shards as pieces of global tensors (`local_shard`), so they stay layou
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeGuard
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 from model.param_info import ParamInfo, param_info, set_param_info
 from parallel.comm import Collectives, RecordedWork
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch.distributed.fsdp imports torch.distributed.tensor (~1.3 CPU s): only FSDP runs need it
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
     from parallel.state import ParallelState
 
 
@@ -54,17 +56,28 @@ class LocalShard(NamedTuple):
     start: int
 
 
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether `tensor` is a DTensor (an FSDP parameter or shard). A DTensor exists only once
+    torch.distributed.tensor is imported (torch.distributed.fsdp and DCP import it), so a process that has not imported it
+    holds none: looking it up in sys.modules keeps `import pretrain_gpt` from importing it (its operator
+    strategies and sympy, ~1.3 CPU s of every process's start-up)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: an FSDP shard's local part, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def local_shard(tensor: torch.Tensor) -> LocalShard:
     """Where this rank's elements of `tensor` lie in its flat elements: an FSDP parameter (Shard(0) over its
     mesh's last dimension, torch.chunk's split: ceil(rows / n) rows per rank, the last ranks fewer or none) or
     a plain tensor (all of it)."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return LocalShard(tensor.detach().view(-1), 0)
+    from torch.distributed.tensor import Shard
+
     local = tensor.to_local().detach()
     rows = tensor.shape[0]
     per_row = tensor.numel() // rows if rows else 0
@@ -80,7 +93,7 @@ def local_shard(tensor: torch.Tensor) -> LocalShard:
 def shard_replicas(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(replicas, this rank's replica) of an FSDP shard: HSDP's replicas of it, or (1, 0) without HSDP; None for
     a plain tensor (its replicas are the dp x cp ranks)."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return None
     mesh = tensor.device_mesh
     return (mesh.size(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (1, 0)
@@ -176,6 +189,8 @@ class ShardedDataParallel:
         )
         device = next(p for chunk in chunks for p in chunk.parameters()).device
         self.mesh = fsdp_mesh(state, device.type)
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # here: a run without FSDP never imports it
+
         policy = MixedPrecisionPolicy(
             param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
         )
@@ -190,6 +205,8 @@ class ShardedDataParallel:
         return self.state.dp_cp_group if self.state.fsdp_replicate == 1 else self.state.hsdp_shard_group
 
     def _shard_chunk(self, chunk: nn.Module, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
+        from torch.distributed.fsdp import fully_shard
+
         before = {name: param_info(p) for name, p in chunk.named_parameters(remove_duplicate=False)}
         layers = [layer for _, layer in chunk.transformer_layers()]  # type: ignore[operator]
         for layer in layers:

@@ -20,8 +20,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch.distributed as dist
+
+# What the trainer imports only when a run needs it (a checkpoint, FSDP, a dataset blend: `import pretrain_gpt`
+# leaves them out, tests/test_start_up_imports.py). The tests' forked ranks and command lines inherit this
+# process's modules: imported here once, so that each forked rank that saves does not import DCP (~1.3 CPU s).
+import torch.distributed.checkpoint
+import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
 
+import data.blend_index  # noqa: F401
 from data.sample_corpus import build_tiny_corpus
 from tests import cli_runner, rank_pool
 from tests.xdist_setup import (  # noqa: F401 - pytest hooks: two workers, OMP_NUM_THREADS=1, grouping

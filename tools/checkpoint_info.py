@@ -20,9 +20,9 @@ import sys
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from training.checkpoint import files
+from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.legacy import dp_rank_file, rank_dir
-from training.checkpoint.loader import read_dcp_metadata
 from training.checkpoint.train_state import read_train_state
 
 

@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from data.blended_dataset import BlendedDataset, build_blending_indices
+from data.blend_index import build_blending_indices
+from data.blended_dataset import BlendedDataset
 from data.builder import build_train_valid_test_datasets, split_document_ranges
 from data.gpt_dataset import GPTDataset, build_indices
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder

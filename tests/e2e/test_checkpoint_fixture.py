@@ -14,7 +14,7 @@ import pytest
 
 import pretrain_gpt
 from tests.conftest import read_metrics, run_ranks
-from training.checkpoint.loader import read_dcp_metadata
+from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.train_state import read_train_state
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "checkpoint_format2")

@@ -3,10 +3,12 @@
 1. tp2 x pp2 under torchrun, PTDP_INJECT_FAULT=rank=2,iteration=5,kind=sleep, parallel.train_timeout_s=20: every
    rank exits 5 within the timeout + 30 s of the stall, tools/diagnose_hang.py names rank 2, the collective and
    iteration 5, the last checkpoint (iteration 4) stays the latest, and resuming from it gives the uninterrupted
-   run's losses;
+   run's losses (the uninterrupted reference and the resume check the checkpoint, not the launcher: they run
+   the same trainer and layout on 4 gloo ranks of tests/conftest.run_ranks, as test_torchrun_signals.py's do,
+   instead of two more torchrun starts of ~15-25 CPU s each);
 2. the same with kind=skip: diagnose_hang names rank 2 and the sequence number where the ranks part;
-3. dp4 under torchrun, rank 1 twice as slow: the straggler report names it in its first report and warns in the
-   second;
+3. dp4, rank 1 twice as slow: the straggler report names it in its first report and warns in the second
+   (forked ranks: the report reads the ranks' step times over gloo, not the launcher);
 4. a healthy run that saves every iteration (sync and async), with saves slower than a small train_timeout_s
    plus the watchdog's grace: no timeout fires (forked ranks: the slow save is a patched function).
 """
@@ -24,8 +26,9 @@ import pytest
 import torch.multiprocessing as mp
 
 import pretrain_gpt
-from tests.conftest import REPO_ROOT, free_port, read_metrics, tiny_train_args
+from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
+from tests.e2e.test_torchrun_signals import trainer_rank
 from tools import diagnose_hang
 from training import checkpointing
 from training.checkpoint import saver
@@ -47,6 +50,12 @@ RANK2 = "rank 2 (tp 0, cp 0, dp 0, pp 1)"
 
 def command(corpus: dict, run_dir: str, *extra: str) -> list[str]:
     return [*torchrun_command(4), os.path.join(REPO_ROOT, "pretrain_gpt.py"), *tiny_train_args(corpus, run_dir, *extra)]
+
+
+def train_on_ranks(corpus: dict, run_dir: str, *extra: str) -> None:
+    """The run of `command` on 4 gloo ranks of the rank pool instead of torchrun (each rank must exit 0)."""
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]
+    run_ranks(4, trainer_rank, argv, timeout=300.0)
 
 
 def run_torchrun(argv: list[str], fault: str, marker: str, timeout: float = 300.0) -> tuple[int, str, float | None]:
@@ -105,8 +114,7 @@ def hung_run(corpus: dict, run_dir: str, kind: str, marker: str, capsys) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    proc = subprocess.run(command(tiny_corpus, run_dir, *LAYOUT), cwd=REPO_ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_on_ranks(tiny_corpus, run_dir, *LAYOUT)
     return [r["lm_loss"] for r in read_metrics(run_dir)]
 
 
@@ -122,10 +130,7 @@ def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(ti
     root = os.path.join(run_dir, "checkpoints")
     assert checkpointing.read_tracker(root) == 4
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "latest", "latest_checkpointed_iteration.txt"]
-    resumed = subprocess.run(
-        command(tiny_corpus, run_dir, *LAYOUT, "checkpoint.load=true"), cwd=REPO_ROOT, capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    train_on_ranks(tiny_corpus, run_dir, *LAYOUT, "checkpoint.load=true")
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == reference
     assert os.path.isdir(os.path.join(run_dir, "diagnostics.1"))  # the hang's dumps, set aside by the new attempt
 
@@ -141,7 +146,9 @@ def test_a_skipped_collective_is_where_the_ranks_part(tiny_corpus, tmp_path, cap
     assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 4
 
 
-def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_path):
+def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_path, capfd):
+    """On 4 forked gloo ranks rather than torchrun (one launch of 5 processes less): the same trainer, fault hook
+    and report; its lines are read from the ranks' output (inherited file descriptors)."""
     run_dir = str(tmp_path / "run")
     interval = 3
     overrides = (
@@ -153,8 +160,11 @@ def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_
         "model.hidden_size=192",  # enough compute per step that the doubling stands well above the noise
         "model.seq_length=128",
     )
-    code, output, _ = run_torchrun(command(tiny_corpus, run_dir, *overrides), "rank=1,iteration=1,kind=slow", "")
-    assert code == 0, output[-3000:]
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(tiny_corpus, run_dir, *overrides)]
+    codes = run_forked_trainer(argv, fault="rank=1,iteration=1,kind=slow")
+    captured = capfd.readouterr()
+    output = captured.out + captured.err
+    assert codes == [0, 0, 0, 0], output[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         reports = [r for r in map(json.loads, handle) if "straggler_slowest_rank" in r]
     assert [r["iteration"] for r in reports] == [3, 6]
@@ -163,11 +173,22 @@ def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_
     assert "warning: rank 1 (tp 0, cp 0, dp 1, pp 0) is a straggler: compute " in output  # by the second
 
 
-def _forked_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
+def _forked_rank(rank: int, world_size: int, port: int, argv: list[str], fault: str) -> None:
     """One rank of a forked run of the trainer, exiting with its code (os._exit: no gloo teardown). The trainer
     reads LOCAL_RANK / LOCAL_WORLD_SIZE with defaults that fit one CPU node."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["PTDP_INJECT_FAULT"] = fault
     os._exit(pretrain_gpt.main(argv))
+
+
+def run_forked_trainer(argv: list[str], fault: str = "", world_size: int = 4) -> list[int | None]:
+    """The trainer on `world_size` ranks forked from this process (patches made here apply to them);
+    PTDP_INJECT_FAULT=`fault` in each. Returns their exit codes."""
+    args = (world_size, free_port(), argv, fault)
+    context = mp.start_processes(_forked_rank, args=args, nprocs=world_size, join=False, start_method="fork")
+    for process in context.processes:
+        process.join(240)
+    return [process.exitcode for process in context.processes]
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -192,10 +213,7 @@ def test_no_timeout_fires_on_a_healthy_run_that_saves_every_iteration(tiny_corpu
         "logging.straggler_interval=2",
     )
     argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(tiny_corpus, run_dir, *overrides)]
-    context = mp.start_processes(_forked_rank, args=(4, free_port(), argv), nprocs=4, join=False, start_method="fork")
-    for process in context.processes:
-        process.join(240)
-    assert [process.exitcode for process in context.processes] == [0, 0, 0, 0]
+    assert run_forked_trainer(argv) == [0, 0, 0, 0]
     assert not os.path.exists(os.path.join(run_dir, "diagnostics"))
     root = os.path.join(run_dir, "checkpoints")
     assert checkpointing.read_tracker(root) == 4

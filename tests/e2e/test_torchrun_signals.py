@@ -51,14 +51,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def _rank_main(rank: int, world_size: int, argv: list[str]) -> None:
+def trainer_rank(rank: int, world_size: int, argv: list[str]) -> None:
+    """One rank of the trainer (tests/conftest.run_ranks), which must exit 0."""
     assert pretrain_gpt.main(argv) == 0
 
 
 def train_on_ranks(corpus, run_dir, *extra) -> None:
     """The run of `command` (4 ranks, tp 2 x pp 2) on forked gloo ranks instead of torchrun."""
     argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *LAYOUT, *extra)]
-    run_ranks(4, _rank_main, argv, timeout=300.0)
+    run_ranks(4, trainer_rank, argv, timeout=300.0)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, arm_torch_file
+from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.files import CheckpointError
-from training.checkpoint.safe_reader import load_weights_file, read_dcp_metadata
+from training.checkpoint.safe_reader import load_weights_file
 
 FIXTURE = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "fixtures", "checkpoint_format2", "checkpoints", "iter_0000004"

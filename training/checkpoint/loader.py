@@ -8,18 +8,16 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel.state import ParallelState
 from training.checkpoint import files
-from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from training.checkpoint.files import CheckpointError
-from training.checkpoint.safe_reader import SafeFileSystemReader, load_weights_file, read_dcp_metadata
+from training.checkpoint.safe_reader import load_weights_file
 from training.checkpoint.state import (
     check_against_metadata,
     optimizer_pieces,
@@ -29,6 +27,11 @@ from training.checkpoint.state import (
 from training.checkpoint.train_state import OptimizerScalars, rng_path
 from training.optimizer import Optimizer
 from training.write_errors import reraise_interrupt
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from training.checkpoint.dcp_planners import GlobalPieces
 
 
 def _distributed() -> bool:
@@ -57,6 +60,11 @@ def load_pieces(
     iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Metadata, group: dist.ProcessGroup | None = None
 ) -> None:
     """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint.dcp_planners import PiecesLoadPlanner
+    from training.checkpoint.dcp_reader import SafeFileSystemReader
+
     check_against_metadata(wanted, metadata, iter_dir)
     try:
         with warnings.catch_warnings():
@@ -96,6 +104,8 @@ def load_model_weights(
 
         load_legacy_weights(iter_dir, chunks, state)
         return
+    from training.checkpoint.dcp_reader import read_dcp_metadata
+
     if verify:
         verify_share(iter_dir, group)
     metadata = read_dcp_metadata(iter_dir)
@@ -134,6 +144,12 @@ def load_rng(iter_dir: str, rank: int) -> dict | None:
 
 def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Whole global tensors (all keys, or `keys`) of a checkpoint, read in this process alone (tools, tests)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
+    from training.checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_metadata
+
     metadata = read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata
     out, wanted = {}, {}

@@ -185,7 +185,8 @@ def load_into_run(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
     """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
-    from training.checkpoint.loader import load_model_weights, load_optimizer_state, read_dcp_metadata
+    from training.checkpoint.dcp_reader import read_dcp_metadata
+    from training.checkpoint.loader import load_model_weights, load_optimizer_state
 
     if plan.legacy:
         return _load_legacy(plan, config, parts, log)

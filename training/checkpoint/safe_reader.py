@@ -5,12 +5,13 @@ metadata for our checkpoints and Megatron-LM's torch_dist folders alike.
 crafted file runs its code the moment a checkpoint is opened (checksums.json does not help, whoever crafted
 the file can write it too). `MetadataUnpickler` resolves only the classes such a file is made of (DCP's
 metadata dataclasses and enums, torch.Size, dtypes and layouts, paths) and refuses any other global by name,
-before it is called. `SafeFileSystemReader` is the FileSystemReader every load goes through: its
-`read_metadata` uses the unpickler, checks the result's shape (an index of tensors whose data lie in files of
-the folder itself) and returns the same object every time, so `dcp.load` plans with exactly what the caller
-checked (and DCP's `torch.load(weights_only=False)` of byte entries is never reached for a key the caller
-saw as a tensor). `load_weights_file` is the one torch.load of the other pickled files a user hands us (our
-rng/*.pt and format-1 files, a transformers pytorch_model.bin): weights only, refusals named in one line.
+before it is called. `SafeFileSystemReader` (training/checkpoint/dcp_reader.py) is the FileSystemReader every
+load goes through: its `read_metadata` uses the unpickler, checks the result's shape (an index of tensors
+whose data lie in files of the folder itself) and returns the same object every time, so `dcp.load` plans
+with exactly what the caller checked (and DCP's `torch.load(weights_only=False)` of byte entries is never
+reached for a key the caller saw as a tensor). `load_weights_file` is the one torch.load of the other pickled
+files a user hands us (our rng/*.pt and format-1 files, a transformers pytorch_model.bin): weights only,
+refusals named in one line.
 """
 
 from __future__ import annotations
@@ -19,19 +20,15 @@ import os
 import pickle
 import re
 import warnings
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
 
 from compat.torch_private import PICKLED_LAYOUT, dcp_metadata_classes
-from training.checkpoint.files import DCP_METADATA, CheckpointError
+from training.checkpoint.files import CheckpointError
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: imported where a file is read
+    from torch.distributed.checkpoint.metadata import Metadata
 
 ALLOWED = "torch.distributed.checkpoint metadata classes, torch.Size, dtypes"
 # Every global a DCP metadata file pickles (ours: metadata, filesystem; Megatron's torch_dist adds its save
@@ -96,6 +93,8 @@ def _is_shape(value: object, ndim: int | None = None) -> bool:
 
 def _is_tensor_entry(entry: object) -> bool:
     """A TensorStorageMetadata with a shape, a dtype and chunks of that rank (what every reader relies on)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     size, chunks = getattr(entry, "size", None), getattr(entry, "chunks", None)
     if not isinstance(size, tuple) or not isinstance(chunks, list) or not isinstance(entry, TensorStorageMetadata):
         return False
@@ -123,6 +122,8 @@ def _is_data_file(info: object) -> bool:
 
 def _check_shape(metadata: object, path: str) -> Metadata:
     """The unpickled object, if it is an index of tensors stored in files of the folder itself."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
     entries = getattr(metadata, "state_dict_metadata", None)
@@ -154,30 +155,6 @@ def read_metadata_file(path: str) -> Metadata:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise CheckpointError(f"{path} cannot be read: {reason}") from None
     return _check_shape(metadata, path)
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` goes through `read_metadata_file` (never pickle.load), read once:
-    `metadata`, when given, is the object the caller already read and checked."""
-
-    def __init__(self, path: str, metadata: Metadata | None = None) -> None:
-        super().__init__(path)
-        self.checked_metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's index (also when DCP asks for a rank's own: only the folder's `.metadata` is read)."""
-        if self.checked_metadata is None:
-            self.checked_metadata = read_metadata_file(os.path.join(str(self.path), DCP_METADATA))
-        metadata = self.checked_metadata
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
-def read_dcp_metadata(iter_dir: str) -> Metadata:
-    """The `.metadata` of the DCP folder iter_dir, read safely (CheckpointError naming the file otherwise)."""
-    return SafeFileSystemReader(iter_dir).read_metadata()
 
 
 # torch's weights-only unpickler names a refused global as "GLOBAL module.name" (the wording varies by version)

@@ -18,20 +18,21 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives
 from training.checkpoint import files
-from training.checkpoint.dcp_planners import GlobalPieces, PiecesSavePlanner
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.state import staged_copy
 from training.checkpoint.train_state import TrainState, rng_path
 from training.write_errors import describe_write_error, reraise_interrupt
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: write_checkpoint imports it
+    from training.checkpoint.dcp_planners import GlobalPieces
 
 
 @dataclass
@@ -92,6 +93,12 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
     """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
     with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
     removed."""
+    # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
+    # on the training thread before a background save).
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint.dcp_planners import PiecesSavePlanner
+
     rank, world = _rank_info(group)
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))
@@ -206,6 +213,9 @@ class Checkpointer:
     def save(self, job: SaveJob) -> None:
         """Write `job` (blocking), or (async) hand it to a background thread that first copies the pieces aside
         and then writes them; the loop only has to call `before_update()` before its next optimizer step."""
+        # DCP's first import (write_checkpoint's) on this thread, never alongside training in the background one
+        import torch.distributed.checkpoint  # noqa: F401
+
         self.wait()
         started = time.perf_counter()
         if not self.async_save:

@@ -15,17 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata
 
 from model.param_info import param_info
 from parallel.fsdp import LocalShard, local_shard, shard_replicas
 from parallel.state import ParallelState
-from training.checkpoint.dcp_planners import GlobalPieces
 from training.checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
 from training.optimizer import Optimizer
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: only a save or a load needs it
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from training.checkpoint.dcp_planners import GlobalPieces
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -71,6 +75,8 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
 
 
 def _add(out: dict[str, GlobalPieces], key: str, shape: tuple[int, ...], pieces: list) -> None:
+    from training.checkpoint.dcp_planners import GlobalPieces  # a save or a load: DCP is needed now
+
     if pieces:
         out.setdefault(key, GlobalPieces(shape, [])).pieces.extend(pieces)
 
@@ -117,6 +123,8 @@ def staged_copy(
     """The same pieces copied into CPU memory that training does not touch (async save). `buffers`, the
     result of an earlier call with pieces of the same shapes, is reused: no new allocation (page faults cost
     more than the copy), and pinned when the tensors live on a GPU."""
+
+    from training.checkpoint.dcp_planners import GlobalPieces  # a save: DCP is needed now
 
     def same_layout(a: GlobalPieces, b: GlobalPieces) -> bool:
         return [(o, t.shape, t.dtype) for o, t in a.pieces] == [(o, t.shape, t.dtype) for o, t in b.pieces]
