@@ -10,10 +10,11 @@ import signal
 import subprocess
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from tests.e2e.faults import QUICK, one_error_line, run_main
-from training.checkpoint import files, loader, saver
+from training.checkpoint import files, saver
 from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 
 
@@ -33,10 +34,10 @@ def _dcp_fails_with(error: BaseException):
 def test_full_disk_during_a_save_says_no_space_left(tiny_corpus, tmp_path, capsys, monkeypatch, where):
     run_dir = str(tmp_path / "run")
     if where == "tensors-unexpected-pos":  # torch's zip writer on a full disk; the disk is then (nearly) full
-        monkeypatch.setattr(saver.dcp, "save", _dcp_fails_with(RuntimeError("unexpected pos 704 vs 598")))
+        monkeypatch.setattr(dcp, "save", _dcp_fails_with(RuntimeError("unexpected pos 704 vs 598")))
         monkeypatch.setattr("training.write_errors.free_disk_bytes", lambda folder: 4096)
     elif where == "tensors-enospc":
-        monkeypatch.setattr(saver.dcp, "save", _dcp_fails_with(OSError(28, os.strerror(28), "x.distcp")))
+        monkeypatch.setattr(dcp, "save", _dcp_fails_with(OSError(28, os.strerror(28), "x.distcp")))
     else:
 
         def torn_save(obj, path, *args, **kwargs):  # what torch.save raises when the disk fills mid-file
@@ -84,10 +85,10 @@ def test_a_second_sigint_wrapped_by_dcp_exits_130(tiny_corpus, tmp_path, capsys,
             raise CheckpointException("failed", {0: _wrap_exception(err)}) from None
 
     if during == "save":
-        monkeypatch.setattr(saver.dcp, "save", two_sigints)
+        monkeypatch.setattr(dcp, "save", two_sigints)
         extra = QUICK
     else:
-        monkeypatch.setattr(loader.dcp, "load", two_sigints)
+        monkeypatch.setattr(dcp, "load", two_sigints)
         extra = ("train.train_iters=4", "train.eval_iters=0", "optim.lr_warmup_iters=0", "checkpoint.load=true")
     assert run_main(tiny_corpus, run_dir, *extra) == EXIT_INTERRUPTED
     err = capsys.readouterr().err
