@@ -39,12 +39,17 @@ def test_compiled_layers_match_eager_single_process(tiny_corpus, tmp_path):
 
 
 def test_compiled_layers_match_eager_tp2_pp2_recompute_kernels(tiny_corpus, tmp_path):
+    """Two micro-batches per iteration (global batch 4), not the tiny runs' four: the first stage's 1F1B still
+    has a warm-up, a steady and a cool-down step, each compiled layer still runs forward, recomputed forward
+    and backward on every micro-batch, and the same three iterations' losses and gradient norms are compared;
+    the interpreter's kernel launches per iteration are halved."""
     layout = (
         "parallel.tp_size=2",
         "parallel.pp_size=2",
         "parallel.sequence_parallel=true",
         "train.recompute=full",
         "model.fused_kernels=true",
+        "train.global_batch_size=4",
     )
     eager = _run(tiny_corpus, str(tmp_path / "eager"), 4, *layout)
     compiled = _run(
