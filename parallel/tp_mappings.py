@@ -19,6 +19,7 @@ every collective is issued: parallel/comm.py) plus an optional `CommCounter` and
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,14 +37,33 @@ class CommCounter:
     are counted as "forward", which is what they are.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = False) -> None:
+        """`compiled`: the layers counting here run under torch.compile (train.compile=true)."""
         self.counts: dict[tuple[str, str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+        # Under torch.compile, dynamo traced the increments below into each compiled frame and guarded on the
+        # dicts' sizes and int values: every count changed a guard, so the layers recompiled on every call until
+        # dynamo's recompile limit sent them back to eager. torch.compiler.disable runs counting and the
+        # collective together outside the trace, at the one graph break the collective already makes (the
+        # Collectives door takes a lock and reads clocks, which dynamo cannot trace): no extra graph, no guard
+        # on the counts, and every call counted when it runs. Disabling `record` alone would add a second break
+        # (a resume function to compile) between the count and the collective. Only with `compiled`: building
+        # the wrapper imports torch._dynamo (~1 CPU s), which an eager run need not pay.
+        self.count_and_issue: Callable[..., None] = (
+            torch.compiler.disable(self._count_and_issue) if compiled else self._count_and_issue
+        )
 
     def record(self, scope: str, kind: str, phase: str, tensor: torch.Tensor) -> None:
         key = (scope, kind, phase)
         self.counts[key] += 1
         self.bytes[key] += tensor.numel() * tensor.element_size()
+
+    def _count_and_issue(
+        self, scope: str, kind: str, phase: str, counted: torch.Tensor, collective: Callable[..., object], *args: object
+    ) -> None:
+        """Record one call of `kind` on `counted`, then issue it: `collective(*args)`."""
+        self.record(scope, kind, phase, counted)
+        collective(*args)
 
     def count(self, kind: str, phase: str, scope: str | None = "layer") -> int:
         """Calls of `kind` in `phase` within `scope` (None: all scopes)."""
@@ -81,9 +101,18 @@ class TPComm:
     def with_scope(self, scope: str) -> TPComm:
         return replace(self, scope=scope)
 
-    def record(self, kind: str, phase: str, tensor: torch.Tensor) -> None:
-        if self.counter is not None:
-            self.counter.record(self.scope, kind, phase, tensor)
+
+def _issue_uncounted(
+    scope: str, kind: str, phase: str, counted: torch.Tensor, collective: Callable[..., object], *args: object
+) -> None:
+    collective(*args)
+
+
+def _issuer(comm: TPComm) -> Callable[..., None]:
+    """What issues `comm`'s collectives: f(scope, kind, phase, counted, collective, *args) runs `collective(*args)`,
+    counted by the counter if any. The raw collectives below call it themselves: under torch.compile dynamo then
+    breaks the graph in their frame, where a wrapper method would be one more frame for it to compile."""
+    return comm.counter.count_and_issue if comm.counter is not None else _issue_uncounted
 
 
 # ---- the raw collectives (no autograd) ------------------------------------------------------------
@@ -93,9 +122,8 @@ def all_reduce(
     """All-reduce over the tp group, in place when x is contiguous (returns the reduced tensor)."""
     if comm.size == 1:
         return x
-    comm.record("all_reduce", phase, x)
     x = x.contiguous()
-    comm.collectives.all_reduce(x, comm.group, op=op)
+    _issuer(comm)(comm.scope, "all_reduce", phase, x, comm.collectives.all_reduce, x, comm.group, op)
     return x
 
 
@@ -108,10 +136,10 @@ def _split_last(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 def _gather_last(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
     if comm.size == 1:
         return x
-    comm.record("all_gather", phase, x)
     # Gather along dim 0 (contiguous), then move the rank axis next to the last dim.
     out = torch.empty((comm.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    comm.collectives.all_gather_into(out, x.contiguous(), comm.group)
+    issue = _issuer(comm)
+    issue(comm.scope, "all_gather", phase, x, comm.collectives.all_gather_into, out, x.contiguous(), comm.group)
     return torch.cat(out.unbind(0), dim=-1)
 
 
@@ -128,9 +156,9 @@ def _split_first(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 def _gather_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
     if comm.size == 1:
         return x
-    comm.record("all_gather", phase, x)
     out = torch.empty((x.shape[0] * comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.collectives.all_gather_into(out, x.contiguous(), comm.group)
+    issue = _issuer(comm)
+    issue(comm.scope, "all_gather", phase, x, comm.collectives.all_gather_into, out, x.contiguous(), comm.group)
     return out
 
 
@@ -141,9 +169,9 @@ def _reduce_scatter_first(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Te
         raise ValueError(
             f"sequence parallelism: sequence length {x.shape[0]} is not divisible by parallel.tp_size={comm.size}"
         )
-    comm.record("reduce_scatter", phase, x)
     out = torch.empty((x.shape[0] // comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.collectives.reduce_scatter_into(out, x.contiguous(), comm.group)
+    issue = _issuer(comm)
+    issue(comm.scope, "reduce_scatter", phase, x, comm.collectives.reduce_scatter_into, out, x.contiguous(), comm.group)
     return out
 
 

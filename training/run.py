@@ -218,7 +218,7 @@ def build_run(
     eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
     dtype = param_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
-    comm_counter = CommCounter()
+    comm_counter = CommCounter(compiled=train_cfg.compile)
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)
     if par.fsdp and not layout.fsdp:
         logger.info(
