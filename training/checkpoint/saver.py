@@ -93,12 +93,6 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
     """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
     with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
     removed."""
-    # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
-    # on the training thread before a background save).
-    import torch.distributed.checkpoint as dcp
-
-    from training.checkpoint.dcp_planners import PiecesSavePlanner
-
     rank, world = _rank_info(group)
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))
@@ -116,24 +110,7 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
         status = f"{tmp}: {describe_write_error(err, job.root, needed)}"
     error = _first_error(_all_gather(status, group, comm))
     if error is None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.save(
-                    job.tensors,
-                    storage_writer=dcp.FileSystemWriter(tmp),
-                    planner=PiecesSavePlanner(),
-                    process_group=group,
-                    no_dist=world == 1,
-                )
-        except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank
-            try:
-                reraise_interrupt(err)  # a second Ctrl-C: exit as interrupted (130), leaving no partial folder
-            except BaseException:
-                if rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            error = f"writing the tensors failed: {describe_write_error(err, job.root, needed)}"
+        error = _write_tensors(job, tmp, group, rank, world, needed)
     sums: dict[str, dict] | str = {}
     if error is None:
         try:
@@ -152,6 +129,38 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint save at iteration {job.iteration} failed: {error}")
     return SaveResult(final, files.dir_size(final) if rank == 0 else 0, time.perf_counter() - started)
+
+
+def _write_tensors(
+    job: SaveJob, tmp: str, group: ProcessGroup | None, rank: int, world: int, needed: int
+) -> str | None:
+    """Every rank's pieces into `tmp` with torch.distributed.checkpoint (collective): None, or the error line.
+    A second Ctrl-C re-raises (exit 130), rank 0 removing the partial folder."""
+    # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
+    # on the training thread before a background save).
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint.dcp_planners import PiecesSavePlanner
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(
+                job.tensors,
+                storage_writer=dcp.FileSystemWriter(tmp),
+                planner=PiecesSavePlanner(),
+                process_group=group,
+                no_dist=world == 1,
+            )
+    except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank
+        try:
+            reraise_interrupt(err)  # a second Ctrl-C: exit as interrupted (130), leaving no partial folder
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return f"writing the tensors failed: {describe_write_error(err, job.root, needed)}"
+    return None
 
 
 def _own_files(tmp: str, rank: int) -> list[str]:
