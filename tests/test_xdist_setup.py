@@ -21,6 +21,9 @@ def test_expensive_shared_fixtures_and_system_tests_keep_to_one_worker():
     assert xdist_setup.xdist_group_of(_item("tests/e2e/test_slurm.py::test_y")) == "system"
     assert xdist_setup.xdist_group_of(_item("tests/e2e/test_two_nodes.py::test_z")) == "system"
     assert xdist_setup.xdist_group_of(_item("tests/e2e/test_layouts.py::test_layout[tp2]")) is None
+    # two modules built one session fixture (lm_eval's results) on both workers: one group
+    evaluate = xdist_setup.xdist_group_of(_item("tests/evaluation/test_evaluate.py::test_a"))
+    assert evaluate == xdist_setup.xdist_group_of(_item("tests/evaluation/test_cli.py::test_b")) == "harness_results"
 
 
 @pytest.mark.parametrize(

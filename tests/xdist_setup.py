@@ -33,6 +33,13 @@ SHARED_FIXTURE_MODULES = (
     "test_convert_megatron.py",  # megatron_dir: megatron-core checkpoints at three layouts (16 s)
     "test_checkpoint_layouts.py",  # saved_run: an 8-rank run whose checkpoint every test resumes (6.5 s)
 )
+# Modules that share an expensive session-scoped fixture run on one worker together, under one group name: the
+# evaluation tests' harness_results (lm_eval over the exported model and the checkpoint, ~18 CPU s, and the
+# lm_eval / transformers imports) was built on both workers.
+SHARED_SESSION_FIXTURE_GROUPS = {
+    "tests/evaluation/test_evaluate.py": "harness_results",
+    "tests/evaluation/test_cli.py": "harness_results",
+}
 
 
 def _usable_cores() -> int:
@@ -74,12 +81,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def xdist_group_of(item) -> str | None:
     """The group an item's worker is chosen by: "system" for the system tests, its module for the modules of
-    SHARED_FIXTURE_MODULES, None (any worker) otherwise."""
+    SHARED_FIXTURE_MODULES, the fixture's name for SHARED_SESSION_FIXTURE_GROUPS, None (any worker) otherwise."""
     name = os.path.basename(str(item.path))
     if name in SYSTEM_TEST_FILES:
         return "system"
+    module = item.nodeid.split("::")[0]
+    if module in SHARED_SESSION_FIXTURE_GROUPS:
+        return SHARED_SESSION_FIXTURE_GROUPS[module]
     if name in SHARED_FIXTURE_MODULES:
-        return item.nodeid.split("::")[0]
+        return module
     return None
 
 

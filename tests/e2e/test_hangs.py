@@ -1,6 +1,6 @@
 """Hangs and stragglers, found and named (issue 32's acceptance), on 4 real gloo ranks:
 
-1. tp2 x pp2 under torchrun, PTDP_INJECT_FAULT=rank=2,iteration=5,kind=sleep, parallel.train_timeout_s=20: every
+1. tp2 x pp2 under torchrun, PTDP_INJECT_FAULT=rank=2,iteration=5,kind=sleep, parallel.train_timeout_s=10: every
    rank exits 5 within the timeout + 30 s of the stall, tools/diagnose_hang.py names rank 2, the collective and
    iteration 5, the last checkpoint (iteration 4) stays the latest, and resuming from it gives the uninterrupted
    run's losses (the uninterrupted reference and the resume check the checkpoint, not the launcher: they run
@@ -35,7 +35,7 @@ from training.checkpoint import saver
 from training.guards import EXIT_HUNG
 from training.watchdog import WATCHDOG_GRACE_S
 
-TRAIN_TIMEOUT_S = 20
+TRAIN_TIMEOUT_S = 10  # waited out twice (stall, skip): at 20 s it cost the suite 20 s more of waiting
 LAYOUT = (
     "parallel.tp_size=2",
     "parallel.pp_size=2",

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import pretrain_gpt
+from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, free_port, run_ranks, tiny_train_args
 
 # Evaluation on (iterations 0, 5, 10; one batch) so compare_runs also sees val_loss lines; no checkpoint.
@@ -43,7 +44,8 @@ def _one_process_main(rank: int, world_size: int, argv: list[str]) -> None:
 
 
 def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """tools/compare_runs.py's command line (forked by tests/cli_runner: no new interpreter to start)."""
+    return run_cli(
         [
             sys.executable,
             os.path.join(REPO_ROOT, "tools", "compare_runs.py"),
@@ -54,8 +56,6 @@ def compare_runs(run_a: str, run_b: str) -> subprocess.CompletedProcess:
             "--key",
             "grad_norm",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
 
