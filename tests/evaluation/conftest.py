@@ -213,21 +213,26 @@ def harness_results(eval_model, harness_files):
     with the ptdp adapter on the checkpoint: {"hf": results, "ptdp": results} (per-sample logs included)."""
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
     import evaluation.harness  # noqa: F401  (registers "ptdp")
 
     manager = TaskManager(include_path=harness_files["tasks"])
     runs = {"hf": f"pretrained={eval_model['hf']},dtype=float32", "ptdp": f"checkpoint={eval_model['checkpoint']}"}
-    return {
-        name: lm_eval.simple_evaluate(
-            model=name,
-            model_args=args,
-            tasks=["local_lambada", "local_wikitext"],
-            task_manager=manager,
-            batch_size=4,
-            device="cpu",
-            log_samples=True,
-        )
-        for name, args in runs.items()
-    }
+    with pytest.MonkeyPatch.context() as patch:
+        # The results' environment record (torch's collect_env: pip list, lscpu, ... ~1.5 CPU s per call) is
+        # metadata no test reads.
+        patch.setattr(lm_eval.evaluator, "add_env_info", lambda storage: None)
+        return {
+            name: lm_eval.simple_evaluate(
+                model=name,
+                model_args=args,
+                tasks=["local_lambada", "local_wikitext"],
+                task_manager=manager,
+                batch_size=4,
+                device="cpu",
+                log_samples=True,
+            )
+            for name, args in runs.items()
+        }
