@@ -40,7 +40,14 @@ def plain_row_linear(in_features: int, out_features: int, bias: bool) -> nn.Modu
 
 
 def plain_word_embedding(rows: int, dim: int) -> nn.Module:
-    return nn.Embedding(rows, dim)
+    return uninitialized_embedding(rows, dim)
+
+
+def uninitialized_embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its default init (model/init.py gives every weight its value). The default init
+    (`normal_`) on the meta device, where models are built, runs torch._refs' Python implementation, whose
+    first call imports torch._dynamo: ~1.3-1.7 CPU s at every start of the trainer on a rank."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
 def plain_output_layer(in_features: int, rows: int) -> nn.Module:

@@ -178,8 +178,9 @@ def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigin
 def warm_up() -> None:
     """Pay, once before the zygote is forked, what every rank body would otherwise pay again in its fresh fork.
 
-    - Building a model on the meta device (as parallel/model_builder.py does) runs torch._refs' init functions,
-      which import torch._dynamo and Triton and build dynamo's rule tables (~0.6 CPU s).
+    - torch._dynamo and Triton (~1.4 CPU s): the bodies that compile or run the fused kernels import them; a
+      plain training run no longer does (tests/test_start_up_imports.py). Then a model built on the meta device,
+      as parallel/model_builder.py does, for whatever its first build still costs.
     - Then every object alive is moved out of the garbage collector's reach (`gc.freeze`, meant for exactly
       this: processes forked from a warmed parent): otherwise the first full collection in each body walks the
       ~600,000 objects of torch, dynamo and the test modules (~0.2-0.3 CPU s) and, by touching each object's
@@ -191,6 +192,7 @@ def warm_up() -> None:
     import gc
 
     import torch
+    import torch._dynamo
 
     from config.schema import ModelConfig
     from model.gpt import GPTModel

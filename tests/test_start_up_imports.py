@@ -2,15 +2,21 @@
 entry-point test, a user's --help or config error): libraries that only some runs need stay unimported until
 those runs need them. torch.distributed.checkpoint and torch.distributed.fsdp import torch.distributed.tensor
 (its operator strategies and sympy, ~1.3 CPU s), numba ~0.4 CPU s, torch._dynamo ~0.5-1 CPU s; a run that
-neither saves nor loads a checkpoint, uses no FSDP, no dataset blend and no torch.compile needs none of them."""
+neither saves nor loads a checkpoint, uses no FSDP, no dataset blend and no torch.compile needs none of them.
+Nor does building and training the model: torch._dynamo and Triton stay out of a plain run (an embedding's default
+init on the meta device imported them, ~1.4 CPU s per rank)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+import pytest
+
+import pretrain_gpt
+from tests.conftest import REPO_ROOT, tiny_train_args
 
 # imported where used: checkpoint saves and loads (training/checkpoint/dcp_reader.py, saver.py, loader.py),
 # FSDP (parallel/fsdp.py), the blending index (data/blend_index.py), torch.compile (model/kernels)
@@ -22,14 +28,49 @@ LAZY_MODULES = (
     "numba",
     "torch._dynamo",
 )
+# not needed by a plain run of the trainer either (torch.compile and the fused kernels import them)
+TRAINING_LAZY_MODULES = ("torch._dynamo", "triton")
+
+PROBE = """
+import json, sys
+import pretrain_gpt
+after_import = [m for m in LAZY if m in sys.modules]
+code = pretrain_gpt.main(ARGV)
+print(json.dumps({"after_import": after_import, "code": code, "after_run": [m for m in RUN_LAZY if m in sys.modules]}))
+"""
 
 
-def test_import_pretrain_gpt_leaves_lazy_libraries_unimported():
-    """A new interpreter (this one has imported everything the other tests needed)."""
-    probe = f"import sys, pretrain_gpt; print(','.join(m for m in {LAZY_MODULES!r} if m in sys.modules))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+@pytest.fixture(scope="module")
+def probe(tiny_corpus, tmp_path_factory) -> dict:
+    """One new interpreter (this one has imported everything the other tests needed) imports the trainer, then
+    trains the tiny model 2 iterations on one process without saving; which lazy modules each step imported."""
+    argv = [
+        "--config",
+        pretrain_gpt.DEFAULT_CONFIG,
+        *tiny_train_args(tiny_corpus, str(tmp_path_factory.mktemp("probe_run")), "train.train_iters=2"),
+    ]
+    code = PROBE.replace("RUN_LAZY", repr(TRAINING_LAZY_MODULES)).replace("LAZY", repr(LAZY_MODULES))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code.replace("ARGV", repr(argv))],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "", f"`import pretrain_gpt` imported {result.stdout.strip()}"
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_import_pretrain_gpt_leaves_lazy_libraries_unimported(probe):
+    assert probe["after_import"] == [], f"`import pretrain_gpt` imported {probe['after_import']}"
+
+
+def test_a_plain_training_run_leaves_dynamo_and_triton_unimported(probe):
+    assert probe["code"] == 0
+    assert probe["after_run"] == [], f"building and training the model imported {probe['after_run']}"
