@@ -39,7 +39,9 @@ AUTOGRAD_ENGINE = PrivateName(
     "Variable._execution_engine.run_backward",
     "backward from a pipeline stage's output whose .data was freed after sending it (Megatron's "
     "deallocate_output): torch.autograd.backward/grad check the gradient's shape against the now 1-element "
-    "output and refuse; the engine entry does not check (parallel/pipeline/executor.py, weight_grad.py)",
+    "output and refuse; the engine entry checks it against the shape the graph recorded "
+    "(parallel/pipeline/executor.py, weight_grad.py). Every stage backward takes it: torch.autograd.backward's "
+    "first call with a gradient tensor also imports symbolic_shapes and sympy (~0.5 CPU s per trainer start)",
     "none: without it the executor keeps sent outputs whole and uses torch.autograd.backward/grad (more memory)",
 )
 FOREACH_NORM = PrivateName(

@@ -3,8 +3,9 @@ entry-point test, a user's --help or config error): libraries that only some run
 those runs need them. torch.distributed.checkpoint and torch.distributed.fsdp import torch.distributed.tensor
 (its operator strategies and sympy, ~1.3 CPU s), numba ~0.4 CPU s, torch._dynamo ~0.5-1 CPU s; a run that
 neither saves nor loads a checkpoint, uses no FSDP, no dataset blend and no torch.compile needs none of them.
-Nor does building and training the model: torch._dynamo and Triton stay out of a plain run (an embedding's default
-init on the meta device imported them, ~1.4 CPU s per rank)."""
+Nor does building and training the model: torch._dynamo, Triton and sympy stay out of a plain run (an embedding's
+default init on the meta device imported the first two, ~1.4 CPU s per rank; torch.autograd.backward's shape check
+sympy, ~0.5)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ LAZY_MODULES = (
     "numba",
     "torch._dynamo",
 )
-# not needed by a plain run of the trainer either (torch.compile and the fused kernels import them)
-TRAINING_LAZY_MODULES = ("torch._dynamo", "triton")
+# not needed by a plain run of the trainer either: torch.compile and the fused kernels import dynamo and Triton,
+# checkpoints sympy (torch.distributed.checkpoint), torch.autograd.backward with a gradient sympy (its shape check)
+TRAINING_LAZY_MODULES = ("torch._dynamo", "triton", "sympy")
 
 PROBE = """
 import json, sys
@@ -47,7 +49,9 @@ def probe(tiny_corpus, tmp_path_factory) -> dict:
     argv = [
         "--config",
         pretrain_gpt.DEFAULT_CONFIG,
-        *tiny_train_args(tiny_corpus, str(tmp_path_factory.mktemp("probe_run")), "train.train_iters=2"),
+        *tiny_train_args(
+            tiny_corpus, str(tmp_path_factory.mktemp("probe_run")), "train.train_iters=2", "checkpoint.save=false"
+        ),
     ]
     code = PROBE.replace("RUN_LAZY", repr(TRAINING_LAZY_MODULES)).replace("LAZY", repr(LAZY_MODULES))
     env = {
