@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from config.schema import Config
 from evaluation.documents import read_lambada, read_wikitext
-from evaluation.model_source import run_tokenizer, window_length
-from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, trainer_record, wikitext_task
 from training.run import Run
+
+if TYPE_CHECKING:
+    from evaluation.scoring import WindowScorer
 
 
 @dataclass
@@ -53,6 +55,11 @@ def zero_shot_tasks(config: Config) -> Callable[[Run], ZeroShotEvaluation] | Non
     lambada = read_lambada(eval_cfg.lambada_file) if eval_cfg.lambada_file else None
 
     def build(run: Run) -> ZeroShotEvaluation:
+        # imported here: evaluation.model_source brings the HuggingFace folder reader (~0.3 s), which every start
+        # of the trainer would otherwise pay (pretrain_gpt imports this module)
+        from evaluation.model_source import run_tokenizer, window_length
+        from evaluation.scoring import WindowScorer
+
         tokenizer = run_tokenizer(run.config, exact=False)  # the trainer allows model.vocab_size > the tokenizer's
         window = window_length(run.config)
         tasks = []

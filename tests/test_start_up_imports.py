@@ -20,8 +20,10 @@ import pretrain_gpt
 from tests.conftest import REPO_ROOT, tiny_train_args
 
 # imported where used: checkpoint saves and loads (training/checkpoint/dcp_reader.py, saver.py, loader.py),
-# FSDP (parallel/fsdp.py), the blending index (data/blend_index.py), torch.compile (model/kernels)
+# FSDP (parallel/fsdp.py), the blending index (data/blend_index.py), torch.compile (model/kernels), the HuggingFace
+# folder reader (~0.15 CPU s: the converters, evaluation in training once it builds its tasks)
 LAZY_MODULES = (
+    "convert.hf_folder",
     "torch.distributed.checkpoint",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
