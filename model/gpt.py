@@ -30,7 +30,7 @@ from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
 from model.param_info import param_info, set_param_info
 from model.rank_spec import CheckpointFn, RankSpec, RNGFork
-from model.tp_hooks import AttentionFn, TensorParallelHooks, uninitialized_embedding
+from model.tp_hooks import AttentionFn, TensorParallelHooks, plain_embedding
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, b, 1, d]
 
@@ -227,9 +227,7 @@ class Embedding(nn.Module):
         self.word_embeddings = spec.tp.layers.word_embedding(padded_vocab_size, cfg.hidden_size)
         mark_vocab_rows(cast(nn.Parameter, self.word_embeddings.weight), cfg)
         self.position_embeddings = (
-            uninitialized_embedding(cfg.max_positions, cfg.hidden_size)
-            if cfg.position_embedding_type == "learned"
-            else None
+            plain_embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding_type == "learned" else None
         )
         self.dropout = build_dropout(cfg.hidden_dropout, spec.dropout.hidden)
         self.scatter_to_sequence_parallel = spec.tp.scatter_to_sequence_parallel  # split along s under SP

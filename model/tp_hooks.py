@@ -40,14 +40,18 @@ def plain_row_linear(in_features: int, out_features: int, bias: bool) -> nn.Modu
 
 
 def plain_word_embedding(rows: int, dim: int) -> nn.Module:
-    return uninitialized_embedding(rows, dim)
+    return plain_embedding(rows, dim)
 
 
-def uninitialized_embedding(rows: int, dim: int) -> nn.Embedding:
-    """nn.Embedding without its default init (model/init.py gives every weight its value). The default init
-    (`normal_`) on the meta device, where models are built, runs torch._refs' Python implementation, whose
-    first call imports torch._dynamo: ~1.3-1.7 CPU s at every start of the trainer on a rank."""
-    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+def plain_embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, whose default init is skipped on the meta device, where the trainer builds its models
+    (model/init.py gives every weight its value once materialized): `normal_` on a meta tensor runs torch._refs'
+    Python implementation, whose first call imports torch._dynamo and Triton (~1.4 CPU s at every trainer start
+    on a rank). Built on a real device (a test, a tool) it is initialized as torch's own."""
+    embedding = nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    if not embedding.weight.is_meta:
+        embedding.reset_parameters()
+    return embedding
 
 
 def plain_output_layer(in_features: int, rows: int) -> nn.Module:
