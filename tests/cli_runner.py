@@ -131,7 +131,8 @@ def run_cli(
             paths["stdin"] = os.devnull
         returncode = None
         if pool is not None and target is not None:
-            returncode = _run_on_pool(pool, (target, env, cwd, paths, timeout), argv, text)
+            request = (target, env, cwd, paths, timeout, ignored_signals())
+            returncode = _run_on_pool(pool, request, argv, text)
         if returncode is None:  # not a command of this repository, no pool, or it needs a new interpreter
             kwargs = {"input": input.encode() if isinstance(input, str) and not text else input}
             return subprocess.run(argv, cwd=cwd, env=env, timeout=timeout, capture_output=True, text=text, **kwargs)
@@ -191,10 +192,12 @@ def serve_command(rank: int, world_size: int, request: tuple) -> tuple[int | Non
     return os.waitstatus_to_exitcode(status), rank_pool.children_cpu_seconds() - began
 
 
-def _run_command(target: tuple, env: dict, cwd: str, paths: dict, timeout: float | None) -> int:
+def _run_command(
+    target: tuple, env: dict, cwd: str, paths: dict, timeout: float | None, ignored: tuple[int, ...]
+) -> int:
     """In the child: become `python <target>` and run it; its exit code."""
     inherited = (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__)  # noqa: F841 - kept alive: their buffers must never be flushed into the command's files
-    _reset_signals(env)
+    _reset_signals(env, ignored)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -208,15 +211,31 @@ def _run_command(target: tuple, env: dict, cwd: str, paths: dict, timeout: float
     return _finalize(code)
 
 
-def _reset_signals(env: dict) -> None:
-    """Signal dispositions and mask as a new interpreter has them (pytest's, the zygote's: gone)."""
+def ignored_signals() -> tuple[int, ...]:
+    """The signals a new interpreter started from this process would find ignored: exec keeps SIG_IGN (a suite
+    started in the background from a script ignores SIGINT), and subprocess puts SIGPIPE and SIGXFSZ, which
+    python ignores itself, back to the default before the exec."""
+    restored = (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ)
+    return tuple(
+        int(number)
+        for number in signal.valid_signals()
+        if number not in restored and signal.getsignal(number) == signal.SIG_IGN
+    )
+
+
+def _reset_signals(env: dict, ignored: tuple[int, ...]) -> None:
+    """Signal dispositions and mask as a new interpreter started from the test has them (pytest's and the
+    zygote's handlers gone, the signals the test's process ignores still ignored)."""
     faulthandler.disable()  # pytest's faulthandler writes to pytest's stderr
     for number in signal.valid_signals():
         if number in (signal.SIGKILL, signal.SIGSTOP):
             continue
-        if signal.getsignal(number) not in (signal.SIG_DFL, None):
+        if number in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        elif signal.getsignal(number) not in (signal.SIG_DFL, None):
             signal.signal(number, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGINT not in ignored:  # python installs its handler only over the default
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # python ignores these two at start-up
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,8 +59,21 @@ def both(*args: str, **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.
 )
 def test_a_forked_command_gives_what_python_gives(args, returncode):
     forked, real = both(*args)
+    if args == ("state",) and forked.returncode == real.returncode == 0:
+        assert json.loads(forked.stdout) == json.loads(real.stdout)  # a failure names the fields that differ
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
     assert forked.returncode == returncode
+
+
+def test_a_signal_the_suite_ignores_stays_ignored_as_in_python():
+    """Started in the background from a script, the suite ignores SIGINT, and so does every python it starts."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forked, real = both("state")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert json.loads(real.stdout)["signals"]["SIGINT"] == str(int(signal.SIG_IGN))
+    assert json.loads(forked.stdout) == json.loads(real.stdout)
 
 
 def test_exit_codes_and_streams_as_python_reports_them(no_new_processes):

@@ -1,0 +1,92 @@
+"""What one start of the trainer costs, in CPU seconds: a new interpreter importing torch, then the trainer, then a
+2-iteration run of the default config (configs/gpt_tiny.yaml on the bundled sample corpus, no checkpoint). Every
+torchrun rank, SLURM task and entry-point test pays this before its first real iteration.
+
+    python scripts/benchmarks/bench_startup.py [--repeats 5]
+
+Prints, for each step, the min and median CPU s (user + system of the new process) over --repeats runs, and
+which libraries that a plain run does not need the run imported (torch._dynamo, Triton, sympy, the checkpoint
+and FSDP stacks, numba). Run it on an otherwise idle machine: start-up is mostly import work, which a busy
+neighbour slows by tens of percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from bench_models import REPO_ROOT
+
+NOT_NEEDED = (
+    "torch._dynamo",
+    "triton",
+    "sympy",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "numba",
+)
+RUN = """
+import json, sys
+import pretrain_gpt
+code = pretrain_gpt.main(sys.argv[1:])
+print(json.dumps({"code": code, "imported": [m for m in NOT_NEEDED if m in sys.modules]}))
+"""
+
+
+def child_cpu_seconds(argv: list[str]) -> tuple[float, str]:
+    """(user + system CPU s, stdout) of one new process running argv to its end."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        argv, cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {' '.join(argv[:3])} ... exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    run_dir = tempfile.mkdtemp(prefix="bench_startup_")
+    run_argv = [
+        sys.executable,
+        "-c",
+        RUN.replace("NOT_NEEDED", repr(NOT_NEEDED)),
+        "--config",
+        os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"),
+        "train.train_iters=2",
+        "train.eval_iters=0",
+        "checkpoint.save=false",
+        "logging.tensorboard=false",
+        f"run.dir={run_dir}",
+    ]
+    steps = {
+        "python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        "python -c 'import pretrain_gpt'": [sys.executable, "-c", "import pretrain_gpt"],
+        "import + 2 iterations of gpt_tiny": run_argv,
+    }
+    child_cpu_seconds(run_argv)  # builds the sample corpus on a first run; warms the file cache
+    print(f"CPU s of one new process ({args.repeats} runs each; OMP_NUM_THREADS=1)")
+    print(f"{'step':<36} {'min':>6} {'median':>7}")
+    imported: list[str] = []
+    for name, argv in steps.items():
+        seconds = []
+        for _ in range(args.repeats):
+            cpu, stdout = child_cpu_seconds(argv)
+            seconds.append(cpu)
+            if argv is run_argv:
+                imported = json.loads(stdout.strip().splitlines()[-1])["imported"]
+        print(f"{name:<36} {min(seconds):6.2f} {statistics.median(seconds):7.2f}")
+    print(f"libraries a plain run imported that it does not need: {', '.join(imported) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
