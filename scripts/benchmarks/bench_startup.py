@@ -63,6 +63,7 @@ def main() -> None:
         "--config",
         os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"),
         "train.train_iters=2",
+        "optim.lr_warmup_iters=1",
         "train.eval_iters=0",
         "checkpoint.save=false",
         "logging.tensorboard=false",
@@ -83,7 +84,10 @@ def main() -> None:
             cpu, stdout = child_cpu_seconds(argv)
             seconds.append(cpu)
             if argv is run_argv:
-                imported = json.loads(stdout.strip().splitlines()[-1])["imported"]
+                result = json.loads(stdout.strip().splitlines()[-1])
+                if result["code"] != 0:
+                    raise SystemExit(f"error: the trainer exited {result['code']}: {stdout[-2000:]}")
+                imported = result["imported"]
         print(f"{name:<36} {min(seconds):6.2f} {statistics.median(seconds):7.2f}")
     print(f"libraries a plain run imported that it does not need: {', '.join(imported) or 'none'}")
 
