@@ -55,7 +55,7 @@ def zero_shot_tasks(config: Config) -> Callable[[Run], ZeroShotEvaluation] | Non
     lambada = read_lambada(eval_cfg.lambada_file) if eval_cfg.lambada_file else None
 
     def build(run: Run) -> ZeroShotEvaluation:
-        # imported here: evaluation.model_source brings the HuggingFace folder reader (~0.3 s), which every start
+        # imported here: evaluation.model_source brings the HuggingFace folder reader (~0.15 CPU s), which every start
         # of the trainer would otherwise pay (pretrain_gpt imports this module)
         from evaluation.model_source import run_tokenizer, window_length
         from evaluation.scoring import WindowScorer
