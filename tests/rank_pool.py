@@ -178,29 +178,20 @@ def _worker_main(rank: int, world_size: int, address: str, authkey: bytes, sigin
 def warm_up() -> None:
     """Pay, once before the zygote is forked, what every rank body would otherwise pay again in its fresh fork.
 
-    - torch._dynamo and Triton (~1.4 CPU s): the bodies that compile or run the fused kernels import them; a
-      plain training run no longer does (tests/test_start_up_imports.py). Then a model built on the meta device,
-      as parallel/model_builder.py does, for whatever its first build still costs.
+    - torch._dynamo and Triton (~1.4 CPU s), which the bodies that compile or run the fused kernels import (a
+      plain training run does not: tests/test_start_up_imports.py).
     - Then every object alive is moved out of the garbage collector's reach (`gc.freeze`, meant for exactly
       this: processes forked from a warmed parent): otherwise the first full collection in each body walks the
       ~600,000 objects of torch, dynamo and the test modules (~0.2-0.3 CPU s) and, by touching each object's
       header, copies the pages the fork shared with the zygote.
-    Module construction on meta and imports only: no arithmetic, no thread (tests/test_rank_pool.py checks).
-    pytest runs it before forking the zygote (tests/conftest.py), so the two stay alike: inductor's import sets
-    TORCHINDUCTOR_CACHE_DIR, and tests/cli_runner.py compares a command's environment with the zygote's.
+    Imports only: no arithmetic, no thread (tests/test_rank_pool.py checks). pytest runs it before forking the
+    zygote (tests/conftest.py), so the two stay alike: inductor's import sets TORCHINDUCTOR_CACHE_DIR, and
+    tests/cli_runner.py compares a command's environment with the zygote's.
     """
     import gc
 
-    import torch
-    import torch._dynamo
+    import torch._dynamo  # noqa: F401 - imported for the forks, not used here
 
-    from config.schema import ModelConfig
-    from model.gpt import GPTModel
-    from model.rank_spec import RankSpec
-
-    cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
-    with torch.device("meta"):
-        GPTModel(cfg, cfg.vocab_size, spec=RankSpec.one_process(cfg))
     gc.collect()
     gc.freeze()
 

@@ -35,12 +35,15 @@ LAZY_MODULES = (
 # checkpoints sympy (torch.distributed.checkpoint), torch.autograd.backward with a gradient sympy (its shape check)
 TRAINING_LAZY_MODULES = ("torch._dynamo", "triton", "sympy")
 
+# a new interpreter: argv[1] holds the module lists and the trainer's arguments (JSON)
 PROBE = """
 import json, sys
 import pretrain_gpt
-after_import = [m for m in LAZY if m in sys.modules]
-code = pretrain_gpt.main(ARGV)
-print(json.dumps({"after_import": after_import, "code": code, "after_run": [m for m in RUN_LAZY if m in sys.modules]}))
+request = json.loads(sys.argv[1])
+after_import = [m for m in request["lazy"] if m in sys.modules]
+code = pretrain_gpt.main(request["argv"])
+after_run = [m for m in request["training_lazy"] if m in sys.modules]
+print(json.dumps({"after_import": after_import, "code": code, "after_run": after_run}))
 """
 
 
@@ -48,21 +51,20 @@ print(json.dumps({"after_import": after_import, "code": code, "after_run": [m fo
 def probe(tiny_corpus, tmp_path_factory) -> dict:
     """One new interpreter (this one has imported everything the other tests needed) imports the trainer, then
     trains the tiny model 2 iterations on one process without saving; which lazy modules each step imported."""
+    run_dir = str(tmp_path_factory.mktemp("probe_run"))
     argv = [
         "--config",
         pretrain_gpt.DEFAULT_CONFIG,
-        *tiny_train_args(
-            tiny_corpus, str(tmp_path_factory.mktemp("probe_run")), "train.train_iters=2", "checkpoint.save=false"
-        ),
+        *tiny_train_args(tiny_corpus, run_dir, "train.train_iters=2", "checkpoint.save=false"),
     ]
-    code = PROBE.replace("RUN_LAZY", repr(TRAINING_LAZY_MODULES)).replace("LAZY", repr(LAZY_MODULES))
+    request = {"lazy": LAZY_MODULES, "training_lazy": TRAINING_LAZY_MODULES, "argv": argv}
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
     }
     result = subprocess.run(
-        [sys.executable, "-c", code.replace("ARGV", repr(argv))],
+        [sys.executable, "-c", PROBE, json.dumps(request)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -77,6 +79,6 @@ def test_import_pretrain_gpt_leaves_lazy_libraries_unimported(probe):
     assert probe["after_import"] == [], f"`import pretrain_gpt` imported {probe['after_import']}"
 
 
-def test_a_plain_training_run_leaves_dynamo_and_triton_unimported(probe):
+def test_a_plain_training_run_leaves_dynamo_triton_and_sympy_unimported(probe):
     assert probe["code"] == 0
     assert probe["after_run"] == [], f"building and training the model imported {probe['after_run']}"
