@@ -6,9 +6,11 @@ import json
 import os
 
 import pytest
+import yaml
 
 from config.schema import load_config
 from planner.activations import shape_from_config
+from planner.cluster import ClusterError, load_cluster
 from planner.fusion import BIAS_ACTIVATION, BIAS_DROPOUT_ADD, FUSIONS, SCALE_MASK_SOFTMAX, unfused_bytes
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
@@ -97,3 +99,16 @@ def test_unfused_bytes_follow_the_ops_of_each_chain():
     # no bias and no dropout: the residual add alone, which the fused kernel also does
     bare = dataclasses.replace(shape, fused=frozenset(), hidden_dropout=False)
     assert unfused_bytes(bare, add_bias=False).elementwise_forward == 0.0
+
+
+def test_storage_section_is_read_strictly(tmp_path):
+    raw = yaml.safe_load(open(A100, encoding="utf-8"))
+    assert (load_cluster(A100).storage_read_gbs, load_cluster(A100).storage_write_gbs) == (1000.0, 273.0)
+    for storage, message in (({"read_gbs": 1000, "write_gb": 1}, "storage.write_gb"), ({"read_gbs": -1}, "read_gbs")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({**raw, "storage": storage}), encoding="utf-8")
+        with pytest.raises(ClusterError, match=message):
+            load_cluster(str(path))
+    del raw["storage"]
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    assert load_cluster(str(path)).storage_write_gbs is None
