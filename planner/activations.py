@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.fusion import FUSIONS, fused_operators
+
 if TYPE_CHECKING:
     from config.schema import ParallelConfig, TrainConfig
     from model.config import ModelConfig
@@ -46,6 +48,9 @@ class ActivationShape:
     attention_dropout: bool = True
     attention: str = "materialized"  # or "flash"
     cp_size: int = 1  # context parallelism: each rank holds seq_length / cp_size tokens
+    # the memory-bound chains that run fused (planner/fusion.py; the time model only, the kept bytes are the
+    # fused kernels'): all by default, as the cost formulas are written; the config's kernel selection decides
+    fused: frozenset[str] = FUSIONS
 
     @property
     def local_seq(self) -> int:
@@ -81,6 +86,7 @@ def shape_from_config(
         attention_dropout=model.attention_dropout > 0,
         attention=attention,
         cp_size=parallel.cp_size,
+        fused=fused_operators(model, attention),
     )
 
 

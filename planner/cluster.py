@@ -1,6 +1,7 @@
 """Cluster specs: one GPU kind, nodes of `gpus_per_node`, NVLink inside a node and InfiniBand between nodes,
 plus the efficiency constants the cost model uses (calibrated, see planner/calibrate.py).
 
+An optional `storage` section gives the shared file system's read and write bandwidth for checkpoints.
 A spec is a YAML file (configs/clusters/*.yaml) read strictly: an unknown or missing key is an error that
 names the file and the key. Bandwidths are in GB/s (10^9 bytes), peak in TFLOP/s (10^12), memory in GiB.
 """
@@ -102,6 +103,9 @@ class ClusterSpec:
     cores_per_node: float = 0.0  # CPU nodes: cores the node's single-threaded ranks share (0: one device per rank)
     efficiency: Efficiency = field(default_factory=Efficiency)
     calibration: str = ""  # where the efficiency constants come from
+    # the shared file system as a checkpoint reaches it, GB/s over all nodes (None: the file has no storage section)
+    storage_read_gbs: float | None = None
+    storage_write_gbs: float | None = None
 
     @property
     def nvlink_one_way_gbs(self) -> float:
@@ -133,7 +137,7 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
     """Build a ClusterSpec from the YAML layout (name, gpu, node, network, efficiency, calibration)."""
     if not isinstance(raw, dict):
         raise ClusterError(f"{where} must hold a mapping")
-    _strict(raw, ["name", "gpu", "node", "network", "efficiency", "calibration"], where, "")
+    _strict(raw, ["name", "gpu", "node", "network", "storage", "efficiency", "calibration"], where, "")
     sections: dict[str, dict] = {}
     for name in ("gpu", "node", "network"):
         section = raw.get(name)
@@ -153,6 +157,11 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         / 8.0
         / gpus
     )
+    storage = raw.get("storage")
+    if storage is not None and not isinstance(storage, dict):
+        raise ClusterError(f"{where}: section storage is not a mapping")
+    if storage is not None:
+        _strict(storage, ["read_gbs", "write_gbs"], where, "storage.")
     eff_raw = raw.get("efficiency") or {}
     known = [f.name for f in dataclasses.fields(Efficiency)]
     _strict(eff_raw, known, where, "efficiency.")
@@ -172,6 +181,8 @@ def cluster_from_dict(raw: dict, where: str = "cluster spec") -> ClusterSpec:
         cores_per_node=float(node.get("cores", 0)),
         efficiency=efficiency,
         calibration=str(raw.get("calibration", "")),
+        storage_read_gbs=_number(storage, "read_gbs", where, "storage.") if storage is not None else None,
+        storage_write_gbs=_number(storage, "write_gbs", where, "storage.") if storage is not None else None,
     )
 
 

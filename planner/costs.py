@@ -21,6 +21,7 @@ from parallel.rank_grid import MEGATRON_ORDER, RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
 from planner.collectives import ActionCollectives, Collective
+from planner.fusion import unfused_bytes
 
 # the dimensions each named group spans (parallel/state.py names them; "embedding" joins two pipeline ends)
 GROUP_DIMS = {
@@ -158,13 +159,16 @@ def elementwise_bytes(shape: ActivationShape) -> float:
 
 def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recompute: str) -> LayerTimes:
     """Forward, backward (2x the GEMMs: input and weight gradients) and recomputation of one layer, on this
-    rank's tokens (s/cp under context parallelism)."""
+    rank's tokens (s/cp under context parallelism), plus the HBM traffic of the chains the config leaves
+    unfused (planner/fusion.py), forward and backward counted separately."""
     rows = shape.local_seq * shape.micro_batch
     gemm = sum(hw.gemm_seconds(f, rows) for f in layer_gemm_flops(model, rows, shape.tp_size))
-    core = core_attention_seconds(shape, model, hw)
-    other = hw.memory_seconds(elementwise_bytes(shape))
-    forward = gemm + core + other
-    backward = 2 * forward
+    unfused = unfused_bytes(shape, model.add_bias_linear)
+    fused_core = core_attention_seconds(shape, model, hw)
+    fused_forward = gemm + fused_core + hw.memory_seconds(elementwise_bytes(shape))
+    core = fused_core + hw.memory_seconds(unfused.softmax_forward)
+    forward = fused_forward + hw.memory_seconds(unfused.elementwise_forward + unfused.softmax_forward)
+    backward = 2 * fused_forward + hw.memory_seconds(unfused.elementwise_backward + unfused.softmax_backward)
     recomputed = forward if recompute == "full" else core if recompute == "selective" else 0.0
     return LayerTimes(forward, backward + recomputed, recomputed, weight_grad=gemm, core=core)
 

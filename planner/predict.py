@@ -13,6 +13,7 @@ layout (tests/planner/test_collectives.py: the list equals what the trainer issu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from planner.costs import (
 from planner.memory import GIB, MemoryEstimate, config_memory
 from planner.sharded import sharded_times
 from planner.software import TRAINER, Software
+from planner.traffic import Traffic, checkpoint_bytes, layout_traffic
 
 if TYPE_CHECKING:
     from config.schema import Config
@@ -73,6 +75,10 @@ class Prediction:
     memory: MemoryEstimate
     memory_capacity_gib: float
     bubble_fraction: float  # the simulated timeline's (makespan - busiest rank) / busiest rank
+    traffic: Traffic  # inter-node bytes per iteration (§5.9, planner/traffic.py)
+    checkpoint_bytes: float  # the checkpoint's size (§5.10)
+    checkpoint_save_seconds: float | None  # at the cluster's storage bandwidth (None: the cluster gives none)
+    checkpoint_load_seconds: float | None
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -124,6 +130,15 @@ class Prediction:
             "memory_breakdown_gib": self.memory.as_gib(),
             "memory_pp_rank": self.memory.pp_rank,
             "flops_per_iteration": self.flops_per_iteration,
+            "p2p_bandwidth_GBps": self.traffic.p2p_bandwidth_gbps,
+            "dp_allreduce_bandwidth_GBps": self.traffic.dp_allreduce_bandwidth_gbps,
+            "dp_allreduce_busy_bandwidth_GBps": self.traffic.dp_allreduce_busy_bandwidth_gbps,
+            "p2p_bytes_per_iteration": self.traffic.p2p_bytes,
+            "dp_allreduce_bytes_per_iteration": self.traffic.dp_bytes,
+            "dp_allreduce_seconds": self.traffic.dp_seconds,
+            "checkpoint_TB": self.checkpoint_bytes / 1e12,
+            "checkpoint_save_seconds": self.checkpoint_save_seconds,
+            "checkpoint_load_seconds": self.checkpoint_load_seconds,
         }
 
 
@@ -282,6 +297,8 @@ def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Sof
     flops = comms.run.flops.with_recompute  # the paper's achieved FLOPs
     backwards = (a for a in comms.lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     recompute = sum(costs.recompute_per_chunk for _ in backwards)
+    size = checkpoint_bytes(config, comms)
+    read, write = cluster.storage_read_gbs, cluster.storage_write_gbs
     return Prediction(
         layout,
         train.micro_batch_size,
@@ -293,7 +310,21 @@ def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Sof
         memory,
         cluster.memory_gib,
         timeline.bubble_fraction,
+        layout_traffic(comms, hw, total),
+        size,
+        size / (write * 1e9) if write else None,
+        size / (read * 1e9) if read else None,
     )
+
+
+def fusion_speedup(
+    config: Config, cluster: ClusterSpec, world_size: int, fused: Prediction, software: Software = TRAINER
+) -> float:
+    """Throughput with the config's fused kernels over the same run with none selected (planner/fusion.py:
+    the unfused chains' extra HBM traffic); 1.0 when the config selects none. `fused` is `config`'s prediction."""
+    model = dataclasses.replace(config.model, fused_kernels=False, fused_kernel_names=None)
+    unfused = predict(dataclasses.replace(config, model=model), cluster, world_size, software)
+    return unfused.iteration_seconds / fused.iteration_seconds
 
 
 def _rank_parts(

@@ -33,7 +33,7 @@ from model.shape import total_params
 from parallel.layout import LayoutError
 from planner import calibrate
 from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
-from planner.predict import Prediction, predict
+from planner.predict import Prediction, fusion_speedup, predict
 from planner.published import paper_software
 from planner.search import (
     IN_DOMAIN_ERROR,
@@ -296,19 +296,50 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
         print("\n".join(format_ranking(result.ranked, args.top)))
         print(f"why: {reason}")
         return 0
-    prediction = predict(config, cluster, args.gpus, software_of(config))
+    software = software_of(config)
+    prediction = predict(config, cluster, args.gpus, software)
+    speedup = fusion_speedup(config, cluster, args.gpus, prediction, software)
     if args.json:
         extra = {"training_time": training_time_lines(prediction, config, args.tokens)} if args.tokens else {}
-        print(json.dumps({**prediction.to_dict(), "cluster": cluster.name, "software": args.software, **extra}))
+        print(
+            json.dumps(
+                {
+                    **prediction.to_dict(),
+                    "fusion_speedup": speedup,
+                    "cluster": cluster.name,
+                    "software": args.software,
+                    **extra,
+                }
+            )
+        )
         return 0
     print(f"cluster: {cluster.name} ({args.gpus} GPUs, {cluster.gpus_per_node} per node)")
     print("\n".join(format_prediction(prediction)))
+    print("\n".join(sections_5_8_to_5_10(prediction, speedup)))
     outside = outside_domain(prediction)
     if outside:
         print(f"outside the calibrated domain ({', '.join(outside)}): an extrapolation")
     if args.tokens:
         print("\n".join(training_time_lines(prediction, config, args.tokens)))
     return 0
+
+
+def sections_5_8_to_5_10(p: Prediction, speedup: float) -> list[str]:
+    """Kernel fusion's gain, inter-node traffic and the checkpoint (the paper's §5.8-5.10; docs/planner.md)."""
+    t = p.traffic
+    lines = [
+        f"fused kernels: {speedup:.3f}x the throughput without ({p.tflops_per_gpu / speedup:.1f} TFLOP/s per GPU "
+        f"unfused)",
+        f"inter-node traffic per iteration: pipeline {t.p2p_bytes / 1e12:.2f} TB ({t.p2p_bandwidth_gbps:,.0f} GB/s "
+        f"over the iteration), data-parallel reduction {t.dp_bytes / 1e12:.2f} TB ({t.dp_allreduce_bandwidth_gbps:,.0f}"
+        f" GB/s over the iteration, {t.dp_allreduce_busy_bandwidth_gbps:,.0f} GB/s over its {t.dp_seconds:.3f} s)",
+    ]
+    checkpoint = f"checkpoint: {p.checkpoint_bytes / 1e12:.2f} TB"
+    if p.checkpoint_save_seconds is not None and p.checkpoint_load_seconds is not None:
+        checkpoint += f", save {p.checkpoint_save_seconds:.1f} s, load {p.checkpoint_load_seconds:.1f} s"
+    else:
+        checkpoint += " (the cluster file has no storage section for save and load times)"
+    return [*lines, checkpoint]
 
 
 def main(argv: list[str] | None = None) -> int:
