@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         check_wandb_importable(config.logging)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
         extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
-        fault = fault_from_env(world_size)  # PTDP_INJECT_FAULT, the hang / straggler test hook (training/faults.py)
+        fault = fault_from_env(world_size, config.train.train_iters)  # PTDP_INJECT_FAULT, training/faults.py
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR

@@ -88,6 +88,16 @@ SET_PG_TIMEOUT = PrivateName(
     "set_timeout (torch 2.13 has it; older releases may not)",
     "ProcessGroup.set_timeout where it exists; without either the groups keep the start-up timeout",
 )
+LOADER_SHUTDOWN = PrivateName(
+    "torch.utils.data.dataloader",
+    "_MultiProcessingDataLoaderIter._shutdown_workers",
+    "stopping the training loader's worker processes on every way out of the loop, an exception included "
+    "(training/loader_workers.py): torch calls it only when the iterator is garbage-collected, which a "
+    "traceback's frames prevent, and skips it once the interpreter exits, where multiprocessing then waits "
+    "forever for workers that ignore SIGTERM",
+    "none (a DataLoader iterator has no public close): without it the workers are SIGKILLed, and torch's "
+    "SIGCHLD handler may report them as failed (a second error after the first)",
+)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     AUTOGRAD_ENGINE,
@@ -97,6 +107,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     *DCP_METADATA_NAMES,
     PICKLED_LAYOUT,
     SET_PG_TIMEOUT,
+    LOADER_SHUTDOWN,
 )
 
 
@@ -169,4 +180,15 @@ def set_group_timeout(group: object, timeout: timedelta) -> bool:
     except (ImportError, AttributeError):
         return False
     private(timeout, group)
+    return True
+
+
+def shutdown_loader_workers(iterator: object) -> bool:
+    """Stop the worker processes of a DataLoader iterator the way torch does when it is collected
+    (LOADER_SHUTDOWN: the workers leave their loops, each is joined for up to 5 s); False when `iterator` has no
+    workers to stop or this torch lacks the method."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:
+        return False
+    shutdown()
     return True

@@ -44,6 +44,7 @@ from training.guards import (
     find_bad_token,
     weights_are_finite,
 )
+from training.loader_workers import MicrobatchStream
 from training.logging import IntervalStats, MetricsWriteError, format_train_line, get_logger, peak_tflops
 from training.preemption import PreemptionHandler, job_start_time
 from training.run import Run, build_run, resume_if_asked
@@ -195,11 +196,22 @@ def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
     """The training loop: step, log, evaluate, save, until train_iters or an exit condition.
     `extra_evaluation(run)` (the zero-shot tasks of eval.*) runs after every iteration and returns the
     figures to log with the validation loss, or nothing when it is not due."""
+    state = run.state
+    train_iter = data_iterator(
+        run.config, run.datasets[0], run.progress.consumed_samples, state.dp_rank, state.dp_size, run.eod_id
+    )
+    try:
+        train_from(run, train_iter, extra_evaluation)
+    finally:
+        # Every way out, an exception included: the loader's workers ignore SIGTERM (they must outlive scancel's
+        # until the trainer has saved), so at interpreter exit multiprocessing would wait for them forever.
+        train_iter.close()
+
+
+def train_from(run: Run, train_iter: MicrobatchStream, extra_evaluation: ExtraEvaluation | None = None) -> None:
+    """`train`'s loop over the batches of `train_iter`."""
     cfg, train_cfg, state = run.config, run.config.train, run.state
     job_start = job_start_time()
-    train_iter = data_iterator(
-        cfg, run.datasets[0], run.progress.consumed_samples, state.dp_rank, state.dp_size, run.eod_id
-    )
     if run.progress.iteration == 0:
         run_evaluation(run)
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it
@@ -227,6 +239,8 @@ def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
         with comm.region("train", iteration):
+            if run.fault is not None:
+                run.fault.raise_if_due(run.env.rank, iteration)  # PTDP_INJECT_FAULT kind=raise
             result = train_step(
                 run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
             )

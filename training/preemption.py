@@ -120,9 +120,12 @@ def ask_for_signal_on_parent_death(sig: int) -> bool:
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader worker_init_fn: SLURM's scancel and a terminal's Ctrl-C signal every process, and torch's
     workers die of SIGTERM / SIGINT, which would break the trainer's next batch before it can save. Workers
-    ignore them; the trainer stops them when it is done."""
+    ignore them; the trainer stops them when it is done, on every way out (training/loader_workers.py), and the
+    kernel kills them when the trainer dies first (SIGKILL on parent death: a killed trainer, or one that
+    leaves through os._exit, cannot stop them; torch's own check of the parent runs only between batches)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    ask_for_signal_on_parent_death(signal.SIGKILL)
 
 
 def job_start_time(environ: Mapping[str, str] | None = None) -> float:

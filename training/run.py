@@ -31,7 +31,7 @@ from parallel.tp_mappings import CommCounter
 from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
-from training.faults import FaultInjector, FaultSpec
+from training.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule
 from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
@@ -77,6 +77,7 @@ class Run:
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
     hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (training/watchdog.py)
     straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (training/straggler.py)
+    fault: FaultSpec | None = None  # PTDP_INJECT_FAULT; the loop raises kind=raise's error (training/faults.py)
 
     @property
     def vocab_size(self) -> int:
@@ -200,9 +201,9 @@ def build_state(
         guard.start(state)
     if fault is not None:
         logger.info(fault.describe())
-        if fault.rank == env.rank and state.comm.recorder is not None:
-            if env.rank != 0:
-                logger.warning(fault.describe())
+        if fault.rank == env.rank != 0:  # the rank it acts on says so too (INFO shows on rank 0 only)
+            logger.warning(fault.describe())
+        if fault.rank == env.rank and fault.kind in COLLECTIVE_KINDS and state.comm.recorder is not None:
             state.comm.before_issue = FaultInjector(fault, state.comm.recorder, logger)
     return state
 
@@ -265,6 +266,7 @@ def build_run(
             else None
         ),
         hang_guard=guard,
+        fault=fault,
         straggler=StragglerReport(
             config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
         ),

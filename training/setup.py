@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,9 +16,11 @@ from data.blended_dataset import BlendedDataset
 from data.builder import SPLIT_NAMES, BuildOptions, build_split_datasets, build_train_valid_test_datasets
 from data.gpt_dataset import GPTDataset
 from data.loader import build_data_iterator
+from data.microbatch import Microbatch
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
 from parallel.comm import Collectives
+from training.loader_workers import MicrobatchStream
 from training.preemption import ignore_stop_signals, stop_at_once
 from training.threads import log_thread_plan, set_threads
 
@@ -225,22 +228,28 @@ def data_iterator(
     dp_size: int,
     eod_id: int,
     num_workers: int | None = None,
-):
+) -> MicrobatchStream:
+    """This dp rank's micro-batches from `consumed_samples` on (data.num_workers loader processes unless
+    `num_workers` says otherwise); a stream with workers is closed on every way out (training/loader_workers.py)."""
     data = config.data
-    return build_data_iterator(
-        dataset,
-        consumed_samples,
-        config.train.micro_batch_size,
-        dp_rank,
-        dp_size,
-        data.num_workers if num_workers is None else num_workers,
-        eod_id,
-        data.eod_mask_loss,
-        data.reset_position_ids,
-        data.reset_attention_mask,
-        data.add_extra_token_to_sequence,
-        worker_init_fn=ignore_stop_signals,
-    )
+
+    def start() -> Iterator[Microbatch]:
+        return build_data_iterator(
+            dataset,
+            consumed_samples,
+            config.train.micro_batch_size,
+            dp_rank,
+            dp_size,
+            data.num_workers if num_workers is None else num_workers,
+            eod_id,
+            data.eod_mask_loss,
+            data.reset_position_ids,
+            data.reset_attention_mask,
+            data.add_extra_token_to_sequence,
+            worker_init_fn=ignore_stop_signals,
+        )
+
+    return MicrobatchStream(start)
 
 
 def param_dtype(precision: str) -> torch.dtype:

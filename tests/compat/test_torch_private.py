@@ -39,6 +39,15 @@ def test_the_accessors_reach_the_private_names():
     tensors = [torch.randn(5, 3), torch.randn(7)]
     norms = torch_private.foreach_norm(tensors)
     assert all(torch.equal(n, torch.linalg.vector_norm(t)) for n, t in zip(norms, tensors))
+    calls = []
+
+    class Iterator:  # a multi-process DataLoader iterator's shutdown, as LOADER_SHUTDOWN names it
+        def _shutdown_workers(self):
+            calls.append("shutdown")
+
+    assert resolve(torch_private.LOADER_SHUTDOWN).__name__ == "_shutdown_workers"
+    assert torch_private.shutdown_loader_workers(Iterator()) and calls == ["shutdown"]
+    assert not torch_private.shutdown_loader_workers(object())  # no workers (num_workers=0): nothing to stop
 
 
 def test_a_group_timeout_is_set_through_the_public_setter_or_the_private_function(monkeypatch):

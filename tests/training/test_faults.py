@@ -1,19 +1,21 @@
 """PTDP_INJECT_FAULT: parsed and checked in one line; the injector leaves out one call, stalls, or slows down."""
 
+import logging
 import time
 
 import pytest
 
 import pretrain_gpt
 from parallel.comm import CommRecorder
-from training.faults import FaultInjector, FaultSpec, fault_from_env, parse_fault
+from training.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
 
 
 def test_a_well_formed_value_and_the_unset_one():
-    assert parse_fault("rank=2,iteration=5,kind=sleep", 4) == FaultSpec(2, 5, "sleep")
-    assert parse_fault(" kind=slow , rank=0, iteration=1 ", 1) == FaultSpec(0, 1, "slow")
-    assert fault_from_env(4, {}) is None and fault_from_env(4, {"PTDP_INJECT_FAULT": " "}) is None
-    assert fault_from_env(4, {"PTDP_INJECT_FAULT": "rank=3,iteration=2,kind=skip"}) == FaultSpec(3, 2, "skip")
+    assert parse_fault("rank=2,iteration=5,kind=sleep", 4, 10) == FaultSpec(2, 5, "sleep")
+    assert parse_fault(" kind=slow , rank=0, iteration=1 ", 2, 10) == FaultSpec(0, 1, "slow")
+    assert parse_fault("rank=0,iteration=10,kind=raise", 1, 10) == FaultSpec(0, 10, "raise")  # one process too
+    assert fault_from_env(4, 10, {}) is None and fault_from_env(4, 10, {"PTDP_INJECT_FAULT": " "}) is None
+    assert fault_from_env(4, 10, {"PTDP_INJECT_FAULT": "rank=3,iteration=2,kind=skip"}) == FaultSpec(3, 2, "skip")
     assert FaultSpec(2, 5, "sleep").describe() == (
         "PTDP_INJECT_FAULT=rank=2,iteration=5,kind=sleep: test hook active: rank 2 stalls before its first "
         "collective of iteration 5"
@@ -23,20 +25,48 @@ def test_a_well_formed_value_and_the_unset_one():
 @pytest.mark.parametrize(
     "value, expected",
     [
-        ("rank=2,iteration=5", "kind is missing; expected rank=R,iteration=N,kind=sleep|skip|slow"),
-        ("rank=2,iteration=5,kind=nap", "kind=nap is not one of sleep, skip, slow"),
+        ("rank=2,iteration=5", "kind is missing; expected rank=R,iteration=N,kind=sleep|skip|slow|raise"),
+        ("rank=2,iteration=5,kind=nap", "kind=nap is not one of sleep, skip, slow, raise"),
         ("rank=-1,iteration=5,kind=skip", "rank=-1 is not a non-negative integer"),
         ("rank=4,iteration=5,kind=skip", "rank=4 is outside this run's 4 rank(s)"),
         ("rank=1,iteration=0,kind=skip", "iteration=0 must be >= 1"),
         ("rank=1,rank=2,iteration=1,kind=skip", "'rank=2' is not a field or is repeated"),
         ("rank 1", "'rank 1' is not a field or is repeated"),
+        # a digit int() does not read: one line of ours, not int()'s "invalid literal"
+        ("rank=\u00b2,iteration=5,kind=skip", "rank=\u00b2 is not a non-negative integer"),
+        ("rank=1,iteration=\u0665,kind=skip", "iteration=\u0665 is not a non-negative integer"),
+        # past the run: the bound and why
+        ("rank=1,iteration=11,kind=raise", "iteration=11 is after this run's last iteration (train.train_iters=10)"),
+        ("rank=1,iteration=1234567890123,kind=skip", "iteration=1234567890123 is after this run's last iteration"),
+        ("rank=12345678901234567890,iteration=5,kind=skip", "rank=12345678901234567890 is outside this run's 4"),
     ],
 )
 def test_a_malformed_value_is_one_line_naming_it(value, expected):
     with pytest.raises(ValueError) as err:
-        parse_fault(value, 4)
+        parse_fault(value, 4, 10)
     message = str(err.value)
     assert message.startswith(f"PTDP_INJECT_FAULT={value!r}: ") and expected in message and "\n" not in message
+
+
+@pytest.mark.parametrize("kind", ["sleep", "skip", "slow"])
+def test_a_collective_fault_in_a_one_process_run_is_refused_saying_why(kind):
+    with pytest.raises(ValueError) as err:
+        parse_fault(f"rank=0,iteration=2,kind={kind}", 1, 10)
+    assert str(err.value) == (
+        f"PTDP_INJECT_FAULT='rank=0,iteration=2,kind={kind}': kind={kind} acts on the rank's collectives and a "
+        f"one-process run has none, so it would never fire: run 2 or more ranks (kind=raise fires in one process too)"
+    )
+
+
+def test_raise_fires_on_its_rank_at_its_iteration_only():
+    spec = FaultSpec(1, 3, "raise")
+    for rank, iteration in [(0, 3), (1, 2), (1, 4)]:
+        spec.raise_if_due(rank, iteration)
+    FaultSpec(1, 3, "skip").raise_if_due(1, 3)  # the collective kinds act through the injector instead
+    with pytest.raises(InjectedFault, match=r"^PTDP_INJECT_FAULT=rank=1,iteration=3,kind=raise: rank 1 raises at"):
+        spec.raise_if_due(1, 3)
+    with pytest.raises(ValueError, match="kind=raise does not act on collectives"):
+        FaultInjector(spec, CommRecorder(), logging.getLogger(__name__))
 
 
 class _Logger:
@@ -94,10 +124,18 @@ def test_slow_sleeps_as_long_as_the_rank_computed_since_its_last_call_returned(m
     assert len(naps) == 1 and before - returned <= naps[0] <= after - returned
 
 
-def test_the_trainer_refuses_a_malformed_value_in_one_line_before_any_work(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("PTDP_INJECT_FAULT", "rank=1,iteration=3,kind=slow")  # one process: no rank 1
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("rank=1,iteration=3,kind=slow", "rank=1 is outside this run's 1 rank(s)"),  # one process: no rank 1
+        ("rank=0,iteration=3,kind=sleep", "kind=sleep acts on the rank's collectives and a one-process run has none"),
+    ],
+)
+def test_the_trainer_refuses_a_malformed_value_in_one_line_before_any_work(
+    monkeypatch, tmp_path, capsys, value, message
+):
+    monkeypatch.setenv("PTDP_INJECT_FAULT", value)
     assert pretrain_gpt.main([f"run.dir={tmp_path / 'run'}"]) == 2
-    assert capsys.readouterr().err == (
-        "error: PTDP_INJECT_FAULT='rank=1,iteration=3,kind=slow': rank=1 is outside this run's 1 rank(s)\n"
-    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: PTDP_INJECT_FAULT={value!r}: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
