@@ -174,6 +174,27 @@ def test_plan_names_the_option(capsys, args, expected):
     assert one_line(capsys).startswith(expected)
 
 
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (("--compare", "--search"), "error: --compare does not use --search: run --compare and --search separately"),
+        (("--compare", "--top", "3"), "error: --compare does not use --top: run --compare and --top separately"),
+        (
+            ("--compare", "--tokens", "1e12", "--search"),
+            "error: --compare does not use --search, --tokens: run --compare and --search separately",
+        ),
+        (("--search", "--tokens", "1e12"), "error: --search does not use --tokens"),
+        (("--top", "3"), "error: --top 3 only trims --search's ranking: add --search or drop --top"),
+    ],
+    ids=["compare-search", "compare-top", "compare-tokens-search", "search-tokens", "top-alone"],
+)
+def test_plan_refuses_an_option_its_mode_ignores(capsys, args, expected):
+    """Before: --compare printed its three schemes and dropped --search, --top and --tokens without a word;
+    --search dropped --tokens, and --top without --search did nothing."""
+    assert plan.main(["--cluster", A100, "--config", GPT_1T, "--gpus", "3072", *args]) == 2
+    assert one_line(capsys).startswith(expected)
+
+
 def test_a_configured_eos_token_the_tokenizer_lacks_is_refused(tmp_path):
     """Before: the tokenizer fell back to <|endoftext|> (the first usual name it held) without a word."""
     path = make_tokenizer_json(tmp_path, ["<|endoftext|>", "<pad>"])
