@@ -22,7 +22,16 @@ from model.generation import SamplingConfig, generate_tokens
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_compare_runs import write_run
-from tools import compare_runs, generate, pipeline_timeline, plan, preprocess_data, train_tokenizer
+from tools import (
+    compare_runs,
+    generate,
+    merge_datasets,
+    pipeline_timeline,
+    plan,
+    prepare_sample_data,
+    preprocess_data,
+    train_tokenizer,
+)
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 GPT_1T = os.path.join(REPO_ROOT, "configs", "paper", "gpt_1t.yaml")
@@ -267,3 +276,18 @@ def test_train_tokenizer_refuses_a_vocabulary_it_cannot_allocate(tmp_path, capsy
     assert exit_info.value.code == 2
     assert one_line(capsys) == "error: vocab_size 100000000000 is larger than 4,194,304: give a real vocabulary size"
     assert not (tmp_path / "tok").exists()
+
+
+def test_merge_datasets_and_prepare_sample_data_exit_2_on_bad_input(tmp_path, capsys):
+    """Before: both exited 1 (SystemExit(message)) where every other tool exits 2 on bad input."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.idx").write_bytes(b"")
+    out = str(tmp_path / "out" / "merged")
+    assert merge_datasets.main(["--input-dir", str(tmp_path / "shards"), "--output-prefix", out]) == 2
+    assert one_line(capsys) == f"error: {tmp_path / 'shards' / 'a.bin'} is missing"
+    assert merge_datasets.main(["--input", str(tmp_path / "none"), "--output-prefix", out]) == 2
+    assert str(tmp_path / "none") in one_line(capsys)
+    assert not os.path.exists(tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    assert prepare_sample_data.main(["--output-dir", str(tmp_path / "file" / "sample")]) == 2
+    assert str(tmp_path / "file") in one_line(capsys)
