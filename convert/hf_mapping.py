@@ -368,12 +368,11 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     hf = {name: (t.t() if _is_conv1d(arch, name) else t) for name, t in hf.items()}
     used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, missing: str | None = None) -> torch.Tensor:
+        """hf[name], marked used; `missing`: why it matters when absent (default: a layer's tensor)."""
         if name not in hf:
-            raise UnsupportedModelError(
-                f"transformers tensor {name} is missing: the weights hold less than the config's "
-                f"{cfg.num_layers} layers describe"
-            )
+            why = missing or f"the weights hold less than the config's {cfg.num_layers} layers describe"
+            raise UnsupportedModelError(f"transformers tensor {name} is missing: {why}")
         used.add(name)
         return hf[name]
 
@@ -406,7 +405,13 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
                     "the config does not belong to these weights"
                 )
             continue
-        ours[our] = shardings[our].padded(take(theirs), padded)
+        missing = (
+            "config.json says tie_word_embeddings=false (an output layer of its own) but the weights hold none; "
+            "set tie_word_embeddings=true if the model reuses its embedding, or use the weights saved with it"
+            if our == "output_layer.weight"
+            else "the weights lack a tensor every model of this architecture has (an incomplete export?)"
+        )
+        ours[our] = shardings[our].padded(take(theirs, missing), padded)
     if cfg.tie_embeddings:
         ours["output_layer.weight"] = ours["embedding.word_embeddings.weight"]
     left = sorted(set(hf) - used - {n for n in hf if n.endswith((".attn.bias", ".attn.masked_bias"))})

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data.gpt_dataset import GPTDataset, TokenSource, save_atomic
+from data.gpt_dataset import GPTDataset, TokenSource, load_cached_array, save_atomic
 
 
 def normalize_weights(weights: Sequence[float | str]) -> list[float]:
@@ -58,8 +58,10 @@ class BlendedDataset:
             if cache_dir
             else []
         )
-        if paths and all(os.path.exists(p) for p in paths):
-            self.dataset_index, self.dataset_sample_index = (np.load(p, mmap_mode="r") for p in paths)
+        cached = [load_cached_array(p, size) for p in paths if os.path.exists(p)]  # damaged: None, rebuilt
+        dataset_index, sample_index = cached if len(cached) == 2 else (None, None)
+        if dataset_index is not None and sample_index is not None:
+            self.dataset_index, self.dataset_sample_index = dataset_index, sample_index
         else:
             from data.blend_index import build_blending_indices  # numba (~0.4 CPU s): only a blend builds one
 

@@ -200,6 +200,21 @@ def save_atomic(path: str, array: np.ndarray) -> None:
             del out  # unmaps the file before it is renamed or removed
 
 
+def load_cached_array(path: str, length: int | None = None) -> np.ndarray | None:
+    """The integer array cached in the .npy file `path`, memory-mapped; None (a warning naming the file and why)
+    when the file cannot be read as one, or its length is not `length`: a cache is rebuilt, not trusted."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:  # numpy's "Array can't be memory-mapped", a cut header, ...
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    else:
+        if array.dtype.kind in "iu" and (length is None or len(array) == length):
+            return array
+        problem = f"{array.dtype} array of shape {list(array.shape)}, not {length} integers"
+    logging.getLogger(__name__).warning("index cache %s is damaged (%s): rebuilding it", path, problem)
+    return None
+
+
 class GPTDataset:
     """Samples of seq_length + 1 tokens (seq_length without the extra token) from documents [begin, end).
 
@@ -280,7 +295,8 @@ class GPTDataset:
         paths = self._cache_paths(cache_dir)
         if not all(os.path.exists(p) for p in paths):
             return None
-        return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+        arrays = tuple(load_cached_array(p) for p in paths)
+        return None if any(a is None for a in arrays) else arrays  # a damaged file: rebuilt and rewritten
 
     def _save_cache(self, cache_dir: str, arrays) -> None:
         os.makedirs(cache_dir, exist_ok=True)

@@ -6,7 +6,8 @@ PATH is a checkpoints folder (its latest complete checkpoint) or one iter_XXXXXX
 iteration, the layout it was saved at (it loads at any layout), the model config, whether optimizer state is
 present, the size on disk and (with --tensors, or always for up to 40 tensors) every tensor's global shape and
 dtype. --verify reads every byte and checks each file's size and CRC-32 against checksums.json and every
-tensor's stored extent against the DCP metadata: a torn, truncated or corrupted file is named. For a
+tensor's stored extent against the DCP metadata, and every weight of the saved model config as a tensor of its
+shape (the check the loaders make before reading): a torn, truncated or corrupted file is named. For a
 checkpoints folder every iter_* folder newer than the one loaded is checked too (a resume passes over a broken
 newest save): --verify fails naming it. Exit status: 0 fine, 1 verification failed, 2 not a checkpoint.
 """
@@ -19,10 +20,12 @@ import sys
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from config.schema import ConfigError, config_from_dict
 from training.checkpoint import files
 from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.legacy import dp_rank_file, rank_dir
+from training.checkpoint.loader import check_model_entries
 from training.checkpoint.train_state import read_train_state
 
 
@@ -66,6 +69,11 @@ def verify(iter_dir: str) -> None:
     files.verify_files(iter_dir)
     metadata = read_dcp_metadata(iter_dir)
     files.check_storage_extents(iter_dir, metadata)
+    try:
+        model = config_from_dict(read_train_state(iter_dir).config).model
+    except ConfigError as err:
+        raise CheckpointError(f"checkpoint {iter_dir}: its saved config is not a valid run config: {err}") from None
+    check_model_entries(iter_dir, metadata, model)
 
 
 def newer_failures(path: str, iter_dir: str) -> list[str]:
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"verify: FAILED: {problem}{fallback}", file=sys.stderr)
         if passed_over:
             return 1
-        print("verify: OK (every file's size and CRC-32, every tensor's extent)")
+        print("verify: OK (every file's size and CRC-32, every tensor's extent, every weight's shape)")
     for problem in passed_over:
         print(f"warning: {problem}{fallback}", file=sys.stderr)
     return 0

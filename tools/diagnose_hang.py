@@ -17,17 +17,20 @@ group is its own):
 Limits: the dumps hold each rank's latest records (a ring, and the latest of each group and peer), so a parting
 long before the hang may be out of sight; a rank that skipped one of two identical calls in a row is seen where
 their successors differ; a rank killed before it wrote its dump is named as missing. Reads JSON only; nothing in
-a dump is run. See docs/operations.md.
+a dump is run. After a restart the dumps are in run.dir/diagnostics.N (read when diagnostics/ has none, and said
+so); dumps of two attempts in one folder (each dump names its attempt) are said to be, and only the newest
+attempt's are analysed. See docs/operations.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from training.diagnostics import DumpJson, RecordJson, describe_rank, read_dumps
+from training.diagnostics import DumpJson, RecordJson, describe_rank, dumps_folder, read_dumps
 
 REGION_ORDER = {"startup": 0, "boundary": 1, "train": 2, "report": 3, "eval": 4, "checkpoint": 5}
 BLOCKED = ("waiting", "failed")
@@ -227,17 +230,48 @@ def analyse(raw_dumps: list[DumpJson]) -> list[str]:
     return lines + ["where each rank was:"] + where
 
 
+def _attempt_text(dumps: list[DumpJson]) -> str:
+    first = dumps[0]
+    if "run_started" not in first:
+        return f"rank(s) {ranks_text([d['rank'] for d in dumps])} of an attempt that did not name itself (older dumps)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first["run_started"]))
+    return f"rank(s) {ranks_text([d['rank'] for d in dumps])} of the attempt {first.get('run')} started {started}"
+
+
+def newest_attempt(raw: list[DumpJson], folder: str) -> tuple[list[DumpJson], str | None]:
+    """The dumps of the newest attempt in `raw`, and a line saying which were left out when `raw` mixes the
+    dumps of more than one attempt (a run id and start time in each dump; dumps without one count as older)."""
+    attempts: dict[tuple[float, str], list[DumpJson]] = {}
+    for dump in raw:
+        attempts.setdefault((dump.get("run_started", float("-inf")), dump.get("run", "")), []).append(dump)
+    if len(attempts) == 1:
+        return raw, None
+    order = sorted(attempts)
+    newest = attempts[order[-1]]
+    older = "; ".join(_attempt_text(attempts[key]) for key in order[:-1])
+    return newest, (
+        f"warning: {folder} mixes the dumps of {len(attempts)} attempts: analysing {_attempt_text(newest)}; "
+        f"left out: {older}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run's run.dir (or its diagnostics/ folder)")
     parser.add_argument("--stacks", type=int, metavar="RANK", help="print this rank's Python stacks instead")
     args = parser.parse_args(argv)
+    notes: list[str] = []
     try:
-        raw = read_dumps(args.run_dir)
+        folder, moved = dumps_folder(args.run_dir)
+        raw = read_dumps(folder)
+        raw, mixed = newest_attempt(raw, folder)
+        notes = [note for note in (moved, mixed) if note]
         if args.stacks is not None:
             found = [dump for dump in raw if dump.get("rank") == args.stacks]
             if not found:
                 raise ValueError(f"--stacks {args.stacks}: no dump from that rank in {args.run_dir}")
+            for note in notes:  # which folder (and attempt) the stacks come from
+                print(note, file=sys.stderr)
             print(found[0].get("stacks", ""), end="")
             return 0
         lines = analyse(raw)
@@ -248,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print("\n".join(lines))
+    print("\n".join(notes + lines))
     return 0
 
 

@@ -7,8 +7,13 @@ Example:
 
 import argparse
 import os
+import sys
 
 from data.indexed_dataset import IndexedDatasetError, merge_datasets
+
+
+class InputError(Exception):
+    """Bad input to the tool: its message is the one `error:` line (exit status 2)."""
 
 
 def _prefixes_in(directory: str) -> list[str]:
@@ -17,12 +22,13 @@ def _prefixes_in(directory: str) -> list[str]:
     for name in sorted(names):
         for ext in (".idx", ".bin"):
             if not os.path.isfile(os.path.join(directory, name + ext)):
-                raise SystemExit(f"error: {os.path.join(directory, name + ext)} is missing")
+                raise InputError(f"{os.path.join(directory, name + ext)} is missing")
     return [os.path.join(directory, n) for n in sorted(names)]
 
 
-def main(argv=None) -> None:
-    """Merge the given prefixes (in order), or every prefix in --input-dir (sorted)."""
+def main(argv: list[str] | None = None) -> int:
+    """Merge the given prefixes (in order), or every prefix in --input-dir (sorted); 0 done, 2 bad input (one
+    `error:` line), as every tool."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--input",
@@ -34,19 +40,22 @@ def main(argv=None) -> None:
     p.add_argument("--input-dir", help="same as giving this directory to --input")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
-    prefixes: list[str] = []
-    for item in args.input + ([args.input_dir] if args.input_dir else []):
-        prefixes += _prefixes_in(item) if os.path.isdir(item) else [item]
-    if not prefixes:
-        raise SystemExit("error: give --input prefixes or an --input-dir holding .idx/.bin pairs")
     try:
+        prefixes: list[str] = []
+        for item in args.input + ([args.input_dir] if args.input_dir else []):
+            prefixes += _prefixes_in(item) if os.path.isdir(item) else [item]
+        if not prefixes:
+            raise InputError("give --input prefixes or an --input-dir holding .idx/.bin pairs")
         merge_datasets(prefixes, args.output_prefix)
-    except (IndexedDatasetError, ValueError) as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except (InputError, IndexedDatasetError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # a full disk, a read-only folder: the file and the reason, not "[Errno 28] ..."
-        raise SystemExit(f"error: cannot write {exc.filename or args.output_prefix}: {exc.strerror}") from None
+        print(f"error: cannot write {exc.filename or args.output_prefix}: {exc.strerror}", file=sys.stderr)
+        return 2
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin / .idx")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 SOFTWARE = ("trainer", "paper")
 MAX_GPUS = 2**20  # ten times the largest clusters; --search's divisor loop is linear in it
 NUMBER_OPTIONS = ("--gpus", "--top", "--tokens")  # `--tokens -1e9` is then a value, refused in one line
+DEFAULT_TOP = 10
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, help="number of GPUs (the world size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--search", action="store_true", help="rank every valid layout that fits in memory")
-    parser.add_argument("--top", type=int, default=10, help="layouts to print with --search")
+    parser.add_argument("--top", type=int, help=f"layouts to print with --search (default {DEFAULT_TOP})")
     parser.add_argument("--plot", metavar="DIR", help="write the tp/pp, micro-batch and interleaving sweeps")
     parser.add_argument("--calibrate", nargs="+", metavar="RUN", help="fit the efficiency constants to runs")
     parser.add_argument("--output", help="with --calibrate: write the cluster spec with the fitted constants")
@@ -249,14 +250,30 @@ def run_calibration(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     return 0
 
 
+def refuse_ignored_options(args: argparse.Namespace) -> None:
+    """Refuse an option the chosen mode would not read: --compare prints three schemes (no ranking, no training
+    time), --search a ranking (no training time), and --top only trims --search's ranking."""
+    if args.compare:
+        unused = {"--search": args.search, "--top": args.top is not None, "--tokens": args.tokens is not None}
+        given = [name for name, is_given in unused.items() if is_given]
+        if given:
+            raise ConfigError(f"--compare does not use {', '.join(given)}: run --compare and {given[0]} separately")
+    if args.search and args.tokens is not None:
+        raise ConfigError("--search does not use --tokens: give --tokens without --search, on the layout you chose")
+    if args.top is not None and not args.search:
+        raise ConfigError(f"--top {args.top} only trims --search's ranking: add --search or drop --top")
+
+
 def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     if not args.config or args.gpus is None:
         raise ConfigError("--config and --gpus are needed (or --calibrate RUN)")
+    refuse_ignored_options(args)
     if not 1 <= args.gpus <= MAX_GPUS:  # the layout search enumerates divisors one by one
         raise ConfigError(f"--gpus {args.gpus} must be in [1, {MAX_GPUS:,}]")
     if args.tokens is not None and not 0 < args.tokens < math.inf:
         raise ConfigError(f"--tokens {args.tokens:g} must be a positive number of training tokens")
-    if args.top < 1:
+    top = DEFAULT_TOP if args.top is None else args.top
+    if top < 1:
         raise ConfigError(f"--top {args.top} must be >= 1")
     config = load_config(one_config_file(args.config, None), args.overrides)
     if config.model.vocab_size is None:
@@ -280,7 +297,7 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
                     {
                         "best": result.best.to_dict() if result.ranked else None,
                         "reason": reason,
-                        "ranked": [p.to_dict() for p in result.ranked[: args.top]],
+                        "ranked": [p.to_dict() for p in result.ranked[:top]],
                         "considered": result.considered,
                         "fitting": result.fitting,
                     }
@@ -293,7 +310,7 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
             f"iteration (conserv.: +{IN_DOMAIN_ERROR:.0%}, +{OUT_OF_DOMAIN_ERROR:.0%} more per dimension outside "
             f"the calibrated domain; TF/GPU as the trainer counts it: full recompute's extra forward counts as work):"
         )
-        print("\n".join(format_ranking(result.ranked, args.top)))
+        print("\n".join(format_ranking(result.ranked, top)))
         print(f"why: {reason}")
         return 0
     software = software_of(config)

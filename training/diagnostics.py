@@ -10,7 +10,8 @@ under run.dir/diagnostics/, read by tools/diagnose_hang.py.
 Stacks come from `faulthandler.dump_traceback(all_threads=True)`, which reads every thread's frames without
 taking the GIL of a thread that is stuck (the public way; sys._current_frames is the private one). Each file is
 written whole (a temporary name, then a rename). A new run (rank 0, at start) moves an earlier attempt's folder
-to diagnostics.N, so the folder only ever holds one attempt's dumps.
+to diagnostics.N, so the folder only ever holds one attempt's dumps; each dump also names its attempt (rank 0's
+host:pid and start time, agreed at start), so dumps of two attempts that still meet in one folder are told apart.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import TypedDict, TypeGuard
+from typing import NotRequired, TypedDict, TypeGuard, get_type_hints
 
 import torch.distributed as dist
 
@@ -43,13 +44,23 @@ def dump_stem(rank: int) -> str:
 
 
 class RankIdentity(TypedDict, total=False):
-    """rank_identity's record (a dump's first fields); empty until the watchdog has read it."""
+    """rank_identity's record (a dump's first fields) with agree_on_attempt's; empty until the watchdog has
+    read it."""
 
     rank: int
     world_size: int
     coords: dict[str, int]
     sizes: dict[str, int]
     groups: dict[str, list[int]]
+    run: str  # the attempt: rank 0's host:pid, the same on every rank
+    run_started: float  # rank 0's time.time() when the attempt started
+
+
+class RunAttempt(TypedDict):
+    """Which attempt of a run a rank belongs to (agree_on_attempt)."""
+
+    run: str
+    run_started: float
 
 
 class RecordJson(TypedDict):
@@ -80,6 +91,8 @@ class DumpJson(TypedDict):
     coords: dict[str, int]
     sizes: dict[str, int]
     groups: dict[str, list[int]]
+    run: NotRequired[str]  # absent from dumps written before attempts were named
+    run_started: NotRequired[float]
     iteration: int
     cause: str
     reason: str
@@ -101,6 +114,18 @@ def rank_identity(state: ParallelState) -> RankIdentity:
             groups[name] = list(dist.get_process_group_ranks(group))
     sizes = {dim: state.grid.size(dim) for dim in MEGATRON_ORDER}
     return {"rank": state.rank, "world_size": state.world_size, "coords": coords, "sizes": sizes, "groups": groups}
+
+
+def agree_on_attempt(state: ParallelState) -> RunAttempt:
+    """Rank 0's host:pid and start time, on every rank (one all_gather_object at start, labelled "startup"):
+    each dump carries it, so tools/diagnose_hang.py tells two attempts' dumps in one folder apart."""
+    mine: RunAttempt = {"run": f"{socket.gethostname()}:{os.getpid()}", "run_started": time.time()}
+    gathered: list[RunAttempt | None] = [None] * state.world_size
+    with state.comm.region("startup", 0):
+        state.comm.all_gather_object(gathered, mine)
+    first = gathered[0]
+    assert first is not None, "all_gather_object fills every place"
+    return first
 
 
 def describe_rank(rank: int, coords: dict[str, int]) -> str:
@@ -190,14 +215,87 @@ def _is_dump(value: object) -> TypeGuard[DumpJson]:
     return isinstance(value, dict) and value.get("format") == FORMAT_VERSION and "records" in value
 
 
+def _dump_names(folder: str) -> list[str]:
+    return sorted(name for name in os.listdir(folder) if name.startswith("rank_") and name.endswith(".json"))
+
+
+def set_aside_folders(run_dir: str) -> list[str]:
+    """The diagnostics.N folders set_aside_previous made under run_dir, oldest (lowest N) first."""
+    prefix = DIAGNOSTICS + "."
+    numbers = [name[len(prefix) :] for name in os.listdir(run_dir) if name.startswith(prefix)]
+    return [os.path.join(run_dir, f"{prefix}{n}") for n in sorted(int(n) for n in numbers if n.isdigit())]
+
+
+def dumps_folder(path: str) -> tuple[str, str | None]:
+    """(the folder to read dumps from, a note or None) for `path`, a run.dir or a diagnostics folder. A run.dir
+    whose diagnostics/ holds no dumps while a diagnostics.N does (a resume moved them there) gives the newest
+    diagnostics.N, with a note saying so."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: no such folder")
+    current = diagnostics_dir(path)
+    if os.path.isdir(current) and _dump_names(current):
+        return current, None
+    if os.path.basename(os.path.normpath(path)).startswith(DIAGNOSTICS):
+        return path, None  # a diagnostics folder given itself
+    earlier = [folder for folder in set_aside_folders(path) if _dump_names(folder)]
+    if earlier:
+        return earlier[-1], (
+            f"{current} holds no dumps: reading {earlier[-1]}, the dumps of an earlier attempt (moved there when "
+            f"the run restarted)"
+        )
+    return (current if os.path.isdir(current) else path), None
+
+
+def _type_problem(value: object, hint: object, where: str) -> str | None:
+    """Where `value` does not have the type `hint` (int, float, str, dict[str, X], list[X], a TypedDict whose
+    _READ_FIELDS must be present): a dump is input, and a wrong type is named here, not a TypeError later."""
+    origin = getattr(hint, "__origin__", None)
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int or hint is str:
+        ok = isinstance(value, hint) and not isinstance(value, bool)
+    elif origin is dict:
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        inner = hint.__args__[1]  # type: ignore[attr-defined]
+        return next((p for k, v in value.items() if (p := _type_problem(v, inner, f"{where}.{k}"))), None)
+    elif origin is list:
+        if not isinstance(value, list):
+            return f"{where} is not a list"
+        inner = hint.__args__[0]  # type: ignore[attr-defined]
+        return next((p for i, v in enumerate(value) if (p := _type_problem(v, inner, f"{where}[{i}]"))), None)
+    elif isinstance(hint, type) and issubclass(hint, dict):  # a TypedDict
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        for key, inner in get_type_hints(hint).items():
+            field = f"{where}.{key}" if where else key
+            if key in value:
+                problem = _type_problem(value[key], inner, field)
+                if problem:
+                    return problem
+            elif key in _READ_FIELDS.get(hint.__name__, ()):
+                return f"{field} is missing"
+        return None
+    else:
+        return None  # NotRequired[...] is unwrapped by get_type_hints; nothing else is declared
+    return None if ok else f"{where} is {json.dumps(value)[:40]}, not {getattr(hint, '__name__', hint)}"
+
+
+# The fields tools/diagnose_hang.py reads: a dump lacking one cannot be analysed (others are optional).
+_READ_FIELDS = {
+    "DumpJson": ("rank", "world_size", "coords", "groups", "iteration", "cause", "records"),
+    "RecordJson": ("seq", "group", "kind", "nbytes", "iteration", "region", "peer", "order", "state", "error"),
+}
+
+
 def read_dumps(folder: str) -> list[DumpJson]:
-    """Every rank's dump in `folder` (a run.dir or its diagnostics/), by rank. ValueError (one line) for a
-    folder without dumps or a file that is not one."""
+    """Every rank's dump in `folder` (a run.dir or its diagnostics/), by rank. ValueError (one line naming the
+    file) for a folder without dumps or a file that is not one."""
     if os.path.isdir(diagnostics_dir(folder)):
         folder = diagnostics_dir(folder)
     if not os.path.isdir(folder):
         raise ValueError(f"{folder}: no such folder")
-    names = sorted(name for name in os.listdir(folder) if name.startswith("rank_") and name.endswith(".json"))
+    names = _dump_names(folder)
     if not names:
         raise ValueError(f"{folder}: no rank_*.json dumps (a run writes them on a timeout or a watchdog stop)")
     dumps = []
@@ -210,5 +308,8 @@ def read_dumps(folder: str) -> list[DumpJson]:
             raise ValueError(f"{path}: not a readable dump ({err})") from None
         if not _is_dump(dump):
             raise ValueError(f"{path}: not a dump of format {FORMAT_VERSION}")
+        problem = _type_problem(dump, DumpJson, "")
+        if problem:
+            raise ValueError(f"{path}: not a readable dump ({problem})")
         dumps.append(dump)
     return sorted(dumps, key=lambda dump: dump["rank"])

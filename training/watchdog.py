@@ -34,7 +34,15 @@ from collections.abc import Iterator
 
 from parallel.comm import CollectiveError
 from parallel.state import ParallelState
-from training.diagnostics import RankIdentity, describe_rank, rank_identity, set_aside_previous, write_dump
+from training.diagnostics import (
+    RankIdentity,
+    RunAttempt,
+    agree_on_attempt,
+    describe_rank,
+    rank_identity,
+    set_aside_previous,
+    write_dump,
+)
 from training.guards import EXIT_HUNG
 
 WATCHDOG_GRACE_S = 5.0  # a rank blocked in a collective reports its timeout before its watchdog fires
@@ -52,6 +60,7 @@ class HangGuard:
         self.iteration = 0  # the iteration the loop is in (0: before the first)
         self.state: ParallelState | None = None
         self._identity: RankIdentity = {}
+        self._attempt: RunAttempt | None = None  # agreed at start: which attempt the dumps belong to
         self._steady = False
         self._relaxed = 0
         self._beats = 0
@@ -70,7 +79,8 @@ class HangGuard:
             if moved:
                 self.logger.info(f"an earlier attempt's hang diagnostics were moved to {moved}")
         state.comm.set_timeout(self.init_timeout_s)
-        self._identity = rank_identity(state)
+        self._attempt = agree_on_attempt(state)
+        self._identity = self._named_identity(state)
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
         self._thread.start()
 
@@ -129,12 +139,19 @@ class HangGuard:
         self._report("timeout", f"{error} (parallel.{key}={timeout:g})")
         return EXIT_HUNG
 
+    def _named_identity(self, state: ParallelState) -> RankIdentity:
+        """rank_identity with the attempt agreed at start (which run the dump belongs to)."""
+        identity = rank_identity(state)
+        if self._attempt is not None:
+            identity["run"], identity["run_started"] = self._attempt["run"], self._attempt["run_started"]
+        return identity
+
     def _report(self, cause: str, what: str) -> None:
         """Write the dump and the one-line error naming this rank, what happened and where the dump is."""
         state = self.state
         assert state is not None
         try:  # again: groups registered since the start (the checkpoint group) are named too
-            identity = rank_identity(state)
+            identity = self._named_identity(state)
         except Exception:  # a dump must not fail on it: the start's will do
             identity = self._identity
         who = describe_rank(state.rank, identity["coords"])

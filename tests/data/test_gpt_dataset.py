@@ -158,3 +158,33 @@ def test_blended_builder_is_deterministic_and_proportional(tmp_path):
         assert np.array_equal(blend[i]["text"], second[0][i]["text"])
     assert len(blend.datasets[0]) >= int(np.ceil(np.ceil(200 * 0.7) * 1.005))
     assert isinstance(second[0].dataset_index, np.memmap)  # the second build reused the cache
+
+
+@pytest.mark.parametrize("damage", ["object-array", "cut", "wrong-length"])
+def test_a_damaged_index_cache_is_named_and_rebuilt(tmp_path, caplog, damage):
+    """Before: a damaged blend cache file gave numpy's "Array can't be memory-mapped: Python objects in dtype"
+    with no file named, every start, until someone deleted it."""
+    a = make_dataset(tmp_path / "a", [50] * 10, seed=1)
+    b = make_dataset(tmp_path / "b", [20] * 30, seed=2)
+    cache = tmp_path / "cache"
+    args = (["0.7", a, 0.3, b], "1,0,0", 16, 9, (200, 0, 0), str(cache), BUILD)
+    first = build_train_valid_test_datasets(*args)[0]
+    damaged = [str(cache / name) for name in os.listdir(cache) if name.endswith("BlendedDataset-dataset_index.npy")]
+    shuffle = [str(cache / name) for name in os.listdir(cache) if name.endswith("GPTDataset-shuffle_index.npy")]
+    # a GPTDataset cache's lengths are known only once built: its wrong-length file is not caught (the blend's is)
+    for path in (damaged[0], shuffle[0]) if damage != "wrong-length" else damaged:
+        if damage == "object-array":
+            np.save(path, np.array([object()], dtype=object), allow_pickle=True)
+        elif damage == "cut":
+            with open(path, "r+b") as handle:
+                handle.truncate(40)
+        else:
+            np.save(path, np.arange(3))
+    with caplog.at_level("WARNING"):
+        again = build_train_valid_test_datasets(*args)[0]
+    named = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert any(damaged[0] in m and "rebuilding it" in m for m in named), named
+    assert damage == "wrong-length" or any(shuffle[0] in m for m in named), named
+    assert np.array_equal(np.asarray(again.dataset_index), np.asarray(first.dataset_index))
+    assert all(np.array_equal(first[i]["text"], again[i]["text"]) for i in range(len(first)))
+    assert np.load(damaged[0], mmap_mode="r").dtype.kind in "iu"  # rewritten whole

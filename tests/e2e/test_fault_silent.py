@@ -5,12 +5,16 @@ checkpoint that does not verify)."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
+import torch
 
 from tests.e2e.faults import QUICK, copy_corpus, copy_tree, one_error_line, run_main
+from tests.payloads import match_checksums
 from tools import checkpoint_info, convert_checkpoint, generate
 from training.checkpoint import files
+from training.checkpoint.safe_reader import read_metadata_file
 from training.guards import EXIT_INPUT_ERROR
 
 
@@ -94,6 +98,56 @@ def test_checkpoint_info_verify_names_a_broken_newest_checkpoint(two_checkpoints
     if trackers == "trackers-gone":  # the older checkpoint is shown, the broken newest one is named
         assert code == 1 and "a resume loads iter_0000002" in err
     assert checkpoint_info.main([two_checkpoints, "--verify"]) == 0  # the undamaged folder still verifies
+
+
+CRAFTED_KEY = "layers.0.mlp.fc1.weight"
+
+
+def _craft_metadata(iter_dir: str, entry: str) -> None:
+    """Rewrite CRAFTED_KEY's entry of iter_dir's DCP index (checksums rewritten to match, as a crafter would):
+    `bytes` a blob, `huge` a [10**12] tensor stored in 128 bytes, `extent` its chunk placed at byte 2**62."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
+
+    path = os.path.join(iter_dir, files.DCP_METADATA)
+    metadata = read_metadata_file(path)
+    [index] = [i for i in metadata.storage_data if i.fqn == CRAFTED_KEY]
+    info = metadata.storage_data.pop(index)
+    if entry == "bytes":
+        metadata.state_dict_metadata[CRAFTED_KEY] = BytesStorageMetadata()
+        index = MetadataIndex(CRAFTED_KEY)
+    elif entry == "huge":
+        tensor = metadata.state_dict_metadata[CRAFTED_KEY]
+        tensor.size = torch.Size([10**12])  # type: ignore[union-attr]
+        tensor.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([10**12]))]  # type: ignore[union-attr]
+        index, info.length = MetadataIndex(CRAFTED_KEY, torch.Size([0]), 0), 128
+    else:
+        info.offset = 2**62
+    metadata.storage_data[index] = info
+    with open(path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    match_checksums(iter_dir)
+
+
+CRAFTED = {
+    "bytes": f"'{CRAFTED_KEY}' holds bytes, not a tensor",
+    "huge": f"tensor '{CRAFTED_KEY}' has shape [1000000000000] in the checkpoint but [128, 32] in this model",
+    "extent": f"__0_0.distcp is too short for {CRAFTED_KEY}: the index places it at bytes 4,611,686,018,427,387,904",
+}
+
+
+@pytest.mark.parametrize("entry", sorted(CRAFTED))
+def test_verify_refuses_what_the_loaders_refuse(two_checkpoints, tmp_path, capsys, entry):
+    """Before: --verify said OK for a model entry that is a bytes blob or a [10**12] tensor in 128 bytes, which
+    every loader refuses; a chunk placed past its file's end loaded as "OSError: [Errno 22] Invalid argument"."""
+    root = copy_tree(two_checkpoints, str(tmp_path / "checkpoints"))
+    _craft_metadata(os.path.join(root, "iter_0000004"), entry)
+    assert checkpoint_info.main([root, "--verify"]) == 1
+    failed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verify: FAILED")]
+    assert len(failed) == 1 and CRAFTED[entry] in failed[0], failed
+    assert convert_checkpoint.main(["to-hf", root, str(tmp_path / "hf")]) == EXIT_INPUT_ERROR
+    line = one_error_line(capsys)
+    assert CRAFTED[entry] in line and root in line, line
+    assert not os.path.exists(tmp_path / "hf")
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from tests.e2e.test_torchrun_signals import trainer_rank
 from tools import diagnose_hang
 from training import checkpointing
 from training.checkpoint import saver
+from training.diagnostics import read_dumps
 from training.guards import EXIT_HUNG
 from training.watchdog import WATCHDOG_GRACE_S
 
@@ -132,7 +133,13 @@ def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(ti
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "latest", "latest_checkpointed_iteration.txt"]
     train_on_ranks(tiny_corpus, run_dir, *LAYOUT, "checkpoint.load=true")
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == reference
-    assert os.path.isdir(os.path.join(run_dir, "diagnostics.1"))  # the hang's dumps, set aside by the new attempt
+    moved = os.path.join(run_dir, "diagnostics.1")  # the hang's dumps, set aside by the new attempt
+    assert os.path.isdir(moved)
+    assert diagnosis(run_dir, capsys).startswith(
+        f"{os.path.join(run_dir, 'diagnostics')} holds no dumps: reading {moved}"
+    )
+    attempts = {(dump["run"], dump["run_started"]) for dump in read_dumps(moved)}
+    assert len(attempts) == 1, attempts  # every rank named the same attempt: rank 0's
 
 
 def test_a_skipped_collective_is_where_the_ranks_part(tiny_corpus, tmp_path, capsys):

@@ -179,7 +179,26 @@ def _shard(hf: str, index) -> None:
         handle.write(index(names))
 
 
+def _untie_without_a_head(hf: str) -> None:
+    """config.json says tie_word_embeddings=false; the weights keep no lm_head.weight."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(hf, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({**config, "tie_word_embeddings": False}, handle)
+    weights = load_file(os.path.join(hf, "model.safetensors"))
+    weights.pop("lm_head.weight", None)
+    save_file(weights, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+
+
 BAD_WEIGHTS = {
+    "untied-config-without-a-head": (  # before: "... hold less than the config's 4 layers describe"
+        _untie_without_a_head,
+        "{hf}: transformers tensor lm_head.weight is missing: config.json says tie_word_embeddings=false (an output "
+        "layer of its own) but the weights hold none",
+    ),
     "int64": (
         lambda hf: _retype(hf, "transformer.h.0.mlp.c_fc.weight", torch.int64),
         "{hf}: tensor transformer.h.0.mlp.c_fc.weight holds int64 values, not weights in fp32, bf16, fp16 or fp64",

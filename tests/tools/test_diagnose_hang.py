@@ -1,11 +1,12 @@
 """tools/diagnose_hang.py on hand-made dumps: a rank stuck outside any collective, a rank that skipped one, calls
-that differ at one sequence number, a receive whose send never came, a rank without a dump, and bad input."""
+that differ at one sequence number, a receive whose send never came, a rank without a dump, bad input, two
+attempts' dumps in one folder and dumps a restart moved to diagnostics.N."""
 
 import json
 import os
 
 from tools import diagnose_hang
-from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem
+from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem, set_aside_previous
 
 
 def record(order, group, seq, kind, iteration, region, state="completed", nbytes=24, peer=-1, error=""):
@@ -15,8 +16,9 @@ def record(order, group, seq, kind, iteration, region, state="completed", nbytes
     )  # fmt: skip
 
 
-def write(run_dir, rank, records, cause="timeout", stacks="", world=4, groups=None):
-    """A dump of a tp2 x pp2 rank (tp varies fastest): its groups from the rank order."""
+def write(run_dir, rank, records, cause="timeout", stacks="", world=4, groups=None, **more):
+    """A dump of a tp2 x pp2 rank (tp varies fastest): its groups from the rank order; `more` adds or replaces
+    fields (the attempt: run, run_started)."""
     tp_rank, pp_rank = rank % 2, rank // 2
     groups = groups or {
         "world": list(range(world)),
@@ -35,6 +37,7 @@ def write(run_dir, rank, records, cause="timeout", stacks="", world=4, groups=No
         "records": records,
         "threads": {"0x00007f0000000001": "MainThread"},
         "stacks": stacks,
+        **more,
     }
     os.makedirs(diagnostics_dir(run_dir), exist_ok=True)
     with open(os.path.join(diagnostics_dir(run_dir), dump_stem(rank) + ".json"), "w", encoding="utf-8") as handle:
@@ -133,3 +136,52 @@ def test_stacks_of_one_rank_and_bad_input_in_one_line(tmp_path, capsys):
     assert diagnose_hang.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "rank_00001.json: not a dump of format 1" in err and "\n" not in err
+
+
+def test_dumps_of_two_attempts_in_one_folder_are_said_to_be(tmp_path, capsys):
+    """Before: ranks 0, 1 of one attempt and 2, 3 of the next were read as one hang, one confident story."""
+    failed = BEFORE + [record(2, "world", 8, "all_reduce", 5, "boundary", "failed")]
+    for rank in (0, 1):
+        write(tmp_path, rank, failed, run="host-a:100", run_started=1000.0)
+    for rank in (2, 3):
+        write(tmp_path, rank, failed, run="host-a:200", run_started=2000.0)
+    lines = report(tmp_path, capsys).splitlines()
+    assert lines[0].startswith(
+        f"warning: {tmp_path / 'diagnostics'} mixes the dumps of 2 attempts: analysing rank(s) 2, 3"
+    )
+    assert "host-a:200" in lines[0] and "left out: rank(s) 0, 1 of the attempt host-a:100" in lines[0]
+    assert lines[1].startswith("2 of 4 ranks wrote a dump") and "no dump from rank(s) 0, 1" in lines[2]
+
+
+def test_older_dumps_without_an_attempt_are_left_out_as_older(tmp_path, capsys):
+    write(tmp_path, 0, BEFORE)
+    write(tmp_path, 1, BEFORE, run="host-a:200", run_started=2000.0)
+    first = report(tmp_path, capsys).splitlines()[0]
+    assert "analysing rank(s) 1 of the attempt host-a:200" in first
+    assert "left out: rank(s) 0 of an attempt that did not name itself" in first
+
+
+def test_dumps_a_restart_moved_aside_are_read_and_said_to_be(tmp_path, capsys):
+    """Before: after a resume the tool said "no rank_*.json dumps" without looking in diagnostics.1."""
+    for rank in range(4):
+        write(tmp_path, rank, BEFORE)
+    moved = set_aside_previous(str(tmp_path))
+    os.makedirs(diagnostics_dir(str(tmp_path)))  # the new attempt's folder, empty
+    lines = report(tmp_path, capsys).splitlines()
+    assert lines[0] == (
+        f"{tmp_path / 'diagnostics'} holds no dumps: reading {moved}, the dumps of an earlier attempt (moved there "
+        "when the run restarted)"
+    )
+    assert lines[1].startswith("4 of 4 ranks wrote a dump")
+
+
+def test_a_malformed_dump_is_one_line_naming_the_file(tmp_path, capsys):
+    """Before: a record whose seq was a string gave Python's raw TypeError text."""
+    write(tmp_path, 0, BEFORE)
+    write(tmp_path, 1, BEFORE[:1] + [{**BEFORE[1], "seq": "7"}])
+    assert diagnose_hang.main([str(tmp_path)]) == 2
+    bad = tmp_path / "diagnostics" / "rank_00001.json"
+    assert capsys.readouterr().err == f'error: {bad}: not a readable dump (records[1].seq is "7", not int)\n'
+    write(tmp_path, 1, [{k: v for k, v in BEFORE[0].items() if k != "group"}])
+    assert diagnose_hang.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {bad}: not a readable dump (records[0].group is missing)\n"

@@ -22,7 +22,16 @@ from model.generation import SamplingConfig, generate_tokens
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_compare_runs import write_run
-from tools import compare_runs, generate, pipeline_timeline, plan, preprocess_data, train_tokenizer
+from tools import (
+    compare_runs,
+    generate,
+    merge_datasets,
+    pipeline_timeline,
+    plan,
+    prepare_sample_data,
+    preprocess_data,
+    train_tokenizer,
+)
 
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 GPT_1T = os.path.join(REPO_ROOT, "configs", "paper", "gpt_1t.yaml")
@@ -174,6 +183,27 @@ def test_plan_names_the_option(capsys, args, expected):
     assert one_line(capsys).startswith(expected)
 
 
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (("--compare", "--search"), "error: --compare does not use --search: run --compare and --search separately"),
+        (("--compare", "--top", "3"), "error: --compare does not use --top: run --compare and --top separately"),
+        (
+            ("--compare", "--tokens", "1e12", "--search"),
+            "error: --compare does not use --search, --tokens: run --compare and --search separately",
+        ),
+        (("--search", "--tokens", "1e12"), "error: --search does not use --tokens"),
+        (("--top", "3"), "error: --top 3 only trims --search's ranking: add --search or drop --top"),
+    ],
+    ids=["compare-search", "compare-top", "compare-tokens-search", "search-tokens", "top-alone"],
+)
+def test_plan_refuses_an_option_its_mode_ignores(capsys, args, expected):
+    """Before: --compare printed its three schemes and dropped --search, --top and --tokens without a word;
+    --search dropped --tokens, and --top without --search did nothing."""
+    assert plan.main(["--cluster", A100, "--config", GPT_1T, "--gpus", "3072", *args]) == 2
+    assert one_line(capsys).startswith(expected)
+
+
 def test_a_configured_eos_token_the_tokenizer_lacks_is_refused(tmp_path):
     """Before: the tokenizer fell back to <|endoftext|> (the first usual name it held) without a word."""
     path = make_tokenizer_json(tmp_path, ["<|endoftext|>", "<pad>"])
@@ -246,3 +276,18 @@ def test_train_tokenizer_refuses_a_vocabulary_it_cannot_allocate(tmp_path, capsy
     assert exit_info.value.code == 2
     assert one_line(capsys) == "error: vocab_size 100000000000 is larger than 4,194,304: give a real vocabulary size"
     assert not (tmp_path / "tok").exists()
+
+
+def test_merge_datasets_and_prepare_sample_data_exit_2_on_bad_input(tmp_path, capsys):
+    """Before: both exited 1 (SystemExit(message)) where every other tool exits 2 on bad input."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.idx").write_bytes(b"")
+    out = str(tmp_path / "out" / "merged")
+    assert merge_datasets.main(["--input-dir", str(tmp_path / "shards"), "--output-prefix", out]) == 2
+    assert one_line(capsys) == f"error: {tmp_path / 'shards' / 'a.bin'} is missing"
+    assert merge_datasets.main(["--input", str(tmp_path / "none"), "--output-prefix", out]) == 2
+    assert str(tmp_path / "none") in one_line(capsys)
+    assert not os.path.exists(tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    assert prepare_sample_data.main(["--output-dir", str(tmp_path / "file" / "sample")]) == 2
+    assert str(tmp_path / "file") in one_line(capsys)

@@ -163,16 +163,23 @@ def read_meta(iter_dir: str) -> dict:
 def check_storage_extents(iter_dir: str, metadata: Metadata) -> None:
     """Every chunk a torch.distributed.checkpoint index (`metadata.storage_data`) places lies inside an existing
     file of iter_dir: CheckpointError naming a missing or truncated file before DCP trips over it."""
+    sizes: dict[str, int] = {}  # bytes of each data file, stat'ed once (an index lists thousands of chunks)
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         path = os.path.join(iter_dir, info.relative_path)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint file {path} (holding {index.fqn}) is missing")
+        if path not in sizes:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file {path} (holding {index.fqn}) is missing")
+            sizes[path] = os.path.getsize(path)
         if info.offset < 0 or info.length < 0:
             raise CheckpointError(
                 f"the index of {iter_dir} places {index.fqn} at a negative extent of {path} (damaged)"
             )
-        if info.offset + info.length > os.path.getsize(path):
-            raise CheckpointError(f"checkpoint file {path} is too short for {index.fqn} (truncated)")
+        if info.offset + info.length > sizes[path]:
+            raise CheckpointError(
+                f"checkpoint file {path} is too short for {index.fqn}: the index places it at bytes "
+                f"{info.offset:,} to {info.offset + info.length:,} of a {sizes[path]:,}-byte file (truncated, or "
+                "the index is damaged)"
+            )
 
 
 def is_legacy(iter_dir: str) -> bool:

@@ -31,6 +31,7 @@ from training.write_errors import reraise_interrupt
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from model.config import ModelConfig
     from training.checkpoint.dcp_planners import GlobalPieces
 
 
@@ -66,6 +67,7 @@ def load_pieces(
     from training.checkpoint.dcp_reader import SafeFileSystemReader
 
     check_against_metadata(wanted, metadata, iter_dir)
+    files.check_storage_extents(iter_dir, metadata)  # else an extent past the file is DCP's "[Errno 22]"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -112,6 +114,19 @@ def load_model_weights(
     records = param_records(chunks, state)
     with torch.no_grad():
         load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
+
+
+def check_model_entries(iter_dir: str, metadata: Metadata, cfg: ModelConfig) -> None:
+    """The check every weight load makes before reading (check_against_metadata), made without reading: each
+    weight of a `cfg` model is stored as a tensor of its global shape. CheckpointError naming the first that
+    is missing, bytes or of another shape (tools/checkpoint_info.py --verify refuses what the loaders refuse)."""
+    from parallel.model_builder import build_chunk_modules, rank_spec
+
+    state = ParallelState.single()
+    chunks = build_chunk_modules(cfg, state, rank_spec(cfg, state))  # meta device: shapes, no memory
+    check_against_metadata(
+        weight_pieces(param_records(chunks, state), for_save=False, key_of=_weight_key(metadata)), metadata, iter_dir
+    )
 
 
 def load_optimizer_state(
@@ -162,6 +177,7 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
         tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         out[key] = tensor
         wanted[key] = GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])
+    files.check_storage_extents(iter_dir, metadata)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:

@@ -160,8 +160,10 @@ def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Metadata, 
     for key in sorted(wanted):
         if key not in stored:
             raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r} (saved from a different model?)")
-        saved_shape = tuple(getattr(stored[key], "size", ()))
-        if saved_shape != tuple(wanted[key].shape):
+        saved_shape = getattr(stored[key], "size", None)
+        if saved_shape is None:  # a BytesStorageMetadata: a blob where the model has a tensor
+            raise CheckpointError(f"checkpoint {iter_dir}: {key!r} holds bytes, not a tensor (damaged or crafted)")
+        if tuple(saved_shape) != tuple(wanted[key].shape):
             raise CheckpointError(
                 f"checkpoint {iter_dir}: tensor {key!r} has shape {list(saved_shape)} in the "
                 f"checkpoint but {list(wanted[key].shape)} in this model"
