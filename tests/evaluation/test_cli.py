@@ -29,6 +29,7 @@ def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[st
     return {
         "missing file": (["wikitext", "--data", str(tmp_path / "nope.tokens"), *checkpoint], "error: "),
         "empty file": (["wikitext", "--data", str(tmp_path / "empty.tokens"), *checkpoint], "error: "),
+        "endless file": (["wikitext", "--data", "/dev/zero", *checkpoint], "error: /dev/zero holds NUL bytes"),
         "wikitext as lambada": (["lambada", "--data", eval_files["wikitext"], *checkpoint], "error: "),
         "lambada as wikitext": (["wikitext", "--data", eval_files["lambada"], *checkpoint], "error: "),
         "not a dataset": (["loss", "--data", str(tmp_path / "fake"), *checkpoint], "error: "),
@@ -150,3 +151,14 @@ def test_the_lm_eval_command_line_refuses_a_bad_model_in_one_line(tmp_path, caps
     assert main([]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"error: {tmp_path} holds no complete checkpoint (no tracker, no verifying iter_* folder)"]
+
+
+def test_the_trainer_refuses_an_endless_eval_file_in_one_line(tmp_path, capsys):
+    """eval.wikitext_file=/dev/zero: one line and exit 2 before any work, not a MemoryError."""
+    import pretrain_gpt
+
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, f"run.dir={tmp_path / 'run'}", "eval.interval=2"]
+    for key in ("wikitext_file", "lambada_file"):
+        assert pretrain_gpt.main([*argv, f"eval.{key}=/dev/zero"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: /dev/zero holds NUL bytes"), lines

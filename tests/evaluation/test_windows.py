@@ -2,11 +2,13 @@
 lm-evaluation-harness's own functions, Megatron's WikiText windows against its _LMDataset's masks, the article
 split and word counts, LAMBADA's splits, and bad files (one line each)."""
 
+import contextlib
 import functools
 import json
 import os
 import random
 import re
+import threading
 import types
 
 import lm_eval.utils
@@ -14,8 +16,10 @@ import pytest
 import yaml
 from lm_eval.api.model import TemplateLM
 
+from evaluation import documents
 from evaluation.detokenizers import wikitext_detokenizer
 from evaluation.documents import (
+    MAX_EVAL_FILE_BYTES,
     EvalInputError,
     harness_word_count,
     megatron_word_count,
@@ -163,6 +167,37 @@ def test_bad_files_are_one_line(content, reader, message, tmp_path):
     with pytest.raises(EvalInputError) as caught:
         reader(str(path))
     assert message in str(caught.value) and "\n" not in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_evaluation_files_are_read_within_a_bound(tmp_path, monkeypatch):
+    """/dev/zero stops at its first chunk (NUL bytes); a regular file past the bound is refused by its size
+    before a byte is read (a sparse file here); a pipe, which has no size, once the bytes read pass it."""
+    sparse = tmp_path / "wiki.test.tokens"
+    with open(sparse, "wb") as handle:
+        handle.truncate(MAX_EVAL_FILE_BYTES + 1)
+    for path, reader, message in (
+        ("/dev/zero", read_wikitext, "/dev/zero holds NUL bytes"),
+        ("/dev/zero", read_lambada, "/dev/zero holds NUL bytes"),
+        (str(sparse), read_wikitext, f"{sparse} is larger than 256 MiB, the bound on an evaluation file"),
+    ):
+        with pytest.raises(EvalInputError, match=f"^{re.escape(message)}") as caught:
+            reader(path)
+        assert "\n" not in str(caught.value)
+    monkeypatch.setattr(documents, "MAX_EVAL_FILE_BYTES", 3 << 20)  # 3 chunks: a pipe past it, written here
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    def write_forever() -> None:
+        with contextlib.suppress(BrokenPipeError), open(pipe, "wb") as handle:
+            while True:
+                handle.write(b"word " * 100_000)
+
+    writer = threading.Thread(target=write_forever, daemon=True)
+    writer.start()
+    with pytest.raises(EvalInputError, match=f"^{re.escape(str(pipe))} is larger than 3 MiB"):
+        read_wikitext(str(pipe))
+    writer.join(timeout=10)
+    assert not writer.is_alive()
 
 
 def test_a_good_lambada_file(tmp_path):
