@@ -107,7 +107,7 @@ class PTDPLM(TemplateLM):
             raise ValueError(f"dtype={dtype} is not one of {', '.join(DTYPES)}")
         batch = int(batch_size) if str(batch_size).isdigit() else 1  # "auto": one window per micro-batch
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        config, source = run_config(checkpoint, hf, _overrides(model_args, batch, world_size))
+        config, source = run_config(checkpoint, hf, _overrides(model_args, batch, world_size), "hf=DIR")
         layout = layout_from_config(config, world_size)
         self.tokenizer = run_tokenizer(config)
         if length is not None and length > config.model.max_positions:

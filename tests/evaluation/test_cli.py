@@ -35,6 +35,11 @@ def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[st
         "not a dataset": (["loss", "--data", str(tmp_path / "fake"), *checkpoint], "error: "),
         "token outside the vocabulary": (["loss", "--data", str(tmp_path / "ids"), *checkpoint], "error: token id 600"),
         "missing checkpoint": (["lambada", "--data", eval_files["lambada"], "--checkpoint", str(tmp_path)], "error: "),
+        "transformers folder as checkpoint": (
+            ["lambada", "--data", eval_files["lambada"], "--checkpoint", eval_model["hf"]],
+            f"error: {eval_model['hf']} is a transformers folder (config.json), not a checkpoint of this trainer: "
+            f"give it as --hf DIR",
+        ),
         "vocabulary mismatch": (
             [
                 "lambada",
@@ -190,9 +195,9 @@ def test_the_lm_eval_command_line_refuses_no_task_or_an_unknown_one_in_one_line(
         assert len(lines) == 1 and lines[0].startswith(message), lines
 
 
-def test_the_harness_max_length_is_named_as_given(eval_model, capsys, monkeypatch):
+def test_the_harness_model_args_are_named_as_given(eval_model, capsys, monkeypatch):
     """model_args max_length out of range: the one error line names max_length (the harness's argument), not
-    the eval.seq_length it becomes."""
+    the eval.seq_length it becomes; a transformers folder given as checkpoint= points to hf=."""
     import lm_eval.__main__
     from lm_eval.api.registry import get_model
 
@@ -204,8 +209,17 @@ def test_the_harness_max_length_is_named_as_given(eval_model, capsys, monkeypatc
         ("1.5", "ptdp model_args max_length=1.5 is not a whole number of tokens"),
         ("inf", "ptdp model_args max_length=inf is not a whole number of tokens"),
         ("65", "ptdp model_args max_length=65 is longer than the model's 64 positions"),
+        (
+            None,
+            f"{eval_model['hf']} is a transformers folder (config.json), not a checkpoint of this trainer: give "
+            f"it as hf=DIR",
+        ),
     ):
-        model_args = f"checkpoint={eval_model['checkpoint']},max_length={value}"
+        model_args = (
+            f"checkpoint={eval_model['hf']}"
+            if value is None
+            else f"checkpoint={eval_model['checkpoint']},max_length={value}"
+        )
 
         def cli_evaluate(model_args=model_args):
             get_model("ptdp").create_from_arg_string(model_args, {"batch_size": 4, "device": "cpu"})
