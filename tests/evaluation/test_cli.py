@@ -78,7 +78,7 @@ def test_torchrun_tp2_pp2_gives_the_table_of_one_process(eval_model, eval_files,
     assert evaluate_tool.main(argv[1:]) == 0  # the table, in this process
     single = capsys.readouterr()
     assert single.out.startswith("lambada of ") and "target_perplexity" in single.out
-    assert "convention: Megatron-LM LAMBADA" in single.out
+    assert "convention: LAMBADA: the target is the last word" in single.out
     parallel = run_eval_cli(
         [
             sys.executable,
