@@ -186,8 +186,9 @@ KEY_DOCS: dict[str, dict[str, str]] = {
     "eval": {
         "interval": "The trainer runs the zero-shot tasks of the files given every this many iterations and at "
         "the end; 0 = never.",
-        "wikitext_file": "A WikiText file (e.g. WikiText-103's wiki.test.tokens) for perplexity; docs/evaluation.md.",
-        "lambada_file": "lambada_test.jsonl of the GPT-2 release, for last-word accuracy.",
+        "wikitext_file": "A WikiText file (e.g. WikiText-103's wiki.test.tokens) for perplexity; docs/evaluation.md. "
+        "Needs eval.interval.",
+        "lambada_file": "lambada_test.jsonl of the GPT-2 release, for last-word accuracy. Needs eval.interval.",
         "seq_length": "Tokens per evaluation window. null: model.max_position_embeddings.",
         "overlapping_eval": "Megatron's WikiText windows: each window after the first scores its last N tokens.",
     },

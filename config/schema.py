@@ -266,6 +266,12 @@ class EvalConfig:
         for key in ("wikitext_file", "lambada_file"):  # read (and checked) by evaluation/ before training
             path = getattr(self, key)
             setattr(self, key, os.path.expanduser(path) if path else None)
+            if path and not self.interval:  # nothing else reads it: a file given and never read is refused
+                raise ConfigError(
+                    f"eval.{key}={path} is read only by the trainer's zero-shot tasks, which run with "
+                    f"eval.interval=N (N > 0): set eval.interval, or drop eval.{key} (tools/evaluate.py takes "
+                    f"its file as --data)"
+                )
         if self.interval and not (self.wikitext_file or self.lambada_file):
             raise ConfigError(f"eval.interval={self.interval} needs eval.wikitext_file or eval.lambada_file")
 

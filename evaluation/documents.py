@@ -10,25 +10,43 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 
 
 class EvalInputError(ValueError):
     """A file to evaluate on is missing, empty or not of the expected format (one line, exit 2)."""
 
 
+# The most bytes an evaluation file may hold. WikiText-103's and LAMBADA's test files are a few MB; the bound
+# keeps /dev/zero, a device or a wrong multi-GB file from being read into memory (and tokenized) whole.
+MAX_EVAL_FILE_BYTES = 256 << 20
+READ_CHUNK_BYTES = 1 << 20
+
+
 def read_text_file(path: str, what: str) -> str:
-    """The UTF-8 text of `path`; EvalInputError for a missing, unreadable, binary, non-UTF-8 or empty file."""
+    """The UTF-8 text of `path`; EvalInputError for a missing, unreadable, binary, non-UTF-8, empty or too
+    large (MAX_EVAL_FILE_BYTES) file. Read in chunks, each checked, so that an endless source stops early."""
     if not os.path.exists(path):
         raise EvalInputError(f"{path}: no such file (give the {what})")
     if os.path.isdir(path):
         raise EvalInputError(f"{path} is a folder: give the {what} file itself")
+    too_large = (
+        f"{path} is larger than {MAX_EVAL_FILE_BYTES >> 20} MiB, the bound on an evaluation file: give the {what}"
+    )
+    raw = bytearray()
     try:
         with open(path, "rb") as handle:
-            raw = handle.read()
+            status = os.fstat(handle.fileno())
+            if stat.S_ISREG(status.st_mode) and status.st_size > MAX_EVAL_FILE_BYTES:
+                raise EvalInputError(too_large)
+            while chunk := handle.read(READ_CHUNK_BYTES):
+                if b"\0" in chunk:
+                    raise EvalInputError(f"{path} holds NUL bytes: a binary file, not the {what} (UTF-8 text)")
+                raw += chunk
+                if len(raw) > MAX_EVAL_FILE_BYTES:  # a device or a pipe: no size to check beforehand
+                    raise EvalInputError(too_large)
     except OSError as err:
         raise EvalInputError(f"{path}: cannot read it ({err.strerror})") from None
-    if b"\0" in raw:
-        raise EvalInputError(f"{path} holds NUL bytes: a binary file, not the {what} (UTF-8 text)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

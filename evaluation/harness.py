@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Any
 
 import torch.distributed as dist
@@ -78,15 +79,19 @@ class PTDPLM(TemplateLM):
     ):
         super().__init__()
         self._max_gen_toks = int(max_gen_toks)
-        if max_length:
-            model_args["eval.seq_length"] = int(max_length)
         try:
-            self._build(checkpoint, hf, dtype, batch_size, model_args)
+            self._build(checkpoint, hf, dtype, batch_size, max_length, model_args)
         except INPUT_ERRORS as err:
             raise ModelInputError(str(err)) from None
 
     def _build(
-        self, checkpoint: str | None, hf: str | None, dtype: str, batch_size: int | str, model_args: dict
+        self,
+        checkpoint: str | None,
+        hf: str | None,
+        dtype: str,
+        batch_size: int | str,
+        max_length: int | str | None,
+        model_args: dict,
     ) -> None:
         unknown = [key for key in model_args if "." not in key]
         if unknown:
@@ -94,13 +99,22 @@ class PTDPLM(TemplateLM):
                 f"unknown ptdp model_args {', '.join(unknown)}: use checkpoint, hf, dtype, max_length, "
                 f"max_gen_toks or section.key=value overrides"
             )
+        # checked here, where it is named as the user gave it (the config would name eval.seq_length)
+        length = None if max_length is None else _window_argument(max_length)
+        if length is not None:
+            model_args["eval.seq_length"] = length
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype} is not one of {', '.join(DTYPES)}")
         batch = int(batch_size) if str(batch_size).isdigit() else 1  # "auto": one window per micro-batch
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        config, source = run_config(checkpoint, hf, _overrides(model_args, batch, world_size))
+        config, source = run_config(checkpoint, hf, _overrides(model_args, batch, world_size), "hf=DIR")
         layout = layout_from_config(config, world_size)
         self.tokenizer = run_tokenizer(config)
+        if length is not None and length > config.model.max_positions:
+            raise ValueError(
+                f"ptdp model_args max_length={length} is longer than the model's {config.model.max_positions} "
+                f"positions (model.max_position_embeddings)"
+            )
         self._max_length = window_length(config)
         env = init_distributed(
             check_devices(config.train, os.environ), config.train.num_threads, announce_threads=False
@@ -182,12 +196,46 @@ class PTDPLM(TemplateLM):
         return generated
 
 
+def _window_argument(max_length: int | float | str) -> int:
+    """model_args max_length as tokens per window: a whole number >= 1, else a one-line error naming it."""
+    try:
+        length = int(max_length)
+        whole = float(max_length) == length
+    except (ValueError, OverflowError):  # text, nan; inf
+        whole = False
+    if not whole:
+        raise ValueError(f"ptdp model_args max_length={max_length!r} is not a whole number of tokens")
+    if length < 1:
+        raise ValueError(
+            f"ptdp model_args max_length={length} must be >= 1 (tokens per window; without it: eval.seq_length, "
+            f"else the model's positions)"
+        )
+    return length
+
+
 class ModelInputError(ValueError):
     """The ptdp model could not be built from its model_args (a bad checkpoint, tokenizer, layout, ...)."""
 
 
+def refused_by_lm_eval(err: Exception) -> bool:
+    """Whether lm_eval's checks of its own command line raised `err` (its option checks in
+    lm_eval/config/evaluate_config.py: an unknown task, conflicting options; simple_evaluate's checks before
+    any model is built: no task). Raised anywhere else, a ValueError is a fault and keeps its traceback."""
+    from lm_eval import evaluator
+    from lm_eval.config import evaluate_config
+
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return False
+    raised_in = frames[-1]
+    return raised_in.filename == evaluate_config.__file__ or (
+        raised_in.filename == evaluator.__file__ and raised_in.name == "simple_evaluate"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """lm_eval's command line with the "ptdp" model registered; a bad model input: one line, exit 2."""
+    """lm_eval's command line with the "ptdp" model registered; a bad model input or a command line lm_eval
+    refuses (no task, an unknown task): one line, exit 2."""
     from lm_eval.__main__ import cli_evaluate
 
     saved_argv = sys.argv
@@ -198,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     except ModelInputError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        if not refused_by_lm_eval(err):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            hint = " (--tasks NAME[,NAME...]; `python -m evaluation.harness ls tasks` lists them)"
+            message = " ".join(str(err).split())  # lm_eval's message on one line
+            print(f"error: {message}{hint if 'task' in message.lower() else ''}", file=sys.stderr)
         return 2
     finally:
         sys.argv = saved_argv

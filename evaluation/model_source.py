@@ -12,6 +12,7 @@ that evaluation/scoring.py and training.train_step.evaluate run.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,15 +57,27 @@ class ModelSource:
         return None if self.iter_dir is None else checkpoint_iteration(self.iter_dir)[0]
 
 
-def run_config(checkpoint: str | None, hf: str | None, overrides: list[str]) -> tuple[Config, ModelSource]:
+def run_config(
+    checkpoint: str | None, hf: str | None, overrides: list[str], hf_option: str = "--hf DIR"
+) -> tuple[Config, ModelSource]:
     """The run config to evaluate with and the weights' source. A checkpoint brings its saved config without
     its parallel, logging and eval sections (the layout it trained at, its W&B run and its zero-shot files
     belong to the training run: the overrides choose the layout here); a transformers folder brings its model
-    and tokenizer. Overrides apply on top; dropout is off (evaluation runs in eval mode anyway)."""
+    and tokenizer. Overrides apply on top; dropout is off (evaluation runs in eval mode anyway). A transformers
+    folder given as the checkpoint is refused with `hf_option`, how the caller's user names a transformers
+    folder."""
     if (checkpoint is None) == (hf is None):
         raise EvalInputError("give one model: --checkpoint DIR or --hf DIR")
     if checkpoint is not None:
-        iter_dir = checkpoint_iteration(checkpoint)[1]
+        try:
+            iter_dir = checkpoint_iteration(checkpoint)[1]
+        except CheckpointError:
+            if os.path.isfile(os.path.join(checkpoint, "config.json")):
+                raise EvalInputError(
+                    f"{checkpoint} is a transformers folder (config.json), not a checkpoint of this trainer: "
+                    f"give it as {hf_option}"
+                ) from None
+            raise
         raw = read_run_config(iter_dir)
         for section in ("parallel", "logging", "eval"):
             raw.pop(section, None)

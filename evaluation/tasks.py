@@ -104,22 +104,24 @@ def wikitext_task(text: str, encode: Callable[[str], list[int]], eod: int, windo
 
 def lambada_convention(window: int) -> str:
     return (
-        f"Megatron-LM LAMBADA: the target is the last word; correct when every target token is the argmax; strict "
-        f"(accuracy): the context before the last word, stripped, and ' ' + the last word, tokenized apart; loose "
-        f"(loose_accuracy): the text tokenized whole, its last token the target; windows of at most {window} "
-        f"tokens, the context cut from the left (as lm-evaluation-harness). target_perplexity = exp(-mean over "
-        f"examples of the strict target's summed log-likelihood) (lm-evaluation-harness's lambada perplexity)"
+        f"LAMBADA: the target is the last word; correct when every target token is the argmax; strict "
+        f"(accuracy, lm-evaluation-harness's lambada_openai acc): context = ' '.join(text.split(' ')[:-1]), target "
+        f"= ' ' + text.split(' ')[-1] (single spaces: a newline or tab before the last word stays in the target), "
+        f"the context's trailing whitespace moved to the target, the whole encoded and split after the context's "
+        f"tokens (on prose: Megatron-LM's --strict-lambada); loose (loose_accuracy, Megatron-LM's default): the "
+        f"text tokenized whole, its last token the target; windows of at most {window} tokens, the context cut "
+        f"from the left (as lm-evaluation-harness). target_perplexity = exp(-mean over examples of the strict "
+        f"target's summed log-likelihood) (lm-evaluation-harness's lambada perplexity)"
     )
 
 
 def lambada_task(texts: Sequence[str], encode: Callable[[str], list[int]], eod: int, window: int) -> Task:
     """LAMBADA strict and loose (see `lambada_convention`); an empty context reads the end-of-document token."""
-    strict: list[Window] = []
-    loose: list[Window] = []
-    for split, windows in ((lambada_strict_tokens, strict), (lambada_loose_tokens, loose)):
-        for text in texts:
-            context, target = split(encode, text)
-            windows.append(continuation_window(context or [eod], target, window))
+    strict = [continuation_window(*lambada_strict_tokens(encode, text, eod), window) for text in texts]
+    loose = []
+    for text in texts:
+        context, target = lambada_loose_tokens(encode, text)
+        loose.append(continuation_window(context or [eod], target, window))
 
     def figures(scores: list[WindowScore]) -> Figures:
         total = len(texts)

@@ -6,7 +6,9 @@ any window list at any layout, so a convention is only the function that builds 
 
 - Megatron-LM (tasks/zeroshot_gpt/datasets.py): WikiText as one token stream, windows of seq_length tokens
   starting every `overlapping_eval` tokens, each after the first scoring only its last `overlapping_eval`
-  predictions (so every token after the first is predicted exactly once); LAMBADA strict / loose splits.
+  predictions (so every token after the first is predicted exactly once); LAMBADA's loose split. Its strict
+  split is the harness's lambada_openai one below: the two agree on prose, and only the harness's is defined
+  the same way on text with newlines or tabs.
 - lm-evaluation-harness (lm_eval/utils.py get_rolling_token_windows + make_disjoint_window, models/
   huggingface.py _loglikelihood_tokens, api/model.py TemplateLM._encode_pair): rolling windows of the model's
   length with the end-of-document token before the first, and (context, continuation) pairs truncated
@@ -103,16 +105,20 @@ def encode_pair(encode: Encode, context: str, continuation: str, prefix_token: i
 
 
 def lambada_openai_request(text: str) -> tuple[str, str]:
-    """lambada_openai's (context, continuation) strings: doc_to_text and doc_to_target of its task YAML."""
+    """lambada_openai's (context, continuation) strings: doc_to_text and doc_to_target of its task YAML
+    (`text.split(' ')`: single spaces only, so a newline or tab before the last word stays with it)."""
     words = text.split(" ")
     return " ".join(words[:-1]), " " + words[-1]
 
 
-def lambada_strict_tokens(encode: Encode, text: str) -> tuple[list[int], list[int]]:
-    """Megatron's strict LAMBADA (datasets.py, strict_lambada): the context before the last whitespace word,
-    stripped, and the whole last word with its leading space, tokenized apart."""
-    last = text.split()[-1]
-    return encode(text[: text.rfind(last)].strip()), encode(" " + last)
+def lambada_strict_tokens(encode: Encode, text: str, prefix_token: int) -> tuple[list[int], list[int]]:
+    """The strict LAMBADA split, as lm-evaluation-harness's lambada_openai makes it: its (context,
+    continuation) strings (`lambada_openai_request`) encoded as TemplateLM encodes a pair (`encode_pair`:
+    trailing whitespace of the context moves to the target; an empty context reads `prefix_token`).
+    On prose this is Megatron's --strict-lambada (the context before the last word, stripped, and ' ' + the
+    word, tokenized apart); where a newline or tab sits next to the last word Megatron's `text.split()`
+    and `.strip()` would move it out of the target, and its figures would no longer be the harness's."""
+    return encode_pair(encode, *lambada_openai_request(text), prefix_token)
 
 
 def lambada_loose_tokens(encode: Encode, text: str) -> tuple[list[int], list[int]]:

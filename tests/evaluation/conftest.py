@@ -56,6 +56,19 @@ LAMBADA = [
     "single",
 ]
 
+# LAMBADA-format passages with a newline or tab next to the last word, where `text.split(' ')` (the harness)
+# and `text.split()` with stripping (Megatron's strict rule) take different targets; the last two are prose.
+WHITESPACE_LAMBADA = [
+    "import os, sys\nsys",
+    "for index in range(10):\n\tprint(index)\n\treturn",
+    "def main():\n\treturn value \n\tvalue",
+    "if name:\n    raise KeyError(name)\nname",
+    "with open(path) as handle:\treturn handle\n",
+    "value = 3\t\nvalue",
+    "She opened the door and looked out .\nNothing",
+    "He gave her the key , the map and\tthe letter",
+]
+
 
 def write_jsonl(path, texts, key="text"):
     with open(path, "w", encoding="utf-8") as handle:
@@ -157,7 +170,7 @@ def harness_files(eval_model, eval_files, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("harness")
     texts, strict, loose = greedy_texts(eval_model["hf"], code_contexts(40))
-    lambada = write_jsonl(root / "lambada_test.jsonl", texts + LAMBADA[:3])
+    lambada = write_jsonl(root / "lambada_test.jsonl", texts + LAMBADA[:3] + WHITESPACE_LAMBADA)
     pages = write_jsonl(root / "pages.jsonl", split_articles(WIKITEXT), key="page")
     tasks = root / "tasks"
     tasks.mkdir()
@@ -169,7 +182,13 @@ def harness_files(eval_model, eval_files, tmp_path_factory):
         ("local_wikitext", WIKITEXT_TASK.format(pages)),
     ):
         (tasks / f"{name}.yaml").write_text(f"task: {name}\n" + body.replace("CACHE", str(cache)), encoding="utf-8")
-    return {"lambada": lambada, "tasks": str(tasks), "strict": strict, "loose": loose, "texts": len(texts) + 3}
+    return {
+        "lambada": lambada,
+        "tasks": str(tasks),
+        "strict": strict,
+        "loose": loose,
+        "texts": len(texts) + 3 + len(WHITESPACE_LAMBADA),
+    }
 
 
 LAMBADA_TASK = """dataset_path: json

@@ -29,11 +29,17 @@ def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[st
     return {
         "missing file": (["wikitext", "--data", str(tmp_path / "nope.tokens"), *checkpoint], "error: "),
         "empty file": (["wikitext", "--data", str(tmp_path / "empty.tokens"), *checkpoint], "error: "),
+        "endless file": (["wikitext", "--data", "/dev/zero", *checkpoint], "error: /dev/zero holds NUL bytes"),
         "wikitext as lambada": (["lambada", "--data", eval_files["wikitext"], *checkpoint], "error: "),
         "lambada as wikitext": (["wikitext", "--data", eval_files["lambada"], *checkpoint], "error: "),
         "not a dataset": (["loss", "--data", str(tmp_path / "fake"), *checkpoint], "error: "),
         "token outside the vocabulary": (["loss", "--data", str(tmp_path / "ids"), *checkpoint], "error: token id 600"),
         "missing checkpoint": (["lambada", "--data", eval_files["lambada"], "--checkpoint", str(tmp_path)], "error: "),
+        "transformers folder as checkpoint": (
+            ["lambada", "--data", eval_files["lambada"], "--checkpoint", eval_model["hf"]],
+            f"error: {eval_model['hf']} is a transformers folder (config.json), not a checkpoint of this trainer: "
+            f"give it as --hf DIR",
+        ),
         "vocabulary mismatch": (
             [
                 "lambada",
@@ -72,7 +78,7 @@ def test_torchrun_tp2_pp2_gives_the_table_of_one_process(eval_model, eval_files,
     assert evaluate_tool.main(argv[1:]) == 0  # the table, in this process
     single = capsys.readouterr()
     assert single.out.startswith("lambada of ") and "target_perplexity" in single.out
-    assert "convention: Megatron-LM LAMBADA" in single.out
+    assert "convention: LAMBADA: the target is the last word" in single.out
     parallel = run_eval_cli(
         [
             sys.executable,
@@ -150,3 +156,75 @@ def test_the_lm_eval_command_line_refuses_a_bad_model_in_one_line(tmp_path, caps
     assert main([]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"error: {tmp_path} holds no complete checkpoint (no tracker, no verifying iter_* folder)"]
+
+
+def test_the_trainer_refuses_an_endless_eval_file_in_one_line(tmp_path, capsys):
+    """eval.wikitext_file=/dev/zero: one line and exit 2 before any work, not a MemoryError."""
+    import pretrain_gpt
+
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, f"run.dir={tmp_path / 'run'}", "eval.interval=2"]
+    for key in ("wikitext_file", "lambada_file"):
+        assert pretrain_gpt.main([*argv, f"eval.{key}=/dev/zero"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: /dev/zero holds NUL bytes"), lines
+
+
+def test_the_lm_eval_command_line_refuses_no_task_or_an_unknown_one_in_one_line(tmp_path, capsys, monkeypatch):
+    """lm_eval's real command line, without a task and with an unknown one: one line naming --tasks, exit 2.
+    Its task index is cut to the tasks given by --include_path (none here): the index of every task lm_eval
+    ships takes half a minute; its logging set-up (INFO lines on stderr, a handler kept for the test process)
+    is left out."""
+    import functools
+
+    import lm_eval.__main__
+    import lm_eval.tasks
+
+    from evaluation.harness import main
+
+    monkeypatch.setattr(
+        lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager, include_defaults=False)
+    )
+    monkeypatch.setattr(lm_eval.__main__, "setup_logging", lambda: None)
+    model = ["--model", "ptdp", "--model_args", f"checkpoint={tmp_path}"]
+    for tasks, message in (
+        ([], "error: No tasks specified, or no tasks found. Please verify the task names. (--tasks NAME"),
+        (["--tasks", "no_such_task"], "error: Tasks not found: no_such_task (--tasks NAME"),
+    ):
+        assert main([*model, *tasks]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
+def test_the_harness_model_args_are_named_as_given(eval_model, capsys, monkeypatch):
+    """model_args max_length out of range: the one error line names max_length (the harness's argument), not
+    the eval.seq_length it becomes; a transformers folder given as checkpoint= points to hf=."""
+    import lm_eval.__main__
+    from lm_eval.api.registry import get_model
+
+    from evaluation.harness import main
+
+    for value, message in (
+        ("-1", "ptdp model_args max_length=-1 must be >= 1"),
+        ("0", "ptdp model_args max_length=0 must be >= 1"),
+        ("1.5", "ptdp model_args max_length=1.5 is not a whole number of tokens"),
+        ("inf", "ptdp model_args max_length=inf is not a whole number of tokens"),
+        ("65", "ptdp model_args max_length=65 is longer than the model's 64 positions"),
+        (
+            None,
+            f"{eval_model['hf']} is a transformers folder (config.json), not a checkpoint of this trainer: give "
+            f"it as hf=DIR",
+        ),
+    ):
+        model_args = (
+            f"checkpoint={eval_model['hf']}"
+            if value is None
+            else f"checkpoint={eval_model['checkpoint']},max_length={value}"
+        )
+
+        def cli_evaluate(model_args=model_args):
+            get_model("ptdp").create_from_arg_string(model_args, {"batch_size": 4, "device": "cpu"})
+
+        monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", cli_evaluate)
+        assert main([]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines

@@ -2,15 +2,24 @@
 lm-evaluation-harness's own functions, Megatron's WikiText windows against its _LMDataset's masks, the article
 split and word counts, LAMBADA's splits, and bad files (one line each)."""
 
+import contextlib
+import functools
 import json
+import os
 import random
 import re
+import threading
+import types
 
 import lm_eval.utils
 import pytest
+import yaml
+from lm_eval.api.model import TemplateLM
 
+from evaluation import documents
 from evaluation.detokenizers import wikitext_detokenizer
 from evaluation.documents import (
+    MAX_EVAL_FILE_BYTES,
     EvalInputError,
     harness_word_count,
     megatron_word_count,
@@ -28,7 +37,7 @@ from evaluation.windows import (
     megatron_windows,
     rolling_windows,
 )
-from tests.evaluation.conftest import WIKITEXT
+from tests.evaluation.conftest import LAMBADA, WHITESPACE_LAMBADA, WIKITEXT
 
 
 def test_the_detokenizer_is_the_harness_one():
@@ -96,11 +105,43 @@ def test_lambada_splits():
     encode = lambda text: [ord(c) for c in text]  # noqa: E731  (one id per character)
     text = "the cat sat on the mat"
     assert lambada_openai_request(text) == ("the cat sat on the", " mat")
-    assert lambada_strict_tokens(encode, text) == (encode("the cat sat on the"), encode(" mat"))
+    assert lambada_strict_tokens(encode, text, 0) == (encode("the cat sat on the"), encode(" mat"))
     assert lambada_loose_tokens(encode, text) == (encode("the cat sat on the ma"), encode("t"))
     assert encode_pair(encode, "the cat ", "mat", 0) == (encode("the cat"), encode(" mat"))
     assert encode_pair(encode, "", "mat", 0) == ([0], encode("mat"))
     assert continuation_window([1, 2, 3, 4], [5, 6], 4) == Window((2, 3, 4, 5, 6), 2)
+
+
+def harness_lambada_tokens(encode, texts: list[str], prefix_token: int) -> list[tuple[list[int], list[int]]]:
+    """(context, continuation) ids of each text by the harness's own code: lambada_openai.yaml's templates
+    rendered as its tasks render them, then TemplateLM.loglikelihood's encoding (the empty context included)
+    on a causal model whose tokenizer is `encode`."""
+    task_file = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "lambada", "lambada_openai.yaml")
+    with open(task_file, encoding="utf-8") as handle:
+        task = yaml.safe_load(handle)
+    model = types.SimpleNamespace(backend="causal", prefix_token_id=prefix_token, tok_encode=lambda s, **_: encode(s))
+    model._encode_pair = functools.partial(TemplateLM._encode_pair, model)
+    model._loglikelihood_tokens = lambda requests, disable_tqdm: [(c, t) for _, c, t in requests]
+    requests = [
+        types.SimpleNamespace(
+            args=tuple(
+                lm_eval.utils.apply_template(task[key], {"text": text}) for key in ("doc_to_text", "doc_to_target")
+            )
+        )
+        for text in texts
+    ]
+    return TemplateLM.loglikelihood(model, requests, disable_tqdm=True)
+
+
+def test_the_strict_lambada_split_is_the_harness_one_with_newlines_and_tabs():
+    encode = lambda text: list(text.encode("utf-8"))  # noqa: E731  (byte-level: whitespace is its own id)
+    texts = [*LAMBADA, *WHITESPACE_LAMBADA, "one\ttwo\nthree", "trailing space "]
+    theirs = harness_lambada_tokens(encode, texts, 999)
+    assert [lambada_strict_tokens(encode, text, 999) for text in texts] == theirs
+    # the texts hold the cases Megatron's split (`text.split()`, stripped) scores differently: a newline
+    # or tab before the last word, kept in the harness's target
+    assert theirs[len(LAMBADA)] == (encode("import os,"), encode(" sys\nsys"))
+    assert theirs[-2] == ([999], encode(" one\ttwo\nthree"))  # no space: the whole text is the target
 
 
 @pytest.mark.parametrize(
@@ -126,6 +167,37 @@ def test_bad_files_are_one_line(content, reader, message, tmp_path):
     with pytest.raises(EvalInputError) as caught:
         reader(str(path))
     assert message in str(caught.value) and "\n" not in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_evaluation_files_are_read_within_a_bound(tmp_path, monkeypatch):
+    """/dev/zero stops at its first chunk (NUL bytes); a regular file past the bound is refused by its size
+    before a byte is read (a sparse file here); a pipe, which has no size, once the bytes read pass it."""
+    sparse = tmp_path / "wiki.test.tokens"
+    with open(sparse, "wb") as handle:
+        handle.truncate(MAX_EVAL_FILE_BYTES + 1)
+    for path, reader, message in (
+        ("/dev/zero", read_wikitext, "/dev/zero holds NUL bytes"),
+        ("/dev/zero", read_lambada, "/dev/zero holds NUL bytes"),
+        (str(sparse), read_wikitext, f"{sparse} is larger than 256 MiB, the bound on an evaluation file"),
+    ):
+        with pytest.raises(EvalInputError, match=f"^{re.escape(message)}") as caught:
+            reader(path)
+        assert "\n" not in str(caught.value)
+    monkeypatch.setattr(documents, "MAX_EVAL_FILE_BYTES", 3 << 20)  # 3 chunks: a pipe past it, written here
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    def write_forever() -> None:
+        with contextlib.suppress(BrokenPipeError), open(pipe, "wb") as handle:
+            while True:
+                handle.write(b"word " * 100_000)
+
+    writer = threading.Thread(target=write_forever, daemon=True)
+    writer.start()
+    with pytest.raises(EvalInputError, match=f"^{re.escape(str(pipe))} is larger than 3 MiB"):
+        read_wikitext(str(pipe))
+    writer.join(timeout=10)
+    assert not writer.is_alive()
 
 
 def test_a_good_lambada_file(tmp_path):

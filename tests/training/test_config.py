@@ -248,6 +248,11 @@ def test_file_errors_name_the_file_and_the_key(tmp_path):
         ("parallel.init_timeout_s=1e9", r"parallel\.init_timeout_s=1000000000\.0 must be > 0 and at most a week"),
         ("logging.straggler_interval=-1", r"logging\.straggler_interval=-1 must be >= 0 \(0: no report\)"),
         ("logging.straggler_threshold=0", r"logging\.straggler_threshold=0\.0 must be > 0"),
+        (
+            "eval.wikitext_file=wiki.test.tokens",
+            r"^eval\.wikitext_file=wiki\.test\.tokens is read only .* eval\.interval",
+        ),
+        ("eval.lambada_file=lambada.jsonl", r"^eval\.lambada_file=lambada\.jsonl is read only .* eval\.interval"),
     ],
 )
 def test_values_that_make_no_sense_are_refused(override, message):
