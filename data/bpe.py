@@ -1,21 +1,18 @@
-"""Byte-level BPE (GPT-2) building blocks: the byte<->unicode map, the reference merge loop, and a fast
-merge engine built in memory on tiktoken that is used only where it provably gives the same ids.
+"""Byte-level BPE (GPT-2) building blocks: the byte<->unicode map, vocab/merges reading and checks, the
+`tokenizers` (Rust) BPE merges built in memory from them, and GPT-2's reference merge loop for what they
+cannot take.
 
-Why two engines: tiktoken merges any adjacent pair whose *concatenation* is a known token, while GPT-2's
-BPE applies listed merges only. Up to the first step where tiktoken merges an unlisted pair (x, y) into t,
-both run the same merges (tiktoken's lowest-ranked candidate is then a listed merge, hence GPT-2's choice
-too). At that step the state is one GPT-2 reaches, and x, y sit side by side; GPT-2 run on t's bytes alone
-then also reaches [x, y] and stops there, so GPT-2 does not encode t as [t]. Call those tokens tainted, and
-(closure) any token with a split into two tokens one of which is tainted. A tiktoken result that holds no
-tainted token therefore took listed merges only and equals GPT-2's; the rest go to the reference loop.
-Whole pieces that are tokens (tiktoken's shortcut) are covered by the same [t] test.
+Why the library's merges equal GPT-2's only for merges in order: GPT-2 applies the lowest-ranked listed pair
+at every occurrence in one left-to-right pass, then looks again; `tokenizers` takes one (rank, position) at a
+time from a queue, so a pair formed by a merge and ranked *before* it is applied before the rest of that pass
+(merges [(aa, a), (a, a)] give "aaaa" -> [aaa, a] there, [aa, aa] in GPT-2). When every merge ranks after all
+merges that make its two parts (true of GPT-2's files and of every file a BPE trainer writes), a merge only
+forms pairs ranked after it, and the queue applies each rank's pairs exactly as GPT-2's pass does.
 """
 
 from __future__ import annotations
 
 import json
-
-import numpy as np
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -126,88 +123,31 @@ class ReferenceBPE:
         return parts
 
 
-class TiktokenBPE:
-    """tiktoken's Rust merge loop over the same vocabulary, plus the taint check described above.
+def first_listings(merges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`merges` without repeated pairs; a pair keeps its first rank, as in GPT-2's loop (the library would
+    keep the last)."""
+    return list(dict.fromkeys(merges))
 
-    `encode_piece(piece_bytes)` returns vocabulary ids, or None where the result must be recomputed.
-    """
 
-    def __init__(self, encoding, rank_to_id: list[int], tainted: set[int]):
-        self._encoding = encoding
-        self._encode = encoding._encode_single_piece
-        self._rank_to_id = rank_to_id
-        self._rank_to_id_array = np.asarray(rank_to_id, dtype=np.int64)
-        self._tainted = tainted
-        self._tainted_array = np.asarray(sorted(tainted), dtype=np.int64)
+def merges_in_order(merges: list[tuple[str, str]]) -> bool:
+    """Whether every merge ranks after every merge that makes one of its parts: then `tokenizers`' BPE
+    merges as GPT-2's loop does (the module docstring says why). `merges` holds no repeated pair."""
+    last_made: dict[str, int] = {}  # token -> rank of the last merge that makes it
+    for rank, (left, right) in enumerate(merges):
+        last_made[left + right] = rank
+    return all(
+        last_made.get(left, -1) < rank and last_made.get(right, -1) < rank for rank, (left, right) in enumerate(merges)
+    )
 
-    @classmethod
-    def build(cls, vocab: dict[str, int], merges: list[tuple[str, str]]) -> TiktokenBPE | None:
-        """Build from vocab/merges in memory (no download); None when tiktoken is unusable here."""
-        try:
-            import tiktoken
-        except ImportError:
-            return None
-        byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
-        to_bytes = lambda tok: bytes(byte_decoder[c] for c in tok)  # noqa: E731
-        ranks: dict[bytes, int] = {}
-        for byte, ch in sorted(bytes_to_unicode().items()):
-            if ch not in vocab:
-                return None  # a missing byte would make tiktoken fail on some input
-            ranks[bytes([byte])] = len(ranks)
-        try:
-            for a, b in merges:
-                tok = to_bytes(a + b)
-                if a + b not in vocab:
-                    return None
-                if tok in ranks:
-                    return None  # a token made by two merges: ranks would no longer be merge order
-                ranks[tok] = len(ranks)
-        except KeyError:
-            return None  # a merge with characters outside the byte alphabet
-        rank_to_id = [0] * len(ranks)
-        unicode_of = bytes_to_unicode()
-        for tok, rank in ranks.items():
-            rank_to_id[rank] = vocab["".join(unicode_of[x] for x in tok)]
-        try:
-            enc = tiktoken.Encoding("local_gpt2_bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
-        except Exception:
-            return None
-        if not hasattr(enc, "_encode_single_piece"):
-            return None
-        return cls(enc, rank_to_id, cls._tainted_ranks(ranks, ReferenceBPE(merges)))
 
-    @staticmethod
-    def _tainted_ranks(ranks: dict[bytes, int], reference: ReferenceBPE) -> set[int]:
-        """Ranks of tokens GPT-2 does not encode as themselves, closed over two-token splits."""
-        unicode_of = bytes_to_unicode()
-        tainted: set[bytes] = set()
-        for tok in sorted(ranks, key=len):  # shorter first, so the split closure sees its parts done
-            if len(tok) < 2:
-                continue
-            word = "".join(unicode_of[x] for x in tok)
-            if reference(word) != [word] or any(
-                (tok[:k] in tainted and tok[k:] in ranks) or (tok[k:] in tainted and tok[:k] in ranks)
-                for k in range(1, len(tok))
-            ):
-                tainted.add(tok)
-        return {ranks[tok] for tok in tainted}
+def library_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
+    """A `tokenizers.Tokenizer` that merges one piece of GPT-2's regex split (the caller splits): the bytes
+    mapped to their symbols with no further split and no prefix space, the listed merges (no special tokens
+    parsed: <|endoftext|> in text is text), byte-level decoding that replaces invalid UTF-8 as
+    bytes.decode(errors="replace") does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    def encode_piece(self, piece: bytes) -> list[int] | None:
-        """Ids of one pre-tokenised piece, or None if tiktoken's answer may differ from GPT-2's."""
-        out = self._encode(piece)
-        tainted = self._tainted
-        if tainted and any(r in tainted for r in out):
-            return None
-        to_id = self._rank_to_id
-        return [to_id[r] for r in out]
-
-    def encode_text(self, text: str) -> list[int] | None:
-        """Ids of a whole text, split by tiktoken's own (Rust) regex, or None if a result is tainted.
-
-        The caller decides whether the Rust regex's Unicode tables can be trusted for this text.
-        """
-        # encode_to_numpy skips building a Python list; with no special tokens it equals encode_ordinary.
-        out = self._encoding.encode_to_numpy(text, disallowed_special=()).astype(np.int64)
-        if len(self._tainted_array) and np.isin(out, self._tainted_array).any():
-            return None
-        return self._rank_to_id_array[out].tolist()
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer

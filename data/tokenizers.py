@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import unicodedata
 from itertools import chain
 from typing import Protocol
 
@@ -18,10 +17,12 @@ import regex
 from data.bpe import (
     GPT2_PATTERN,
     ReferenceBPE,
-    TiktokenBPE,
     bytes_to_unicode,
     check_vocab_and_merges,
+    first_listings,
+    library_tokenizer,
     load_vocab_and_merges,
+    merges_in_order,
 )
 
 EOD_TOKEN = "<|endoftext|>"
@@ -57,36 +58,42 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-# Bounds the per-word cache so a long preprocessing run over an open-ended vocabulary of words cannot
-# grow without limit; natural text re-hits a few hundred thousand words most of the time.
+# Bounds the per-word cache so a long run over an open-ended vocabulary of words
+# cannot grow without limit; natural text re-hits a few hundred thousand words most of the time.
 _CACHE_LIMIT = 1_000_000
 
 
 class GPT2BPETokenizer:
     """GPT-2 byte-level BPE from vocab.json + merges.txt; ids equal transformers' GPT2Tokenizer's.
 
-    Hot path: text goes whole to tiktoken (built in memory from these files; see data/bpe.py for why its
-    merges give the same ids) unless it holds characters unknown to this Python's Unicode database. Such
-    text, and any tiktoken result flagged by the check in data/bpe.py: `regex` pre-tokenisation, then a
-    per-piece cache of ids;
-    cache misses go to tiktoken per piece where it provably agrees, else to the reference merge loop.
+    Text is split by GPT-2's regex (the `regex` module, as GPT-2 and Megatron: the library's own regex
+    engine has other Unicode tables, and on Python source it split 4x slower), each piece is looked up
+    in a cache of ids, and a piece not seen yet is merged by the `tokenizers` library (Rust, built in memory
+    from these files by data/bpe.py), or by GPT-2's merge loop in Python where the merges are out of order
+    (data/bpe.py says why the library then merges differently). use_tokenizers=False takes the merge loop
+    for every file (to compare the two).
     """
 
-    def __init__(self, vocab_file: str, merge_file: str, use_tiktoken: bool = True):
+    def __init__(self, vocab_file: str, merge_file: str, use_tokenizers: bool = True):
         self.vocab, merges = load_vocab_and_merges(vocab_file, merge_file)
         warning = check_vocab_and_merges(self.vocab, merges, vocab_file, merge_file, {EOD_TOKEN})
         if warning:
             logging.getLogger(__name__).warning(warning)
         if EOD_TOKEN not in self.vocab:
             raise ValueError(f"{vocab_file}: vocabulary has no {EOD_TOKEN} token")
-        self.id_to_token = {i: t for t, i in self.vocab.items()}
+        merges = first_listings(merges)
         self.pattern = regex.compile(GPT2_PATTERN)
         self.byte_encoder = bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         self.reference = ReferenceBPE(merges)
-        self.fast = TiktokenBPE.build(self.vocab, merges) if use_tiktoken else None
+        # Decoding needs no merges: the library decodes for both merge engines.
+        self.library = library_tokenizer(self.vocab, merges)
+        self.library_merges = use_tokenizers and merges_in_order(merges)
+        if use_tokenizers and not self.library_merges:
+            logging.getLogger(__name__).warning(
+                f"{merge_file}: a merge ranks before a merge that makes one of its parts; merging with GPT-2's "
+                "loop in Python (slower) to keep its ids"
+            )
         self.cache: dict[str, list[int]] = {}
-        self.known_chars: set[str] = set()
 
     @property
     def vocab_size(self) -> int:
@@ -99,33 +106,17 @@ class GPT2BPETokenizer:
         return self.vocab[EOD_TOKEN]
 
     def _encode_piece(self, piece: str) -> list[int]:
-        raw = piece.encode("utf-8")
-        if self.fast is not None:
-            ids = self.fast.encode_piece(raw)
-            if ids is not None:
-                return ids
-        word = "".join(self.byte_encoder[b] for b in raw)
+        if self.library_merges:
+            # Passing a lone surrogate to Rust would be a TypeError; str.encode names it (preprocessing
+            # reports the line as "not encodable as UTF-8").
+            piece.encode("utf-8")
+            return self.library.encode(piece, add_special_tokens=False).ids
+        word = "".join(self.byte_encoder[b] for b in piece.encode("utf-8"))
         # An id missing from vocab.json cannot happen for a consistent vocab/merges pair; fail loudly.
         return [self.vocab[tok] for tok in self.reference(word)]
 
-    def _tiktoken_can_split(self, text: str) -> bool:
-        """Whether tiktoken's regex may split `text`: every character was assigned in this Python's
-        Unicode database (letters, digits and spaces then mean the same in every engine's tables;
-        characters newer than that may be classified differently by tiktoken, `regex` and HF)."""
-        if text.isascii():
-            return True
-        new = set(text) - self.known_chars
-        if any(unicodedata.category(c) in ("Cn", "Cs") for c in new):
-            return False
-        self.known_chars |= new
-        return True
-
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special-token parsing, as Megatron's GPT-2 tokenizer)."""
-        if self.fast is not None and self._tiktoken_can_split(text):
-            ids = self.fast.encode_text(text)
-            if ids is not None:
-                return ids
         pieces = self.pattern.findall(text)
         cache = self.cache
         try:
@@ -141,9 +132,13 @@ class GPT2BPETokenizer:
         return list(chain.from_iterable(map(cache.__getitem__, pieces)))
 
     def decode(self, ids) -> str:
-        """Text of `ids`; byte sequences that are not valid UTF-8 decode with replacement characters."""
-        text = "".join(self.id_to_token[int(i)] for i in ids)
-        return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
+        """Text of `ids`; byte sequences that are not valid UTF-8 decode with replacement characters. An id
+        outside the vocabulary: ValueError (the library would drop it silently)."""
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < len(self.vocab)), None)
+        if bad is not None:
+            raise ValueError(f"GPT2BPETokenizer: id {bad} is outside the vocabulary [0, {len(self.vocab)})")
+        return self.library.decode(ids)
 
 
 class SentencePieceTokenizer:

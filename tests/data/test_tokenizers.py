@@ -43,15 +43,22 @@ def hf_tokenizer(bpe_files):
     return tok
 
 
+# Characters unassigned in Python 3.11's Unicode 14 (U+1FAE8 and U+1FA77 came in Unicode 15), on which the
+# `tokenizers` library's regex tables and `regex`'s differ (the split stays `regex`'s).
+_NEWER_THAN_PYTHON = "\U0001fae8 shaking face, \U0001fa77 pink heart, mixed\U0001fae8word 日本\U0001fae8 \U0010fffd"
+
+
 def _cases():
     extra = [a + b for a, b in zip(VARIED_TEXTS, VARIED_TEXTS[1:])]
-    return VARIED_TEXTS + extra + ["".join(VARIED_TEXTS), "x" * 300, " " * 17 + "y", "\n" * 9]
+    long_runs = ["x" * 300, "y" * 20000, "supercalifragilistic" * 300 + " tail", " " * 17 + "y", "\n" * 9]
+    line_ends = ["a\r\nb\r\n\r\n", " \r\n \t\r\n  z  ", "\r" * 5 + "\n" * 5]
+    return VARIED_TEXTS + extra + ["".join(VARIED_TEXTS), *long_runs, *line_ends, _NEWER_THAN_PYTHON]
 
 
-@pytest.mark.parametrize("use_tiktoken", [True, False])
-def test_gpt2_ids_equal_transformers(bpe_files, hf_tokenizer, use_tiktoken):
-    ours = GPT2BPETokenizer(*bpe_files, use_tiktoken=use_tiktoken)
-    assert (ours.fast is not None) == use_tiktoken
+@pytest.mark.parametrize("use_tokenizers", [True, False])
+def test_gpt2_ids_equal_transformers(bpe_files, hf_tokenizer, use_tokenizers):
+    ours = GPT2BPETokenizer(bpe_files[0], bpe_files[1], use_tokenizers=use_tokenizers)
+    assert ours.library_merges == use_tokenizers  # a trained merges.txt is in order: the library merges
     for text in _cases():
         expected = hf_tokenizer.encode(text, add_special_tokens=False)
         assert ours.encode(text) == expected, repr(text)
@@ -64,6 +71,40 @@ def test_gpt2_decode_round_trip_and_eod(bpe_files):
         assert tok.decode(tok.encode(text)) == text
     assert tok.eod == tok.vocab["<|endoftext|>"]
     assert tok.vocab_size == len(tok.vocab)
+    symbol = bytes_to_unicode()
+    lead, letter = tok.vocab[symbol["é".encode()[0]]], tok.vocab["a"]  # half of a two-byte character, then "a"
+    assert tok.decode([lead, letter]) == b"\xc3a".decode("utf-8", errors="replace") == "\ufffda"
+    with pytest.raises(ValueError, match=rf"id {tok.vocab_size} is outside the vocabulary \[0, {tok.vocab_size}\)"):
+        tok.decode([0, tok.vocab_size])
+
+
+def test_merges_out_of_order_keep_gpt2s_merge_loop(tmp_path, caplog):
+    """A merge listed before the merge that makes its part ("aa a" before "a a"): the library would give
+    "aaaa" -> [aaa, a], GPT-2's loop (OpenAI's encoder.py, Megatron-LM's gpt2_tokenization.py) [aa, aa]; the
+    tokenizer keeps GPT-2's. (transformers 5's GPT2Tokenizer runs on the library and gives [aaa, a].)"""
+    import json
+
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    for token in ("aa", "aaa", "<|endoftext|>"):
+        vocab[token] = len(vocab)
+    vocab_file, merge_file = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab_file.write_text(json.dumps(vocab), encoding="utf-8")
+    merge_file.write_text("#version: 0.2\naa a\na a\n", encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        ours = GPT2BPETokenizer(str(vocab_file), str(merge_file))
+    assert not ours.library_merges and "merges.txt: a merge ranks before" in caplog.text
+    assert ours.library.encode("aaaa").tokens == ["aaa", "a"]  # what the library would give
+    assert ours.encode("aaaa") == [vocab["aa"], vocab["aa"]]
+    in_order = tmp_path / "in_order.txt"
+    in_order.write_text("a a\naa a\n", encoding="utf-8")
+    assert GPT2BPETokenizer(str(vocab_file), str(in_order)).library_merges
+
+
+def test_a_lone_surrogate_is_a_unicode_encode_error(bpe_files):
+    """Preprocessing turns UnicodeEncodeError into "not encodable as UTF-8" naming the line."""
+    tok = GPT2BPETokenizer(*bpe_files)
+    with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):
+        tok.encode("text \ud800 more")
 
 
 def test_bytes_to_unicode_matches_the_spec():
