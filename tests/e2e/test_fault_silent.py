@@ -13,6 +13,8 @@ from tools import checkpoint_info, convert_checkpoint, generate
 from training.checkpoint import files
 from training.guards import EXIT_INPUT_ERROR
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _longer_bin(prefix: str) -> None:
     with open(prefix + ".bin", "ab") as handle:  # another dataset's tokens appended

@@ -4,8 +4,12 @@ that differ at one sequence number, a receive whose send never came, a rank with
 import json
 import os
 
+import pytest
+
 from tools import diagnose_hang
 from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem
+
+pytestmark = pytest.mark.tier("fast")
 
 
 def record(order, group, seq, kind, iteration, region, state="completed", nbytes=24, peer=-1, error=""):

@@ -24,6 +24,8 @@ from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_compare_runs import write_run
 from tools import compare_runs, generate, pipeline_timeline, plan, preprocess_data, train_tokenizer
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 GPT_1T = os.path.join(REPO_ROOT, "configs", "paper", "gpt_1t.yaml")
 
