@@ -73,15 +73,13 @@ def collected_cases(files: list[str]) -> list[str]:
 
 
 def _cases_of_this_session(request, files: list[str]) -> list[str] | None:
-    """The parity cases of this pytest run when it collected all of `files` unfiltered (both tiers), else None."""
+    """The parity cases of this pytest run when it collected all of `files` unfiltered (both tiers: what it collected before the tier's selection), else None."""
     option = request.config.option
     if option.keyword or option.markexpr or getattr(option, "deselect", None):
         return None
-    if tiers.chosen_tier(request.config) != "full":
-        return None
     if any("::" in str(arg) for arg in request.config.args):
         return None
-    nodeids = [_plain_nodeid(item) for item in request.session.items]
+    nodeids = [_plain_nodeid(item) for item in tiers.collected_items(request.config)]
     if not set(files) <= {nodeid.split("::")[0] for nodeid in nodeids}:
         return None
     return sorted(nodeid for nodeid in nodeids if is_parity_test(_function_name(nodeid)))

@@ -55,8 +55,8 @@ def _fast_tier_ids(request) -> set[str]:
     folder, else a collection in a new pytest process."""
     config = request.config
     whole_folder = [os.path.normpath(os.path.join(str(config.invocation_params.dir), str(a))) for a in config.args]
-    if tiers.chosen_tier(config) in ("fast", "full") and TESTS_DIR in whole_folder and not config.option.keyword:
-        return {_plain_nodeid(item) for item in request.session.items if tiers.tier_of(item) == "fast"}
+    if TESTS_DIR in whole_folder and not config.option.keyword and not config.option.markexpr:
+        return {_plain_nodeid(item) for item in tiers.collected_items(config) if tiers.tier_of(item) == "fast"}
     files = sorted({nodeid.split("::")[0] for nodeid in tiers.FAST_PARITY.values()})
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
@@ -89,8 +89,9 @@ def _item(nodeid: str, *marks) -> types.SimpleNamespace:
 
 
 def _config(tier: str | None, args: list[str]) -> types.SimpleNamespace:
-    deselected = []
+    deselected: list = []
     return types.SimpleNamespace(
+        stash={},
         getoption=lambda name: tier,
         args=args,
         invocation_params=types.SimpleNamespace(dir=REPO_ROOT),

@@ -27,6 +27,9 @@ import pytest
 TIERS = ("fast", "full")
 CHOICES = ("fast", "full", "full-only")
 MARK = "tier"
+# every item collected, before the tier's selection: tests that check the collection (test_parity_cases.py) read
+# it instead of collecting again in a new process
+COLLECTED = pytest.StashKey[list]()
 
 # The parity runs the fast tier keeps, one (at least) per parallel feature: {feature: test id}. The contract test
 # (tests/test_tiers.py) checks that each is collected and in the fast tier.
@@ -78,6 +81,11 @@ def tier_of(item) -> str | None:
     return mark.args[0] if mark.args else mark.kwargs.get("name")
 
 
+def collected_items(config) -> list:
+    """Every item this session collected, whichever tier runs (the items before `select`)."""
+    return config.stash.get(COLLECTED, [])
+
+
 def runs_in(tier: str, chosen: str) -> bool:
     """Whether a test of `tier` runs when `chosen` was asked for."""
     return chosen == "full" or (chosen == "fast") == (tier == "fast")
@@ -91,6 +99,7 @@ def select(config, items: list) -> None:
             'test files without a tier: add `pytestmark = pytest.mark.tier("fast")` (or "full") at their top '
             "(tests/tiers.py): " + ", ".join(untiered)
         )
+    config.stash[COLLECTED] = list(items)
     chosen = chosen_tier(config)
     kept = [item for item in items if runs_in(tier_of(item), chosen)]
     if len(kept) < len(items):
