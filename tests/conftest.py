@@ -30,10 +30,9 @@ import torch.multiprocessing as mp
 
 import data.blend_index  # noqa: F401
 from data.sample_corpus import build_tiny_corpus
-from tests import cli_runner, rank_pool
-from tests.xdist_setup import (  # noqa: F401 - pytest hooks: two workers, OMP_NUM_THREADS=1, grouping
+from tests import cli_runner, rank_pool, tiers, xdist_setup
+from tests.xdist_setup import (  # noqa: F401 - pytest hooks: two workers, OMP_NUM_THREADS=1
     pytest_cmdline_main,
-    pytest_collection_modifyitems,
     pytest_xdist_auto_num_workers,
 )
 
@@ -146,10 +145,23 @@ def run_forked_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> None
         raise AssertionError("\n".join(messages) or str(exc)) from None
 
 
+def pytest_addoption(parser) -> None:
+    tiers.add_option(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """The chosen tier's tests (tests/tiers.py), then xdist's groups (tests/xdist_setup.py) of what is left."""
+    tiers.select(config, items)
+    xdist_setup.group_items(config, items)
+
+
 def pytest_configure(config) -> None:
-    """PTDP_TEST_COSTS=<file> records each test's CPU seconds by cause (tests/cpu_costs.py, docs/testing.md)."""
+    """The tier mark; PTDP_TEST_COSTS=<file> records each test's CPU seconds by cause (tests/cpu_costs.py,
+    docs/testing.md)."""
     from tests.cpu_costs import recorder_for
 
+    tiers.register_mark(config)
     recorder = recorder_for(config)
     if recorder is not None:
         config.pluginmanager.register(recorder, "ptdp_cpu_costs")

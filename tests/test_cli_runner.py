@@ -17,7 +17,10 @@ from tests import cli_runner, rank_pool
 from tests.cli_runner import CommandTimedOut, python_target, run_cli
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.skipif(not rank_pool.pool_enabled(), reason="PTDP_RANK_POOL=0: no fork to test")
+pytestmark = [
+    pytest.mark.tier("fast"),
+    pytest.mark.skipif(not rank_pool.pool_enabled(), reason="PTDP_RANK_POOL=0: no fork to test"),
+]
 CASES = os.path.join("tests", "cli_runner_cases.py")
 
 

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.tier("fast")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")

@@ -7,7 +7,11 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
+
 from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.tier("fast")
 
 PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert", "evaluation")
 # package -> the packages of ours it may import (its own modules aside)

@@ -16,6 +16,10 @@ import types
 
 import pytest
 
+from tests import tiers
+
+pytestmark = pytest.mark.tier("fast")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 LIST_FILE = os.path.join(TESTS_DIR, "parity_cases.txt")
@@ -56,7 +60,8 @@ def _function_name(nodeid: str) -> str:
 def collected_cases(files: list[str]) -> list[str]:
     """The parity node ids pytest collects from `files` (a separate process: no -k of this run applies)."""
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+        + ["--tier", "full", *files],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -68,13 +73,13 @@ def collected_cases(files: list[str]) -> list[str]:
 
 
 def _cases_of_this_session(request, files: list[str]) -> list[str] | None:
-    """The parity cases of this pytest run when it collected all of `files` unfiltered, else None."""
+    """The parity cases of this pytest run when it collected all of `files` unfiltered (both tiers: what it collected before the tier's selection), else None."""
     option = request.config.option
     if option.keyword or option.markexpr or getattr(option, "deselect", None):
         return None
     if any("::" in str(arg) for arg in request.config.args):
         return None
-    nodeids = [_plain_nodeid(item) for item in request.session.items]
+    nodeids = [_plain_nodeid(item) for item in tiers.collected_items(request.config)]
     if not set(files) <= {nodeid.split("::")[0] for nodeid in nodeids}:
         return None
     return sorted(nodeid for nodeid in nodeids if is_parity_test(_function_name(nodeid)))

@@ -16,7 +16,10 @@ import torch.distributed as dist
 from tests import rank_pool
 from tests.conftest import _SessionPool, run_ranks
 
-pytestmark = pytest.mark.skipif(not rank_pool.pool_enabled(), reason="PTDP_RANK_POOL=0: no pool to test")
+pytestmark = [
+    pytest.mark.tier("fast"),
+    pytest.mark.skipif(not rank_pool.pool_enabled(), reason="PTDP_RANK_POOL=0: no pool to test"),
+]
 
 
 def _write_pid(rank: int, world_size: int, out_dir: str, tag: str) -> None:

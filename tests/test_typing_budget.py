@@ -12,7 +12,11 @@ import io
 import os
 import tokenize
 
+import pytest
+
 from tests.conftest import REPO_ROOT, SOURCE_ENTRIES, repo_python_files
+
+pytestmark = pytest.mark.tier("fast")
 
 ANY_BUDGET = 60
 

@@ -93,9 +93,9 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the items `xdist_group_of` groups (xdist's own hook then sends each group to one worker)."""
+def group_items(config, items) -> None:
+    """Mark the items `xdist_group_of` groups (xdist's own hook then sends each group to one worker); conftest's
+    pytest_collection_modifyitems calls it."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

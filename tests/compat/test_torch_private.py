@@ -18,6 +18,8 @@ from compat import torch_private
 from compat.torch_private import PRIVATE_NAMES, PrivateName, resolve
 from tests.conftest import REPO_ROOT, SOURCE_ENTRIES, repo_python_files
 
+pytestmark = pytest.mark.tier("fast")
+
 SCANNED = tuple(entry for entry in SOURCE_ENTRIES if entry != "compat")  # compat/ is where they belong
 PRIVATE_IN_TORCH_STRING = re.compile(r"\btorch(\.\w+)*\._[A-Za-z]")
 

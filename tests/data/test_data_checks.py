@@ -12,6 +12,8 @@ from tests.data.options import BUILD
 from tests.data.test_gpt_dataset import make_dataset
 from training.setup import check_vocab_size
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _patch(path, offset, fmt, value):
     with open(path, "r+b") as f:

@@ -12,6 +12,8 @@ from data.gpt_dataset import GPTDataset, build_indices
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.data.options import BUILD, SAMPLES
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def make_dataset(path, lengths, seed=0):
     """Documents of the given lengths with distinct random tokens; returns the prefix."""

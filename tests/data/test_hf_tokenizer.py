@@ -10,6 +10,8 @@ from data.indexed_dataset import IndexedDataset
 from data.tokenizers import HuggingFaceTokenizer, build_tokenizer
 from tests.data.helpers import VARIED_TEXTS, load_tool, write_jsonl
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def make_tokenizer_json(folder, special: list[str]) -> str:
     """A 300-entry byte-level BPE trained on VARIED_TEXTS, saved as folder/tokenizer.json."""

@@ -15,6 +15,8 @@ from data.indexed_dataset import IndexedDataset
 from tests.data.options import BUILD, SAMPLES
 from tests.data.test_gpt_dataset import make_dataset
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.fixture
 def umask_027():

@@ -7,6 +7,8 @@ import pytest
 
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, merge_datasets
 
+pytestmark = pytest.mark.tier("fast")
+
 CODES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
 
 

@@ -1,9 +1,12 @@
 """Sampler resume, dp slicing, batch masks against a loop reference, DataLoader with workers."""
 
 import numpy as np
+import pytest
 import torch
 
 from data.loader import PretrainingSampler, build_data_iterator, get_batch_masks
+
+pytestmark = pytest.mark.tier("fast")
 
 
 class CountingDataset:

@@ -29,6 +29,8 @@ from megatron.core.datasets import helpers_cpp
 from megatron.core.datasets import indexed_dataset as megatron_indexed
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
+pytestmark = pytest.mark.tier("fast")
+
 
 class _Tokenizer:
     """The fields Megatron's GPTDatasetConfig reads from a tokenizer."""

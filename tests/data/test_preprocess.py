@@ -11,6 +11,8 @@ from data.tokenizers import GPT2BPETokenizer
 from tests.cli_runner import run_cli
 from tests.data.helpers import REPO_ROOT, VARIED_TEXTS, load_tool, run_preprocess, write_jsonl
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _run(tok_files, inp, prefix, *extra):
     return run_preprocess(tok_files, inp, prefix, "--log-interval", "5", *extra)

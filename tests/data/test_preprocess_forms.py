@@ -11,6 +11,8 @@ from data.indexed_dataset import IndexedDataset
 from data.tokenizers import GPT2BPETokenizer
 from tests.data.helpers import run_preprocess, write_jsonl
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_list_of_strings_is_one_document_of_sequences(tmp_path, tok_files):
     lines = [{"text": ["First sentence.", "", " Second one!"]}, {"text": "plain"}, {"text": []}, {"text": [""]}]

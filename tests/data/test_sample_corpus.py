@@ -10,6 +10,8 @@ from data.sample_corpus import ensure_sample_corpus, stdlib_source_files
 from data.tokenizers import build_tokenizer
 from tests.data.options import SAMPLES
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _fake_stdlib(root):
     files = {

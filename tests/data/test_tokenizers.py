@@ -11,6 +11,8 @@ from data.bpe import bytes_to_unicode
 from data.tokenizers import GPT2BPETokenizer, SentencePieceTokenizer, build_tokenizer
 from tests.data.helpers import VARIED_TEXTS, load_tool, write_jsonl
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.fixture(scope="module")
 def bpe_files(tmp_path_factory):

@@ -17,6 +17,8 @@ from tests.conftest import read_metrics, run_ranks
 from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.train_state import read_train_state
 
+pytestmark = pytest.mark.tier("fast")
+
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "checkpoint_format2")
 SAVED_ITER = "iter_0000004"
 

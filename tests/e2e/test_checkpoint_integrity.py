@@ -17,6 +17,8 @@ from tools import checkpoint_info
 from training.checkpoint import files
 from training.logging import LOGGER_NAME
 
+pytestmark = pytest.mark.tier("full")  # the launch path: kill -9 during saves
+
 
 def main(corpus, run_dir, *extra) -> int:
     return pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)])

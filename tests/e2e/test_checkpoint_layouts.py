@@ -23,6 +23,8 @@ from training.loop import train
 from training.run import build_run, resume_if_asked
 from training.setup import init_distributed
 
+pytestmark = pytest.mark.tier("full")  # an 8-rank checkpoint resumed at five layouts
+
 MODEL = ("model.num_layers=8", "train.eval_iters=0")
 SAVED_AT = (
     "parallel.tp_size=2",

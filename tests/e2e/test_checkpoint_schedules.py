@@ -18,6 +18,8 @@ import pretrain_gpt
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
 
+pytestmark = pytest.mark.tier("fast")
+
 PP2 = ("parallel.pp_size=2",)
 SCHEDULES = {
     "1f1b": (*PP2, "parallel.schedule=1f1b"),

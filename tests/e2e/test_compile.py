@@ -10,9 +10,13 @@ import json
 import logging
 import os
 
+import pytest
+
 import pretrain_gpt
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tools import compare_runs
+
+pytestmark = pytest.mark.tier("full")  # torch.compile of the layers: minutes of compiling for three parity runs
 
 SMALL = ("model.num_layers=2", "train.train_iters=3", "train.eval_iters=0", "checkpoint.save=false")
 

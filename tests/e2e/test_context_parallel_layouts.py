@@ -10,8 +10,11 @@ import shutil
 import pytest
 
 import pretrain_gpt
+from tests import tiers
 from tests.conftest import run_ranks, tiny_train_args
 from tests.e2e.test_layouts import FAST, LLAMA, _rank_main, assert_matches, reference, train
+
+pytestmark = pytest.mark.tier("fast")
 
 # `reference` (the single-process runs, cached per overrides) is test_layouts' module fixture, used here too
 __all__ = ["reference"]
@@ -37,7 +40,8 @@ CP_LAYOUTS = [
 
 
 @pytest.mark.parametrize(
-    "world_size,model_overrides,parallel_overrides", [pytest.param(*case[1:], id=case[0]) for case in CP_LAYOUTS]
+    "world_size,model_overrides,parallel_overrides",
+    [tiers.layout_case(case[0], *case[1:], fast={"cp2"}) for case in CP_LAYOUTS],  # cp2: the fast tier's cp run
 )
 def test_context_parallel_matches_single_process(
     tiny_corpus, tmp_path, reference, world_size, model_overrides, parallel_overrides
@@ -47,6 +51,7 @@ def test_context_parallel_matches_single_process(
     assert_matches(records, reference(*SEQ_256, *model_overrides))
 
 
+@pytest.mark.tier("full")
 def test_checkpoint_at_cp2_tp2_resumes_at_cp1_and_cp4(tiny_corpus, tmp_path, reference):
     """Saved at iteration 5 by cp2 x tp2 (4 ranks); resumed by one process and by cp4: iterations 6-10
     within 1e-5 of the uninterrupted cp2 x tp2 run (which itself matches one process)."""

@@ -9,6 +9,8 @@ import pytest
 from data.preprocess import preprocess_jsonl
 from tests.e2e.test_layouts import FAST, LLAMA, assert_matches, train
 
+pytestmark = pytest.mark.tier("full")  # parity combinations beyond the fast tier's one per feature
+
 RESET = ("data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
 
 

@@ -20,6 +20,8 @@ from tests.e2e.faults import QUICK, one_error_line, run_main
 from training.guards import EXIT_INPUT_ERROR
 from training.threads import check_cpu_requests
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def alias_bomb(levels: int = 9, width: int = 10, indent: str = "    ") -> str:
     """YAML list items whose last one expands to width**levels strings (a "billion laughs")."""

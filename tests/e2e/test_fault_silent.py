@@ -17,6 +17,8 @@ from training.checkpoint import files
 from training.checkpoint.safe_reader import read_metadata_file
 from training.guards import EXIT_INPUT_ERROR
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _longer_bin(prefix: str) -> None:
     with open(prefix + ".bin", "ab") as handle:  # another dataset's tokens appended

@@ -22,6 +22,8 @@ from training.logging import MetricsWriteError, MetricsWriter
 from training.run_lock import LOCK_NAME
 from training.size_check import check_fits
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.mark.parametrize(
     "overrides",

@@ -17,6 +17,8 @@ from tests.e2e.faults import QUICK, one_error_line, run_main
 from training.checkpoint import files, saver
 from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _dcp_fails_with(error: BaseException):
     """A dcp.save / dcp.load that fails as DCP does: the rank's exception wrapped in a CheckpointException."""

@@ -12,8 +12,11 @@ import shutil
 import pytest
 
 import pretrain_gpt
+from tests import tiers
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import FAST, _rank_main, assert_matches, reference, train
+
+pytestmark = pytest.mark.tier("fast")
 
 __all__ = ["reference"]  # test_layouts' single-process runs, cached per overrides, used here too
 
@@ -36,13 +39,16 @@ FSDP_LAYOUTS = [
 
 
 @pytest.mark.parametrize(
-    "world_size,model_overrides,parallel_overrides", [pytest.param(*case[1:], id=case[0]) for case in FSDP_LAYOUTS]
+    "world_size,model_overrides,parallel_overrides",
+    # fsdp-dp4 and hsdp-2x2: the fast tier's FSDP and HSDP runs (tests/tiers.py FAST_PARITY)
+    [tiers.layout_case(case[0], *case[1:], fast={"fsdp-dp4", "hsdp-2x2"}) for case in FSDP_LAYOUTS],
 )
 def test_fsdp_matches_single_process(tiny_corpus, tmp_path, reference, world_size, model_overrides, parallel_overrides):
     records = train(tiny_corpus, str(tmp_path / "run"), world_size, *FAST, *model_overrides, *parallel_overrides)
     assert_matches(records, reference(*model_overrides))
 
 
+@pytest.mark.tier("full")
 @pytest.mark.parametrize(
     "precision",
     [
@@ -100,6 +106,7 @@ def test_fsdp_checkpoint_resumes_bitwise_and_at_ptdp_layouts(tiny_corpus, tmp_pa
         assert_matches(_resume(tiny_corpus, checkpoints, str(tmp_path / name), world_size, *layout), whole[5:])
 
 
+@pytest.mark.tier("full")
 def test_ptdp_checkpoint_resumes_under_fsdp_and_hsdp_checkpoint_at_one_process(tiny_corpus, tmp_path, reference):
     """The reverse: a tp2 x pp2 checkpoint resumes under FSDP dp4 and under HSDP 2 x 2 at tp 2 with sequence parallelism, 8 ranks (each within
     1e-5 of one process), and a checkpoint HSDP wrote (shards dealt over its replicas) resumes at one process."""

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.tier("full")  # the GPU check's dry run: many python starts
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK_STAGES = ["1 checkpoint", "2 env", "3 kernels", "4 speed", "5 gpt124m"]
 

@@ -36,6 +36,8 @@ from training.diagnostics import read_dumps
 from training.guards import EXIT_HUNG
 from training.watchdog import WATCHDOG_GRACE_S
 
+pytestmark = pytest.mark.tier("full")  # the launch path: hangs waited out to their timeouts
+
 TRAIN_TIMEOUT_S = 10  # waited out twice (stall, skip): at 20 s it cost the suite 20 s more of waiting
 LAYOUT = (
     "parallel.tp_size=2",

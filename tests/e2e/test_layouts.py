@@ -14,7 +14,10 @@ import sys
 import pytest
 
 import pretrain_gpt
+from tests import tiers
 from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
+
+pytestmark = pytest.mark.tier("fast")
 
 RTOL = 1e-5
 # No evaluation and no checkpoint in the parity runs: they cost time and add nothing to the comparison.
@@ -122,9 +125,15 @@ LAYOUTS = [
     ("pp2-zb-h1-recompute_full", 2, (), ("parallel.pp_size=2", "parallel.schedule=zb-h1", "train.recompute=full")),
 ]
 
+# The fast tier's parity runs from this table (tests/tiers.py FAST_PARITY): tp + sp, each pipeline schedule, dp with
+# the distributed optimizer and one 8-rank PTD-P run; the other layouts run in the full tier.
+FAST_TIER_LAYOUTS = {"tp2-sp", "pp2-gpipe", "pp4-1f1b", "pp2-vp2", "pp2-zb-h1", "pp2-zb-v", "dp2-distopt"}
+FAST_TIER_LAYOUTS |= {"tp2-pp2-dp2-zb-h1-sp-distopt"}
+
 
 @pytest.mark.parametrize(
-    "world_size,model_overrides,parallel_overrides", [pytest.param(*case[1:], id=case[0]) for case in LAYOUTS]
+    "world_size,model_overrides,parallel_overrides",
+    [tiers.layout_case(case[0], *case[1:], fast=FAST_TIER_LAYOUTS) for case in LAYOUTS],
 )
 def test_layout_matches_single_process(
     tiny_corpus, tmp_path, reference, world_size, model_overrides, parallel_overrides
@@ -133,6 +142,7 @@ def test_layout_matches_single_process(
     assert_matches(records, reference(*model_overrides))
 
 
+@pytest.mark.tier("full")
 @pytest.mark.parametrize(
     "recompute",
     [
@@ -151,6 +161,7 @@ def test_recompute_equals_no_recompute(tiny_corpus, tmp_path, reference, recompu
     assert_matches(records, reference())
 
 
+@pytest.mark.tier("full")
 def test_tied_embeddings_identical_after_training_pp2(tiny_corpus, tmp_path, reference):
     """pp=2, 1f1b: parity (the last stage's copy of the tied embedding produces the logits, so a copy that
     drifted from the first stage's table would show in the loss), then the checkpoint stores the tied table
@@ -165,6 +176,7 @@ def test_tied_embeddings_identical_after_training_pp2(tiny_corpus, tmp_path, ref
     assert "optim.exp_avg.embedding.word_embeddings.weight" in stored
 
 
+@pytest.mark.tier("full")
 def test_overlapped_pipeline_communication_is_bitwise(tiny_corpus, tmp_path):
     """parallel.overlap_p2p_comm only moves the waits on pipeline messages: the same numbers, bit for bit."""
     layout = (*FAST, "parallel.tp_size=2", "parallel.pp_size=2", *INTERLEAVED)
@@ -176,12 +188,14 @@ def test_overlapped_pipeline_communication_is_bitwise(tiny_corpus, tmp_path):
         assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]]
 
 
+@pytest.mark.tier("full")
 def test_bf16_tracks_fp32_tp2_dp2(tiny_corpus, tmp_path, reference):
     records = train(tiny_corpus, str(tmp_path / "run"), 4, *FAST, "train.precision=bf16", "parallel.tp_size=2")
     assert_matches(records, reference(), keys=("lm_loss",), rtol=2e-2)
     assert [r["lm_loss"] for r in records] != [r["lm_loss"] for r in reference()]  # bf16 really ran
 
 
+@pytest.mark.tier("full")
 def test_exact_resume_at_parallel_layout(tiny_corpus, tmp_path, reference):
     """tp=2 x pp=2 x dp=2 with vp=2, SP and the distributed optimizer (8 ranks): parity with one process,
     and 10 iterations straight == 5, exit, resume for 5 more, bitwise."""

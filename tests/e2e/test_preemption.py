@@ -14,6 +14,8 @@ from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from training import checkpointing, loop
 from training.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
+pytestmark = pytest.mark.tier("full")  # the launch path: signals to the trainer
+
 # A schedule that does not depend on train_iters, so a run of any length has the same LR at each iteration.
 STEADY = ("train.train_iters=12", "optim.lr_decay_iters=100", "train.eval_interval=100", "train.eval_iters=1")
 

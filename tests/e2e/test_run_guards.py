@@ -17,6 +17,8 @@ from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from training import checkpointing
 from training.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def run_main(corpus, run_dir, *extra):
     return pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)])

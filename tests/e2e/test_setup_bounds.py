@@ -14,6 +14,8 @@ from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.faults import copy_corpus
 from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def run_main(corpus, run_dir, *extra):
     return pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)])

@@ -26,7 +26,7 @@ import pretrain_gpt
 from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.netns import SYSTEM_TEST
 
-pytestmark = SYSTEM_TEST  # installs slurm-wlm with apt and starts slurmctld / slurmd
+pytestmark = [pytest.mark.tier("full"), SYSTEM_TEST]  # the launch path: SLURM daemons (system test)
 
 # What every test cluster here shares: no munge (auth/none), no cgroups (linuxproc), root as SlurmUser.
 SLURM_COMMON = """AuthType=auth/none

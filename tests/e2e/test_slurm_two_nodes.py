@@ -42,7 +42,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 ITERS = 60
 LAYOUT = tp2_pp2(ITERS, "optim.lr_decay_iters=100")
 
-pytestmark = SYSTEM_TEST
+pytestmark = [pytest.mark.tier("full"), SYSTEM_TEST]  # the launch path: SLURM on two nodes (system test)
 
 
 @pytest.fixture(scope="module")

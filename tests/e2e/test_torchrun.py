@@ -17,6 +17,8 @@ import pretrain_gpt
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, free_port, run_ranks, tiny_train_args
 
+pytestmark = pytest.mark.tier("full")  # the launch path: real torchrun runs
+
 # Evaluation on (iterations 0, 5, 10; one batch) so compare_runs also sees val_loss lines; no checkpoint.
 COMMON = ("train.eval_iters=1", "checkpoint.save=false")
 INTERLEAVED = ("parallel.vp_size=2", "parallel.schedule=interleaved")

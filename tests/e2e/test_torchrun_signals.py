@@ -19,6 +19,8 @@ from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from training import checkpointing
 
+pytestmark = pytest.mark.tier("full")  # the launch path: signals to torchrun jobs
+
 LAYOUT = (
     "parallel.tp_size=2",
     "parallel.pp_size=2",

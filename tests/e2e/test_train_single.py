@@ -10,6 +10,8 @@ import pretrain_gpt
 from tests.conftest import read_metrics, tiny_train_args
 from training import checkpointing, loop
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def train(corpus, run_dir, *extra):
     assert pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]) == 0

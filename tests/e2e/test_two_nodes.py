@@ -30,7 +30,7 @@ PORT = 29400  # free by construction: the namespaces are new
 ITERS = 10
 LAYOUT = tp2_pp2(ITERS, "checkpoint.save_interval=4")
 
-pytestmark = SYSTEM_TEST
+pytestmark = [pytest.mark.tier("full"), SYSTEM_TEST]  # the launch path: two network-namespace nodes (system test)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from tests.payloads import (
 )
 from tools import checkpoint_info, convert_checkpoint, generate
 
+pytestmark = pytest.mark.tier("fast")
+
 ITERATION = "iter_0000002"
 
 

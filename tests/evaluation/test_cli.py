@@ -7,12 +7,15 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import tools.evaluate as evaluate_tool
 from data.indexed_dataset import IndexedDatasetBuilder
 from data.tokenizer_training import train_gpt2_bpe
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.tier("full")  # the lm-evaluation-harness comparisons, under torchrun
 
 
 def bad_input_cases(eval_model, eval_files, tmp_path) -> dict[str, tuple[list[str], str]]:

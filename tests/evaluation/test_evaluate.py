@@ -22,6 +22,8 @@ from tests.tools.test_convert_checkpoint import tokenizer_files  # noqa: F401  (
 from tools.convert_checkpoint import to_hf
 from training.setup import DistEnv
 
+pytestmark = pytest.mark.tier("full")  # the lm-evaluation-harness comparisons
+
 
 def run_tool(capsys, *argv: str) -> dict:
     assert evaluate_tool.main([*argv, "--json"]) == 0, capsys.readouterr().err

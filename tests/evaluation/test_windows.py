@@ -39,6 +39,8 @@ from evaluation.windows import (
 )
 from tests.evaluation.conftest import LAMBADA, WHITESPACE_LAMBADA, WIKITEXT
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_the_detokenizer_is_the_harness_one():
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer as theirs

@@ -16,6 +16,8 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.kv_cache import KVCache
 
+pytestmark = pytest.mark.tier("fast")
+
 LLAMA = dict(
     position_embedding_type="rope",
     normalization="rmsnorm",

@@ -10,6 +10,8 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
 
+pytestmark = pytest.mark.tier("fast")
+
 LLAMA = dict(
     position_embedding_type="rope",
     normalization="rmsnorm",

@@ -21,6 +21,8 @@ from model.init import initialize_parameters
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 VOCAB = 300  # padded to 384 here (and to 512 at tp2 with the default multiple 128)
 
 

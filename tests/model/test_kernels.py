@@ -14,7 +14,7 @@ from model.kernels.cross_entropy import chunked_linear_cross_entropy
 # tests/conftest.py turns the interpreter on before anything imports Triton (scripts/gpu_check.sh turns it off)
 DEVICES = (["cpu"] if interpreter_on() else []) + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [(device, torch.float32) for device in DEVICES] + [("cuda", torch.bfloat16)] * torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
+pytestmark = [pytest.mark.tier("fast"), pytest.mark.skipif(not triton_installed(), reason="triton is not installed")]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

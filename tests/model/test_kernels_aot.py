@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 
+pytestmark = pytest.mark.tier("full")  # the kernels' ahead-of-time compile table
+
 pytest.importorskip("triton")
 aot = pytest.importorskip("model.kernels.aot")
 aot_results = pytest.importorskip("model.kernels.aot_results")

@@ -10,9 +10,12 @@ from model.kernels.backend import interpreter_on, triton_installed, triton_runs
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_on() else "cpu"
 BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"  # inductor on CPU would compile C++: slow, not the point
-pytestmark = pytest.mark.skipif(
-    not (triton_installed() and triton_runs(DEVICE)), reason="needs Triton (CUDA, or the interpreter on CPU)"
-)
+pytestmark = [
+    pytest.mark.tier("fast"),
+    pytest.mark.skipif(
+        not (triton_installed() and triton_runs(DEVICE)), reason="needs Triton (CUDA, or the interpreter on CPU)"
+    ),
+]
 
 
 def _t(*shape, grad=True):

@@ -20,6 +20,8 @@ from model.shape import iteration_flops, recomputed_layers
 from tests.conftest import REPO_ROOT
 from training.logging import IntervalStats
 
+pytestmark = pytest.mark.tier("fast")
+
 VARIANTS = [
     ("gpt_tiny.yaml", []),
     ("llama_tiny.yaml", []),  # SwiGLU, GQA (8 heads, 4 groups), rope, rmsnorm, untied, no biases

@@ -14,6 +14,8 @@ from parallel.comm import P2P, CollectiveError, Collectives, CommRecorder
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_recorder_keeps_a_bounded_ring_numbered_per_group_and_labelled():
     recorder = CommRecorder(capacity=3)

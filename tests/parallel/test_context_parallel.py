@@ -14,6 +14,8 @@ from parallel.context_parallel import block_attention, chunk_indices, context_pa
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_chunk_indices_balance_the_causal_triangle():
     # seq 16, cp 4: chunks of 2; rank 1 holds chunks 1 and 6

@@ -19,6 +19,8 @@ from planner.costs import Hardware, action_comm_seconds
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def layout(world_size: int, *overrides: str):
     return layout_from_config(load_config(None, ["model.attention_dropout=0.0", *overrides]), world_size)

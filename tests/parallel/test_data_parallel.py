@@ -27,6 +27,8 @@ from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
 from training.train_step import StepContext, train_step
 
+pytestmark = pytest.mark.tier("fast")
+
 GLOBAL_BATCH, SEQ = 8, 16
 
 

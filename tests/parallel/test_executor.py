@@ -11,6 +11,8 @@ from parallel.pipeline.stages import virtual_stage
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 HIDDEN, BATCH, LAYERS = 8, 4, 8
 SHAPE = (BATCH, HIDDEN)  # activation [b, h]
 

@@ -10,6 +10,8 @@ from config.schema import ConfigError, load_config
 from parallel.layout import LayoutError, layout_from_config
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
+pytestmark = pytest.mark.tier("fast")
+
 TINY = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")
 
 

@@ -21,6 +21,8 @@ from parallel.tp_mappings import TPComm, all_reduce
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tools import compare_runs
 
+pytestmark = pytest.mark.tier("full")  # the training kernels in Triton's interpreter at tp2 x pp2
+
 VOCAB, NUM_VALID, HIDDEN = 2 * 45, 83, 20  # the padding (7 ids) lies in rank 1's shard
 
 

@@ -25,6 +25,8 @@ from tests.parallel.test_data_parallel import (
 )
 from training.optimizer import build_optimizer
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_meta_init() -> None:

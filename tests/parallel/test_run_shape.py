@@ -12,6 +12,8 @@ from parallel.pipeline.stages import StageMap
 from parallel.run_shape import TIED_GROUP, TIED_LOCAL, TIED_NONE, RunShape
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def tiny(*overrides: str):
     return load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"), ["model.vocab_size=1000", *overrides])

@@ -12,6 +12,8 @@ from parallel.pipeline.schedules import Action, Op, build_forward_only, build_sc
 from parallel.pipeline.simulator import CommPlan, simulate, simulate_schedule
 from parallel.pipeline.stages import virtual_stage
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def layouts(ms=(1, 2, 3, 4, 6, 8, 12), ps=(1, 2, 3, 4), vs=(1, 2, 3)):
     """Every valid (schedule, p, m, v) of the grid, each resolved schedule once."""

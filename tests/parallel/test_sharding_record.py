@@ -17,6 +17,8 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
 from training.checkpoint.pieces import global_shape, tp_blocks
 
+pytestmark = pytest.mark.tier("fast")
+
 VOCAB, SEED = 50, 5  # padded to 56 rows at tp 1 and 64 at tp 2 and 4 (multiple 8 * tp)
 STYLES = {
     "gpt": {},  # learned positions, LayerNorm, GeLU, tied, biases

@@ -28,6 +28,8 @@ from parallel.tp_layers import (
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 S, B, H, OUT = 8, 2, 12, 16  # sequence, batch, in features, out features (all divisible by 2 and 4)
 
 

@@ -25,6 +25,8 @@ from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
 from training.optimizer import build_optimizer
 
+pytestmark = pytest.mark.tier("fast")
+
 ITERS, BATCH, SEED = 10, 2, 1234
 NUM_LAYERS = 2
 

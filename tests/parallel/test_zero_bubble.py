@@ -1,6 +1,7 @@
 """Zero-bubble schedules (zb-h1, zb-v) on the pipeline executor: parity with one process, the B/W split of
 parallel/pipeline/weight_grad.py on every kind of parameter, and the in-flight (activation memory) bound."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
@@ -19,6 +20,8 @@ from tests.parallel.test_executor import (
     make_microbatches,
     serial_reference,
 )
+
+pytestmark = pytest.mark.tier("fast")
 
 
 def _run(state, schedule: str, m: int, vp: int, v_shape: bool, forward_only: bool = False):

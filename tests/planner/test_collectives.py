@@ -18,6 +18,8 @@ from training.loop import train
 from training.run import build_run
 from training.setup import init_distributed
 
+pytestmark = pytest.mark.tier("fast")
+
 RECORDED_ITERATION = 2  # the second iteration: the first one is no different, but this proves it is per iteration
 
 LAYOUTS = [

@@ -24,6 +24,8 @@ from planner.costs import (
 )
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.tier("fast")
+
 CLUSTERS = os.path.join(REPO_ROOT, "configs", "clusters")
 TP8 = RankGrid.megatron(tp=8, dp=4)  # the layout of shape(): one tp group per node of 8
 

@@ -16,6 +16,8 @@ from planner.memory import layout_memory, max_in_flight, state_bytes_per_param
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, total_parameters
 
+pytestmark = pytest.mark.tier("fast")
+
 MIB = 2.0**20
 
 

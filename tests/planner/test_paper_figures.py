@@ -12,6 +12,8 @@ from planner import paper_figures
 from planner.cluster import load_cluster
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
 

@@ -17,6 +17,8 @@ from planner.search import with_layout
 from planner.software import Software
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 PAPER = os.path.join(REPO_ROOT, "configs", "paper")
 

@@ -17,6 +17,8 @@ from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 
 

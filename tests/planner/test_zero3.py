@@ -18,6 +18,8 @@ from planner.software import TRAINER
 from tests.conftest import REPO_ROOT
 from tests.planner.test_search_and_cli import A100, plan_here
 
+pytestmark = pytest.mark.tier("fast")
+
 CONFIGS = {"174.6B": "gpt_174.6b.yaml", "529.6B": "gpt_529.6b.yaml"}
 # Table 2: (model, GPUs, micro-batch, batch, published TFLOP/s per GPU)
 ZERO3 = [

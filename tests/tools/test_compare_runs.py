@@ -11,6 +11,8 @@ from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools import compare_runs
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def write_run(path, losses, grad_norms=None, val=None, extra_lines=()):
     os.makedirs(path, exist_ok=True)

@@ -13,6 +13,8 @@ from config.key_docs import KEY_DOCS, SECTION_DOCS
 from config.schema import Config
 from tools import config_reference
 
+pytestmark = pytest.mark.tier("fast")
+
 ROW = re.compile(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| ([^|]+) \| `([^`]*)` \| (.+) \|$")
 
 

@@ -21,6 +21,8 @@ from tests.conftest import REPO_ROOT, run_ranks
 from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
 from training.checkpointing import save_model_weights
 
+pytestmark = pytest.mark.tier("fast")
+
 GPT = dict(
     num_layers=4,
     hidden_size=64,

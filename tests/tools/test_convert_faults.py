@@ -33,6 +33,8 @@ from tests.tools.converter_inputs import (
 )
 from tools.convert_checkpoint import main
 
+pytestmark = pytest.mark.tier("fast")
+
 
 # ---- from-hf: config.json against the weights ------------------------------------------------------
 def test_a_vocab_size_above_the_embedding_rows_is_refused(converter_sources, tmp_path, capsys):

@@ -28,6 +28,8 @@ from tests.tools.converter_inputs import (
 from tools import checkpoint_info
 from training.checkpointing import save_model_weights
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.fixture(scope="module")
 def torch_dist(tmp_path_factory):

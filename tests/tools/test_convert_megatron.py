@@ -24,6 +24,8 @@ from tests.conftest import REPO_ROOT, run_ranks
 from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, assert_refused
 from tests.tools.megatron_runs import SEQ, TOKENS, VOCAB, megatron_ranks
 
+pytestmark = pytest.mark.tier("fast")
+
 LEGACY = {  # name: (style, tp, pp, vp)
     "llama_pp2": ("llama", 2, 2, 1),
     "llama_vp2": ("llama", 2, 2, 2),

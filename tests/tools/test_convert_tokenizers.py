@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 
+import pytest
 import torch
 import yaml
 
@@ -26,6 +27,8 @@ from tests.tools.test_convert_checkpoint import (
     tokenizer_files,  # noqa: F401  (the fixture)
 )
 from tools.convert_checkpoint import from_hf, to_hf, to_megatron
+
+pytestmark = pytest.mark.tier("fast")
 
 
 def test_a_moved_conversion_keeps_its_tokenizer(tokenizer_files, tmp_path, monkeypatch):  # noqa: F811

@@ -5,8 +5,12 @@ attempts' dumps in one folder and dumps a restart moved to diagnostics.N."""
 import json
 import os
 
+import pytest
+
 from tools import diagnose_hang
 from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem, set_aside_previous
+
+pytestmark = pytest.mark.tier("fast")
 
 
 def record(order, group, seq, kind, iteration, region, state="completed", nbytes=24, peer=-1, error=""):

@@ -7,6 +7,8 @@ import torch
 
 from convert.hf_folder import write_weights
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.mark.parametrize("max_shard_bytes", [10**9, 100], ids=["single", "sharded"])
 def test_exported_safetensors_follow_the_umask(tmp_path, max_shard_bytes):

@@ -33,6 +33,8 @@ from tools import (
     train_tokenizer,
 )
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 GPT_1T = os.path.join(REPO_ROOT, "configs", "paper", "gpt_1t.yaml")
 

@@ -17,6 +17,8 @@ from tools.generate import make_logits_fn, prepare
 from training.checkpointing import save_model_weights
 from training.setup import DistEnv
 
+pytestmark = pytest.mark.tier("fast")
+
 PROMPT = "def walk(top, topdown=True):\n    "
 
 

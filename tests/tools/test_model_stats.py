@@ -10,6 +10,8 @@ from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT
 from tools.model_stats import count, meta_chunks, report, total_parameters
 
+pytestmark = pytest.mark.tier("fast")
+
 TABLE_1 = {
     "1.7b": 1.7,
     "3.6b": 3.6,

@@ -7,6 +7,8 @@ import pytest
 
 from tests.cli_runner import run_cli
 
+pytestmark = pytest.mark.tier("fast")
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "tools", "pipeline_timeline.py")
 

@@ -14,6 +14,8 @@ from training.checkpoint.files import CheckpointError
 from training.checkpoint.layout import CheckpointLayout
 from training.checkpoint.train_state import read_train_state
 
+pytestmark = pytest.mark.tier("fast")
+
 FORMAT2 = {  # tests/fixtures/checkpoint_format2: no cp (written before context parallelism), no schedule
     "distributed_optimizer": True,
     "dp": 2,

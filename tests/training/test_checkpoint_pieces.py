@@ -15,6 +15,8 @@ from training.checkpoint.loader import read_global_tensors
 from training.checkpoint.pieces import Block, flat_range_rects, pieces_of, tp_blocks
 from training.checkpoint.saver import SaveJob, write_checkpoint
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_flat_range_rects_cover_the_range_exactly():
     rng = random.Random(0)

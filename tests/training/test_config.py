@@ -12,6 +12,8 @@ from parallel.pipeline.plan import build_plan
 from parallel.pipeline.schedules import build_schedule
 from tests.conftest import REPO_ROOT, assert_entry_points_refuse
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def write(tmp_path, text):
     path = tmp_path / "c.yaml"

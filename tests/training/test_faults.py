@@ -9,6 +9,8 @@ import pretrain_gpt
 from parallel.comm import CommRecorder
 from training.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_a_well_formed_value_and_the_unset_one():
     assert parse_fault("rank=2,iteration=5,kind=sleep", 4, 10) == FaultSpec(2, 5, "sleep")

@@ -26,6 +26,8 @@ from training.logging import LOGGER_NAME, MetricsWriter
 from training.run_lock import RunLock, RunLockError
 from training.setup import check_devices
 
+pytestmark = pytest.mark.tier("fast")
+
 
 # ---- run lock ------------------------------------------------------------------------------------------
 def _dead_pid() -> int:

@@ -7,6 +7,8 @@ import pytest
 from model.shape import IterationFlops
 from training.logging import IntervalStats, format_train_line, peak_tflops
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_peak_comes_from_the_config_or_the_device_name():
     assert peak_tflops(400.0, "cpu", "bf16") == 400.0  # logging.peak_tflops wins

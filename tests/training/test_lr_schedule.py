@@ -7,6 +7,8 @@ import torch
 
 from training.lr_schedule import LRSchedule
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def test_warmup_is_linear_from_zero():
     schedule = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110, decay_style="cosine")

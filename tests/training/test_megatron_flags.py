@@ -13,6 +13,8 @@ from config.schema import ConfigError, load_config
 from data.tokenizers import TOKENIZER_TYPES
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.mark.parametrize(
     "argv, line",

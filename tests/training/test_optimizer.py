@@ -29,6 +29,8 @@ from tests.parallel.test_data_parallel import (
 from training.loss_scaler import DynamicLossScaler
 from training.optimizer import build_optimizer
 
+pytestmark = pytest.mark.tier("fast")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_meta_init() -> None:

@@ -7,7 +7,11 @@ import select
 import signal
 import time
 
+import pytest
+
 from training.preemption import PreemptionHandler
+
+pytestmark = pytest.mark.tier("fast")
 
 UNDER_TORCHRUN = {"TORCHELASTIC_RUN_ID": "test"}
 

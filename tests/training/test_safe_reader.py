@@ -18,6 +18,8 @@ from training.checkpoint.dcp_reader import read_dcp_metadata
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.safe_reader import load_weights_file
 
+pytestmark = pytest.mark.tier("fast")
+
 FIXTURE = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "fixtures", "checkpoint_format2", "checkpoints", "iter_0000004"
 )

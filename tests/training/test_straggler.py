@@ -1,8 +1,12 @@
 """The straggler report's summary: slowest and fastest ranks with their coordinates, and the warning for a rank
 persistently above its pipeline stage's median."""
 
+import pytest
+
 from parallel.rank_grid import RankGrid
 from training.straggler import summarize
+
+pytestmark = pytest.mark.tier("fast")
 
 
 def test_slowest_and_fastest_with_coordinates_and_a_warning_on_the_second_report_in_a_row():

@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from training import threads
 from training.threads import plan_threads, usable_cores
+
+pytestmark = pytest.mark.tier("fast")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -17,6 +17,8 @@ import pretrain_gpt
 from tests.conftest import REPO_ROOT, tiny_train_args
 from training.wandb_logging import RUN_ID_FILE
 
+pytestmark = pytest.mark.tier("fast")
+
 
 def _wandb_file(run_dir: str, run_id: str) -> list[bytes]:
     paths = sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")))

@@ -6,6 +6,7 @@ import os
 import re
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,6 +18,8 @@ from tools import diagnose_hang
 from training.guards import EXIT_HUNG
 from training.logging import get_logger
 from training.watchdog import WATCHDOG_GRACE_S, HangGuard
+
+pytestmark = pytest.mark.tier("fast")
 
 TIMEOUT_S = 2.0
 
