@@ -16,9 +16,13 @@ import sys
 import threading
 import time
 
+import pytest
+
 from tests.conftest import REPO_ROOT, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from tests.e2e.test_torchrun_signals import children, wait_gone
+
+pytestmark = pytest.mark.tier("full")  # the launch path: torchrun jobs whose rank raises
 
 EXIT_WITHIN_S = 60.0  # from the training loop's start to the end of every process (issue 40's bound)
 # the default run's data loader processes, on (tiny_train_args turns them off for speed)

@@ -15,6 +15,8 @@ from planner.fusion import BIAS_ACTIVATION, BIAS_DROPOUT_ADD, FUSIONS, SCALE_MAS
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
 
+pytestmark = pytest.mark.tier("fast")
+
 A100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_a100_80gb.yaml")
 PAPER = os.path.join(REPO_ROOT, "configs", "paper")
 

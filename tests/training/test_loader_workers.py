@@ -7,10 +7,13 @@ import os
 import time
 from typing import cast
 
+import pytest
 import torch
 
 from training.loader_workers import MicrobatchStream
 from training.preemption import ignore_stop_signals
+
+pytestmark = pytest.mark.tier("fast")
 
 
 class _Samples(torch.utils.data.Dataset):
