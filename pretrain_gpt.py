@@ -14,6 +14,11 @@ import argparse
 import os
 import sys
 
+from training.openmp_wait import passive_wait_default
+
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+os.environ.update(passive_wait_default(os.environ, sys.modules))
+
 import torch.distributed as dist
 
 from config.cli import one_config_file

@@ -112,8 +112,8 @@ KEY_DOCS: dict[str, dict[str, str]] = {
         "compile": "torch.compile each transformer layer (regional compilation).",
         "compile_backend": "torch.compile backend: inductor, aot_eager (tracing without code generation), eager "
         "or cudagraphs.",
-        "num_threads": "Intra-op threads per rank; 0: OMP_NUM_THREADS, else the free usable cores / local ranks "
-        "(training/threads.py).",
+        "num_threads": "Intra-op threads per rank; 0: OMP_NUM_THREADS, else the usable cores (affinity mask) / local "
+        "ranks, never the machine's load (training/threads.py).",
     },
     "optim": {
         "lr": "Peak learning rate (after warm-up).",

@@ -23,6 +23,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from training.openmp_wait import passive_wait_default
+
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+os.environ.update(passive_wait_default(os.environ, sys.modules))
+
 import torch.distributed as dist
 
 from data.indexed_dataset import IndexedDataset

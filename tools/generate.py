@@ -18,6 +18,11 @@ import os
 import sys
 import time
 
+from training.openmp_wait import passive_wait_default
+
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+os.environ.update(passive_wait_default(os.environ, sys.modules))
+
 import torch
 import torch.distributed as dist
 

@@ -192,6 +192,14 @@ def report_stragglers(run: Run) -> None:
     run.metrics.write(summary.record)
 
 
+def write_start_record(run: Run) -> None:
+    """metrics.jsonl's record at the start of a run and of each resume: the iteration it starts from and the
+    thread choice with its reason (the count decides a run's last bits, so a resume that differs from the run it
+    continues shows why)."""
+    if run.env.threads is not None:
+        run.metrics.write({"iteration": run.progress.iteration, **run.env.threads.record()})
+
+
 def train(run: Run, extra_evaluation: ExtraEvaluation | None = None) -> None:
     """The training loop: step, log, evaluate, save, until train_iters or an exit condition.
     `extra_evaluation(run)` (the zero-shot tasks of eval.*) runs after every iteration and returns the
@@ -212,6 +220,7 @@ def train_from(run: Run, train_iter: MicrobatchStream, extra_evaluation: ExtraEv
     """`train`'s loop over the batches of `train_iter`."""
     cfg, train_cfg, state = run.config, run.config.train, run.state
     job_start = job_start_time()
+    write_start_record(run)
     if run.progress.iteration == 0:
         run_evaluation(run)
     run.comm_counter.reset()  # count the first training iteration only, not the evaluation before it

@@ -22,7 +22,7 @@ from data.sample_corpus import ensure_sample_corpus
 from parallel.comm import Collectives
 from training.loader_workers import MicrobatchStream
 from training.preemption import ignore_stop_signals, stop_at_once
-from training.threads import log_thread_plan, set_threads
+from training.threads import ThreadPlan, log_thread_plan, set_threads
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config
@@ -38,6 +38,7 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
+    threads: ThreadPlan | None = None  # the intra-op thread choice init_distributed applied (None: not chosen here)
 
 
 def _gpus_allocated(environ) -> str | None:
@@ -108,7 +109,7 @@ def init_distributed(
             dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return DistEnv(world_size, rank, local_rank, local_world_size, device)
+    return DistEnv(world_size, rank, local_rank, local_world_size, device, plan)
 
 
 def barrier(env: DistEnv, comm: Collectives | None = None) -> None:

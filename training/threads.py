@@ -1,49 +1,55 @@
-"""How many intra-op threads a rank uses: train.num_threads, else OMP_NUM_THREADS, else its share of the
-cores that are free.
+"""How many intra-op threads a rank uses: train.num_threads, else OMP_NUM_THREADS, else the cores its process may
+run on divided between the node's ranks. Never the machine's load.
 
 `torch.set_num_threads` overrides OMP_NUM_THREADS, so a trainer that always sets it from the core count
-silently ignores the launcher's choice (torchrun exports OMP_NUM_THREADS=1). On a shared machine OpenMP
-threads that outnumber the free cores spin against other jobs: a tiny step took 26-47 s with two threads on
-two busy cores against 0.3 s with one, and the default run went from 305 to 1,100 ms/iter (3.6x) with one
-competing busy process on two cores, against 350-450 with one thread. So an explicit choice always wins, and
-the automatic one divides the cores this process may run on (its affinity mask, not the machine's count)
-between the ranks of the node, counting only the cores that are free when the run starts (their idle share
-over FREE_CORE_SAMPLE_S, from /proc/stat): on an idle machine that is every core, as before; next to a busy
-process it leaves that process its core (scripts/benchmarks/bench_threads_shared.py, docs/performance.md).
+silently ignores the launcher's choice (torchrun exports OMP_NUM_THREADS=1): an explicit choice always wins.
+The automatic count divides the cores in this process's affinity mask (not the machine's count) between the
+ranks of the node. It is a function of the run's topology only because the thread count changes a run's last
+bits (matmul blocking, reduction order): an earlier rule counted the cores free at start, and a run started
+next to a busy process (1 thread) and resumed on a quiet machine (2) differed at 1.2e-7 where resume is bitwise
+(issue 40). Sharing a busy machine gracefully is left to how the threads wait, which changes no result: the
+entry points make them sleep instead of spin (training/openmp_wait.py; next to one busy process on two cores
+spinning threads ran 4.65x slower than idle, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from training.logging import get_logger
-
-FREE_CORE_SAMPLE_S = 0.1  # how long the automatic count watches the cores before it counts the free ones
-# A core counts as free when it was idle at least this share of the sample: a neighbour's short bursts
-# (a shell, a logger) do not take a thread away; a busy process (idle share ~0) does.
-FREE_SHARE = 0.7
+from training.openmp_wait import describe_wait
 
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    """The thread count chosen for one rank and why."""
+    """The thread count chosen for one rank, why, and how its threads wait."""
 
     threads: int
-    source: str  # what decided it: "train.num_threads=4", "OMP_NUM_THREADS=1", "auto" or "auto, 1 core free"
+    source: str  # what decided it: "train.num_threads=4", "OMP_NUM_THREADS=1" or "auto"
     usable_cores: int  # cores in this process's affinity mask
     local_ranks: int  # ranks sharing this node's cores
+    wait: str = ""  # how idle OpenMP threads wait (training/openmp_wait.py), e.g. "OMP_WAIT_POLICY=PASSIVE"
 
     def describe(self) -> str:
-        """One log line: the count, what chose it, and the cores it shares."""
+        """One log line: the count, what chose it, the cores it shares and how its threads wait."""
         return (
             f"threads: {self.threads} per rank ({self.source}; {self.usable_cores} usable cores, "
-            f"{self.local_ranks} local rank(s))"
+            f"{self.local_ranks} local rank(s); {self.wait})"
         )
+
+    def record(self) -> dict[str, int | str]:
+        """The choice as metrics.jsonl fields (written once at the start of each run and resume)."""
+        return {
+            "threads": self.threads,
+            "threads_source": self.source,
+            "usable_cores": self.usable_cores,
+            "local_ranks": self.local_ranks,
+            "omp_wait": self.wait,
+        }
 
     def oversubscription(self) -> str | None:
         """A warning when the node's ranks together run more threads than the cores they may use."""
@@ -64,59 +70,22 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _cpu_times(cpus: Sequence[int]) -> dict[int, tuple[int, int]]:
-    """(idle, total) jiffies of each of `cpus` from /proc/stat (Linux)."""
-    times = {}
-    with open("/proc/stat", encoding="ascii") as handle:
-        for line in handle:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                values = [int(value) for value in fields[:8]]  # user nice system idle iowait irq softirq steal
-                times[int(name[3:])] = (values[3] + values[4], sum(values))
-    return times
-
-
-def free_cores(sample_s: float = FREE_CORE_SAMPLE_S) -> int | None:
-    """How many of this process's usable cores were idle (at least FREE_SHARE of `sample_s`) just now; None
-    where that cannot be read (not Linux)."""
-    if not hasattr(os, "sched_getaffinity") or not os.path.exists("/proc/stat"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    try:
-        before = _cpu_times(cpus)
-        time.sleep(sample_s)
-        after = _cpu_times(cpus)
-    except (OSError, ValueError):
-        return None
-    free = 0
-    for cpu, (idle, total) in after.items():
-        idle_before, total_before = before.get(cpu, (idle, total))
-        elapsed = total - total_before
-        if elapsed <= 0 or (idle - idle_before) / elapsed >= FREE_SHARE:
-            free += 1  # no tick counted: nothing ran there either
-    return free
-
-
-def plan_threads(
-    requested: int, environ: Mapping[str, str], local_ranks: int, cores: int, free: int | None = None
-) -> ThreadPlan:
+def plan_threads(requested: int, environ: Mapping[str, str], local_ranks: int, cores: int) -> ThreadPlan:
     """The thread count for one rank: `requested` (train.num_threads) when > 0, else a positive integer
-    OMP_NUM_THREADS, else (the `free` cores, when given, else all) // local_ranks, at least one."""
+    OMP_NUM_THREADS, else `cores` // local_ranks, at least one. It reads nothing that changes while a run's
+    topology stays the same (no load, no clock), so a resumed run computes what the uninterrupted one did."""
     local_ranks = max(local_ranks, 1)
+    wait = describe_wait(environ)
     if requested > 0:
-        return ThreadPlan(requested, f"train.num_threads={requested}", cores, local_ranks)
+        return ThreadPlan(requested, f"train.num_threads={requested}", cores, local_ranks, wait)
     omp = environ.get("OMP_NUM_THREADS", "").strip()
     # OpenMP accepts a list ("4,2") of per-nesting-level counts; the first is the intra-op one.
     first = omp.split(",")[0].strip()
     if first.isdigit() and int(first) >= 1:
-        return ThreadPlan(int(first), f"OMP_NUM_THREADS={omp}", cores, local_ranks)
+        return ThreadPlan(int(first), f"OMP_NUM_THREADS={omp}", cores, local_ranks, wait)
     # OpenMP ignores a malformed value too; say so in the log line rather than fail after start-up.
     source = f"auto, OMP_NUM_THREADS={omp!r} ignored" if omp else "auto"
-    available = cores
-    if free is not None and free < cores:
-        available = free
-        source += f", {free} of {cores} cores free"
-    return ThreadPlan(max(1, available // local_ranks), source, cores, local_ranks)
+    return ThreadPlan(max(1, cores // local_ranks), source, cores, local_ranks, wait)
 
 
 def check_cpu_requests(num_threads: int, data_workers: int, environ: Mapping[str, str], cores: int) -> None:
@@ -139,13 +108,9 @@ def check_cpu_requests(num_threads: int, data_workers: int, environ: Mapping[str
 
 
 def set_threads(requested: int, local_ranks: int, environ: Mapping[str, str] | None = None) -> ThreadPlan:
-    """Choose (see `plan_threads`) and apply this rank's intra-op thread count; returns the plan to log. The
-    free cores are measured only where the automatic count would give a rank more than one thread."""
+    """Choose (see `plan_threads`) and apply this rank's intra-op thread count; returns the plan to log."""
     environ = os.environ if environ is None else environ
-    cores = usable_cores()
-    plan = plan_threads(requested, environ, local_ranks, cores)
-    if plan.source == "auto" and plan.threads > 1:
-        plan = plan_threads(requested, environ, local_ranks, cores, free_cores())
+    plan = plan_threads(requested, environ, local_ranks, usable_cores())
     torch.set_num_threads(plan.threads)
     return plan
 

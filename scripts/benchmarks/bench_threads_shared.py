@@ -1,18 +1,20 @@
 """The trainer's default thread count on a shared machine: ms/iteration idle and next to one busy process.
 
-Runs the default config (`python pretrain_gpt.py`, no thread setting: OMP_NUM_THREADS is removed from the
-environment) --iters iterations, idle and then with one competing busy process (a Python loop spinning on one
-core, started --settle seconds before the run), --rounds times each, alternating, and prints the median
-ms/iteration after --warmup of each run and the ratio busy / idle of the best round of each. Other thread
-choices can be compared with --case NAME=ENV_OR_OVERRIDE,... (for example `one=train.num_threads=1` or
-`passive=OMP_WAIT_POLICY=PASSIVE`; an upper-case KEY=VALUE is an environment variable).
+Runs the default config (`python pretrain_gpt.py`, no thread setting: OMP_NUM_THREADS, OMP_WAIT_POLICY and
+GOMP_SPINCOUNT are removed from the environment, so the trainer's own choices apply) --iters iterations, idle and
+then with one competing busy process (a Python loop spinning on one core, started --settle seconds before the
+run), --rounds times each, alternating, and prints the median ms/iteration after --warmup of each run and the
+ratio busy / idle of the best round of each. Other choices can be compared with --case NAME=ENV_OR_OVERRIDE,...
+(for example `one=train.num_threads=1`, or `spin=OMP_WAIT_POLICY=`: an empty value keeps the trainer from
+choosing the wait, so libgomp spins as it does by default; an upper-case KEY=VALUE is an environment variable).
 
     python scripts/benchmarks/bench_threads_shared.py [--iters 20] [--warmup 5] [--rounds 3]
         [--case one=train.num_threads=1 ...]
 
-Acceptance (issue 33): with one competing busy process the default run takes at most 2x its idle ms/iteration,
-and its idle speed does not drop against the previous default (all cores // local ranks: `--case
-all_cores=train.num_threads=N`, N = the usable cores). Run it on an otherwise idle machine (`uptime` load < 1).
+Acceptance (issues 33 and 40): with one competing busy process the default run takes at most 2x its idle
+ms/iteration, with the thread count fixed by the topology (all cores // local ranks, whatever the load: the
+numerics must not depend on it), against spinning threads (`--case spin=OMP_WAIT_POLICY=`). Run it on an
+otherwise idle machine (`uptime` load < 1).
 """
 
 from __future__ import annotations

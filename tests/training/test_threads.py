@@ -1,15 +1,19 @@
-"""The trainer's thread count: train.num_threads, then OMP_NUM_THREADS, then free usable cores / local ranks."""
+"""The trainer's thread count: train.num_threads, then OMP_NUM_THREADS, then usable cores / local ranks (never the
+load); and how its OpenMP threads wait."""
 
 from __future__ import annotations
 
+import builtins
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from training import threads
-from training.threads import plan_threads, usable_cores
+from training.openmp_wait import describe_wait, passive_wait_default
+from training.threads import plan_threads, set_threads, usable_cores
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -71,29 +75,85 @@ def test_trainer_start_up_takes_the_config_key():
     assert count == 2 and "train.num_threads=2" in log
 
 
-def test_auto_counts_only_the_free_cores():
-    """Next to a busy process the automatic count leaves it its core (issue 33: 3.6x slower otherwise)."""
-    plan = plan_threads(0, {}, local_ranks=1, cores=2, free=1)
-    assert plan.threads == 1 and plan.source == "auto, 1 of 2 cores free"
-    assert plan_threads(0, {}, local_ranks=1, cores=2, free=0).threads == 1  # never zero
-    assert plan_threads(0, {}, local_ranks=1, cores=2, free=2) == plan_threads(0, {}, local_ranks=1, cores=2)
-    assert plan_threads(0, {}, local_ranks=2, cores=8, free=6).threads == 3
+def test_auto_is_fixed_by_the_topology():
+    """Issue 40: the automatic count is usable cores // local ranks whatever else runs; a count that followed the
+    free cores made a run resumed on a quiet machine differ from its start next to a busy process."""
+    plan = plan_threads(0, {}, local_ranks=1, cores=2)
+    assert (plan.threads, plan.source) == (2, "auto")
+    assert plan_threads(0, {}, local_ranks=2, cores=8).threads == 4
 
 
-def test_an_explicit_count_ignores_the_free_cores():
-    assert plan_threads(2, {}, local_ranks=1, cores=2, free=1).threads == 2
-    assert plan_threads(0, {"OMP_NUM_THREADS": "2"}, local_ranks=1, cores=2, free=1).threads == 2
+def test_the_choice_reads_no_load(monkeypatch):
+    """set_threads decides without /proc/stat, /proc/loadavg, os.getloadavg or a sample over time."""
+    real_open = builtins.open
+
+    def no_load_open(file, *args, **kwargs):
+        if str(file).startswith(("/proc/stat", "/proc/loadavg")):
+            raise AssertionError(f"the thread choice read {file}")
+        return real_open(file, *args, **kwargs)
+
+    def no_sampling(*args):
+        raise AssertionError("the thread choice sampled the machine over time or read its load")
+
+    monkeypatch.setattr(builtins, "open", no_load_open)
+    monkeypatch.setattr(os, "getloadavg", no_sampling)
+    monkeypatch.setattr(time, "sleep", no_sampling)
+    before = torch.get_num_threads()
+    try:
+        plan = set_threads(0, 1, {})
+        assert plan.threads == torch.get_num_threads() == usable_cores() and plan.source == "auto"
+    finally:
+        torch.set_num_threads(before)
 
 
-def test_free_cores_counts_the_cores_idle_over_the_sample(monkeypatch):
-    """cpu0 busy the whole sample, cpu1 idle 90% of it, cpu2 idle 50%: one free core."""
-    snapshots = iter(
-        [{0: (100, 1000), 1: (100, 1000), 2: (100, 1000)}, {0: (100, 1100), 1: (190, 1100), 2: (150, 1100)}]
+def test_the_plan_names_its_wait_and_writes_a_record():
+    plan = plan_threads(0, {"OMP_WAIT_POLICY": "PASSIVE"}, local_ranks=2, cores=4)
+    assert plan.describe() == "threads: 2 per rank (auto; 4 usable cores, 2 local rank(s); OMP_WAIT_POLICY=PASSIVE)"
+    assert plan.record() == {
+        "threads": 2,
+        "threads_source": "auto",
+        "usable_cores": 4,
+        "local_ranks": 2,
+        "omp_wait": "OMP_WAIT_POLICY=PASSIVE",
+    }
+    assert plan_threads(1, {}, local_ranks=1, cores=2).wait == "OpenMP's default wait (spins, then sleeps)"
+
+
+def test_passive_wait_is_added_only_before_torch_and_only_when_unset():
+    assert passive_wait_default({}, set()) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert passive_wait_default({"OMP_WAIT_POLICY": "ACTIVE"}, set()) == {}  # the user's choice stands
+    assert passive_wait_default({"GOMP_SPINCOUNT": "10000"}, set()) == {}
+    assert passive_wait_default({}, {"torch"}) == {}  # libgomp has read its settings already
+    assert describe_wait({"GOMP_SPINCOUNT": "10000", "OMP_WAIT_POLICY": "ACTIVE"}) == (
+        "OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=10000"
     )
-    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(snapshots))
-    assert threads.free_cores(sample_s=0.0) == 1
 
 
-def test_free_cores_reads_this_machine():
-    free = threads.free_cores(sample_s=0.05)
-    assert free is None or 0 <= free <= usable_cores()
+# Run in a fresh interpreter: records OMP_WAIT_POLICY at the moment `import torch` starts (libgomp's only read).
+_WAIT_AT_TORCH_IMPORT = """
+import os, sys
+seen = []
+def hook(event, args):
+    if event == "import" and args[0] == "torch" and not seen:
+        seen.append(os.environ.get("OMP_WAIT_POLICY"))
+sys.addaudithook(hook)
+import importlib
+importlib.import_module(sys.argv[1])
+print("wait at torch import:", seen)
+"""
+
+
+@pytest.mark.parametrize("entry_point", ["pretrain_gpt", "tools.evaluate", "tools.generate"])
+def test_entry_points_set_passive_wait_before_torch_loads(entry_point):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = subprocess.run(
+        [sys.executable, "-c", _WAIT_AT_TORCH_IMPORT, entry_point],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "wait at torch import: ['PASSIVE']" in out.stdout
