@@ -25,6 +25,7 @@ from config.cli import one_config_file
 from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
 from evaluation.in_training import zero_shot_tasks
+from parallel.group_setup import GroupCreationTimeout
 from parallel.layout import layout_from_config
 from training.faults import fault_from_env
 from training.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
@@ -92,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     created_dir = not os.path.exists(config.run.dir)
     lock = RunLock(config.run.dir)
     with PreemptionHandler() as preemption:  # from here on a signal stops at an iteration boundary
-        env = init_distributed(use_cuda, config.train.num_threads, timeout_s=config.parallel.init_timeout_s)
+        try:
+            env = init_distributed(use_cuda, config.train.num_threads, timeout_s=config.parallel.init_timeout_s)
+        except GroupCreationTimeout as err:  # a rank missing at the rendezvous: the start-up's first timeout
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_HUNG
         try:
             error = take_run_lock(lock, env.rank, env.world_size, env.device)
             if error is not None:

@@ -83,7 +83,8 @@ KEY_DOCS: dict[str, dict[str, str]] = {
         "fsdp_replicate": "With fsdp: HSDP replicas of the sharded model (dp = fsdp_replicate x the shard group); "
         "1: plain FSDP.",
         "init_timeout_s": "Seconds a collective may wait during start-up (process groups, data indices, loading a "
-        "checkpoint, the first iteration) and every checkpoint save; then the rank dumps diagnostics and exits 5.",
+        "checkpoint, the first iteration) and every checkpoint save; then the rank dumps diagnostics and exits 5. "
+        "At least 1 s.",
         "train_timeout_s": "Seconds a collective may wait after the first iteration; a rank that makes no progress "
         "for this + 5 s is stopped by its watchdog (exit 5); docs/operations.md.",
     },

@@ -31,6 +31,8 @@ from model.config import ModelConfig
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
 LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
+MIN_INIT_TIMEOUT_S = 1.0  # parallel.init_timeout_s below this is refused (ParallelConfig.validate says why)
+WEEK_S = 7 * 24 * 3600  # the largest timeout taken: beyond it a typo, not a plan
 
 
 if TYPE_CHECKING:
@@ -72,9 +74,17 @@ class ParallelConfig:
         # live in parallel/layout.py (build_layout), called by every entry point.
         if self.grad_bucket_size_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
-        for key in ("init_timeout_s", "train_timeout_s"):
-            if not 0 < getattr(self, key) <= 7 * 24 * 3600:
-                raise ConfigError(f"parallel.{key}={getattr(self, key)} must be > 0 and at most a week (604800)")
+        # A value under a second cannot be meant: the ranks of one node, started together, reached the first
+        # rendezvous up to 0.74 s apart here (torch's import alone), and each rank waits there for the last.
+        if not MIN_INIT_TIMEOUT_S <= self.init_timeout_s <= WEEK_S:
+            raise ConfigError(
+                f"parallel.init_timeout_s={self.init_timeout_s} must be at least {MIN_INIT_TIMEOUT_S:g} s (every rank "
+                f"joins the process groups within it) and at most a week ({WEEK_S})"
+            )
+        if not 0 < self.train_timeout_s <= WEEK_S:
+            raise ConfigError(
+                f"parallel.train_timeout_s={self.train_timeout_s} must be > 0 and at most a week ({WEEK_S})"
+            )
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
         self._validate_fsdp()

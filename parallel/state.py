@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives, CommRecorder
+from parallel.group_setup import creating_group
 from parallel.layout import Layout, derive_dp_size
 from parallel.pipeline.stages import StageMap
 from parallel.rank_grid import RankGrid
@@ -114,13 +115,15 @@ class ParallelState:
         fsdp_replicate: int = 1,
     ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective).
-        `timeout_s`: the timeout of the new groups' collectives (None: torch's default, not the world's).
+        `timeout_s`: the timeout of the new groups' creation and collectives (None: torch's default, not the
+        world's); a creation that times out raises GroupCreationTimeout (parallel/group_setup.py).
         `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
 
         def new_group(ranks: list[int]) -> ProcessGroup:  # (torch's sentinel on non-members, never kept)
-            return dist.new_group(ranks, timeout=timeout)
+            with creating_group(f"the process group of ranks {ranks}", rank, timeout_s):
+                return dist.new_group(ranks, timeout=timeout)
 
         dp_size = derive_dp_size(world_size, tp_size, pp_size, cp_size)
         state = cls(

@@ -8,8 +8,9 @@ Exit codes of pretrain_gpt.py (every rank):
     3    stopped by SIGTERM / SIGUSR1 / SIGINT after saving a checkpoint of the last finished iteration
     4    training diverged: train.max_nonfinite_iters iterations in a row with a non-finite loss or gradient
          norm, or an fp16 loss scale stuck at its minimum (no checkpoint is written from such a state)
-    5    a hang: a collective timed out or failed (parallel.init_timeout_s / train_timeout_s), or the rank made no
-         progress and its watchdog stopped it (training/watchdog.py); each rank that could wrote its dump under
+    5    a hang: a collective timed out or failed (parallel.init_timeout_s / train_timeout_s; creating a process
+         group included, parallel/group_setup.py), or the rank made no progress and its watchdog stopped it
+         (training/watchdog.py); each rank that could wrote its dump under
          run.dir/diagnostics/ (read them with tools/diagnose_hang.py); the last complete checkpoint stays the
          latest. A failure to SLURM: scripts/slurm/pretrain_gpt.sbatch requeues only after its USR1 warning.
     130  a second SIGINT: stopped at once, no checkpoint

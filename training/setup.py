@@ -20,6 +20,7 @@ from data.microbatch import Microbatch
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
 from parallel.comm import Collectives
+from parallel.group_setup import creating_group
 from training.loader_workers import MicrobatchStream
 from training.preemption import ignore_stop_signals, stop_at_once
 from training.threads import ThreadPlan, log_thread_plan, set_threads
@@ -88,7 +89,8 @@ def init_distributed(
     `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
     train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py);
     `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output);
-    `timeout_s` bounds the world group's collectives (parallel.init_timeout_s; None: torch's default).
+    `timeout_s` bounds the world group's creation and collectives (parallel.init_timeout_s; None: torch's
+    default); a creation that times out raises GroupCreationTimeout (parallel/group_setup.py), naming it.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -105,10 +107,11 @@ def init_distributed(
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
-            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
-        else:
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        with creating_group(f"the world process group ({world_size} ranks, {backend})", rank, timeout_s):
+            if device.type == "cuda":  # binds the NCCL communicator to this rank's GPU at once
+                dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
+            else:
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(world_size, rank, local_rank, local_world_size, device, plan)
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
+from collections.abc import Sequence
 
 import numpy as np
 
 import pretrain_gpt
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from tests.conftest import tiny_train_args
+from tests.conftest import free_port, tiny_train_args
 
 QUICK = ("train.train_iters=2", "train.eval_iters=0", "optim.lr_warmup_iters=0")
 
@@ -19,6 +21,27 @@ def run_main(corpus: dict, run_dir: str, *extra: str, config: str | None = None)
     return pretrain_gpt.main(
         ["--config", config or pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]
     )
+
+
+def _trainer_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os._exit(pretrain_gpt.main(argv))  # its code, without gloo's teardown
+
+
+def run_trainer_ranks(corpus: dict, run_dir: str, world_size: int, ranks: Sequence[int], *extra: str) -> list:
+    """`run_main` as ranks `ranks` of a `world_size`-rank job on this node, each forked from this process (no
+    launcher: a rank left out never starts, as on a node that failed to). Returns their exit codes, in order."""
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]
+    port, context = free_port(), multiprocessing.get_context("fork")
+    processes = [context.Process(target=_trainer_rank, args=(rank, world_size, port, argv)) for rank in ranks]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(240)
+        if process.exitcode is None:
+            process.kill()
+    return [process.exitcode for process in processes]
 
 
 def one_error_line(capsys) -> str:

@@ -1,11 +1,13 @@
 """Fault class "tracebacks instead of a message" (issue 24): sizes that cannot fit, odd blends, malformed
-run.lock contents, a full disk at the metrics write, a tool's missing output folder. Each ends with one line
-and the documented exit code, or (a lock or folder that can be recovered) runs on with a warning."""
+run.lock contents, a full disk at the metrics write, a tool's missing output folder, a start-up timeout too short
+or a rank that never joins (issue 40). Each ends with one line and the documented exit code, or (a lock or
+folder that can be recovered) runs on with a warning."""
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 import types
 
 import pytest
@@ -15,9 +17,9 @@ import pretrain_gpt
 from config.schema import load_config
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics
-from tests.e2e.faults import QUICK, one_error_line, run_main
+from tests.e2e.faults import QUICK, one_error_line, run_main, run_trainer_ranks
 from tools import merge_datasets, pipeline_timeline
-from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR
+from training.guards import EXIT_ERROR, EXIT_HUNG, EXIT_INPUT_ERROR
 from training.logging import MetricsWriteError, MetricsWriter
 from training.run_lock import LOCK_NAME
 from training.size_check import check_fits
@@ -135,3 +137,35 @@ def test_size_check_uses_the_gpus_memory_under_cuda(monkeypatch):
     big = load_config(pretrain_gpt.DEFAULT_CONFIG, gpt3)
     with pytest.raises(ValueError, match=r"one rank has 141.0 GiB \(the NVIDIA H200's 141.0 GiB\)"):
         check_fits(big, layout_from_config(big, 1), True, {"LOCAL_RANK": "0"})
+
+
+def _error_lines(capfd) -> list[str]:
+    """The `error:` lines the ranks wrote to stderr, after checking that no Python traceback came with them."""
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_a_sub_second_init_timeout_is_refused_on_every_rank(tiny_corpus, tmp_path, capfd):
+    run_dir = str(tmp_path / "run")
+    codes = run_trainer_ranks(tiny_corpus, run_dir, 2, [0, 1], *QUICK, "parallel.init_timeout_s=0.01")
+    assert codes == [EXIT_INPUT_ERROR, EXIT_INPUT_ERROR]
+    expected = "error: parallel.init_timeout_s=0.01 must be at least 1 s (every rank joins the process groups"
+    lines = _error_lines(capfd)
+    assert len(lines) == 2 and all(line.startswith(expected) for line in lines), lines
+    assert not os.path.exists(run_dir)
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["store-host-alone", "rank-1-alone"])
+def test_a_rank_that_never_joins_ends_start_up_in_one_line(tiny_corpus, tmp_path, capfd, rank):
+    """The other rank of two never starts: the one that did waits parallel.init_timeout_s at the rendezvous
+    (rank 0 for its peer's key, rank 1 to reach rank 0's store), then exits 5 like any start-up timeout."""
+    run_dir = str(tmp_path / "run")
+    started = time.monotonic()
+    assert run_trainer_ranks(tiny_corpus, run_dir, 2, [rank], *QUICK, "parallel.init_timeout_s=1") == [EXIT_HUNG]
+    lines = _error_lines(capfd)
+    expected = f"error: rank {rank}: creating the world process group (2 ranks, gloo) timed out after "
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert "(parallel.init_timeout_s=1): not every rank joined within it" in lines[0], lines[0]
+    assert time.monotonic() - started < 60.0  # the 1 s bound, not torch's 30 minutes
+    assert not os.path.exists(run_dir)

@@ -247,7 +247,12 @@ def test_file_errors_name_the_file_and_the_key(tmp_path):
         ("train.max_nonfinite_iters=0", r"train\.max_nonfinite_iters=0 must be >= 1"),
         ("train.device=tpu", r"train\.device='tpu' is not one of auto, cuda, cpu"),
         ("parallel.train_timeout_s=0", r"parallel\.train_timeout_s=0\.0 must be > 0 and at most a week \(604800\)"),
-        ("parallel.init_timeout_s=1e9", r"parallel\.init_timeout_s=1000000000\.0 must be > 0 and at most a week"),
+        (
+            "parallel.init_timeout_s=1e9",
+            r"parallel\.init_timeout_s=1000000000\.0 must be at least 1 s .* at most a week",
+        ),
+        ("parallel.init_timeout_s=0.01", r"parallel\.init_timeout_s=0\.01 must be at least 1 s \(every rank joins"),
+        ("parallel.init_timeout_s=0", r"parallel\.init_timeout_s=0\.0 must be at least 1 s"),
         ("logging.straggler_interval=-1", r"logging\.straggler_interval=-1 must be >= 0 \(0: no report\)"),
         ("logging.straggler_threshold=0", r"logging\.straggler_threshold=0\.0 must be > 0"),
         (

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from parallel.comm import Collectives
+from parallel.group_setup import creating_group
 from training.checkpoint import files
 from training.checkpoint.files import CheckpointError
 from training.checkpoint.state import staged_copy
@@ -210,7 +211,10 @@ class Checkpointer:
         # Own gloo group: object collectives on CPU also under NCCL, and the background thread's collectives
         # never interleave with the training loop's on the default group.
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        self.group: ProcessGroup | None = None
+        if distributed:
+            with creating_group("the checkpoint process group (gloo)", dist.get_rank(), timeout_s):
+                self.group = dist.new_group(backend="gloo", timeout=timeout)
         if comm is not None and self.group is not None:
             comm.register(self.group, "checkpoint", dist.get_world_size())
         self._thread: threading.Thread | None = None
