@@ -11,7 +11,8 @@ import yaml
 from config.schema import load_config
 from planner.activations import shape_from_config
 from planner.cluster import ClusterError, load_cluster
-from planner.fusion import BIAS_ACTIVATION, BIAS_DROPOUT_ADD, FUSIONS, SCALE_MASK_SOFTMAX, unfused_bytes
+from planner.costs import unfused_bytes
+from planner.fusion import BIAS_ACTIVATION, BIAS_DROPOUT_ADD, FUSIONS, SCALE_MASK_SOFTMAX
 from tests.conftest import REPO_ROOT
 from tools.plan import main as plan_main
 
