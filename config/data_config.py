@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from model.config import check_declared, key_spec
+
 
 def _expand_home(value: object) -> object:
     """`~/x` -> `/home/me/x` for path strings; anything else (numbers, None) unchanged."""
@@ -33,40 +35,105 @@ DEFAULT_SPLIT = "969,30,1"
 
 @dataclass
 class DataConfig:
-    data_path: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2]; empty = sample corpus
-    split: str = DEFAULT_SPLIT
-    # Megatron's separate splits: each a blend list as data_path, all of its documents in that split (instead
-    # of data_path and split)
-    train_data_path: list = field(default_factory=list)
-    valid_data_path: list = field(default_factory=list)
-    test_data_path: list = field(default_factory=list)
-    # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer (text = ids; its size is
-    # model.vocab_size). Relative file paths: see resolve_data_file.
-    tokenizer_type: str = "GPT2BPETokenizer"
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    tokenizer_model: str | None = None  # SentencePiece .model, or a tokenizer.json (or its folder)
-    # With no data path: true trains on the bundled sample corpus even where model.vocab_size is set for another
-    # tokenizer (throughput measurements of a real model size); false refuses that (training/setup.py).
-    use_sample_corpus: bool = False
-    cache_dir: str | None = None  # index caches (Megatron's --data-cache-path); None = next to the data
-    num_workers: int = 1
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    # Megatron's GPTDatasetConfig options (same names, same defaults), see data/builder.py BuildOptions.
-    add_extra_token_to_sequence: bool = True  # False: samples of exactly seq_length tokens
-    drop_last_partial_validation_sequence: bool = True
-    mid_level_dataset_surplus: float = 0.005  # margin each weighted blend component is built with
+    """Where tokens come from (Megatron's .bin/.idx, or the bundled sample corpus), tokenizers, samples."""
 
-    SPLIT_KEYS: ClassVar[tuple[str, str, str]] = ("train_data_path", "valid_data_path", "test_data_path")
     TOKENIZER_TYPES: ClassVar[tuple[str, ...]] = (
         "GPT2BPETokenizer",
         "SentencePieceTokenizer",
         "HuggingFaceTokenizer",
         "NullTokenizer",
     )
+    SPLIT_KEYS: ClassVar[tuple[str, str, str]] = ("train_data_path", "valid_data_path", "test_data_path")
     FILE_KEYS: ClassVar[tuple[str, str, str]] = ("vocab_file", "merge_file", "tokenizer_model")
+
+    data_path: list = field(
+        default_factory=list,
+        metadata=key_spec(
+            "A blend of .bin/.idx prefixes: [prefix], [w1, prefix1, w2, prefix2] or [prefix1, prefix2] (by size); "
+            "split by data.split. Empty: the bundled sample corpus."
+        ),
+    )
+    split: str = field(
+        default=DEFAULT_SPLIT,
+        metadata=key_spec(
+            "Train, validation and test shares of data_path's documents, e.g. 969,30,1 (Megatron's order)."
+        ),
+    )
+    train_data_path: list = field(
+        default_factory=list,
+        metadata=key_spec(
+            "Megatron's separate splits: a blend list as data_path, all of its documents for training (instead of "
+            "data_path and split)."
+        ),
+    )
+    valid_data_path: list = field(
+        default_factory=list,
+        metadata=key_spec("With train_data_path: the validation blend (no prefix of the training one)."),
+    )
+    test_data_path: list = field(
+        default_factory=list, metadata=key_spec("With train_data_path: the test blend (no prefix of the training one).")
+    )
+    tokenizer_type: str = field(
+        default="GPT2BPETokenizer",
+        metadata=key_spec(
+            "GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer (a tokenizer.json) or NullTokenizer (the "
+            "text is already ids; the vocabulary is model.vocab_size).",
+            choices=TOKENIZER_TYPES,
+        ),
+    )
+    # Relative tokenizer file paths: see resolve_data_file.
+    vocab_file: str | None = field(
+        default=None,
+        metadata=key_spec(
+            "GPT-2 BPE vocab.json (relative: from the working directory, else the config file's folder)."
+        ),
+    )
+    merge_file: str | None = field(
+        default=None, metadata=key_spec("GPT-2 BPE merges.txt (relative paths as vocab_file).")
+    )
+    tokenizer_model: str | None = field(
+        default=None,
+        metadata=key_spec("SentencePiece .model, or a tokenizer.json (or its folder) for HuggingFaceTokenizer."),
+    )
+    # Throughput measurements of a real model size need no real data; false refuses it (training/setup.py).
+    use_sample_corpus: bool = field(
+        default=False,
+        metadata=key_spec(
+            "With no data path: train on the sample corpus even where model.vocab_size is set for another "
+            "tokenizer (speed measurements at that size); false refuses that."
+        ),
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=key_spec(
+            "Folder of the sample-index caches (Megatron's --data-cache-path). null: index-cache/ beside the first "
+            "prefix."
+        ),
+    )
+    num_workers: int = field(
+        default=1, metadata=key_spec("Data loader processes per rank (0: load in the training process).", ge=0)
+    )
+    eod_mask_loss: bool = field(default=False, metadata=key_spec("Give end-of-document tokens loss weight 0."))
+    reset_position_ids: bool = field(
+        default=False, metadata=key_spec("Restart position ids after each end-of-document token.")
+    )
+    reset_attention_mask: bool = field(
+        default=False, metadata=key_spec("Tokens after an end-of-document token do not attend to those before it.")
+    )
+    # Megatron's GPTDatasetConfig options (same names, same defaults), see data/builder.py BuildOptions.
+    add_extra_token_to_sequence: bool = field(
+        default=True,
+        metadata=key_spec(
+            "Megatron's: samples of seq_length + 1 tokens (inputs and shifted labels); false: exactly seq_length."
+        ),
+    )
+    drop_last_partial_validation_sequence: bool = field(
+        default=True, metadata=key_spec("Megatron's: drop the validation split's last partial sample.")
+    )
+    mid_level_dataset_surplus: float = field(
+        default=0.005,
+        metadata=key_spec("Megatron's: margin of extra samples each weighted blend component is built with.", ge=0),
+    )
 
     @property
     def has_data(self) -> bool:
@@ -74,8 +141,8 @@ class DataConfig:
         return bool(self.data_path) or any(getattr(self, key) for key in self.SPLIT_KEYS)
 
     def validate(self) -> None:
-        if not self.mid_level_dataset_surplus >= 0:
-            raise ValueError(f"data.mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0")
+        """The declared checks, then each blend list's shape and the rules between this section's keys."""
+        check_declared(self, "data")
         for key in ("data_path", *self.SPLIT_KEYS):
             setattr(self, key, [_expand_home(item) for item in getattr(self, key)])
         for key in ("vocab_file", "merge_file", "tokenizer_model", "cache_dir"):
@@ -94,12 +161,6 @@ class DataConfig:
             raise ValueError("data.valid_data_path / test_data_path are set without data.train_data_path: give it too")
         if self.use_sample_corpus and self.has_data:
             raise ValueError("data.use_sample_corpus=true and a data path are both set: give one of them")
-        if self.tokenizer_type not in self.TOKENIZER_TYPES:
-            raise ValueError(
-                f"data.tokenizer_type={self.tokenizer_type!r} is not one of {', '.join(self.TOKENIZER_TYPES)}"
-            )
-        if self.num_workers < 0:
-            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
 
     def check_sources(self) -> None:
         """What a new run is asked to read: an empty file or folder name (data.cache_dir="" would silently keep

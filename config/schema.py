@@ -26,13 +26,15 @@ import yaml
 from config.data_config import DataConfig, resolve_data_file
 from config.key_hints import closest_key
 from config.yaml_reader import YamlBoundError, load_yaml_text, read_yaml_file
-from model.config import ModelConfig
+from model.config import ModelConfig, check_declared, key_spec
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
 LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
-MIN_INIT_TIMEOUT_S = 1.0  # parallel.init_timeout_s below this is refused (ParallelConfig.validate says why)
-WEEK_S = 7 * 24 * 3600  # the largest timeout taken: beyond it a typo, not a plan
+# parallel.init_timeout_s below this is refused: the ranks of one node, started together, reached the first
+# rendezvous up to 0.74 s apart here (torch's import alone), and each rank waits there for the last
+MIN_INIT_TIMEOUT_S = 1
+WEEK_S = 7 * 24 * 3600  # the longest collective timeout taken (parallel.init_timeout_s, train_timeout_s)
 
 
 if TYPE_CHECKING:
@@ -47,51 +49,138 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    tp_size: int = 1
-    pp_size: int = 1
-    vp_size: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
-    cp_size: int = 1  # context parallelism: each sequence split over cp ranks, ring attention (parallel/layout.py)
-    cp_attention_backend: str = "torch"  # block attention of the ring: torch (returns the log-sum-exp) | sdpa
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    overlap_param_gather: bool = False  # distributed optimizer: all-gather params in the background (same numbers)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-v (vp_size=2); rules: parallel/layout.py
-    scatter_gather: bool = True  # paper section 4.1: send 1/tp of each activation between stages
-    overlap_p2p_comm: bool = True  # compute while a step's pipeline messages are in flight (same numbers)
-    grad_bucket_size_mb: float = 25.0
-    # Sharded data parallelism (ZeRO-3) with torch's FSDP2 over the dp (x cp) ranks (parallel/fsdp.py)
-    fsdp: bool = False
-    fsdp_reshard_after_forward: bool = True  # false: parameters stay gathered from forward to backward (ZeRO-2 like)
-    fsdp_replicate: int = 1  # HSDP: replicas of the sharded model (dp = fsdp_replicate x the shard group)
-    # Seconds a collective may wait (training/watchdog.py, docs/operations.md): start-up (process groups, loading a
-    # checkpoint, the first iteration) and every checkpoint save, then steady training after the first step; a rank
-    # that makes no progress that long (+5 s) is stopped by its watchdog. torchtitan's defaults.
-    init_timeout_s: float = 300.0
-    train_timeout_s: float = 100.0
+    """How the ranks split the work: tp, cp, pp, vp, dp (the rest of the world), schedules, FSDP, timeouts."""
+
+    # The sizes and the schedule are checked against the model and the world size, all in one place:
+    # parallel/layout.py (build_layout), called by every entry point.
+    tp_size: int = field(
+        default=1,
+        metadata=key_spec(
+            "Tensor-parallel size: each layer's GEMMs split over tp ranks (Megatron's column/row split)."
+        ),
+    )
+    pp_size: int = field(default=1, metadata=key_spec("Pipeline-parallel size: the layers cut into pp stages."))
+    vp_size: int = field(
+        default=1,
+        metadata=key_spec(
+            "Virtual pipeline stages (model chunks) per pipeline rank: 2 or more for the interleaved schedule, 2 "
+            "for zb-v."
+        ),
+    )
+    cp_size: int = field(
+        default=1,
+        metadata=key_spec(
+            "Context-parallel size: each sequence cut into 2 x cp chunks over cp ranks, attention as a ring "
+            "(model.seq_length must divide by 2 x cp)."
+        ),
+    )
+    cp_attention_backend: str = field(
+        default="torch",
+        metadata=key_spec(
+            "Block attention of the ring: torch (matmul + log-sum-exp). sdpa returns no log-sum-exp and is refused "
+            "with cp_size > 1."
+        ),
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=key_spec(
+            "With tp > 1: norms, dropout and residuals work on 1/tp of the sequence; all-gather / reduce-scatter "
+            "replace the all-reduces."
+        ),
+    )
+    distributed_optimizer: bool = field(
+        default=False,
+        metadata=key_spec(
+            "ZeRO-1: the fp32 master weights and Adam moments sharded over dp (x cp); gradients reduce-scattered, "
+            "parameters all-gathered."
+        ),
+    )
+    overlap_param_gather: bool = field(
+        default=False,
+        metadata=key_spec(
+            "With the distributed optimizer: all-gather updated parameters in the background, each bucket waited "
+            "for by the next forward (same numbers)."
+        ),
+    )
+    schedule: str = field(
+        default="1f1b",
+        metadata=key_spec(
+            "Pipeline schedule: gpipe, 1f1b, interleaved (vp_size > 1), zb-h1 or zb-v (vp_size=2, zero bubble). "
+            "Rules: parallel/layout.py."
+        ),
+    )
+    scatter_gather: bool = field(
+        default=True,
+        metadata=key_spec(
+            "The paper's section 4.1: with tp > 1 and no sequence parallelism, each tp rank sends 1/tp of an "
+            "activation between stages and the receiver all-gathers it."
+        ),
+    )
+    overlap_p2p_comm: bool = field(
+        default=True,
+        metadata=key_spec(
+            "Compute while a step's pipeline messages are in flight, unless the action needs them (same numbers)."
+        ),
+    )
+    grad_bucket_size_mb: float = field(
+        default=25.0,
+        metadata=key_spec(
+            "Size in MiB of the gradient buckets whose dp all-reduce (or reduce-scatter) starts while backward runs.",
+            gt=0,
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Sharded data parallelism (ZeRO-3) with torch's FSDP2 over the dp (x cp) ranks, one unit per layer; pp "
+            "must be 1, instead of distributed_optimizer."
+        ),
+    )
+    fsdp_reshard_after_forward: bool = field(
+        default=True,
+        metadata=key_spec(
+            "With fsdp: free each layer's gathered parameters after forward and gather again in backward (false: "
+            "keep them, ZeRO-2 like)."
+        ),
+    )
+    fsdp_replicate: int = field(
+        default=1,
+        metadata=key_spec(
+            "With fsdp: HSDP replicas of the sharded model (dp = fsdp_replicate x the shard group); 1: plain FSDP.",
+            ge=1,
+        ),
+    )
+    # torchtitan's defaults (training/watchdog.py, docs/operations.md).
+    init_timeout_s: float = field(
+        default=300.0,
+        metadata=key_spec(
+            "Seconds a collective may wait during start-up (process groups, data indices, loading a checkpoint, "
+            "the first iteration) and every checkpoint save; then the rank dumps diagnostics and exits 5. At least "
+            "1 s.",
+            ge=MIN_INIT_TIMEOUT_S,
+            le=WEEK_S,
+            note="every rank joins the process groups within it; at most a week",
+        ),
+    )
+    train_timeout_s: float = field(
+        default=100.0,
+        metadata=key_spec(
+            "Seconds a collective may wait after the first iteration; a rank that makes no progress for this + 5 s "
+            "is stopped by its watchdog (exit 5); docs/operations.md.",
+            gt=0,
+            le=WEEK_S,
+            note="at most a week",
+        ),
+    )
 
     def validate(self) -> None:
-        # The layout rules (sizes, schedule, divisibility) need the model and the world size: they all
-        # live in parallel/layout.py (build_layout), called by every entry point.
-        if self.grad_bucket_size_mb <= 0:
-            raise ConfigError(f"parallel.grad_bucket_size_mb={self.grad_bucket_size_mb} must be > 0")
-        # A value under a second cannot be meant: the ranks of one node, started together, reached the first
-        # rendezvous up to 0.74 s apart here (torch's import alone), and each rank waits there for the last.
-        if not MIN_INIT_TIMEOUT_S <= self.init_timeout_s <= WEEK_S:
-            raise ConfigError(
-                f"parallel.init_timeout_s={self.init_timeout_s} must be at least {MIN_INIT_TIMEOUT_S:g} s (every rank "
-                f"joins the process groups within it) and at most a week ({WEEK_S})"
-            )
-        if not 0 < self.train_timeout_s <= WEEK_S:
-            raise ConfigError(
-                f"parallel.train_timeout_s={self.train_timeout_s} must be > 0 and at most a week ({WEEK_S})"
-            )
+        """The declared checks, then the rules between this section's keys."""
+        check_declared(self, "parallel")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
         self._validate_fsdp()
 
     def _validate_fsdp(self) -> None:
-        if self.fsdp_replicate < 1:
-            raise ConfigError(f"parallel.fsdp_replicate={self.fsdp_replicate} must be >= 1")
         if not self.fsdp:
             if self.fsdp_replicate > 1 or not self.fsdp_reshard_after_forward:
                 key = "fsdp_replicate" if self.fsdp_replicate > 1 else "fsdp_reshard_after_forward"
@@ -106,117 +195,220 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
-    global_batch_size: int = 16
-    train_iters: int = 300
-    seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    recompute: str = "none"  # none | selective | full
-    recompute_method: str = "uniform"  # uniform | block (with recompute=full)
-    recompute_num_layers: int = 1
-    eval_interval: int = 100
-    eval_iters: int = 10
-    exit_interval: int = 0  # stop (and save) after this iteration; 0 = off
-    exit_duration_mins: float = 0.0  # stop (and save) when the run has lasted this long; 0 = off
-    clip_grad: float = 1.0
-    max_nonfinite_iters: int = 3  # this many iterations in a row with a non-finite loss/grad norm stop the run
-    device: str = "auto"  # auto (CUDA if visible; refuses CPU where GPUs were allocated) | cuda | cpu
-    allow_gpu_sharing: bool = False  # more local ranks than visible GPUs is an error unless this is true
-    compile: bool = False  # torch.compile each transformer layer (regional compilation)
-    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: tracing without code generation)
-    num_threads: int = 0  # intra-op threads per rank; 0: OMP_NUM_THREADS, else usable cores / local ranks
+    """The training loop: batch sizes, iterations, precision, recomputation, evaluation, stopping, device."""
+
+    micro_batch_size: int = field(default=4, metadata=key_spec("Samples per micro-batch on each dp rank.", ge=1))
+    global_batch_size: int = field(
+        default=16, metadata=key_spec("Samples per iteration; must equal micro_batch_size x micro-batches x dp.", ge=1)
+    )
+    train_iters: int = field(
+        default=300, metadata=key_spec("Iterations to train (the run ends with a checkpoint of the last).", ge=1)
+    )
+    # numpy's RandomState (the data order) takes no other seed.
+    seed: int = field(
+        default=1234,
+        metadata=key_spec(
+            "Seed of the weights, dropout streams and the data order (0 to 2^32 - 1); every layout draws the same "
+            "model from it.",
+            ge=0,
+            le=2**32 - 1,
+        ),
+    )
+    precision: str = field(
+        default="fp32",
+        metadata=key_spec(
+            "Parameter and compute dtype: fp32, bf16 or fp16 (with dynamic loss scaling); 16-bit keeps fp32 master "
+            "weights and gradients.",
+            choices=PRECISIONS,
+        ),
+    )
+    recompute: str = field(
+        default="none",
+        metadata=key_spec(
+            "Activation recomputation: none, selective (core attention) or full (whole layers).",
+            choices=("none", "selective", "full"),
+        ),
+    )
+    recompute_method: str = field(
+        default="uniform",
+        metadata=key_spec(
+            "With recompute=full: uniform (every layer) or block (the first recompute_num_layers of each model chunk).",
+            choices=("uniform", "block"),
+        ),
+    )
+    recompute_num_layers: int = field(
+        default=1, metadata=key_spec("With recompute_method=block: layers recomputed per model chunk.", ge=1)
+    )
+    eval_interval: int = field(
+        default=100, metadata=key_spec("Validation every this many iterations, and at the end.", ge=1)
+    )
+    eval_iters: int = field(
+        default=10, metadata=key_spec("Validation batches per evaluation (0: no validation).", ge=0)
+    )
+    exit_interval: int = field(
+        default=0,
+        metadata=key_spec("Stop (with a checkpoint) after an iteration that is a multiple of this; 0 = off.", ge=0),
+    )
+    exit_duration_mins: float = field(
+        default=0.0,
+        metadata=key_spec(
+            "Stop (with a checkpoint) once the job has run this many minutes (from SLURM_JOB_START_TIME, else the "
+            "process start); 0 = off.",
+            ge=0,
+        ),
+    )
+    clip_grad: float = field(
+        default=1.0, metadata=key_spec("Clip the global gradient norm to this (0: no clipping).", ge=0)
+    )
+    max_nonfinite_iters: int = field(
+        default=3,
+        metadata=key_spec(
+            "This many iterations in a row with a non-finite loss or gradient norm (their updates skipped) stop "
+            "the run with exit 4.",
+            ge=1,
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=key_spec(
+            "auto (CUDA if visible; refused where GPUs were allocated but none is visible), cuda or cpu.",
+            choices=("auto", "cuda", "cpu"),
+        ),
+    )
+    allow_gpu_sharing: bool = field(
+        default=False, metadata=key_spec("Allow more local ranks than visible GPUs (else an error).")
+    )
+    compile: bool = field(
+        default=False, metadata=key_spec("torch.compile each transformer layer (regional compilation).")
+    )
+    compile_backend: str = field(
+        default="inductor",
+        metadata=key_spec(
+            "torch.compile backend: inductor, aot_eager (tracing without code generation), eager or cudagraphs.",
+            choices=("inductor", "aot_eager", "eager", "cudagraphs"),
+        ),
+    )
+    num_threads: int = field(
+        default=0,
+        metadata=key_spec(
+            "Intra-op threads per rank; 0: OMP_NUM_THREADS, else the usable cores (affinity mask) / local ranks, "
+            "never the machine's load (training/threads.py).",
+            ge=0,
+        ),
+    )
 
     def validate(self) -> None:
-        for key in (
-            "micro_batch_size",
-            "global_batch_size",
-            "train_iters",
-            "eval_interval",
-            "recompute_num_layers",
-            "max_nonfinite_iters",
-        ):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
-        for key, choices in (
-            ("precision", PRECISIONS),
-            ("recompute", ("none", "selective", "full")),
-            ("recompute_method", ("uniform", "block")),
-            ("device", ("auto", "cuda", "cpu")),
-        ):
-            if getattr(self, key) not in choices:
-                raise ConfigError(f"train.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
-        if self.compile_backend not in ("inductor", "aot_eager", "eager", "cudagraphs"):
-            raise ConfigError(
-                f"train.compile_backend={self.compile_backend!r} is not one of inductor, aot_eager, eager, cudagraphs"
-            )
-        for key in ("eval_iters", "exit_interval", "exit_duration_mins", "clip_grad", "num_threads"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
-        if not 0 <= self.seed < 2**32:  # numpy's RandomState (the data order) takes no other seed
-            raise ConfigError(f"train.seed={self.seed} must be in [0, {2**32 - 1}]")
+        """The declared checks (this section has no rule between its keys)."""
+        check_declared(self, "train")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    lr_warmup_iters: int = 30
-    lr_decay_iters: int | None = None  # None = train.train_iters
-    lr_decay_style: str = "cosine"  # cosine | linear | constant
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    override_lr_schedule: bool = False  # on resume, use this config's LR schedule, not the checkpoint's
+    """AdamW, its learning-rate schedule and fp16's dynamic loss scaler (training/optimizer.py)."""
+
+    lr: float = field(default=1e-3, metadata=key_spec("Peak learning rate (after warm-up)."))
+    min_lr: float = field(default=1e-4, metadata=key_spec("Learning rate at the end of the decay (0 <= min_lr <= lr)."))
+    weight_decay: float = field(
+        default=0.1, metadata=key_spec("AdamW's decoupled weight decay (not applied to biases and norms).", ge=0)
+    )
+    adam_beta1: float = field(default=0.9, metadata=key_spec("Adam's beta1.", ge=0, lt=1))
+    adam_beta2: float = field(default=0.95, metadata=key_spec("Adam's beta2.", ge=0, lt=1))
+    adam_eps: float = field(default=1e-8, metadata=key_spec("Adam's epsilon.", gt=0))
+    lr_warmup_iters: int = field(default=30, metadata=key_spec("Iterations of linear warm-up from 0 to lr.", ge=0))
+    lr_decay_iters: int | None = field(
+        default=None,
+        metadata=key_spec("Iterations over which lr decays to min_lr (then it stays there). null: train.train_iters."),
+    )
+    lr_decay_style: str = field(
+        default="cosine",
+        metadata=key_spec(
+            "Decay shape: cosine, linear or constant (training/lr_schedule.py).", choices=LR_DECAY_STYLES
+        ),
+    )
+    initial_loss_scale: float = field(
+        default=2.0**32, metadata=key_spec("fp16: the loss scale the run starts with.", gt=0)
+    )
+    min_loss_scale: float = field(
+        default=1.0,
+        metadata=key_spec(
+            "fp16: the loss scale never goes below this; a scale stuck there counts as divergence.", gt=0
+        ),
+    )
+    loss_scale_window: int = field(
+        default=1000,
+        metadata=key_spec("fp16: after this many steps in a row without inf/NaN the loss scale doubles.", ge=1),
+    )
+    hysteresis: int = field(
+        default=2,
+        metadata=key_spec(
+            "fp16: overflowing steps (counted since the scale last grew) before the loss scale is halved; each one "
+            "after that halves it again.",
+            ge=1,
+        ),
+    )
+    override_lr_schedule: bool = field(
+        default=False,
+        metadata=key_spec(
+            "On resume, use this config's LR schedule instead of the checkpoint's (differences are logged either way)."
+        ),
+    )
 
     def validate(self) -> None:
+        """The declared checks, then the rules between this section's keys."""
+        # lr and min_lr are checked together: one message gives the whole rule.
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.lr={self.lr} and optim.min_lr={self.min_lr} need 0 <= min_lr <= lr, lr > 0")
-        for key in ("adam_eps", "initial_loss_scale", "min_loss_scale"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"optim.{key}={getattr(self, key)} must be > 0")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        check_declared(self, "optim")
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(
                 f"optim.min_loss_scale={self.min_loss_scale} is larger than "
                 f"optim.initial_loss_scale={self.initial_loss_scale}"
             )
-        for key in ("loss_scale_window", "hysteresis"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(
-                f"optim.lr_decay_style={self.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}"
-            )
-        if self.lr_warmup_iters < 0:
-            raise ConfigError(f"optim.lr_warmup_iters={self.lr_warmup_iters} must be >= 0")
-        for key in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ConfigError(f"optim.{key}={getattr(self, key)} must be in [0, 1)")
 
 
 @dataclass
 class CheckpointConfig:
-    save_interval: int = 0  # 0 = only at the end
-    # true: the latest checkpoint under run.dir/checkpoints; a path: a checkpoints folder or one iter_XXXXXXX
-    load: bool | str = False
-    save: bool = True
-    load_optimizer: bool = True  # false: weights and counters only, fresh optimizer state
-    # weights only: iteration 0, fresh optimizer, LR schedule and data order; a path = load that path this way
-    finetune: bool | str = False
-    async_save: bool = False  # write in a background thread; the loop is blocked only while copying
-    keep_last: int = 0  # keep only the newest N checkpoints (0 = all), deleted after a newer one completes
+    """Saving and resuming (training/checkpoint/): layout-free checkpoints under run.dir/checkpoints."""
+
+    save_interval: int = field(
+        default=0,
+        metadata=key_spec(
+            "Save every this many iterations (0: only at the end, at exit_interval and on a stop signal).", ge=0
+        ),
+    )
+    load: bool | str = field(
+        default=False,
+        metadata=key_spec(
+            "true: resume from the latest checkpoint under run.dir/checkpoints; a path: a checkpoints folder (its "
+            "latest complete one) or one iter_XXXXXXX folder."
+        ),
+    )
+    save: bool = field(default=True, metadata=key_spec("Write checkpoints (false: none, not even at the end)."))
+    load_optimizer: bool = field(
+        default=True,
+        metadata=key_spec("With load: restore the optimizer state (false: weights and counters, fresh optimizer)."),
+    )
+    finetune: bool | str = field(
+        default=False,
+        metadata=key_spec(
+            "Load weights only: iteration 0, fresh optimizer, LR schedule and data order; true with load, or a path "
+            "to load that way."
+        ),
+    )
+    async_save: bool = field(
+        default=False,
+        metadata=key_spec("Write checkpoints in a background thread; the loop waits only for a memory copy."),
+    )
+    keep_last: int = field(
+        default=0,
+        metadata=key_spec(
+            "Keep only the newest N checkpoints, older ones deleted after a newer one is complete (0: keep all).", ge=0
+        ),
+    )
 
     def validate(self) -> None:
-        if self.save_interval < 0:
-            raise ConfigError(f"checkpoint.save_interval={self.save_interval} must be >= 0")
-        if self.keep_last < 0:
-            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0")
+        """The declared checks, then the rules between this section's keys (finetune=PATH becomes load=PATH)."""
+        check_declared(self, "checkpoint")
         if isinstance(self.load, str) and not self.load:
             raise ConfigError("checkpoint.load must be true, false or a path")
         if isinstance(self.finetune, str):  # one override: checkpoint.finetune=PATH
@@ -233,46 +425,85 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
-    tensorboard: bool = True
-    peak_tflops: float | None = None  # per GPU, for MFU; None: the known bf16/fp16 peak of the CUDA device
-    wandb_project: str | None = None  # set: also log to Weights & Biases (needs `pip install wandb`)
-    wandb_entity: str | None = None  # the W&B team or user; None: wandb's default
-    # Every N iterations each rank's compute and wait time per iteration are gathered; the slowest and fastest
-    # ranks are logged (training/straggler.py); 0 = off.
-    straggler_interval: int = 100
-    # A warning when a rank's compute time is above its pipeline stage's median by more than this fraction in
-    # two reports in a row.
-    straggler_threshold: float = 0.2
+    """The console line, metrics.jsonl, TensorBoard, Weights & Biases and the straggler report."""
+
+    log_interval: int = field(
+        default=10, metadata=key_spec("A console line and a metrics.jsonl record every this many iterations.", ge=1)
+    )
+    tensorboard: bool = field(default=True, metadata=key_spec("Also write the records to run.dir/tensorboard."))
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=key_spec(
+            "Dense 16-bit peak TFLOP/s per GPU for MFU. null: the known peak of the CUDA device (A100, H100, H200, "
+            "...); none on CPU or for fp32.",
+            gt=0,
+        ),
+    )
+    wandb_project: str | None = field(
+        default=None,
+        metadata=key_spec("Also log to this Weights & Biases project (needs `pip install wandb`); null: off."),
+    )
+    wandb_entity: str | None = field(default=None, metadata=key_spec("The W&B team or user; null: wandb's default."))
+    straggler_interval: int = field(
+        default=100,
+        metadata=key_spec(
+            "Every N iterations the slowest and fastest ranks' compute and wait times are logged "
+            "(training/straggler.py); 0 = off.",
+            ge=0,
+            note="0: no report",
+        ),
+    )
+    straggler_threshold: float = field(
+        default=0.2,
+        metadata=key_spec(
+            "Warn when a rank's compute is above its pipeline stage's median by more than this fraction in two "
+            "reports in a row.",
+            gt=0,
+        ),
+    )
 
     def validate(self) -> None:
-        if self.log_interval < 1:
-            raise ConfigError(f"logging.log_interval={self.log_interval} must be >= 1")
-        if self.straggler_interval < 0:
-            raise ConfigError(f"logging.straggler_interval={self.straggler_interval} must be >= 0 (0: no report)")
-        if self.straggler_threshold <= 0:
-            raise ConfigError(f"logging.straggler_threshold={self.straggler_threshold} must be > 0")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0")
+        """The declared checks (this section has no rule between its keys)."""
+        check_declared(self, "logging")
 
 
 @dataclass
 class EvalConfig:
-    """Zero-shot tasks (evaluation/, docs/evaluation.md): tools/evaluate.py reads these keys, and the trainer
-    runs the tasks of the files given every `interval` iterations and at the end."""
+    """Zero-shot tasks (WikiText perplexity, LAMBADA accuracy): tools/evaluate.py and the trainer read them.
 
-    interval: int = 0  # 0 = the trainer runs no zero-shot task
-    wikitext_file: str | None = None  # a WikiText file such as WikiText-103's wiki.test.tokens
-    lambada_file: str | None = None  # lambada_test.jsonl of the GPT-2 release
-    seq_length: int | None = None  # tokens per window; None: the model's max_position_embeddings
-    overlapping_eval: int = 32  # Megatron's WikiText: each window after the first scores its last N tokens
+    evaluation/, docs/evaluation.md: the trainer runs the tasks of the files given every `interval` iterations
+    and at the end."""
+
+    interval: int = field(
+        default=0,
+        metadata=key_spec(
+            "The trainer runs the zero-shot tasks of the files given every this many iterations and at the end; 0 "
+            "= never.",
+            ge=0,
+        ),
+    )
+    wikitext_file: str | None = field(
+        default=None,
+        metadata=key_spec(
+            "A WikiText file (e.g. WikiText-103's wiki.test.tokens) for perplexity; docs/evaluation.md. Needs "
+            "eval.interval."
+        ),
+    )
+    lambada_file: str | None = field(
+        default=None,
+        metadata=key_spec("lambada_test.jsonl of the GPT-2 release, for last-word accuracy. Needs eval.interval."),
+    )
+    seq_length: int | None = field(
+        default=None, metadata=key_spec("Tokens per evaluation window. null: model.max_position_embeddings.", ge=1)
+    )
+    overlapping_eval: int = field(
+        default=32,
+        metadata=key_spec("Megatron's WikiText windows: each window after the first scores its last N tokens.", ge=1),
+    )
 
     def validate(self) -> None:
-        if self.interval < 0:
-            raise ConfigError(f"eval.interval={self.interval} must be >= 0")
-        for key in ("seq_length", "overlapping_eval"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        """The declared checks, then the rules between this section's keys (a file needs the interval)."""
+        check_declared(self, "eval")
         for key in ("wikitext_file", "lambada_file"):  # read (and checked) by evaluation/ before training
             path = getattr(self, key)
             setattr(self, key, os.path.expanduser(path) if path else None)
@@ -288,9 +519,18 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/gpt_tiny"  # everything a run writes goes under it
+    """Where a run writes."""
+
+    dir: str = field(
+        default="runs/gpt_tiny",
+        metadata=key_spec(
+            "Everything a run writes goes under it: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, "
+            "diagnostics/, run.lock."
+        ),
+    )
 
     def validate(self) -> None:
+        """A run folder is given; `~` expanded."""
         if not self.dir:
             raise ConfigError("run.dir must not be empty")
         self.dir = os.path.expanduser(self.dir)

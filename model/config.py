@@ -1,11 +1,86 @@
-"""The model section of the config: the shape and style of one GPT (GPT-2/3 or Llama style)."""
+"""The model section of the config: the shape and style of one GPT (GPT-2/3 or Llama style).
+
+It also holds `key_spec`, how every config section declares a key in its field's metadata (its description and
+the checks of its value alone), and `check_declared`, the one checker of those declarations. They live here
+because model/ imports nothing of config/, and a ModelConfig is validated on its own (convert/ builds one from
+Megatron's or transformers' files).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import operator
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from types import MappingProxyType
-from typing import ClassVar
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# Metadata names of the bounds key_spec() takes, with the comparison each one requires of a value.
+_BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
+def key_spec(
+    doc: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    note: str | None = None,
+    also: Mapping[str, object] | None = None,
+) -> Mapping[str, object]:
+    """The field metadata of a config key: `doc` (what the trainer does with the value: docs/configuration.md's
+    text) and the checks of its value alone that `check_declared` runs: one of `choices`, or within the bounds
+    ge / gt (lower) and le / lt (upper). A None value passes them (the key's derived default). `note` is
+    appended to a refusal; `also` adds other entries (the model's checkpoint kinds)."""
+    if (ge is not None and gt is not None) or (le is not None and lt is not None):
+        raise TypeError("key_spec(): give one lower bound (ge or gt) and one upper bound (le or lt) at most")
+    declared = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "note": note}
+    return MappingProxyType({**(also or {}), **declared})
+
+
+def declared_refusal(declaration: Field, value: object) -> str | None:
+    """Why `value` breaks the checks key_spec() declared on the field, as the end of a one-line error
+    ("'fp8' is not one of fp32, bf16, fp16", "0 must be >= 1"), or None when it keeps them."""
+    meta = declaration.metadata
+    if value is None:
+        return None
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        return f"{value!r} is not one of {', '.join(choices)}"
+    bounds = {name: meta[name] for name in _BOUNDS if meta.get(name) is not None}
+    if not bounds:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{value!r} is not a number"
+    number: float = value
+    if all(_BOUNDS[name](number, bound) for name, bound in bounds.items()):  # NaN fails every comparison
+        return None
+    if len(bounds) == 2:  # key_spec() allows one lower and one upper bound: an interval
+        (lower, low), (upper, high) = sorted(bounds.items(), key=lambda item: item[0] not in ("ge", "gt"))
+        opening, closing = "[" if lower == "ge" else "(", "]" if upper == "le" else ")"
+        text = f"{value} must be in {opening}{low}, {high}{closing}"
+    else:
+        ((bound_name, bound),) = bounds.items()
+        text = f"{value} must be {dict(ge='>=', gt='>', le='<=', lt='<')[bound_name]} {bound}"
+    if meta.get("note"):
+        text += f" ({meta['note']})"
+    if declaration.default is None:
+        text += " (or leave it out for the default)"
+    return text
+
+
+def check_declared(section: DataclassInstance, name: str) -> None:
+    """Run the checks key_spec() declared on every field of one section's dataclass; the first value that breaks
+    them raises a ValueError of one line naming `name.key` and the value."""
+    for declaration in fields(section):
+        refusal = declared_refusal(declaration, getattr(section, declaration.name))
+        if refusal:
+            raise ValueError(f"{name}.{declaration.name}={refusal}")
 
 
 def _structural(compared_as: str | None = None) -> dict[str, str | None]:
@@ -30,54 +105,144 @@ def checkpoint_keys(kind: str) -> tuple[str, ...]:
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of the GPT decoder; `vocab_size` None means "take it from the tokenizer"."""
+    """The GPT itself (model/config.py): its shape, GPT-2 or Llama style, dropout, init and fused kernels.
 
-    num_layers: int = field(default=4, metadata=_STRUCTURAL)
-    hidden_size: int = field(default=128, metadata=_STRUCTURAL)
-    num_attention_heads: int = field(default=4, metadata=_STRUCTURAL)
-    # grouped-query attention; None = one group per head (MHA)
-    num_query_groups: int | None = field(default=None, metadata=_structural("query_groups"))
-    # None: 4h for GeLU, Llama's 2/3 * 4h rounded to 64 for SwiGLU
-    ffn_hidden_size: int | None = field(default=None, metadata=_structural("ffn_size"))
-    seq_length: int = field(default=128, metadata=_RESUME_ONLY)
-    max_position_embeddings: int | None = field(default=None, metadata=_structural("max_positions"))  # None = s
-    vocab_size: int | None = field(default=None, metadata=_STRUCTURAL)
-    make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = field(default="learned", metadata=_STRUCTURAL)  # learned | rope
-    rotary_base: float = field(default=10000.0, metadata=_RESUME_ONLY)
-    normalization: str = field(default="layernorm", metadata=_STRUCTURAL)  # layernorm | rmsnorm
-    norm_epsilon: float = 1e-5
-    activation: str = field(default="gelu", metadata=_STRUCTURAL)  # gelu | gelu_tanh (GPT-2's gelu_new) | swiglu
-    tie_embeddings: bool = field(default=True, metadata=_STRUCTURAL)
-    add_bias_linear: bool = field(default=True, metadata=_STRUCTURAL)
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_std: float = 0.02
-    fused_kernels: bool = False  # model/kernels: Triton on CUDA (or TRITON_INTERPRET=1), else torch paths
-    fused_kernel_names: list[str] | None = None  # with fused_kernels: only these (None = all)
+    Hyper-parameters of the GPT decoder; `vocab_size` None means "take it from the tokenizer"."""
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "position_embedding_type": ("learned", "rope"),
-        "normalization": ("layernorm", "rmsnorm"),
-        "activation": ("gelu", "gelu_tanh", "swiglu"),
-    }
+    num_layers: int = field(
+        default=4,
+        metadata=key_spec(
+            "Transformer layers; must divide by parallel.pp_size x parallel.vp_size.", ge=1, also=_STRUCTURAL
+        ),
+    )
+    hidden_size: int = field(
+        default=128,
+        metadata=key_spec(
+            "Width h of the residual stream; must divide by model.num_attention_heads.", ge=1, also=_STRUCTURAL
+        ),
+    )
+    num_attention_heads: int = field(
+        default=4, metadata=key_spec("Attention heads; must divide by parallel.tp_size.", ge=1, also=_STRUCTURAL)
+    )
+    num_query_groups: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Grouped-query attention: key/value heads shared by groups of query heads. null: one group per head "
+            "(multi-head attention).",
+            ge=1,
+            also=_structural("query_groups"),
+        ),
+    )
+    ffn_hidden_size: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Width of the MLP. null: 4h for gelu, Llama's 2/3 x 4h rounded up to a multiple of 64 for swiglu.",
+            ge=1,
+            also=_structural("ffn_size"),
+        ),
+    )
+    seq_length: int = field(default=128, metadata=key_spec("Tokens per training sample.", ge=1, also=_RESUME_ONLY))
+    max_position_embeddings: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Positions the model has (learned embeddings' rows, the rotary table). null: model.seq_length.",
+            ge=1,
+            also=_structural("max_positions"),
+        ),
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Rows of the embedding before padding. null: the tokenizer's vocabulary size (a larger value is "
+            "allowed; a smaller one is refused).",
+            ge=1,
+            also=_STRUCTURAL,
+        ),
+    )
+    make_vocab_size_divisible_by: int = field(
+        default=128,
+        metadata=key_spec(
+            "The embedding is padded to a multiple of this times parallel.tp_size (Megatron's rule); the padded "
+            "rows are dropped on export.",
+            ge=1,
+        ),
+    )
+    position_embedding_type: str = field(
+        default="learned",
+        metadata=key_spec(
+            "learned (GPT-2: an embedding table) or rope (Llama: rotary embeddings).",
+            choices=("learned", "rope"),
+            also=_STRUCTURAL,
+        ),
+    )
+    rotary_base: float = field(
+        default=10000.0,
+        metadata=key_spec(
+            "Base of the rotary frequencies (with position_embedding_type=rope).", gt=0, also=_RESUME_ONLY
+        ),
+    )
+    normalization: str = field(
+        default="layernorm",
+        metadata=key_spec("layernorm (GPT-2) or rmsnorm (Llama).", choices=("layernorm", "rmsnorm"), also=_STRUCTURAL),
+    )
+    norm_epsilon: float = field(default=1e-5, metadata=key_spec("Epsilon of every LayerNorm / RMSNorm.", ge=0))
+    activation: str = field(
+        default="gelu",
+        metadata=key_spec(
+            "MLP activation: gelu, gelu_tanh (GPT-2's gelu_new) or swiglu (Llama; fc1 holds gate and up).",
+            choices=("gelu", "gelu_tanh", "swiglu"),
+            also=_STRUCTURAL,
+        ),
+    )
+    tie_embeddings: bool = field(
+        default=True,
+        metadata=key_spec(
+            "The output layer shares the input embedding's weight (under pp the first and last stage each hold a "
+            "copy, summed after backward).",
+            also=_STRUCTURAL,
+        ),
+    )
+    add_bias_linear: bool = field(
+        default=True,
+        metadata=key_spec("Biases in the attention and MLP linears (false: Llama style).", also=_STRUCTURAL),
+    )
+    hidden_dropout: float = field(
+        default=0.1,
+        metadata=key_spec(
+            "Dropout after attention and MLP (before the residual add), and on the embeddings.", ge=0, lt=1
+        ),
+    )
+    attention_dropout: float = field(
+        default=0.1,
+        metadata=key_spec("Dropout on the attention probabilities (must be 0 with parallel.cp_size > 1).", ge=0, lt=1),
+    )
+    init_std: float = field(
+        default=0.02,
+        metadata=key_spec(
+            "Standard deviation of the normal init; the output projections of each layer use "
+            "init_std / sqrt(2 x num_layers).",
+            ge=0,
+        ),
+    )
+    fused_kernels: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Run the fused kernels of model/kernels/ (Triton on CUDA or with TRITON_INTERPRET=1, else their torch "
+            "paths); docs/kernels.md."
+        ),
+    )
+    # Each name is checked against model/kernels' KERNEL_NAMES in validate: model/kernels is imported only then.
+    fused_kernel_names: list[str] | None = field(
+        default=None,
+        metadata=key_spec(
+            "With fused_kernels: only these (norm, bias_gelu, swiglu, bias_dropout_add, rotary, "
+            "linear_cross_entropy). null: all."
+        ),
+    )
 
     def validate(self) -> None:
         """Checks local to this section; each error names the key and its value."""
-        for key, choices in self.CHOICES.items():
-            if getattr(self, key) not in choices:
-                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {', '.join(choices)}")
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
-        for key in ("num_query_groups", "ffn_hidden_size", "max_position_embeddings", "vocab_size"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1 (or leave it out for the default)")
-        for key in ("norm_epsilon", "init_std"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0")
-        if self.rotary_base <= 0:
-            raise ValueError(f"model.rotary_base={self.rotary_base} must be > 0")
+        check_declared(self, "model")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
@@ -88,9 +253,6 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.query_groups}"
             )
-        for key in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         if self.max_positions < self.seq_length:
             raise ValueError(
                 f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "

@@ -1,16 +1,17 @@
-"""docs/configuration.md is generated from config/schema.py: it lists every key with its type and default, and
-a schema change without regenerating it fails here."""
+"""docs/configuration.md is generated from the schema's dataclasses: it lists every key with its type, default
+and the description its field declares, and a schema change without regenerating it fails here."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import typing
+from types import MappingProxyType
 
 import pytest
 
-from config.key_docs import KEY_DOCS, SECTION_DOCS
-from config.schema import Config
+from config.schema import Config, RunConfig
 from tools import config_reference
 
 pytestmark = pytest.mark.tier("fast")
@@ -58,19 +59,34 @@ def test_every_key_appears_with_its_default_and_a_description():
         assert rows[key][2].strip(), f"{key} has no description"
 
 
-def test_descriptions_name_only_real_keys_and_sections():
-    """A key renamed or removed in the schema leaves no stale text behind."""
-    sections = {field.name for field in dataclasses.fields(Config)}
-    assert set(SECTION_DOCS) == sections
-    assert {f"{s}.{k}" for s, keys in KEY_DOCS.items() for k in keys} == set(schema_defaults())
+def test_every_field_of_every_section_declares_its_description():
+    """Each key is described once, where it is declared: its field's metadata; each section by its docstring."""
+    sections = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        cls = sections[section.name]
+        assert config_reference.section_doc(section.name, cls), section.name
+        for field in dataclasses.fields(cls):
+            doc = field.metadata.get("doc")
+            assert isinstance(doc, str) and doc.strip(), f"{section.name}.{field.name} declares no doc"
 
 
 def test_a_key_without_description_is_an_error(monkeypatch, capsys):
-    monkeypatch.setitem(KEY_DOCS, "run", {})
+    undocumented = copy.copy(RunConfig.__dataclass_fields__["dir"])
+    undocumented.metadata = MappingProxyType({})
+    monkeypatch.setitem(RunConfig.__dataclass_fields__, "dir", undocumented)
     with pytest.raises(KeyError, match=r"run\.dir has no description"):
         config_reference.render()
     assert config_reference.main([]) == 2
-    assert "run.dir has no description" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("error: run.dir has no description")
+
+
+def test_a_section_without_docstring_is_an_error():
+    @dataclasses.dataclass
+    class Bare:
+        size: int = 1
+
+    with pytest.raises(KeyError, match=r"section bare \(Bare\) has no docstring"):
+        config_reference.section_doc("bare", Bare)
 
 
 @pytest.mark.parametrize(

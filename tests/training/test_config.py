@@ -1,12 +1,15 @@
 """Config loading: strict keys with suggestions, types, values, cross-section layout checks."""
 
+import dataclasses
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 
-from config.schema import ConfigError, load_config
+from config.schema import Config, ConfigError, load_config
+from model.config import check_declared, key_spec
 from parallel.layout import LayoutError, layout_from_config
 from parallel.pipeline.plan import build_plan
 from parallel.pipeline.schedules import build_schedule
@@ -246,13 +249,13 @@ def test_file_errors_name_the_file_and_the_key(tmp_path):
         ("optim.min_loss_scale=0", r"optim\.min_loss_scale=0\.0 must be > 0"),
         ("train.max_nonfinite_iters=0", r"train\.max_nonfinite_iters=0 must be >= 1"),
         ("train.device=tpu", r"train\.device='tpu' is not one of auto, cuda, cpu"),
-        ("parallel.train_timeout_s=0", r"parallel\.train_timeout_s=0\.0 must be > 0 and at most a week \(604800\)"),
+        ("parallel.train_timeout_s=0", r"parallel\.train_timeout_s=0\.0 must be in \(0, 604800\] \(at most a week\)"),
+        ("parallel.init_timeout_s=1e9", r"parallel\.init_timeout_s=1000000000\.0 must be in \[1, 604800\]"),
         (
-            "parallel.init_timeout_s=1e9",
-            r"parallel\.init_timeout_s=1000000000\.0 must be at least 1 s .* at most a week",
+            "parallel.init_timeout_s=0.01",
+            r"parallel\.init_timeout_s=0\.01 must be in \[1, 604800\] \(every rank joins the process groups",
         ),
-        ("parallel.init_timeout_s=0.01", r"parallel\.init_timeout_s=0\.01 must be at least 1 s \(every rank joins"),
-        ("parallel.init_timeout_s=0", r"parallel\.init_timeout_s=0\.0 must be at least 1 s"),
+        ("parallel.init_timeout_s=0", r"parallel\.init_timeout_s=0\.0 must be in \[1, 604800\]"),
         ("logging.straggler_interval=-1", r"logging\.straggler_interval=-1 must be >= 0 \(0: no report\)"),
         ("logging.straggler_threshold=0", r"logging\.straggler_threshold=0\.0 must be > 0"),
         (
@@ -307,3 +310,75 @@ def test_null_tokenizer_with_data_needs_the_vocabulary_size(tmp_path):
     with pytest.raises(ConfigError, match=r"NullTokenizer needs model.vocab_size"):
         load_config(str(config))
     assert load_config(str(config), ["model.vocab_size=301"]).data.tokenizer_type == "NullTokenizer"
+
+
+# ---- checks declared beside each key (issue 41) ----------------------------------------------------------
+def declared_keys():
+    """(section, field, its type) of every key of the schema, each section's dataclass read from Config."""
+    sections = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(sections[section.name])
+        for declaration in dataclasses.fields(sections[section.name]):
+            yield section.name, declaration, hints[declaration.name]
+
+
+def outside_values(declaration, hint):
+    """(value, how its refusal starts) just outside what a key declares: a name not among its choices, and the
+    value one past each bound (the bound itself where it is exclusive), a float where the key takes one."""
+    meta = declaration.metadata
+    if meta["choices"]:
+        yield "not_a_choice", f"'not_a_choice' is not one of {', '.join(meta['choices'])}"
+    number = float if float in (hint, *typing.get_args(hint)) else int
+    for name, past in (("ge", -1), ("gt", 0), ("le", 1), ("lt", 0)):
+        if meta[name] is not None:
+            value = number(meta[name] + past)
+            yield value, f"{value} must be "
+
+
+def test_every_declared_check_refuses_a_value_outside_it_with_one_line_naming_the_key():
+    """The one checker runs over every section on load_config's path: each key's declared choices and bounds
+    refuse a value just outside them, in one line that names the key and the value."""
+    refused = 0
+    for section, declaration, hint in declared_keys():
+        for value, start in outside_values(declaration, hint):
+            with pytest.raises(ConfigError) as caught:
+                load_config(None, [f"{section}.{declaration.name}={value}"])
+            message = str(caught.value)
+            assert message.startswith(f"{section}.{declaration.name}={start}"), message
+            assert "\n" not in message
+            refused += 1
+    assert refused >= 40  # every section's ranges and choices, not a handful
+
+
+@dataclasses.dataclass
+class Declared:
+    """A section declaring each kind of check."""
+
+    workers: int = dataclasses.field(default=1, metadata=key_spec("Workers.", ge=0))
+    share: float = dataclasses.field(default=0.5, metadata=key_spec("A share.", gt=0, le=1, note="a fraction"))
+    style: str = dataclasses.field(default="a", metadata=key_spec("A style.", choices=("a", "b")))
+    window: int | None = dataclasses.field(default=None, metadata=key_spec("A window; None: derived.", ge=1))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"workers": -1}, "sec.workers=-1 must be >= 0"),
+        ({"share": 0.0}, "sec.share=0.0 must be in (0, 1] (a fraction)"),
+        ({"share": 1.5}, "sec.share=1.5 must be in (0, 1] (a fraction)"),
+        ({"share": float("nan")}, "sec.share=nan must be in (0, 1] (a fraction)"),
+        ({"style": "c"}, "sec.style='c' is not one of a, b"),
+        ({"window": 0}, "sec.window=0 must be >= 1 (or leave it out for the default)"),
+    ],
+)
+def test_the_generic_checker_refuses_out_of_range_and_out_of_choices_values(values, message):
+    with pytest.raises(ValueError) as caught:
+        check_declared(Declared(**values), "sec")
+    assert str(caught.value) == message
+
+
+def test_the_generic_checker_passes_values_inside_and_none():
+    check_declared(Declared(), "sec")  # no error: the defaults, a None window
+    check_declared(Declared(workers=0, share=1.0, style="b", window=1), "sec")  # each value on its bound
+    with pytest.raises(TypeError, match="one lower bound"):
+        key_spec("Two lower bounds.", ge=0, gt=0)
