@@ -12,11 +12,12 @@ along dim 0, as torchtitan's dp_shard x cp over a tp mesh.
 What FSDP does per micro-batch: all-gather a layer's parameters before its forward (the next layer prefetched),
 free them after it (`parallel.fsdp_reshard_after_forward`, ZeRO-3; false keeps them until backward, ZeRO-2
 like), gather again before its backward (the previous layer prefetched), reduce-scatter its gradients right
-after it (the shards accumulate over micro-batches in fp32). Mixed precision with the trainer's semantics: the
-sharded parameters stay fp32 (they are the optimizer's master weights), compute runs in bf16/fp16
-(`MixedPrecisionPolicy(param_dtype)`: the all-gather carries 16-bit values) and gradients are reduced in fp32
-(`reduce_dtype`), summed and divided by dp (not dp x cp: cp ranks' losses are parts of one sum, as
-DataParallel). FSDP's all-gathers and reduce-scatters go through `state.comm` (custom collectives: the
+after it (the shards accumulate over micro-batches in fp32). A forward-only pass (evaluation, no_grad) has no
+backward to reshard in: every unit is resharded when the chunk's forward ends. Mixed precision with the
+trainer's semantics: the sharded parameters stay fp32 (they are the optimizer's master weights), compute runs
+in bf16/fp16 (`MixedPrecisionPolicy(param_dtype)`: the all-gather carries 16-bit values) and gradients are
+reduced in fp32 (`reduce_dtype`), summed and divided by dp (not dp x cp: cp ranks' losses are parts of one sum,
+as DataParallel). FSDP's all-gathers and reduce-scatters go through `state.comm` (custom collectives: the
 recorder sees them like every other collective), HSDP's all-reduce is noted there after FSDP issues it.
 
 The interface is DataParallel's (`zero_grad`, `enable_grad_sync`, `finish_grad_sync`, `owned_main_grad`,
@@ -222,20 +223,41 @@ class ShardedDataParallel:
             current.set_modules_to_backward_prefetch([previous])
         for unit in units:
             self._configure(unit)
+        # A forward under no_grad (evaluation) has no backward, and FSDP reshards a unit that keeps its
+        # gathered parameters after forward (this chunk always; every layer without reshard_after_forward)
+        # only in backward: the gathered parameters would stay registered in the modules in place of the
+        # shards the optimizer and the checkpoint hold. This hook, registered after FSDP's own post-forward
+        # hook, runs after it.
+        chunk.register_forward_hook(lambda module, args, output: self._reshard_after_forward_only(units))
+
+    @staticmethod
+    def _reshard_after_forward_only(units: list[FSDPModule]) -> None:
+        """After a chunk's forward under no_grad: put every unit's shards back in its modules."""
+        if torch.is_grad_enabled():
+            return  # training: FSDP reshards each unit after its backward
+        for unit in units:
+            unit.reshard()
 
     def _configure(self, unit: FSDPModule) -> None:
         comm = self.state.comm
+        dp_size = float(self.state.dp_size)  # dp, not dp x cp (see the module docstring)
         unit.set_custom_all_gather(RecordedAllGather(comm))  # type: ignore[arg-type]
         unit.set_custom_reduce_scatter(RecordedReduceScatter(comm))  # type: ignore[arg-type]
         unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG; the division is FSDP's own, after
-        unit.set_gradient_divide_factor(float(self.state.dp_size))  # dp, not dp x cp (see the module docstring)
+        # HSDP whose shard groups hold one rank: FSDP (torch 2.13) skips the reduce-scatter of a one-rank group
+        # and divides its copy of the gradient by the factor, then divides again after the replicas' all-reduce
+        # (dp^2 in all). There the trainer divides instead, once, after the all-reduce sums the replicas.
+        one_rank_shards = self.state.fsdp_replicate == self.state.dp_cp_size
+        unit.set_gradient_divide_factor(1.0 if one_rank_shards else dp_size)
         if self.state.fsdp_replicate > 1:
             group = self.state.hsdp_replicate_group
 
-            def note_all_reduce(reduced: torch.Tensor) -> None:  # FSDP issued it (HSDP) just before this call
+            def after_all_reduce(reduced: torch.Tensor) -> None:  # FSDP issued it (HSDP) just before this call
                 comm.note("all_reduce", reduced.numel() * reduced.element_size(), group)
+                if one_rank_shards:
+                    reduced.div_(dp_size)
 
-            unit.set_all_reduce_hook(note_all_reduce)
+            unit.set_all_reduce_hook(after_all_reduce)
 
     # ---- DataParallel's interface ------------------------------------------------------------------
     def zero_grad(self) -> None:

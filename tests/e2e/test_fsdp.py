@@ -2,14 +2,17 @@
 as one process (10 iterations of the tiny fp32 config, lm_loss and grad_norm within 1e-5 of test_layouts'
 single-process references, shared through its module fixture), mixed precision tracks fp32, and checkpoints stay
 layout-free: an FSDP run resumes bitwise at its own layout and within 1e-5 at tp2 x pp2 and at one process, and
-PTD-P / HSDP checkpoints resume under FSDP (and back)."""
+PTD-P / HSDP checkpoints resume under FSDP (and back). Runs that save evaluate too (the default path): FSDP's
+forward-only pass must leave the shards in place for the save that follows it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import pytest
+import torch
 
 import pretrain_gpt
 from tests import tiers
@@ -34,6 +37,8 @@ FSDP_LAYOUTS = [
     ("fsdp-dp2-tp2-sp-no-reshard", 4, (), (*FSDP, *TP2_SP, *NO_RESHARD)),
     ("fsdp-dp2-cp2", 4, SEQ_256, (*FSDP, "parallel.cp_size=2")),
     ("hsdp-2x2", 4, (), (*FSDP, *HSDP)),
+    ("hsdp-2x1", 2, (), (*FSDP, *HSDP)),  # shard groups of one rank: the replicas' all-reduce alone reduces
+    ("hsdp-4x1", 4, (), (*FSDP, "parallel.fsdp_replicate=4")),
     ("fsdp-dp4-recompute-full", 4, (), (*FSDP, "train.recompute=full")),
 ]
 
@@ -65,7 +70,7 @@ def test_mixed_precision_tracks_fp32(tiny_corpus, tmp_path, reference, precision
 
 
 def _split(corpus: dict, run_dir: str, world_size: int, *layout: str) -> str:
-    """Train 5 iterations and stop with a checkpoint; returns its checkpoints folder."""
+    """Train 5 iterations, evaluate, and stop with a checkpoint; returns its checkpoints folder."""
     argv = [
         "--config",
         pretrain_gpt.DEFAULT_CONFIG,
@@ -73,7 +78,13 @@ def _split(corpus: dict, run_dir: str, world_size: int, *layout: str) -> str:
     ]
     run_ranks(world_size, _rank_main, argv, timeout=240.0)
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert [r["iteration"] for r in _validation_records(run_dir)] == [0, 5]  # the save came after an evaluation
     return os.path.join(run_dir, "checkpoints")
+
+
+def _validation_records(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        return [r for r in map(json.loads, handle) if "val_loss" in r]
 
 
 def _resume(corpus: dict, checkpoints: str, run_dir: str, world_size: int, *layout: str) -> list[dict]:
@@ -82,7 +93,7 @@ def _resume(corpus: dict, checkpoints: str, run_dir: str, world_size: int, *layo
     argv = [
         "--config",
         pretrain_gpt.DEFAULT_CONFIG,
-        *tiny_train_args(corpus, run_dir, "train.eval_iters=0", *layout, "checkpoint.load=true"),
+        *tiny_train_args(corpus, run_dir, *layout, "checkpoint.load=true"),
     ]
     run_ranks(world_size, _rank_main, argv, timeout=240.0)
     resumed = read_metrics(run_dir)
@@ -95,7 +106,7 @@ def test_fsdp_checkpoint_resumes_bitwise_and_at_ptdp_layouts(tiny_corpus, tmp_pa
     evaluates too: FSDP's forward-only pass), and by tp2 x pp2 and by one process within 1e-5."""
     whole = train(tiny_corpus, str(tmp_path / "whole"), 4, *FSDP, "checkpoint.save=false")
     assert_matches(whole, reference())
-    checkpoints = _split(tiny_corpus, str(tmp_path / "split"), 4, "train.eval_iters=0", *FSDP)
+    checkpoints = _split(tiny_corpus, str(tmp_path / "split"), 4, *FSDP)
     same = _resume(tiny_corpus, checkpoints, str(tmp_path / "same"), 4, *FSDP)
     for key in ("lm_loss", "grad_norm"):
         assert [r[key] for r in same] == [r[key] for r in whole[5:]]
@@ -111,10 +122,63 @@ def test_ptdp_checkpoint_resumes_under_fsdp_and_hsdp_checkpoint_at_one_process(t
     """The reverse: a tp2 x pp2 checkpoint resumes under FSDP dp4 and under HSDP 2 x 2 at tp 2 with sequence parallelism, 8 ranks (each within
     1e-5 of one process), and a checkpoint HSDP wrote (shards dealt over its replicas) resumes at one process."""
     expected = reference()[5:]
-    ptdp = _split(
-        tiny_corpus, str(tmp_path / "ptdp"), 4, "train.eval_iters=0", "parallel.tp_size=2", "parallel.pp_size=2"
-    )
+    ptdp = _split(tiny_corpus, str(tmp_path / "ptdp"), 4, "parallel.tp_size=2", "parallel.pp_size=2")
     assert_matches(_resume(tiny_corpus, ptdp, str(tmp_path / "fsdp"), 4, *FSDP), expected)
     assert_matches(_resume(tiny_corpus, ptdp, str(tmp_path / "hsdp-tp2"), 8, *FSDP, *HSDP, *TP2_SP), expected)
-    hsdp = _split(tiny_corpus, str(tmp_path / "hsdp"), 4, "train.eval_iters=0", *FSDP, *HSDP)
+    hsdp = _split(tiny_corpus, str(tmp_path / "hsdp"), 4, *FSDP, *HSDP)
     assert_matches(_resume(tiny_corpus, hsdp, str(tmp_path / "one"), 1), expected)
+
+
+def test_fsdp_dp2_checkpoint_saved_after_evaluation_resumes_at_one_process(tiny_corpus, tmp_path, reference):
+    """FSDP dp2 evaluates at iteration 5 and then saves (its root unit keeps its gathered parameters after a
+    forward, and a no_grad forward has no backward to free them): the checkpoint resumes at one process within
+    1e-5 of the uninterrupted single-process run."""
+    checkpoints = _split(tiny_corpus, str(tmp_path / "split"), 2, *FSDP)
+    assert_matches(_resume(tiny_corpus, checkpoints, str(tmp_path / "one"), 1), reference()[5:])
+
+
+# (id, world size, overrides): every data-parallel flavour, FSDP's with and without resharding after forward
+DP_FLAVOURS = [
+    ("dp2", 2, ()),
+    ("dp2-distributed-optimizer", 2, ("parallel.distributed_optimizer=true",)),
+    ("fsdp-dp2", 2, FSDP),
+    ("fsdp-dp2-no-reshard", 2, (*FSDP, *NO_RESHARD)),
+    ("hsdp-2x2", 4, (*FSDP, *HSDP)),
+    ("hsdp-2x1-no-reshard", 2, (*FSDP, *HSDP, *NO_RESHARD)),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_dp_flavour_saves_right_after_evaluation(tiny_corpus, tmp_path, precision):
+    """Evaluation and a save at every iteration (3 iterations): each flavour exits 0 with a checkpoint per
+    iteration, and the weights saved last (after two evaluations and saves) are plain dp2's, within 1e-5 in
+    fp32 (bf16: within its rounding, 2e-2)."""
+    from training.checkpoint.loader import read_global_tensors
+
+    cadence = ("train.train_iters=3", "train.eval_interval=1", "train.eval_iters=1", "checkpoint.save_interval=1")
+    saved: dict[str, dict[str, torch.Tensor]] = {}
+    for name, world_size, flavour in DP_FLAVOURS:
+        run_dir = str(tmp_path / name)
+        argv = [
+            "--config",
+            pretrain_gpt.DEFAULT_CONFIG,
+            *tiny_train_args(tiny_corpus, run_dir, *cadence, f"train.precision={precision}", *flavour),
+        ]
+        run_ranks(world_size, _rank_main, argv, timeout=240.0)  # each rank asserts exit code 0
+        assert [r["iteration"] for r in _validation_records(run_dir)] == [0, 1, 2, 3], name
+        checkpoints = os.path.join(run_dir, "checkpoints")
+        assert sorted(p for p in os.listdir(checkpoints) if p.startswith("iter_")) == [
+            "iter_0000001",
+            "iter_0000002",
+            "iter_0000003",
+        ], name
+        stored = read_global_tensors(os.path.join(checkpoints, "iter_0000003"))
+        saved[name] = {key: tensor for key, tensor in stored.items() if not key.startswith("optim.")}
+    rtol = 1e-5 if precision == "fp32" else 2e-2
+    expected = saved["dp2"]
+    for name, weights in saved.items():
+        assert weights.keys() == expected.keys(), name
+        for key, tensor in weights.items():
+            # .float(): under bf16, DataParallel stores bf16 weights, FSDP its fp32 shards (the masters)
+            got, want = tensor.float(), expected[key].float()
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=f"{name}: {key}")
