@@ -45,8 +45,9 @@ FSDP_LAYOUTS = [
 
 @pytest.mark.parametrize(
     "world_size,model_overrides,parallel_overrides",
-    # fsdp-dp4 and hsdp-2x2: the fast tier's FSDP and HSDP runs (tests/tiers.py FAST_PARITY)
-    [tiers.layout_case(case[0], *case[1:], fast={"fsdp-dp4", "hsdp-2x2"}) for case in FSDP_LAYOUTS],
+    # fsdp-dp4 and hsdp-2x2: the fast tier's FSDP and HSDP runs (tests/tiers.py FAST_PARITY); hsdp-2x1: one-rank
+    # shard groups, whose gradients were once averaged twice
+    [tiers.layout_case(case[0], *case[1:], fast={"fsdp-dp4", "hsdp-2x2", "hsdp-2x1"}) for case in FSDP_LAYOUTS],
 )
 def test_fsdp_matches_single_process(tiny_corpus, tmp_path, reference, world_size, model_overrides, parallel_overrides):
     records = train(tiny_corpus, str(tmp_path / "run"), world_size, *FAST, *model_overrides, *parallel_overrides)
@@ -101,6 +102,7 @@ def _resume(corpus: dict, checkpoints: str, run_dir: str, world_size: int, *layo
     return resumed
 
 
+@pytest.mark.tier("full")
 def test_fsdp_checkpoint_resumes_bitwise_and_at_ptdp_layouts(tiny_corpus, tmp_path, reference):
     """Saved by FSDP dp4 at iteration 5: resumed by FSDP dp4 bit for bit against the uninterrupted run (which
     evaluates too: FSDP's forward-only pass), and by tp2 x pp2 and by one process within 1e-5."""
@@ -148,7 +150,7 @@ DP_FLAVOURS = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.tier("full"))])
 def test_every_dp_flavour_saves_right_after_evaluation(tiny_corpus, tmp_path, precision):
     """Evaluation and a save at every iteration (3 iterations): each flavour exits 0 with a checkpoint per
     iteration, and the weights saved last (after two evaluations and saves) are plain dp2's, within 1e-5 in
