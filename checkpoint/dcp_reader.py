@@ -13,8 +13,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from training.checkpoint.files import DCP_METADATA
-from training.checkpoint.safe_reader import read_metadata_file
+from checkpoint.files import DCP_METADATA
+from checkpoint.safe_reader import read_metadata_file
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):

@@ -21,8 +21,8 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
 from data.atomic_files import pid_alive
-from training.checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

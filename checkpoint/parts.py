@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from checkpoint.layout import CheckpointLayout
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.checkpoint.layout import CheckpointLayout
 from training.lr_schedule import LRSchedule
 from training.optimizer import Optimizer
 

@@ -24,8 +24,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from checkpoint.files import CheckpointError
 from compat.torch_private import PICKLED_LAYOUT, dcp_metadata_classes
-from training.checkpoint.files import CheckpointError
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: imported where a file is read
     from torch.distributed.checkpoint.metadata import Metadata

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from checkpoint import files
+from checkpoint.files import CheckpointError
+from checkpoint.state import staged_copy
+from checkpoint.train_state import TrainState, rng_path
+from checkpoint.write_errors import describe_write_error, reraise_interrupt
 from parallel.comm import Collectives
-from training.checkpoint import files
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.state import staged_copy
-from training.checkpoint.train_state import TrainState, rng_path
-from training.write_errors import describe_write_error, reraise_interrupt
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: write_checkpoint imports it
-    from training.checkpoint.dcp_planners import GlobalPieces
+    from checkpoint.dcp_planners import GlobalPieces
 
 
 @dataclass
@@ -140,7 +140,7 @@ def _write_tensors(
     # on the training thread before a background save).
     import torch.distributed.checkpoint as dcp
 
-    from training.checkpoint.dcp_planners import PiecesSavePlanner
+    from checkpoint.dcp_planners import PiecesSavePlanner
 
     try:
         with warnings.catch_warnings():

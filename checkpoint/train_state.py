@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from training.checkpoint import files
-from training.checkpoint.layout import CheckpointLayout
+from checkpoint import files
+from checkpoint.layout import CheckpointLayout
 
 ConfigSections = dict[str, dict[str, object]]  # Config.to_dict(): section -> key -> value
 
@@ -173,7 +173,7 @@ def read_train_state(iter_dir: str) -> TrainState:
     """The TrainState of the checkpoint in iter_dir (any format; its RNG states are read per rank by loader.load_rng)."""
     legacy = files.is_legacy(iter_dir)
     if legacy:
-        from training.checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
+        from checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
 
         saved = legacy_main_file(iter_dir)
         what, path = "a format-1 main file", os.path.join(rank_dir(iter_dir, 0, 0), MAIN_FILE)

@@ -30,6 +30,15 @@ import re
 
 import torch
 
+from checkpoint import (
+    ITER_RE,
+    MAIN_FILE,
+    MP_RANK_PREFIX,
+    RELEASE,
+    TRACKER,
+    iter_name,
+    parse_mp_rank,
+)
 from convert.hf_mapping import UnsupportedModelError
 from convert.megatron_args import model_config_from_args, tokenizer_from_args
 from convert.megatron_checks import check_args, check_rank_folders, check_shard
@@ -41,15 +50,6 @@ from model.config import ModelConfig
 from model.param_info import Sharding
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
-from training.checkpoint.folder_names import (
-    ITER_RE,
-    MAIN_FILE,
-    MP_RANK_PREFIX,
-    RELEASE,
-    TRACKER,
-    iter_name,
-    parse_mp_rank,
-)
 
 Tensors = dict[str, torch.Tensor]
 LAYER_KEY = re.compile(

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from checkpoint import CheckpointError, load_model_weights
 from config.schema import Config, apply_overrides, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
 from convert.model_weights import checkpoint_iteration, read_run_config
@@ -30,7 +31,6 @@ from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
-from training.checkpointing import CheckpointError, load_model_weights
 from training.guards import weights_are_finite
 from training.setup import DistEnv
 

@@ -13,7 +13,18 @@ from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.tier("fast")
 
-PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert", "evaluation")
+PACKAGES = (
+    "compat",
+    "config",
+    "data",
+    "model",
+    "parallel",
+    "checkpoint",
+    "training",
+    "planner",
+    "convert",
+    "evaluation",
+)
 # package -> the packages of ours it may import (its own modules aside)
 ALLOWED = {
     "compat": set(),
@@ -22,9 +33,11 @@ ALLOWED = {
     "config": {"model", "data"},  # data only for data paths, lazily
     "parallel": {"compat", "model", "data"},  # data: the Microbatch record (context parallelism cuts it)
     "planner": {"config", "model", "parallel"},
-    "training": {"compat", "config", "data", "model", "parallel", "planner"},
-    "convert": {"compat", "config", "data", "model", "parallel", "training"},
-    "evaluation": {"compat", "config", "convert", "data", "model", "parallel", "training"},
+    # training: the optimizer and LR schedule until they move to optim/ (the next step of issue 41)
+    "checkpoint": {"compat", "config", "data", "model", "parallel", "training"},
+    "training": {"compat", "checkpoint", "config", "data", "model", "parallel", "planner"},
+    "convert": {"checkpoint", "compat", "config", "data", "model", "parallel", "training"},
+    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "parallel", "training"},
 }
 NO_TORCH_DISTRIBUTED = ("compat", "model")
 NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")

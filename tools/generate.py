@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from checkpoint import CheckpointError
 from config.cli import numbers_as_values
 from config.schema import PRECISIONS, ConfigError, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
@@ -29,7 +30,6 @@ from convert.model_weights import build_model_from_state, load_global_state, loa
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
-from training.checkpointing import CheckpointError
 from training.setup import init_distributed, param_dtype
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)

@@ -11,11 +11,11 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from checkpoint import describe_write_error
 from model.shape import IterationFlops
-from training.write_errors import describe_write_error
 
 if TYPE_CHECKING:
-    from training.checkpoint.train_state import TrainingProgress
+    from checkpoint import TrainingProgress
     from training.train_step import StepResult
     from training.wandb_logging import WandbSink
 

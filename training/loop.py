@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 import torch
 
+from checkpoint import CheckpointError, save_checkpoint
 from config.schema import Config
 from data.microbatch import Microbatch
 from parallel.comm import CollectiveError
 from parallel.layout import Layout
-from training.checkpointing import CheckpointError, save_checkpoint
 from training.faults import FaultSpec
 from training.guards import (
     EXIT_DIVERGED,

@@ -15,6 +15,15 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from checkpoint import (
+    Checkpointer,
+    CheckpointLayout,
+    CheckpointParts,
+    ResumePlan,
+    TrainingProgress,
+    load_into_run,
+    plan_resume,
+)
 from config.schema import Config
 from data.tokenizers import build_tokenizer_of
 from model.gpt import GPTModel
@@ -28,9 +37,6 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
-from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
 from training.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
 from training.lr_schedule import LRSchedule

@@ -25,13 +25,12 @@ import time
 import torch
 from bench_models import model_config
 
+from checkpoint import Checkpointer, CheckpointLayout, CheckpointParts, TrainingProgress, build_save_job
 from config.schema import OptimConfig, ParallelConfig, TrainConfig
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress, build_save_job
 from training.lr_schedule import LRSchedule
 from training.optimizer import build_optimizer
 

@@ -12,9 +12,9 @@ import shutil
 import pytest
 
 import pretrain_gpt
+from checkpoint import files
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tools import checkpoint_info
-from training.checkpoint import files
 from training.logging import LOGGER_NAME
 
 pytestmark = pytest.mark.tier("full")  # the launch path: kill -9 during saves

@@ -99,7 +99,7 @@ def test_full_disk_at_the_first_metrics_write_is_one_line(tiny_corpus, tmp_path,
 def test_metrics_short_write_on_a_full_disk_names_it(tmp_path, monkeypatch, written):
     writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
     monkeypatch.setattr(os, "write", lambda fd, data: written)
-    monkeypatch.setattr("training.write_errors.free_disk_bytes", lambda folder: 0)
+    monkeypatch.setattr("checkpoint.write_errors.free_disk_bytes", lambda folder: 0)
     with pytest.raises(MetricsWriteError, match="no space left on device .*short write"):
         writer.write({"iteration": 3, "lm_loss": 1.0})
 

@@ -13,10 +13,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from checkpoint.dcp_reader import read_dcp_metadata
+from checkpoint.files import CheckpointError
+from checkpoint.safe_reader import load_weights_file
 from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, arm_torch_file
-from training.checkpoint.dcp_reader import read_dcp_metadata
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.safe_reader import load_weights_file
 
 pytestmark = pytest.mark.tier("fast")
 
