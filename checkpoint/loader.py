@@ -25,8 +25,8 @@ from checkpoint.state import (
 )
 from checkpoint.train_state import OptimizerScalars, rng_path
 from checkpoint.write_errors import reraise_interrupt
+from optim.optimizer import Optimizer
 from parallel.state import ParallelState
-from training.optimizer import Optimizer
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
     from torch.distributed.checkpoint.metadata import Metadata

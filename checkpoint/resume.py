@@ -22,8 +22,8 @@ from checkpoint.parts import CheckpointParts
 from checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
+from optim.lr_schedule import LRSchedule
 from parallel.random import RNGTracker
-from training.lr_schedule import LRSchedule
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
 # change what a resumed run computes from the same tensors (a fine-tune may change them). Marked on ModelConfig.

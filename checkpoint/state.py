@@ -22,9 +22,9 @@ from torch import nn
 
 from checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
 from model.param_info import param_info
+from optim.optimizer import Optimizer
 from parallel.fsdp import LocalShard, local_shard, shard_replicas
 from parallel.state import ParallelState
-from training.optimizer import Optimizer
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: only a save or a load needs it
     from torch.distributed.checkpoint.metadata import Metadata

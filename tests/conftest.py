@@ -48,6 +48,7 @@ SOURCE_ENTRIES = (
     "data",
     "model",
     "parallel",
+    "optim",
     "checkpoint",
     "training",
     "planner",

@@ -19,6 +19,7 @@ PACKAGES = (
     "data",
     "model",
     "parallel",
+    "optim",
     "checkpoint",
     "training",
     "planner",
@@ -33,9 +34,9 @@ ALLOWED = {
     "config": {"model", "data"},  # data only for data paths, lazily
     "parallel": {"compat", "model", "data"},  # data: the Microbatch record (context parallelism cuts it)
     "planner": {"config", "model", "parallel"},
-    # training: the optimizer and LR schedule until they move to optim/ (the next step of issue 41)
-    "checkpoint": {"compat", "config", "data", "model", "parallel", "training"},
-    "training": {"compat", "checkpoint", "config", "data", "model", "parallel", "planner"},
+    "optim": {"compat", "config", "model", "parallel"},
+    "checkpoint": {"compat", "config", "data", "model", "optim", "parallel"},
+    "training": {"checkpoint", "compat", "config", "data", "model", "optim", "parallel", "planner"},
     "convert": {"checkpoint", "compat", "config", "data", "model", "parallel", "training"},
     "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "parallel", "training"},
 }

@@ -28,6 +28,9 @@ from config.schema import Config
 from data.tokenizers import build_tokenizer_of
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
+from optim.lr_schedule import LRSchedule
+from optim.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from optim.sharded_optimizer import build_sharded_optimizer
 from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
@@ -39,8 +42,6 @@ from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from training.logging import MetricsWriter, get_logger
-from training.lr_schedule import LRSchedule
-from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
 from training.preemption import PreemptionHandler
 from training.setup import (
     DatasetSplits,
@@ -51,7 +52,6 @@ from training.setup import (
     param_dtype,
     resolve_sample_data,
 )
-from training.sharded_optimizer import build_sharded_optimizer
 from training.straggler import StragglerReport
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb

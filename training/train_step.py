@@ -16,6 +16,7 @@ import torch
 
 from data.microbatch import Microbatch
 from model.gpt import GPTModel
+from optim.optimizer import DistributedOptimizer, Optimizer
 from parallel.context_parallel import cut_microbatch
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
@@ -24,7 +25,6 @@ from parallel.layout import Layout
 from parallel.pipeline.executor import ForwardFn, execute_schedule
 from parallel.pipeline.plan import PipelinePlan, build_plan
 from parallel.state import ParallelState
-from training.optimizer import DistributedOptimizer, Optimizer
 
 
 @dataclass

@@ -27,12 +27,12 @@ from bench_models import model_config
 
 from checkpoint import Checkpointer, CheckpointLayout, CheckpointParts, TrainingProgress, build_save_job
 from config.schema import OptimConfig, ParallelConfig, TrainConfig
+from optim.lr_schedule import LRSchedule
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.lr_schedule import LRSchedule
-from training.optimizer import build_optimizer
 
 
 def build(layers: int, hidden: int):
