@@ -3,7 +3,7 @@ iter_XXXXXXX.tmp.<pid>, checksums are gathered, then rank 0 renames the folder i
 trackers. `Checkpointer` runs that synchronously or, with async_save, in a background thread per rank on its
 own gloo group: the thread first copies the pieces aside (overlapping the next forward and backward; the loop
 waits for the copy only before its next optimizer step), then writes them. That group keeps the start-up timeout
-(parallel.init_timeout_s, training/watchdog.py), and its gathers go through the trainer's Collectives under the
+(parallel.init_timeout_s, operations/watchdog.py), and its gathers go through the trainer's Collectives under the
 name "checkpoint" (a hang report then shows how far each rank got in a save).
 """
 

@@ -19,7 +19,7 @@ from data.builder import SPLIT_NAMES, build_train_valid_test_datasets
 from data.microbatch import Microbatch
 from evaluation.documents import EvalInputError
 from evaluation.tasks import Figures, capped_perplexity
-from training.guards import agree, bad_token_message, find_bad_token
+from operations.guards import agree, bad_token_message, find_bad_token
 from training.setup import DistEnv, build_options, data_iterator
 from training.train_step import ForwardOnlyContext, evaluate
 

@@ -26,12 +26,12 @@ from data.tokenizers import build_tokenizer_of
 from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
+from operations.guards import weights_are_finite
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
-from training.guards import weights_are_finite
 from training.setup import DistEnv
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.logging import get_logger
+from operations.log import get_logger
 
 FREE_CORE_SAMPLE_S = 0.1  # how long the automatic count watches the cores before it counts the free ones
 # A core counts as free when it was idle at least this share of the sample: a neighbour's short bursts

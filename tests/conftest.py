@@ -50,6 +50,7 @@ SOURCE_ENTRIES = (
     "parallel",
     "optim",
     "checkpoint",
+    "operations",
     "training",
     "planner",
     "convert",

@@ -21,6 +21,7 @@ PACKAGES = (
     "parallel",
     "optim",
     "checkpoint",
+    "operations",
     "training",
     "planner",
     "convert",
@@ -36,9 +37,10 @@ ALLOWED = {
     "planner": {"config", "model", "parallel"},
     "optim": {"compat", "config", "model", "parallel"},
     "checkpoint": {"compat", "config", "data", "model", "optim", "parallel"},
-    "training": {"checkpoint", "compat", "config", "data", "model", "optim", "parallel", "planner"},
+    "operations": {"compat", "config", "data", "model", "parallel"},
+    "training": {"checkpoint", "compat", "config", "data", "model", "operations", "optim", "parallel", "planner"},
     "convert": {"checkpoint", "compat", "config", "data", "model", "parallel", "training"},
-    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "parallel", "training"},
+    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "operations", "parallel", "training"},
 }
 NO_TORCH_DISTRIBUTED = ("compat", "model")
 NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")

@@ -19,10 +19,10 @@ from data.loader import build_data_iterator
 from data.microbatch import Microbatch
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
+from operations.loader_workers import MicrobatchStream
+from operations.preemption import ignore_stop_signals, stop_at_once
+from operations.threads import log_thread_plan, set_threads
 from parallel.comm import Collectives
-from training.loader_workers import MicrobatchStream
-from training.preemption import ignore_stop_signals, stop_at_once
-from training.threads import log_thread_plan, set_threads
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config

@@ -13,9 +13,9 @@ import pytest
 
 import pretrain_gpt
 from checkpoint import files
+from operations.log import LOGGER_NAME
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tools import checkpoint_info
-from training.logging import LOGGER_NAME
 
 pytestmark = pytest.mark.tier("full")  # the launch path: kill -9 during saves
 

@@ -13,13 +13,13 @@ import torch
 
 import pretrain_gpt
 from config.schema import load_config
+from operations.guards import EXIT_ERROR, EXIT_INPUT_ERROR
+from operations.run_lock import LOCK_NAME
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics
 from tests.e2e.faults import QUICK, one_error_line, run_main
 from tools import merge_datasets, pipeline_timeline
-from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR
 from training.logging import MetricsWriteError, MetricsWriter
-from training.run_lock import LOCK_NAME
 from training.size_check import check_fits
 
 pytestmark = pytest.mark.tier("fast")

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from checkpoint import files, saver
+from operations.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from tests.e2e.faults import QUICK, one_error_line, run_main
-from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 
 pytestmark = pytest.mark.tier("fast")
 

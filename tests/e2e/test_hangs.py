@@ -28,13 +28,13 @@ import torch.multiprocessing as mp
 import checkpoint
 import pretrain_gpt
 from checkpoint import saver
+from operations.diagnostics import read_dumps
+from operations.guards import EXIT_HUNG
+from operations.watchdog import WATCHDOG_GRACE_S
 from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from tests.e2e.test_torchrun_signals import trainer_rank
 from tools import diagnose_hang
-from training.diagnostics import read_dumps
-from training.guards import EXIT_HUNG
-from training.watchdog import WATCHDOG_GRACE_S
 
 pytestmark = pytest.mark.tier("full")  # the launch path: hangs waited out to their timeouts
 

@@ -11,9 +11,9 @@ import pytest
 
 import checkpoint
 import pretrain_gpt
+from operations.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from training import loop
-from training.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.tier("full")  # the launch path: signals to the trainer
 

@@ -14,8 +14,8 @@ import checkpoint
 import pretrain_gpt
 from convert.model_weights import load_global_state
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from operations.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
-from training.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -108,7 +108,7 @@ def test_second_trainer_in_a_live_run_dir_is_refused(tiny_corpus, tmp_path, caps
             sys.executable,
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
+            "from operations.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
             "print('held', flush=True); time.sleep(120)",
             REPO_ROOT,
             str(run_dir),

@@ -10,9 +10,9 @@ import pytest
 
 import pretrain_gpt
 from data import atomic_files, gpt_dataset
+from operations.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.faults import copy_corpus
-from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 pytestmark = pytest.mark.tier("fast")
 

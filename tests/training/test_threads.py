@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from operations.threads import plan_threads, usable_cores
 from training import threads
-from training.threads import plan_threads, usable_cores
 
 pytestmark = pytest.mark.tier("fast")
 
