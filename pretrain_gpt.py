@@ -24,10 +24,10 @@ from operations.faults import fault_from_env
 from operations.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from operations.preemption import Interrupted, PreemptionHandler
 from operations.run_lock import RunLock, take_run_lock
+from operations.startup import DEFAULT_CONFIG, check_devices, init_distributed
 from operations.threads import check_cpu_requests, usable_cores
 from parallel.layout import layout_from_config
 from training.loop import run_training
-from training.setup import DEFAULT_CONFIG, check_devices, init_distributed
 from training.size_check import check_fits
 from training.wandb_logging import check_wandb_importable
 

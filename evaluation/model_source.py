@@ -6,7 +6,7 @@ model by convert/, so its numbers come from the same forward as a checkpoint's).
 tokenizer files, plus `section.key=value` overrides such as parallel.tp_size=2): every check of the input
 (config, layout, tokenizer against the model's vocabulary) runs on it before torch.distributed starts or a
 weight is read. `load_model` then builds this rank's chunks, fills them and returns the forward-only context
-that evaluation/scoring.py and training.train_step.evaluate run.
+that evaluation/scoring.py and parallel.pipeline.forward.evaluate run.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
 from operations.guards import weights_are_finite
+from operations.startup import DistEnv
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
-from training.setup import DistEnv
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # What bad input raises (config, layout, tokenizer, files, checkpoint): one line, exit 2.

@@ -39,18 +39,25 @@ ALLOWED = {
     "checkpoint": {"compat", "config", "data", "model", "optim", "parallel"},
     "operations": {"compat", "config", "data", "model", "parallel"},
     "training": {"checkpoint", "compat", "config", "data", "model", "operations", "optim", "parallel", "planner"},
-    "convert": {"checkpoint", "compat", "config", "data", "model", "parallel", "training"},
-    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "operations", "parallel", "training"},
+    "convert": {"checkpoint", "compat", "config", "data", "model", "parallel"},
+    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "operations", "parallel"},
 }
 NO_TORCH_DISTRIBUTED = ("compat", "model")
 NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")
+# checkpoint/__init__.py is the checkpoint package's one public face: outside it (tests aside) no module is named
+FACE_ONLY = "checkpoint"
+# the programs and the entry point, which the face rule covers too
+PROGRAMS = ("tools", "scripts", "pretrain_gpt.py")
 
 
-def _modules() -> dict[str, str]:
-    """{dotted module name: file path} of every module of the packages."""
+def _modules(entries: tuple[str, ...] = PACKAGES) -> dict[str, str]:
+    """{dotted module name: file path} of every module of the packages (or of `entries`: folders and files)."""
     modules = {}
-    for package in PACKAGES:
-        for folder, _, files in os.walk(os.path.join(REPO_ROOT, package)):
+    for entry in entries:
+        if entry.endswith(".py"):
+            modules[entry[:-3]] = os.path.join(REPO_ROOT, entry)
+            continue
+        for folder, _, files in os.walk(os.path.join(REPO_ROOT, entry)):
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)
@@ -155,3 +162,27 @@ def test_the_layering_table_covers_every_package():
     assert {
         name for name in os.listdir(REPO_ROOT) if os.path.isfile(os.path.join(REPO_ROOT, name, "__init__.py"))
     } >= set(PACKAGES)
+
+
+def test_only_the_checkpoint_face_is_imported_from_outside():
+    modules = _modules()
+    outside = {**modules, **_modules(PROGRAMS)}
+    wrong = []
+    for module, path in outside.items():
+        if module.split(".")[0] == FACE_ONLY:
+            continue
+        names = _imported_names(path, module, modules)
+        wrong += [f"{module} -> {name}" for name in sorted(names) if name.startswith(f"{FACE_ONLY}.")]
+    assert wrong == []
+
+
+def test_convert_and_evaluation_import_nothing_of_training():
+    _, raw = _import_graph()
+    wrong = [
+        f"{module} -> {name}"
+        for module, names in raw.items()
+        if module.split(".")[0] in ("convert", "evaluation")
+        for name in sorted(names)
+        if name == "training" or name.startswith("training.")
+    ]
+    assert wrong == []

@@ -39,9 +39,9 @@ from evaluation.model_source import (
 )
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, wikitext_task
+from operations.startup import DistEnv, check_devices, init_distributed
 from parallel.layout import layout_from_config
 from training.logging import json_safe
-from training.setup import DistEnv, check_devices, init_distributed
 
 if TYPE_CHECKING:
     from config.schema import Config

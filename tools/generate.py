@@ -30,7 +30,7 @@ from convert.model_weights import build_model_from_state, load_global_state, loa
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
-from training.setup import init_distributed, param_dtype
+from operations.startup import init_distributed, param_dtype
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 

@@ -45,13 +45,14 @@ from operations.guards import (
 from operations.loader_workers import MicrobatchStream
 from operations.log import get_logger
 from operations.preemption import PreemptionHandler, job_start_time
+from operations.startup import Dataset, DistEnv, data_iterator
 from operations.watchdog import HangGuard
 from parallel.comm import CollectiveError
 from parallel.layout import Layout
+from parallel.pipeline.forward import evaluate, take_microbatches
 from training.logging import IntervalStats, MetricsWriteError, format_train_line, peak_tflops
 from training.run import Run, build_run, resume_if_asked
-from training.setup import Dataset, DistEnv, data_iterator
-from training.train_step import StepResult, evaluate, take_microbatches, train_step
+from training.train_step import StepResult, train_step
 
 # Figures an extra evaluation (the zero-shot tasks of eval.*) adds to the validation record; {} when not due.
 ExtraEvaluation = Callable[[Run], dict[str, float]]

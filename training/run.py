@@ -31,6 +31,15 @@ from model.rank_spec import Recompute
 from operations.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from operations.log import get_logger
 from operations.preemption import PreemptionHandler
+from operations.startup import (
+    DatasetSplits,
+    DistEnv,
+    build_datasets,
+    check_vocab_size,
+    log_kernel_choices,
+    param_dtype,
+    resolve_sample_data,
+)
 from operations.straggler import StragglerReport
 from operations.watchdog import HangGuard
 from optim.lr_schedule import LRSchedule
@@ -46,15 +55,6 @@ from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from training.logging import MetricsWriter
-from training.setup import (
-    DatasetSplits,
-    DistEnv,
-    build_datasets,
-    check_vocab_size,
-    log_kernel_choices,
-    param_dtype,
-    resolve_sample_data,
-)
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
 

@@ -16,12 +16,12 @@ import pretrain_gpt
 from checkpoint.loader import read_global_tensors
 from checkpoint.saver import write_checkpoint
 from config.schema import load_config
+from operations.startup import init_distributed
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
 from training.loop import train
 from training.run import build_run, resume_if_asked
-from training.setup import init_distributed
 
 pytestmark = pytest.mark.tier("full")  # an 8-rank checkpoint resumed at five layouts
 

@@ -115,7 +115,7 @@ def test_separate_split_paths_train(tiny_corpus, tmp_path, capsys):
 
 def test_the_sample_corpus_on_a_big_config_when_asked():
     from config.schema import load_config
-    from training.setup import check_sample_corpus_fits
+    from operations.startup import check_sample_corpus_fits
 
     path = os.path.join(REPO_ROOT, "configs", "gpt2_124m.yaml")
     check_sample_corpus_fits(load_config(path, ["data.use_sample_corpus=true"]))  # scripts/gpu_check.sh's runs

@@ -23,9 +23,9 @@ from data.microbatch import Microbatch
 from operations.guards import NonFiniteGuard, TrainingStopped, find_bad_token
 from operations.log import LOGGER_NAME
 from operations.run_lock import RunLock, RunLockError
+from operations.startup import check_devices
 from tests.data.options import BUILD, SAMPLES
 from training.logging import MetricsWriter
-from training.setup import check_devices
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from operations import threads
 from operations.threads import plan_threads, usable_cores
-from training import threads
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -51,7 +51,7 @@ def _threads_after_init(omp: str | None, *overrides: str) -> tuple[int, str]:
         env["OMP_NUM_THREADS"] = omp
     env["PYTHONPATH"] = REPO_ROOT
     code = (
-        "import torch\nfrom training.setup import init_distributed\n"
+        "import torch\nfrom operations.startup import init_distributed\n"
         f"init_distributed(False, {overrides[0] if overrides else 0})\nprint('get_num_threads=', torch.get_num_threads())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
