@@ -32,7 +32,7 @@ META = "meta.json"
 CHECKSUMS = "checksums.json"
 DCP_METADATA = ".metadata"
 TMP_RE = re.compile(r"\.tmp\.(\d+)$")
-FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (training/checkpoint/legacy.py)
+FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (checkpoint/legacy.py)
 
 
 class CheckpointError(RuntimeError):

@@ -1,6 +1,6 @@
 """Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
 then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
-DCP's `.metadata` is read only through training/checkpoint/safe_reader.py (a pickle: nothing in it may run).
+DCP's `.metadata` is read only through checkpoint/safe_reader.py (a pickle: nothing in it may run).
 """
 
 from __future__ import annotations

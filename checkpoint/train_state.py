@@ -2,7 +2,7 @@
 
 Written and read here only. The rank-common fields are meta.json (`state_dict()` / `load_state_dict()`,
 the keys unchanged since format 2); this rank's RNG states are its own file rng/rank_XXXXX.pt. A checkpoint of
-the per-rank format 1 (training/checkpoint/legacy.py) reads into the same record (`from_legacy`).
+the per-rank format 1 (checkpoint/legacy.py) reads into the same record (`from_legacy`).
 
 A new counter is a field of `TrainingProgress` and its key in `MetaJson` (loaded and defaulted for older
 checkpoints without further code); a new section is a field here with its key in `MetaJson` and its line in
@@ -158,7 +158,7 @@ class TrainState:
     @classmethod
     def from_legacy(cls, main: Mapping[str, object]) -> TrainState:
         """The main file (model_optim_rng.pt) of a format-1 checkpoint: its optimizer state stays in its
-        per-rank files, read by training/checkpoint/legacy.py."""
+        per-rank files, read by checkpoint/legacy.py."""
         return cls(
             progress=TrainingProgress.from_dict(main),
             config=_config_sections(main["config"]),

@@ -66,7 +66,7 @@ TENSOR_BASE = PrivateName(
     "none (Tensor._is_view is private too): without it no output is freed early",
 )
 # torch.distributed.checkpoint's .metadata file pickles instances of these; the allow-list unpickler of
-# training/checkpoint/safe_reader.py names them to read it without running anything else.
+# checkpoint/safe_reader.py names them to read it without running anything else.
 _DCP_REASON = "torch.distributed.checkpoint's .metadata pickles it; our allow-list unpickler must name it"
 _DCP_PUBLIC = "none: DCP's own FileSystemReader.read_metadata unpickles with plain pickle (runs anything)"
 DCP_METADATA_NAMES = (

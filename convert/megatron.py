@@ -18,7 +18,7 @@ row-parallel columns, SwiGLU fc1 holding [gate_r; up_r] per rank), which is Mega
 Files are unpickled with weights_only=True and the allow-list of convert/safe_pickle.py (namespace, numpy
 arrays and dtypes, byte buffers; Megatron's own objects become inert placeholders); any other global is
 refused by name. Only the model weights are taken; optimizer, scheduler and RNG state are not carried.
-Names: the folders in training/checkpoint/folder_names.py, the tensors in convert/megatron_names.py, the args
+Names: the folders in checkpoint/folder_names.py, the tensors in convert/megatron_names.py, the args
 in convert/megatron_args.py (each shared with the export, convert/megatron_export.py).
 """
 

@@ -3,7 +3,7 @@
 Timeouts. Every process group starts with parallel.init_timeout_s (start-up: creating the groups, building the
 data, loading a checkpoint, compiling, the first iteration). After the first iteration of this process every rank
 meets at one barrier (so no rank still busy with start-up work meets a shorter timeout) and the training groups
-take parallel.train_timeout_s. The checkpoint group (training/checkpoint/saver.py) keeps the start-up timeout:
+take parallel.train_timeout_s. The checkpoint group (checkpoint/saver.py) keeps the start-up timeout:
 a save, sync or async, waits on that group only, so it never trips the training timeout.
 
 Watchdog. A thread per rank (when there is more than one rank) watches for progress: a collective issued or

@@ -8,7 +8,7 @@ Everything else is optim/optimizer.Optimizer's step, unchanged: unscale and the 
 (fp16 skips the step), the global grad norm (each element counted once: tp-replicated parameters on tp rank 0,
 summed over tp x pp and over the shard group, not over HSDP's replicas, which hold the same shard), clipping,
 the same AdamW arithmetic on each element. Checkpoint pieces: `pieces` says where each shard lies in the
-parameter (parallel/fsdp.local_shard), so training/checkpoint/state.py stores it in global coordinates.
+parameter (parallel/fsdp.local_shard), so checkpoint/state.py stores it in global coordinates.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ShardedOptimizer(Optimizer):
     def state_dict(self) -> OptimizerState:
         raise ValueError(
             "the per-rank optimizer format of earlier versions has no FSDP shards: checkpoints of an FSDP run are "
-            "written in the layout-free format (training/checkpoint/)"
+            "written in the layout-free format (checkpoint/)"
         )
 
     def load_state_dict(self, state: OptimizerState) -> None:

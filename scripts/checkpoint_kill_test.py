@@ -6,7 +6,7 @@ verifies (every byte) and loads.
 
 Each round resumes the same run (checkpoint.load=true, a save every iteration), waits for training to be under
 way, sends SIGKILL after a random delay, then: the tracker's checkpoint must pass the checksum verification
-(every file's size and CRC-32, training/checkpoint/files.py) and every tensor must read back; a save folder left
+(every file's size and CRC-32, checkpoint/files.py) and every tensor must read back; a save folder left
 by the killed process (*.tmp.<pid>) is removed by the next round's start. Prints how many kills landed while a save was in progress. Exit 1 on any failure.
 """
 

@@ -1,7 +1,7 @@
 """Async vs sync checkpoint saves: how long the training loop is blocked per save.
 
 One process builds a GPT with its plain fp32 optimizer (fp32 weights + Adam moments: 12 bytes per parameter on
-disk), takes a few real training steps, then saves it through training.checkpointing.Checkpointer:
+disk), takes a few real training steps, then saves it through checkpoint.Checkpointer:
   sync   the loop is blocked for the whole save (DCP write, fsync, checksums, rename, trackers)
   async  a background thread copies the tensors aside, then writes them, while the loop keeps training; the
          loop is blocked only if its next optimizer step arrives before the copy is done (plus starting the

@@ -1,4 +1,4 @@
-"""The layout a checkpoint records (training/checkpoint/train_state.CheckpointLayout): meta.json's "layout" of
+"""The layout a checkpoint records (checkpoint/train_state.CheckpointLayout): meta.json's "layout" of
 every earlier writer reads and writes back unchanged, one describe() for every report, bad values refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""training/checkpoint/safe_reader.py on its own: the DCP metadata of a real checkpoint reads; a crafted one is
+"""checkpoint/safe_reader.py on its own: the DCP metadata of a real checkpoint reads; a crafted one is
 refused in one line naming the file (a payload, a data file outside the folder, a malformed index, a torn
 file) and nothing runs; pickled .pt files are read weights-only with the same kind of refusal."""
 
