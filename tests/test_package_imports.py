@@ -186,3 +186,15 @@ def test_convert_and_evaluation_import_nothing_of_training():
         if name == "training" or name.startswith("training.")
     ]
     assert wrong == []
+
+
+def test_the_checkpoint_face_gives_its_dcp_names_on_first_use():
+    import checkpoint
+    from checkpoint.dcp_planners import PiecesSavePlanner
+    from checkpoint.dcp_reader import read_dcp_metadata
+
+    assert checkpoint.read_dcp_metadata is read_dcp_metadata
+    assert checkpoint.PiecesSavePlanner is PiecesSavePlanner
+    assert [name for name in checkpoint.__all__ if not hasattr(checkpoint, name)] == []  # every name resolves
+    with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
+        _ = checkpoint.not_a_name
