@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 pretrain_gpt.py parallel.tp_size=2 parallel.pp_size=2 ...
 
 Reads the config, joins torch.distributed, takes the run folder's lock, then builds and trains the run
-(training/run.py, training/loop.py) and exits with its code (training/guards.py). Everything the run writes goes
+(training/run.py, training/loop.py) and exits with its code (operations/guards.py). Everything the run writes goes
 under run.dir.
 """
 
@@ -14,9 +14,9 @@ import argparse
 import os
 import sys
 
-from training.openmp_wait import passive_wait_default
+from operations.openmp_wait import passive_wait_default
 
-# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (operations/openmp_wait.py).
 os.environ.update(passive_wait_default(os.environ, sys.modules))
 
 import torch.distributed as dist
@@ -25,16 +25,16 @@ from config.cli import one_config_file
 from config.megatron_flags import megatron_hint
 from config.schema import ConfigError, load_config
 from evaluation.in_training import zero_shot_tasks
+from operations.faults import fault_from_env
+from operations.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
+from operations.preemption import Interrupted, PreemptionHandler
+from operations.run_lock import RunLock, take_run_lock
+from operations.startup import DEFAULT_CONFIG, check_devices, init_distributed
+from operations.threads import check_cpu_requests, usable_cores
 from parallel.group_setup import GroupCreationTimeout
 from parallel.layout import layout_from_config
-from training.faults import fault_from_env
-from training.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from training.loop import run_training
-from training.preemption import Interrupted, PreemptionHandler
-from training.run_lock import RunLock, take_run_lock
-from training.setup import DEFAULT_CONFIG, check_devices, init_distributed
 from training.size_check import check_fits
-from training.threads import check_cpu_requests, usable_cores
 from training.wandb_logging import check_wandb_importable
 
 __all__ = ["DEFAULT_CONFIG", "main", "parse_args"]
@@ -75,7 +75,7 @@ def unknown_option_message(unknown: list[str], argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the trainer; returns the exit code (0 done, 2 bad input, 3 stopped by a signal, 4 diverged, 5 a hang:
-    see training/guards.py)."""
+    see operations/guards.py)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         check_wandb_importable(config.logging)
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
         extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
-        fault = fault_from_env(world_size, config.train.train_iters)  # PTDP_INJECT_FAULT, training/faults.py
+        fault = fault_from_env(world_size, config.train.train_iters)  # PTDP_INJECT_FAULT, operations/faults.py
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR

@@ -66,7 +66,7 @@ TENSOR_BASE = PrivateName(
     "none (Tensor._is_view is private too): without it no output is freed early",
 )
 # torch.distributed.checkpoint's .metadata file pickles instances of these; the allow-list unpickler of
-# training/checkpoint/safe_reader.py names them to read it without running anything else.
+# checkpoint/safe_reader.py names them to read it without running anything else.
 _DCP_REASON = "torch.distributed.checkpoint's .metadata pickles it; our allow-list unpickler must name it"
 _DCP_PUBLIC = "none: DCP's own FileSystemReader.read_metadata unpickles with plain pickle (runs anything)"
 DCP_METADATA_NAMES = (
@@ -84,7 +84,7 @@ SET_PG_TIMEOUT = PrivateName(
     "torch.distributed.distributed_c10d",
     "_set_pg_timeout",
     "lowering a process group's timeout after the first iteration (parallel.train_timeout_s, "
-    "training/watchdog.py), as torchtitan's set_pg_timeouts does; used only where the group has no public "
+    "operations/watchdog.py), as torchtitan's set_pg_timeouts does; used only where the group has no public "
     "set_timeout (torch 2.13 has it; older releases may not)",
     "ProcessGroup.set_timeout where it exists; without either the groups keep the start-up timeout",
 )
@@ -92,7 +92,7 @@ LOADER_SHUTDOWN = PrivateName(
     "torch.utils.data.dataloader",
     "_MultiProcessingDataLoaderIter._shutdown_workers",
     "stopping the training loader's worker processes on every way out of the loop, an exception included "
-    "(training/loader_workers.py): torch calls it only when the iterator is garbage-collected, which a "
+    "(operations/loader_workers.py): torch calls it only when the iterator is garbage-collected, which a "
     "traceback's frames prevent, and skips it once the interpreter exits, where multiprocessing then waits "
     "forever for workers that ignore SIGTERM",
     "none (a DataLoader iterator has no public close): without it the workers are SIGKILLed, and torch's "

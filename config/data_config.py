@@ -95,7 +95,7 @@ class DataConfig:
         default=None,
         metadata=key_spec("SentencePiece .model, or a tokenizer.json (or its folder) for HuggingFaceTokenizer."),
     )
-    # Throughput measurements of a real model size need no real data; false refuses it (training/setup.py).
+    # Throughput measurements of a real model size need no real data; false refuses it (operations/startup.py).
     use_sample_corpus: bool = field(
         default=False,
         metadata=key_spec(

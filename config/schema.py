@@ -30,7 +30,7 @@ from model.config import ModelConfig, check_declared, key_spec
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision: the parameters' dtype (fp16 with dynamic loss scaling)
-LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (training/lr_schedule.py)
+LR_DECAY_STYLES = ("cosine", "linear", "constant")  # optim.lr_decay_style (optim/lr_schedule.py)
 # parallel.init_timeout_s below this is refused: the ranks of one node, started together, reached the first
 # rendezvous up to 0.74 s apart here (torch's import alone), and each rank waits there for the last
 MIN_INIT_TIMEOUT_S = 1
@@ -150,7 +150,7 @@ class ParallelConfig:
             ge=1,
         ),
     )
-    # torchtitan's defaults (training/watchdog.py, docs/operations.md).
+    # torchtitan's defaults (operations/watchdog.py, docs/operations.md).
     init_timeout_s: float = field(
         default=300.0,
         metadata=key_spec(
@@ -292,7 +292,7 @@ class TrainConfig:
         default=0,
         metadata=key_spec(
             "Intra-op threads per rank; 0: OMP_NUM_THREADS, else the usable cores (affinity mask) / local ranks, "
-            "never the machine's load (training/threads.py).",
+            "never the machine's load (operations/threads.py).",
             ge=0,
         ),
     )
@@ -304,7 +304,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, its learning-rate schedule and fp16's dynamic loss scaler (training/optimizer.py)."""
+    """AdamW, its learning-rate schedule and fp16's dynamic loss scaler (optim/optimizer.py)."""
 
     lr: float = field(default=1e-3, metadata=key_spec("Peak learning rate (after warm-up)."))
     min_lr: float = field(default=1e-4, metadata=key_spec("Learning rate at the end of the decay (0 <= min_lr <= lr)."))
@@ -321,9 +321,7 @@ class OptimConfig:
     )
     lr_decay_style: str = field(
         default="cosine",
-        metadata=key_spec(
-            "Decay shape: cosine, linear or constant (training/lr_schedule.py).", choices=LR_DECAY_STYLES
-        ),
+        metadata=key_spec("Decay shape: cosine, linear or constant (optim/lr_schedule.py).", choices=LR_DECAY_STYLES),
     )
     initial_loss_scale: float = field(
         default=2.0**32, metadata=key_spec("fp16: the loss scale the run starts with.", gt=0)
@@ -368,7 +366,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Saving and resuming (training/checkpoint/): layout-free checkpoints under run.dir/checkpoints."""
+    """Saving and resuming (checkpoint/): layout-free checkpoints under run.dir/checkpoints."""
 
     save_interval: int = field(
         default=0,
@@ -448,7 +446,7 @@ class LoggingConfig:
         default=100,
         metadata=key_spec(
             "Every N iterations the slowest and fastest ranks' compute and wait times are logged "
-            "(training/straggler.py); 0 = off.",
+            "(operations/straggler.py); 0 = off.",
             ge=0,
             note="0: no report",
         ),

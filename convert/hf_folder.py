@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from checkpoint import load_weights_file
 from convert.hf_mapping import (
     UnsupportedModelError,
     from_hf_state_dict,
@@ -28,7 +29,6 @@ from convert.safe_pickle import first_line
 from data.atomic_files import honour_umask
 from data.tokenizers import EOD_TOKEN, HuggingFaceTokenizer
 from model.config import ModelConfig
-from training.checkpoint.safe_reader import load_weights_file
 
 Tensors = dict[str, torch.Tensor]
 SAFE_INDEX = "model.safetensors.index.json"

@@ -18,7 +18,7 @@ row-parallel columns, SwiGLU fc1 holding [gate_r; up_r] per rank), which is Mega
 Files are unpickled with weights_only=True and the allow-list of convert/safe_pickle.py (namespace, numpy
 arrays and dtypes, byte buffers; Megatron's own objects become inert placeholders); any other global is
 refused by name. Only the model weights are taken; optimizer, scheduler and RNG state are not carried.
-Names: the folders in training/checkpoint/folder_names.py, the tensors in convert/megatron_names.py, the args
+Names: the folders in checkpoint/folder_names.py, the tensors in convert/megatron_names.py, the args
 in convert/megatron_args.py (each shared with the export, convert/megatron_export.py).
 """
 
@@ -30,6 +30,15 @@ import re
 
 import torch
 
+from checkpoint import (
+    ITER_RE,
+    MAIN_FILE,
+    MP_RANK_PREFIX,
+    RELEASE,
+    TRACKER,
+    iter_name,
+    parse_mp_rank,
+)
 from convert.hf_mapping import UnsupportedModelError
 from convert.megatron_args import model_config_from_args, tokenizer_from_args
 from convert.megatron_checks import check_args, check_rank_folders, check_shard
@@ -41,15 +50,6 @@ from model.config import ModelConfig
 from model.param_info import Sharding
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
-from training.checkpoint.folder_names import (
-    ITER_RE,
-    MAIN_FILE,
-    MP_RANK_PREFIX,
-    RELEASE,
-    TRACKER,
-    iter_name,
-    parse_mp_rank,
-)
 
 Tensors = dict[str, torch.Tensor]
 LAYER_KEY = re.compile(

@@ -9,10 +9,10 @@ import os
 
 import torch
 
+from checkpoint import mp_rank_name
 from convert.hf_mapping import UnsupportedModelError
 from convert.model_weights import check_dtypes
 from model.param_info import Sharding
-from training.checkpoint.folder_names import mp_rank_name
 
 Tensors = dict[str, torch.Tensor]
 

@@ -25,10 +25,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from checkpoint import CheckpointError, SafeFileSystemReader, check_storage_extents
 from convert.megatron_names import GLOBAL_TO_OURS
 from convert.safe_pickle import first_line, load_megatron_file
-from training.checkpoint.dcp_reader import SafeFileSystemReader
-from training.checkpoint.files import CheckpointError, check_storage_extents
 
 Tensors = dict[str, torch.Tensor]
 # A stacked layer tensor's key: the layer-local module path and the parameter.

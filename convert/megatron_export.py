@@ -21,12 +21,12 @@ import os
 
 import torch
 
+from checkpoint import MAIN_FILE, iter_name, mp_rank_name
 from convert.megatron_args import model_args, tokenizer_args
 from convert.megatron_names import GLOBAL_TO_MCORE, LAYER_EXTRA_STATES, LAYER_TO_MCORE, OUTPUT_EXTRA_STATE
 from model.config import ModelConfig
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
-from training.checkpoint.folder_names import MAIN_FILE, iter_name, mp_rank_name
 
 Tensors = dict[str, torch.Tensor | None]
 

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from checkpoint import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 from config.data_config import DataConfig, resolve_data_file
 from config.schema import ParallelConfig, TrainConfig, config_from_dict
 from model.config import ModelConfig
@@ -20,7 +21,6 @@ from model.param_info import full_shape
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
-from training.checkpointing import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 
 Tensors = dict[str, torch.Tensor]
 

@@ -4,7 +4,7 @@ Megatron-LM's training loop pickles more than tensors: `args` (argparse.Namespac
 `rng_state` (numpy's RandomState tuple: an ndarray and a dtype), Transformer Engine's `_extra_state` (an
 io.BytesIO in older versions). torch.load(weights_only=True) refuses all of these; we allow exactly the
 constructors that build them (arrays, dtypes, byte buffers, a namespace) and nothing else. Megatron's own
-classes become inert placeholders. torch_dist's `.metadata` is read by training/checkpoint/safe_reader.py,
+classes become inert placeholders. torch_dist's `.metadata` is read by checkpoint/safe_reader.py,
 the one reader of DCP metadata (ours and Megatron's).
 """
 

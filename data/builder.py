@@ -87,7 +87,7 @@ def _as_number(text: str) -> float | None:
 @dataclass(frozen=True)
 class BuildOptions:
     """Megatron's GPTDatasetConfig options (the data section's add_extra_token_to_sequence,
-    drop_last_partial_validation_sequence, mid_level_dataset_surplus; training/setup.build_options): see
+    drop_last_partial_validation_sequence, mid_level_dataset_surplus; operations/startup.build_options): see
     SampleOptions; mid_level_surplus is the margin each blend component is built with."""
 
     extra_token: bool

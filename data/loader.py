@@ -89,7 +89,7 @@ def collate_samples(
     """
     text = torch.from_numpy(np.stack([np.asarray(x["text"], dtype=np.int64) for x in samples]))
     # Padding is where a sample's tokens ran out (its "length"), whatever the value there: a negative id
-    # in the data itself stays as it is, so the per-step id check (training.guards) stops the run on it.
+    # in the data itself stays as it is, so the per-step id check (operations.guards) stops the run on it.
     lengths = torch.tensor([int(x.get("length", text.shape[1])) for x in samples]).unsqueeze(1)
     is_pad = torch.arange(text.shape[1]).unsqueeze(0) >= lengths  # [b, s + extra]
     if extra_token:

@@ -1,5 +1,5 @@
 """The `loss` task: the mean loss over a split of a .bin/.idx dataset, computed as the trainer's validation
-computes it (training.train_step.evaluate: the validation forward of the layout, loss = the mean over global
+computes it (parallel.pipeline.forward.evaluate: the validation forward of the layout, loss = the mean over global
 batches of the mean over micro-batches of each micro-batch's mean token loss, averaged over dp).
 
 The split is built as the trainer builds its splits (data/builder.py, the run's seed, sequence length and
@@ -19,9 +19,9 @@ from data.builder import SPLIT_NAMES, build_train_valid_test_datasets
 from data.microbatch import Microbatch
 from evaluation.documents import EvalInputError
 from evaluation.tasks import Figures, capped_perplexity
-from training.guards import agree, bad_token_message, find_bad_token
-from training.setup import DistEnv, build_options, data_iterator
-from training.train_step import ForwardOnlyContext, evaluate
+from operations.guards import agree, bad_token_message, find_bad_token
+from operations.startup import DistEnv, build_options, data_iterator
+from parallel.pipeline.forward import ForwardOnlyContext, evaluate
 
 if TYPE_CHECKING:
     from data.blended_dataset import BlendedDataset

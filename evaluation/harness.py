@@ -39,8 +39,8 @@ from config.schema import ParallelConfig
 from evaluation.model_source import DTYPES, INPUT_ERRORS, load_model, run_config, run_tokenizer, window_length
 from evaluation.scoring import WindowScorer
 from evaluation.windows import Window, continuation_window, rolling_windows
+from operations.startup import check_devices, init_distributed
 from parallel.layout import layout_from_config
-from training.setup import check_devices, init_distributed
 
 NAME = "ptdp"
 

@@ -8,17 +8,32 @@ figures at iteration N equal tools/evaluate.py's on the checkpoint of iteration 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from checkpoint import TrainingProgress
 from config.schema import Config
 from evaluation.documents import read_lambada, read_wikitext
 from evaluation.tasks import Task, lambada_task, trainer_record, wikitext_task
-from training.run import Run
+from parallel.pipeline.forward import ForwardOnlyContext
 
 if TYPE_CHECKING:
     from evaluation.scoring import WindowScorer
+
+
+class Run(Protocol):
+    """What eval.* reads of the trainer's run (training.run.Run; evaluation/ does not import training/)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def ctx(self) -> ForwardOnlyContext: ...
+    @property
+    def progress(self) -> TrainingProgress: ...
+    @property
+    def logger(self) -> logging.Logger: ...
 
 
 @dataclass

@@ -6,7 +6,7 @@ model by convert/, so its numbers come from the same forward as a checkpoint's).
 tokenizer files, plus `section.key=value` overrides such as parallel.tp_size=2): every check of the input
 (config, layout, tokenizer against the model's vocabulary) runs on it before torch.distributed starts or a
 weight is read. `load_model` then builds this rank's chunks, fills them and returns the forward-only context
-that evaluation/scoring.py and training.train_step.evaluate run.
+that evaluation/scoring.py and parallel.pipeline.forward.evaluate run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from checkpoint import CheckpointError, load_model_weights
 from config.schema import Config, apply_overrides, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
 from convert.model_weights import checkpoint_iteration, read_run_config
@@ -25,14 +26,13 @@ from data.tokenizers import build_tokenizer_of
 from evaluation.documents import EvalInputError
 from evaluation.scoring import EvalContext
 from model.param_info import full_shape, param_info
+from operations.guards import weights_are_finite
+from operations.startup import DistEnv
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
-from training.checkpointing import CheckpointError, load_model_weights
-from training.guards import weights_are_finite
-from training.setup import DistEnv
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # What bad input raises (config, layout, tokenizer, files, checkpoint): one line, exit 2.

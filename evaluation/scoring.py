@@ -25,9 +25,9 @@ from model.gpt import GPTModel
 from parallel.context_parallel import chunk_indices, cut_microbatch
 from parallel.layout import Layout
 from parallel.pipeline.executor import execute_schedule
+from parallel.pipeline.forward import ForwardOnlyContext
 from parallel.pipeline.plan import PipelinePlan
 from parallel.state import ParallelState
-from training.train_step import ForwardOnlyContext
 
 Progress = Callable[[int, int], None]  # (windows scored so far, total)
 _FIELDS = 3  # per position: target log-probability, target is the argmax (0/1), the argmax id
@@ -35,7 +35,7 @@ _FIELDS = 3  # per position: target log-probability, target is the argmax (0/1),
 
 @dataclass
 class EvalContext:
-    """What forward-only passes need (training.train_step.ForwardOnlyContext): the trainer's StepContext has
+    """What forward-only passes need (parallel.pipeline.forward.ForwardOnlyContext): the trainer's StepContext has
     it; a model loaded for evaluation gets one without gradient buffers or optimizer state."""
 
     chunks: list[GPTModel]

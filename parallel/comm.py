@@ -18,9 +18,9 @@ own), and whether this rank is still waiting in it, completed it or saw it fail,
 The recorder keeps a bounded ring of the latest records and the latest one per group (and per p2p peer): cheap
 enough to be always on (one small object, a deque append and two clock reads per call); with `keep_all` every
 record (tests). planner/collectives.py lists what the planner charges per iteration; tests compare the two
-exactly. A hang report (training/diagnostics.py) dumps them; tools/diagnose_hang.py compares the ranks' dumps.
+exactly. A hang report (operations/diagnostics.py) dumps them; tools/diagnose_hang.py compares the ranks' dumps.
 
-Timeouts: `Collectives.set_timeout` changes the timeout of the named groups' future calls (training/watchdog.py:
+Timeouts: `Collectives.set_timeout` changes the timeout of the named groups' future calls (operations/watchdog.py:
 parallel.init_timeout_s, then parallel.train_timeout_s after the first step). On gloo a receive's wait() has no
 timeout of its own, so the works returned here pass the group's timeout to wait(); on NCCL that would block the
 CPU until the GPU finishes, so they do not (NCCL's own watchdog bounds its collectives). A call that raises
@@ -271,7 +271,7 @@ class Collectives:
 
     `before_issue(kind, group_name, async_op)`, when set, runs before each call (a batch of sends and receives
     counts once, as kind "p2p") and may leave it out by returning False: the fault-injection test hook
-    (training/faults.py), off in every real run."""
+    (operations/faults.py), off in every real run."""
 
     def __init__(self, recorder: CommRecorder | None = None):
         self.recorder = recorder

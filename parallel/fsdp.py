@@ -22,7 +22,7 @@ recorder sees them like every other collective), HSDP's all-reduce is noted ther
 
 The interface is DataParallel's (`zero_grad`, `enable_grad_sync`, `finish_grad_sync`, `owned_main_grad`,
 `grad_buffer_bytes`), so the step and the loop do not know which flavour they hold; the optimizer
-(training/sharded_optimizer.py) steps each rank's fp32 shards with the same AdamW arithmetic, and checkpoints
+(optim/sharded_optimizer.py) steps each rank's fp32 shards with the same AdamW arithmetic, and checkpoints
 store the shards as pieces of global tensors (`local_shard`), so they stay layout-free.
 """
 
@@ -173,7 +173,7 @@ class ShardedDataParallel:
         reshard_after_forward: free a layer's gathered parameters after its forward (ZeRO-3) or keep them.
     """
 
-    distributed_optimizer = False  # the optimizer state is sharded by FSDP itself (training/sharded_optimizer.py)
+    distributed_optimizer = False  # the optimizer state is sharded by FSDP itself (optim/sharded_optimizer.py)
 
     def __init__(
         self,

@@ -25,9 +25,9 @@ it charges and what it lists cannot differ; tests/planner/test_collectives.py co
 the trainer issued on gloo (parallel/comm.py's recorder), exactly, for several layouts.
 
 Not listed, and not in the recorded "train" region either: start-up (with the one world barrier after the first
-iteration, before the training timeout applies: training/watchdog.py), evaluation, checkpoints, the
-iteration-boundary agreement (training/guards.agree: one 24-byte world all-reduce per iteration, recorded under
-"boundary"; a control message, not training work) and the straggler report (training/straggler.py: one world
+iteration, before the training timeout applies: operations/watchdog.py), evaluation, checkpoints, the
+iteration-boundary agreement (operations/guards.agree: one 24-byte world all-reduce per iteration, recorded under
+"boundary"; a control message, not training work) and the straggler report (operations/straggler.py: one world
 all-gather of 2 float64 per rank every logging.straggler_interval iterations, recorded under "report"). Known inexactness: under a zero-bubble schedule with full
 recomputation the trainer recomputes a checkpointed layer again in WEIGHT once per parameter group
 (parallel/pipeline/weight_grad.py); the list counts one recomputation.

@@ -1,7 +1,7 @@
 """Bytes per GPU of a layout: model state by precision and optimizer, activations of the in-flight
 micro-batches as the schedule lists hold them, the recomputation working set and a stated allowance.
 
-Model state per parameter (what training/optimizer.py and parallel/data_parallel.py allocate, measured in
+Model state per parameter (what optim/optimizer.py and parallel/data_parallel.py allocate, measured in
 docs/performance.md "Optimizer memory"): weights in the param dtype (4 B fp32, 2 B bf16/fp16), fp32 main
 grads (4 B), and the optimizer: fp32 plain keeps only the two Adam moments (8 B; the fp32 params are their own
 masters), bf16/fp16 plain fp32 masters + moments (12 B), the distributed optimizer 12/dp B in every precision.

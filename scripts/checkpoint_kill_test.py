@@ -6,7 +6,7 @@ verifies (every byte) and loads.
 
 Each round resumes the same run (checkpoint.load=true, a save every iteration), waits for training to be under
 way, sends SIGKILL after a random delay, then: the tracker's checkpoint must pass the checksum verification
-(every file's size and CRC-32, training/checkpoint/files.py) and every tensor must read back; a save folder left
+(every file's size and CRC-32, checkpoint/files.py) and every tensor must read back; a save folder left
 by the killed process (*.tmp.<pid>) is removed by the next round's start. Prints how many kills landed while a save was in progress. Exit 1 on any failure.
 """
 
@@ -24,9 +24,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from checkpoint import (  # noqa: E402
+    TMP_RE,
+    iter_name,
+    read_global_tensors,
+    read_meta,
+    read_tracker,
+    resolve_checkpoint,
+    verify_files,
+)
 from data.sample_corpus import build_tiny_corpus  # noqa: E402
-from training.checkpoint import files  # noqa: E402
-from training.checkpoint.loader import read_global_tensors  # noqa: E402
 
 # A model whose save (write, fsync, checksum) takes a good share of an iteration, so kills land in saves.
 MODEL = [
@@ -64,15 +71,15 @@ def launch(run_dir: str, data_args: list[str], mode: str, train_iters: int) -> s
 
 def check_latest(root: str) -> int:
     """The tracker's checkpoint verifies and every tensor reads back; returns its iteration."""
-    iteration = files.read_tracker(root)
-    iter_dir = files.resolve_checkpoint(root)
-    if iteration is not None and not iter_dir.endswith(files.iter_name(iteration)):
+    iteration = read_tracker(root)
+    iter_dir = resolve_checkpoint(root)
+    if iteration is not None and not iter_dir.endswith(iter_name(iteration)):
         raise AssertionError(f"tracker names {iteration} but {iter_dir} is the latest complete checkpoint")
-    files.verify_files(iter_dir)  # every byte against checksums.json
+    verify_files(iter_dir)  # every byte against checksums.json
     tensors = read_global_tensors(iter_dir)  # every stored extent is inside its file
     if not tensors:
         raise AssertionError(f"{iter_dir} holds no tensors")
-    return int(files.read_meta(iter_dir)["iteration"])
+    return int(read_meta(iter_dir)["iteration"])
 
 
 def one_round(run_dir: str, data_args: list[str], mode: str, rng: random.Random, max_delay: float) -> bool:
@@ -89,7 +96,7 @@ def one_round(run_dir: str, data_args: list[str], mode: str, rng: random.Random,
 
     time.sleep(rng.uniform(0.0, max_delay))
     root = os.path.join(run_dir, "checkpoints")
-    in_save = any(files.TMP_RE.search(name) for name in os.listdir(root))
+    in_save = any(TMP_RE.search(name) for name in os.listdir(root))
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stdout.close()

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from training.checkpoint import files
-from training.checkpoint.safe_reader import read_metadata_file
+from checkpoint import files
+from checkpoint.safe_reader import read_metadata_file
 
 
 class CreatesFile:

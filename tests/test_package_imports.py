@@ -13,7 +13,20 @@ from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.tier("fast")
 
-PACKAGES = ("compat", "config", "data", "model", "parallel", "training", "planner", "convert", "evaluation")
+PACKAGES = (
+    "compat",
+    "config",
+    "data",
+    "model",
+    "parallel",
+    "optim",
+    "checkpoint",
+    "operations",
+    "training",
+    "planner",
+    "convert",
+    "evaluation",
+)
 # package -> the packages of ours it may import (its own modules aside)
 ALLOWED = {
     "compat": set(),
@@ -22,19 +35,29 @@ ALLOWED = {
     "config": {"model", "data"},  # data only for data paths, lazily
     "parallel": {"compat", "model", "data"},  # data: the Microbatch record (context parallelism cuts it)
     "planner": {"config", "model", "parallel"},
-    "training": {"compat", "config", "data", "model", "parallel", "planner"},
-    "convert": {"compat", "config", "data", "model", "parallel", "training"},
-    "evaluation": {"compat", "config", "convert", "data", "model", "parallel", "training"},
+    "optim": {"compat", "config", "model", "parallel"},
+    "checkpoint": {"compat", "config", "data", "model", "optim", "parallel"},
+    "operations": {"compat", "config", "data", "model", "parallel"},
+    "training": {"checkpoint", "compat", "config", "data", "model", "operations", "optim", "parallel", "planner"},
+    "convert": {"checkpoint", "compat", "config", "data", "model", "parallel"},
+    "evaluation": {"checkpoint", "compat", "config", "convert", "data", "model", "operations", "parallel"},
 }
 NO_TORCH_DISTRIBUTED = ("compat", "model")
 NEVER_IMPORTED = ("tools", "scripts", "tests", "pretrain_gpt")
+# checkpoint/__init__.py is the checkpoint package's one public face: outside it (tests aside) no module is named
+FACE_ONLY = "checkpoint"
+# the programs and the entry point, which the face rule covers too
+PROGRAMS = ("tools", "scripts", "pretrain_gpt.py")
 
 
-def _modules() -> dict[str, str]:
-    """{dotted module name: file path} of every module of the packages."""
+def _modules(entries: tuple[str, ...] = PACKAGES) -> dict[str, str]:
+    """{dotted module name: file path} of every module of the packages (or of `entries`: folders and files)."""
     modules = {}
-    for package in PACKAGES:
-        for folder, _, files in os.walk(os.path.join(REPO_ROOT, package)):
+    for entry in entries:
+        if entry.endswith(".py"):
+            modules[entry[:-3]] = os.path.join(REPO_ROOT, entry)
+            continue
+        for folder, _, files in os.walk(os.path.join(REPO_ROOT, entry)):
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)
@@ -139,3 +162,39 @@ def test_the_layering_table_covers_every_package():
     assert {
         name for name in os.listdir(REPO_ROOT) if os.path.isfile(os.path.join(REPO_ROOT, name, "__init__.py"))
     } >= set(PACKAGES)
+
+
+def test_only_the_checkpoint_face_is_imported_from_outside():
+    modules = _modules()
+    outside = {**modules, **_modules(PROGRAMS)}
+    wrong = []
+    for module, path in outside.items():
+        if module.split(".")[0] == FACE_ONLY:
+            continue
+        names = _imported_names(path, module, modules)
+        wrong += [f"{module} -> {name}" for name in sorted(names) if name.startswith(f"{FACE_ONLY}.")]
+    assert wrong == []
+
+
+def test_convert_and_evaluation_import_nothing_of_training():
+    _, raw = _import_graph()
+    wrong = [
+        f"{module} -> {name}"
+        for module, names in raw.items()
+        if module.split(".")[0] in ("convert", "evaluation")
+        for name in sorted(names)
+        if name == "training" or name.startswith("training.")
+    ]
+    assert wrong == []
+
+
+def test_the_checkpoint_face_gives_its_dcp_names_on_first_use():
+    import checkpoint
+    from checkpoint.dcp_planners import PiecesSavePlanner
+    from checkpoint.dcp_reader import read_dcp_metadata
+
+    assert checkpoint.read_dcp_metadata is read_dcp_metadata
+    assert checkpoint.PiecesSavePlanner is PiecesSavePlanner
+    assert [name for name in checkpoint.__all__ if not hasattr(checkpoint, name)] == []  # every name resolves
+    with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
+        _ = checkpoint.not_a_name

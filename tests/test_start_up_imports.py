@@ -21,7 +21,7 @@ from tests.conftest import REPO_ROOT, tiny_train_args
 
 pytestmark = pytest.mark.tier("fast")
 
-# imported where used: checkpoint saves and loads (training/checkpoint/dcp_reader.py, saver.py, loader.py),
+# imported where used: checkpoint saves and loads (checkpoint/dcp_reader.py, saver.py, loader.py),
 # FSDP (parallel/fsdp.py), the blending index (data/blend_index.py), torch.compile (model/kernels), the HuggingFace
 # folder reader (~0.15 CPU s: the converters, evaluation in training once it builds its tasks)
 LAZY_MODULES = (

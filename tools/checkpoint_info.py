@@ -20,18 +20,30 @@ import sys
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from checkpoint import (
+    ITER_RE,
+    META,
+    CheckpointError,
+    check_model_entries,
+    check_storage_extents,
+    dir_size,
+    dp_rank_file,
+    is_legacy,
+    iter_name,
+    list_iterations,
+    rank_dir,
+    read_checksums,
+    read_dcp_metadata,
+    read_train_state,
+    resolve_checkpoint,
+    verify_files,
+)
 from config.schema import ConfigError, config_from_dict
-from training.checkpoint import files
-from training.checkpoint.dcp_reader import read_dcp_metadata
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.legacy import dp_rank_file, rank_dir
-from training.checkpoint.loader import check_model_entries
-from training.checkpoint.train_state import read_train_state
 
 
 def describe(iter_dir: str, show_tensors: bool) -> list[str]:
     """Human-readable lines about the checkpoint in iter_dir."""
-    if files.is_legacy(iter_dir):
+    if is_legacy(iter_dir):
         if not os.path.isfile(os.path.join(rank_dir(iter_dir, 0, 0), dp_rank_file(0))):  # format 1 writes it
             raise CheckpointError(
                 f"{iter_dir} is not a checkpoint of this project: mp_rank folders without dp_rank files are "
@@ -49,7 +61,7 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
         f"  saved at {saved.layout.describe()}",
         "  model: " + ", ".join(f"{k}={v}" for k, v in model.items()),
         f"  optimizer state: {'present' if saved.has_optimizer else 'absent (weights only)'}",
-        f"  size on disk: {files.dir_size(iter_dir) / 2**20:.1f} MiB in {len(files.read_checksums(iter_dir))} files",
+        f"  size on disk: {dir_size(iter_dir) / 2**20:.1f} MiB in {len(read_checksums(iter_dir))} files",
         f"  tensors: {len(stored)}",
     ]
     if show_tensors or len(stored) <= 40:
@@ -64,11 +76,11 @@ def describe(iter_dir: str, show_tensors: bool) -> list[str]:
 
 def verify(iter_dir: str) -> None:
     """Every file's size and CRC-32, and every stored tensor extent inside its file."""
-    if files.is_legacy(iter_dir):
+    if is_legacy(iter_dir):
         raise CheckpointError(f"{iter_dir} is in the per-rank format of earlier versions: it has no checksums")
-    files.verify_files(iter_dir)
+    verify_files(iter_dir)
     metadata = read_dcp_metadata(iter_dir)
-    files.check_storage_extents(iter_dir, metadata)
+    check_storage_extents(iter_dir, metadata)
     try:
         model = config_from_dict(read_train_state(iter_dir).config).model
     except ConfigError as err:
@@ -82,15 +94,15 @@ def newer_failures(path: str, iter_dir: str) -> list[str]:
     root = os.path.abspath(path)
     if os.path.dirname(iter_dir) != root:
         return []
-    chosen = int(files.ITER_RE.match(os.path.basename(iter_dir)).group(1))  # type: ignore[union-attr]
+    chosen = int(ITER_RE.match(os.path.basename(iter_dir)).group(1))  # type: ignore[union-attr]
     problems = []
-    for iteration in files.list_iterations(root):
+    for iteration in list_iterations(root):
         if iteration <= chosen:
             continue
-        directory = os.path.join(root, files.iter_name(iteration))
+        directory = os.path.join(root, iter_name(iteration))
         try:
-            if not os.path.exists(os.path.join(directory, files.META)):
-                raise CheckpointError(f"checkpoint {directory} has no {files.META} (a save that did not finish)")
+            if not os.path.exists(os.path.join(directory, META)):
+                raise CheckpointError(f"checkpoint {directory} has no {META} (a save that did not finish)")
             verify(directory)
         except CheckpointError as err:
             problems.append(f"the newest checkpoint {directory} is not usable: {err}")
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", action="store_true", help="list every tensor even when there are many")
     args = parser.parse_args(argv)
     try:
-        iter_dir = files.resolve_checkpoint(args.path)
+        iter_dir = resolve_checkpoint(args.path)
         print("\n".join(describe(iter_dir, args.tensors)))
         passed_over = newer_failures(args.path, iter_dir)
     except CheckpointError as err:

@@ -31,6 +31,7 @@ import sys
 import torch
 import yaml
 
+from checkpoint import CheckpointError
 from config.schema import Config, ConfigError, DataConfig, config_from_dict
 from convert.hf_folder import (
     DTYPES,
@@ -61,7 +62,6 @@ from convert.model_weights import (
 )
 from convert.staging import Stopped, check_output_free, staged_file, staged_folder
 from model.config import ModelConfig
-from training.checkpointing import CheckpointError
 
 TOKENIZER_DIR = "tokenizer"  # OUT/tokenizer/: the copied tokenizer files of from-hf / from-megatron
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
@@ -209,8 +209,8 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
 def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """Our checkpoint (any layout) -> Megatron-LM's legacy torch format at (tp, pp, vp), weights only, with
     the iteration it was saved at."""
+    from checkpoint import TRACKER
     from convert.megatron_export import megatron_files
-    from training.checkpoint.folder_names import TRACKER
 
     check_output_free(out)  # before reading the weights
     config, tensors = load_global_state(checkpoint)

@@ -3,7 +3,7 @@
     python tools/diagnose_hang.py RUN_DIR            a few lines: where the ranks part, and why
     python tools/diagnose_hang.py RUN_DIR --stacks 2 rank 2's Python stacks (every thread)
 
-Each rank that could wrote one dump when a collective timed out or its watchdog fired (training/diagnostics.py):
+Each rank that could wrote one dump when a collective timed out or its watchdog fired (operations/diagnostics.py):
 its latest collectives with their sequence numbers (per group; sends and receives per peer), its layout
 coordinates and the iteration. This compares them, group by group (a group is a name and its ranks, so each tp
 group is its own):
@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from training.diagnostics import DumpJson, RecordJson, describe_rank, dumps_folder, read_dumps
+from operations.diagnostics import DumpJson, RecordJson, describe_rank, dumps_folder, read_dumps
 
 REGION_ORDER = {"startup": 0, "boundary": 1, "train": 2, "report": 3, "eval": 4, "checkpoint": 5}
 BLOCKED = ("waiting", "failed")

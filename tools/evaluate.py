@@ -23,9 +23,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from training.openmp_wait import passive_wait_default
+from operations.openmp_wait import passive_wait_default
 
-# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (operations/openmp_wait.py).
 os.environ.update(passive_wait_default(os.environ, sys.modules))
 
 import torch.distributed as dist
@@ -44,9 +44,9 @@ from evaluation.model_source import (
 )
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, wikitext_task
+from operations.startup import DistEnv, check_devices, init_distributed
 from parallel.layout import layout_from_config
 from training.logging import json_safe
-from training.setup import DistEnv, check_devices, init_distributed
 
 if TYPE_CHECKING:
     from config.schema import Config

@@ -18,14 +18,15 @@ import os
 import sys
 import time
 
-from training.openmp_wait import passive_wait_default
+from operations.openmp_wait import passive_wait_default
 
-# Before torch is imported: libgomp reads its wait policy once, when torch loads it (training/openmp_wait.py).
+# Before torch is imported: libgomp reads its wait policy once, when torch loads it (operations/openmp_wait.py).
 os.environ.update(passive_wait_default(os.environ, sys.modules))
 
 import torch
 import torch.distributed as dist
 
+from checkpoint import CheckpointError
 from config.cli import numbers_as_values
 from config.schema import PRECISIONS, ConfigError, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
@@ -34,8 +35,7 @@ from convert.model_weights import build_model_from_state, load_global_state, loa
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
-from training.checkpointing import CheckpointError
-from training.setup import init_distributed, param_dtype
+from operations.startup import init_distributed, param_dtype
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 

@@ -1,25 +1,23 @@
-"""Run logging: one rank-aware console logger, the per-interval console line, TensorBoard, metrics.jsonl and
-(optional) Weights & Biases."""
+"""Run logging: the per-interval console line, TensorBoard, metrics.jsonl and (optional) Weights & Biases; the
+rank-aware console logger itself is operations/log.py (operations/ logs too and never imports training/)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from checkpoint import describe_write_error
 from model.shape import IterationFlops
-from training.write_errors import describe_write_error
+from operations.log import get_logger
 
 if TYPE_CHECKING:
-    from training.checkpoint.train_state import TrainingProgress
+    from checkpoint import TrainingProgress
     from training.train_step import StepResult
     from training.wandb_logging import WandbSink
 
-LOGGER_NAME = "ptdp"
 # Dense 16-bit (bf16/fp16) tensor-core peaks per GPU in TFLOP/s, no sparsity (vendors' data sheets), by a
 # substring of the CUDA device name, most specific first ("NVIDIA H100 80GB HBM3" is the SXM part).
 DENSE_16BIT_PEAK_TFLOPS = (
@@ -37,31 +35,6 @@ DENSE_16BIT_PEAK_TFLOPS = (
     ("L4", 121.0),
     ("V100", 125.0),  # fp16 (no bf16)
 )
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """A handler on whatever sys.stdout is when a record is written (tests and tools swap sys.stdout; a
-    handler bound to the first one would write into a closed stream)."""
-
-    @property
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def get_logger(rank: int = 0) -> logging.Logger:
-    """The project's logger: INFO to stdout on the logging rank (rank 0), warnings and errors on every rank."""
-    logger = logging.getLogger(LOGGER_NAME)
-    if not logger.handlers:
-        handler = _StdoutHandler()
-        handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    return logger
 
 
 class MetricsWriteError(OSError):

@@ -8,8 +8,8 @@
     report_stragglers    every logging.straggler_interval iterations, the slowest and fastest rank (straggler.py)
 
 `run_training` builds the run (training/run.py), resumes it if asked, trains, and maps every way a run ends to
-its exit code (training/guards.py); a collective that times out or fails ends it with a hang report (exit 5,
-training/watchdog.py's HangGuard, which also lowers the timeouts after the first iteration and watches for
+its exit code (operations/guards.py); a collective that times out or fails ends it with a hang report (exit 5,
+operations/watchdog.py's HangGuard, which also lowers the timeouts after the first iteration and watches for
 ranks that stop making progress).
 """
 
@@ -24,13 +24,11 @@ from collections.abc import Callable
 
 import torch
 
+from checkpoint import CheckpointError, save_checkpoint
 from config.schema import Config
 from data.microbatch import Microbatch
-from parallel.comm import CollectiveError
-from parallel.layout import Layout
-from training.checkpointing import CheckpointError, save_checkpoint
-from training.faults import FaultSpec
-from training.guards import (
+from operations.faults import FaultSpec
+from operations.guards import (
     EXIT_DIVERGED,
     EXIT_ERROR,
     EXIT_INPUT_ERROR,
@@ -44,13 +42,17 @@ from training.guards import (
     find_bad_token,
     weights_are_finite,
 )
-from training.loader_workers import MicrobatchStream
-from training.logging import IntervalStats, MetricsWriteError, format_train_line, get_logger, peak_tflops
-from training.preemption import PreemptionHandler, job_start_time
+from operations.loader_workers import MicrobatchStream
+from operations.log import get_logger
+from operations.preemption import PreemptionHandler, job_start_time
+from operations.startup import Dataset, DistEnv, data_iterator
+from operations.watchdog import HangGuard
+from parallel.comm import CollectiveError
+from parallel.layout import Layout
+from parallel.pipeline.forward import evaluate, take_microbatches
+from training.logging import IntervalStats, MetricsWriteError, format_train_line, peak_tflops
 from training.run import Run, build_run, resume_if_asked
-from training.setup import Dataset, DistEnv, data_iterator
-from training.train_step import StepResult, evaluate, take_microbatches, train_step
-from training.watchdog import HangGuard
+from training.train_step import StepResult, train_step
 
 # Figures an extra evaluation (the zero-shot tasks of eval.*) adds to the validation record; {} when not due.
 ExtraEvaluation = Callable[[Run], dict[str, float]]
@@ -100,7 +102,7 @@ def check_tokens(
     signal_number: int = 0,
     time_up: bool = False,
 ) -> Agreement:
-    """The per-iteration agreement (training.guards.agree): stop signals, the clock and this batch's token
+    """The per-iteration agreement (operations.guards.agree): stop signals, the clock and this batch's token
     ids against model.vocab_size. A bad id anywhere stops every rank; the lowest rank that holds it says
     which document of which dataset it came from."""
     vocab_size, state, mbs = run.vocab_size, run.state, run.config.train.micro_batch_size
@@ -329,9 +331,9 @@ def run_training(
     make_extra_evaluation: Callable[[Run], ExtraEvaluation] | None = None,
     fault: FaultSpec | None = None,
 ) -> int:
-    """Build, resume, train; returns the exit code (training.guards). `make_extra_evaluation(run)` builds the
+    """Build, resume, train; returns the exit code (operations.guards). `make_extra_evaluation(run)` builds the
     run's extra evaluation once the run exists (pretrain_gpt.py passes the zero-shot tasks of eval.*); `fault` is
-    PTDP_INJECT_FAULT's test hook (training/faults.py). A collective that times out or fails, from start-up on,
+    PTDP_INJECT_FAULT's test hook (operations/faults.py). A collective that times out or fails, from start-up on,
     ends the run with this rank's hang report (exit 5)."""
     par = config.parallel
     guard = HangGuard(par.init_timeout_s, par.train_timeout_s, config.run.dir, get_logger(env.rank))

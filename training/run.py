@@ -15,10 +15,36 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from checkpoint import (
+    Checkpointer,
+    CheckpointLayout,
+    CheckpointParts,
+    ResumePlan,
+    TrainingProgress,
+    load_into_run,
+    plan_resume,
+)
 from config.schema import Config
 from data.tokenizers import build_tokenizer_of
 from model.gpt import GPTModel
 from model.rank_spec import Recompute
+from operations.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
+from operations.log import get_logger
+from operations.preemption import PreemptionHandler
+from operations.startup import (
+    DatasetSplits,
+    DistEnv,
+    build_datasets,
+    check_vocab_size,
+    log_kernel_choices,
+    param_dtype,
+    resolve_sample_data,
+)
+from operations.straggler import StragglerReport
+from operations.watchdog import HangGuard
+from optim.lr_schedule import LRSchedule
+from optim.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from optim.sharded_optimizer import build_sharded_optimizer
 from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
@@ -28,28 +54,9 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpoint.resume import ResumePlan, load_into_run, plan_resume
-from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress
-from training.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
-from training.logging import MetricsWriter, get_logger
-from training.lr_schedule import LRSchedule
-from training.optimizer import DistributedOptimizer, Optimizer, build_optimizer
-from training.preemption import PreemptionHandler
-from training.setup import (
-    DatasetSplits,
-    DistEnv,
-    build_datasets,
-    check_vocab_size,
-    log_kernel_choices,
-    param_dtype,
-    resolve_sample_data,
-)
-from training.sharded_optimizer import build_sharded_optimizer
-from training.straggler import StragglerReport
+from training.logging import MetricsWriter
 from training.train_step import StepContext
 from training.wandb_logging import open_wandb
-from training.watchdog import HangGuard
 
 
 @dataclass
@@ -75,9 +82,9 @@ class Run:
     checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
     preemption: PreemptionHandler | None = None
     last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
-    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (training/watchdog.py)
-    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (training/straggler.py)
-    fault: FaultSpec | None = None  # PTDP_INJECT_FAULT; the loop raises kind=raise's error (training/faults.py)
+    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (operations/watchdog.py)
+    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (operations/straggler.py)
+    fault: FaultSpec | None = None  # PTDP_INJECT_FAULT; the loop raises kind=raise's error (operations/faults.py)
 
     @property
     def vocab_size(self) -> int:

@@ -1,7 +1,7 @@
 """Async vs sync checkpoint saves: how long the training loop is blocked per save.
 
 One process builds a GPT with its plain fp32 optimizer (fp32 weights + Adam moments: 12 bytes per parameter on
-disk), takes a few real training steps, then saves it through training.checkpointing.Checkpointer:
+disk), takes a few real training steps, then saves it through checkpoint.Checkpointer:
   sync   the loop is blocked for the whole save (DCP write, fsync, checksums, rename, trackers)
   async  a background thread copies the tensors aside, then writes them, while the loop keeps training; the
          loop is blocked only if its next optimizer step arrives before the copy is done (plus starting the
@@ -25,15 +25,14 @@ import time
 import torch
 from bench_models import model_config
 
+from checkpoint import Checkpointer, CheckpointLayout, CheckpointParts, TrainingProgress, build_save_job
 from config.schema import OptimConfig, ParallelConfig, TrainConfig
+from optim.lr_schedule import LRSchedule
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpointing import Checkpointer, CheckpointParts, TrainingProgress, build_save_job
-from training.lr_schedule import LRSchedule
-from training.optimizer import build_optimizer
 
 
 def build(layers: int, hidden: int):

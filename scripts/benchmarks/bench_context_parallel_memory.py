@@ -21,10 +21,10 @@ from bench_cpu_memory import measure  # a sibling script (its folder is on sys.p
 from config.schema import load_config
 from data.sample_corpus import build_tiny_corpus
 from data.tokenizers import build_tokenizer
+from operations.startup import DEFAULT_CONFIG
 from parallel.layout import layout_from_config
 from planner.activations import shape_from_config
 from planner.memory import rank_memory
-from training.setup import DEFAULT_CONFIG
 
 MODEL = [
     "model.num_layers=4",

@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 from bench_models import set_rank_environment
 
 from config.schema import load_config
+from operations.startup import DEFAULT_CONFIG, init_distributed
 from parallel.layout import layout_from_config
 from training.loop import train
 from training.run import build_run
-from training.setup import DEFAULT_CONFIG, init_distributed
 
 # Twin of the model in tests/planner/test_model_size_and_memory.py, whose MEASURED figures this benchmark printed.
 MODEL = [

@@ -16,7 +16,7 @@ import numpy as np
 from config.data_config import DataConfig
 from data.gpt_dataset import GPTDataset
 from data.indexed_dataset import IndexedDataset, write_index
-from training.setup import build_options
+from operations.startup import build_options
 
 SAMPLES = build_options(DataConfig()).samples("train")  # the data section's defaults, as the trainer builds them
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from bench_models import fork_ranks, model_config, tied_gpt
 
 from config.schema import OptimConfig, TrainConfig
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
-from training.optimizer import build_optimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -24,10 +24,10 @@ from bench_models import model_config, tied_gpt
 
 from config.schema import OptimConfig, TrainConfig
 from data.microbatch import Microbatch
+from optim.optimizer import DistributedOptimizer, build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.state import ParallelState
-from training.optimizer import DistributedOptimizer, build_optimizer
 from training.train_step import StepContext, train_step
 
 SEQ, MICRO = 64, 2

@@ -23,9 +23,9 @@ import tempfile
 from bench_models import trainer_argv
 
 from config.schema import load_config
+from operations.startup import DEFAULT_CONFIG
 from planner import calibrate
 from planner.cluster import load_cluster
-from training.setup import DEFAULT_CONFIG
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

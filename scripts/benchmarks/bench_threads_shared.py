@@ -31,7 +31,7 @@ from bench_models import REPO_ROOT
 from bench_train_throughput import run_trainer
 
 sys.path.insert(0, REPO_ROOT)
-from training.threads import usable_cores
+from operations.threads import usable_cores
 
 BUSY_LOOP = "while True: pass"
 

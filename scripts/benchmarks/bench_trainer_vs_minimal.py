@@ -21,12 +21,13 @@ import torch
 
 from config.schema import load_config
 from model.gpt import GPTModel
+from operations.startup import DEFAULT_CONFIG, data_iterator, init_distributed
 from parallel.layout import layout_from_config
+from parallel.pipeline.forward import take_microbatches
 from training.logging import IntervalStats
 from training.loop import after_step, iteration_boundary
 from training.run import Run, build_run
-from training.setup import DEFAULT_CONFIG, data_iterator, init_distributed
-from training.train_step import take_microbatches, train_step
+from training.train_step import train_step
 
 
 def trainer_round(run: Run, data, stats: IntervalStats, iters: int) -> float:

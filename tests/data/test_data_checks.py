@@ -8,9 +8,9 @@ import pytest
 
 from data.builder import build_train_valid_test_datasets
 from data.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetError, write_index
+from operations.startup import check_vocab_size
 from tests.data.options import BUILD
 from tests.data.test_gpt_dataset import make_dataset
-from training.setup import check_vocab_size
 
 pytestmark = pytest.mark.tier("fast")
 

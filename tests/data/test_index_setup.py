@@ -56,7 +56,7 @@ def test_an_interrupted_write_leaves_no_temporary(tmp_path):
     with pytest.raises(KeyboardInterrupt), atomic_output(str(target)) as tmp:
         with open(tmp, "wb") as handle:
             handle.write(b"partial")
-        raise KeyboardInterrupt  # what a stop signal raises during setup (training/preemption.stop_at_once)
+        raise KeyboardInterrupt  # what a stop signal raises during setup (operations/preemption.stop_at_once)
     assert os.listdir(tmp_path) == []
 
 

@@ -13,9 +13,9 @@ import shutil
 import pytest
 
 import pretrain_gpt
+from checkpoint.dcp_reader import read_dcp_metadata
+from checkpoint.train_state import read_train_state
 from tests.conftest import read_metrics, run_ranks
-from training.checkpoint.dcp_reader import read_dcp_metadata
-from training.checkpoint.train_state import read_train_state
 
 pytestmark = pytest.mark.tier("fast")
 

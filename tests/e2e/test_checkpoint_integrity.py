@@ -12,10 +12,10 @@ import shutil
 import pytest
 
 import pretrain_gpt
+from checkpoint import files
+from operations.log import LOGGER_NAME
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tools import checkpoint_info
-from training.checkpoint import files
-from training.logging import LOGGER_NAME
 
 pytestmark = pytest.mark.tier("full")  # the launch path: kill -9 during saves
 
@@ -219,10 +219,10 @@ def _write_legacy_checkpoint(run, root: str) -> None:
 
 def test_legacy_per_rank_checkpoint_still_resumes(tiny_corpus, tmp_path, log_lines):
     from config.schema import load_config
+    from operations.startup import init_distributed
     from parallel.layout import layout_from_config
     from training.loop import train
     from training.run import build_run
-    from training.setup import init_distributed
 
     drop = ("model.hidden_dropout=0.1", "train.eval_iters=0")
     whole, legacy = str(tmp_path / "whole"), str(tmp_path / "legacy")

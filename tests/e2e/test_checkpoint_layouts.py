@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import pretrain_gpt
+from checkpoint.loader import read_global_tensors
+from checkpoint.saver import write_checkpoint
 from config.schema import load_config
+from operations.startup import init_distributed
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_layouts import assert_matches
-from training.checkpoint.loader import read_global_tensors
-from training.checkpoint.saver import write_checkpoint
 from training.loop import train
 from training.run import build_run, resume_if_asked
-from training.setup import init_distributed
 
 pytestmark = pytest.mark.tier("full")  # an 8-rank checkpoint resumed at five layouts
 
@@ -50,7 +50,7 @@ def _train_rank(rank: int, world_size: int, argv: list[str]) -> None:
 
 def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: str) -> None:
     """The trainer's own steps, plus a save of what was loaded (before any training) into copy_root."""
-    from training.checkpointing import build_save_job
+    from checkpoint import build_save_job
 
     if world_size == 1:
         os.environ["LOCAL_WORLD_SIZE"] = str(os.cpu_count() or 1)

@@ -41,7 +41,7 @@ def _counting_rank_main(rank: int, world_size: int, argv: list[str], report_dir:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from training.logging import LOGGER_NAME
+    from operations.log import LOGGER_NAME
 
     torch._dynamo.reset()  # the rank pool's processes may have compiled these layers for an earlier test
     counters.clear()

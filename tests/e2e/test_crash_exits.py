@@ -1,5 +1,5 @@
 """An uncaught exception in the training loop ends the job (issue 40): the raising rank prints its traceback
-once and exits non-zero within seconds, its DataLoader workers (which ignore SIGTERM, training/preemption.py)
+once and exits non-zero within seconds, its DataLoader workers (which ignore SIGTERM, operations/preemption.py)
 are stopped, the other ranks leave their collective, and no process of the run is left behind.
 
 Real processes, not forked ones: the subject is how a process exits (multiprocessing's exit handler joining

@@ -14,11 +14,11 @@ import pytest
 
 from config.schema import ConfigError, load_config
 from config.yaml_reader import MAX_ALIAS_EXPANSION, MAX_DEPTH, load_yaml_text
+from operations.guards import EXIT_INPUT_ERROR
+from operations.threads import check_cpu_requests
 from planner.cluster import ClusterError, load_cluster
 from tests.conftest import REPO_ROOT
 from tests.e2e.faults import QUICK, one_error_line, run_main
-from training.guards import EXIT_INPUT_ERROR
-from training.threads import check_cpu_requests
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -10,12 +10,12 @@ import pickle
 import pytest
 import torch
 
+from checkpoint import files
+from checkpoint.safe_reader import read_metadata_file
+from operations.guards import EXIT_INPUT_ERROR
 from tests.e2e.faults import QUICK, copy_corpus, copy_tree, one_error_line, run_main
 from tests.payloads import match_checksums
 from tools import checkpoint_info, convert_checkpoint, generate
-from training.checkpoint import files
-from training.checkpoint.safe_reader import read_metadata_file
-from training.guards import EXIT_INPUT_ERROR
 
 pytestmark = pytest.mark.tier("fast")
 

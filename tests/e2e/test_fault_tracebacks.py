@@ -15,13 +15,13 @@ import torch
 
 import pretrain_gpt
 from config.schema import load_config
+from operations.guards import EXIT_ERROR, EXIT_HUNG, EXIT_INPUT_ERROR
+from operations.run_lock import LOCK_NAME
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics
 from tests.e2e.faults import QUICK, one_error_line, run_main, run_trainer_ranks
 from tools import merge_datasets, pipeline_timeline
-from training.guards import EXIT_ERROR, EXIT_HUNG, EXIT_INPUT_ERROR
 from training.logging import MetricsWriteError, MetricsWriter
-from training.run_lock import LOCK_NAME
 from training.size_check import check_fits
 
 pytestmark = pytest.mark.tier("fast")
@@ -101,7 +101,7 @@ def test_full_disk_at_the_first_metrics_write_is_one_line(tiny_corpus, tmp_path,
 def test_metrics_short_write_on_a_full_disk_names_it(tmp_path, monkeypatch, written):
     writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
     monkeypatch.setattr(os, "write", lambda fd, data: written)
-    monkeypatch.setattr("training.write_errors.free_disk_bytes", lambda folder: 0)
+    monkeypatch.setattr("checkpoint.write_errors.free_disk_bytes", lambda folder: 0)
     with pytest.raises(MetricsWriteError, match="no space left on device .*short write"):
         writer.write({"iteration": 3, "lm_loss": 1.0})
 

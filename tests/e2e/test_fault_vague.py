@@ -13,9 +13,9 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
+from checkpoint import files, saver
+from operations.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from tests.e2e.faults import QUICK, one_error_line, run_main
-from training.checkpoint import files, saver
-from training.guards import EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -37,7 +37,7 @@ def test_full_disk_during_a_save_says_no_space_left(tiny_corpus, tmp_path, capsy
     run_dir = str(tmp_path / "run")
     if where == "tensors-unexpected-pos":  # torch's zip writer on a full disk; the disk is then (nearly) full
         monkeypatch.setattr(dcp, "save", _dcp_fails_with(RuntimeError("unexpected pos 704 vs 598")))
-        monkeypatch.setattr("training.write_errors.free_disk_bytes", lambda folder: 4096)
+        monkeypatch.setattr("checkpoint.write_errors.free_disk_bytes", lambda folder: 4096)
     elif where == "tensors-enospc":
         monkeypatch.setattr(dcp, "save", _dcp_fails_with(OSError(28, os.strerror(28), "x.distcp")))
     else:
@@ -46,7 +46,7 @@ def test_full_disk_during_a_save_says_no_space_left(tiny_corpus, tmp_path, capsy
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 10 vs 4")
 
         monkeypatch.setattr(saver.torch, "save", torn_save)
-        monkeypatch.setattr("training.write_errors.free_disk_bytes", lambda folder: 0)
+        monkeypatch.setattr("checkpoint.write_errors.free_disk_bytes", lambda folder: 0)
     assert run_main(tiny_corpus, run_dir, *QUICK) == EXIT_ERROR
     line = one_error_line(capsys)
     assert "checkpoint save at iteration 2 failed" in line and "no space left on device" in line, line

@@ -155,7 +155,7 @@ def test_every_dp_flavour_saves_right_after_evaluation(tiny_corpus, tmp_path, pr
     """Evaluation and a save at every iteration (3 iterations): each flavour exits 0 with a checkpoint per
     iteration, and the weights saved last (after two evaluations and saves) are plain dp2's, within 1e-5 in
     fp32 (bf16: within its rounding, 2e-2)."""
-    from training.checkpoint.loader import read_global_tensors
+    from checkpoint import read_global_tensors
 
     cadence = ("train.train_iters=3", "train.eval_interval=1", "train.eval_iters=1", "checkpoint.save_interval=1")
     saved: dict[str, dict[str, torch.Tensor]] = {}

@@ -25,16 +25,16 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+import checkpoint
 import pretrain_gpt
+from checkpoint import saver
+from operations.diagnostics import read_dumps
+from operations.guards import EXIT_HUNG
+from operations.watchdog import WATCHDOG_GRACE_S
 from tests.conftest import REPO_ROOT, free_port, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
 from tests.e2e.test_torchrun_signals import trainer_rank
 from tools import diagnose_hang
-from training import checkpointing
-from training.checkpoint import saver
-from training.diagnostics import read_dumps
-from training.guards import EXIT_HUNG
-from training.watchdog import WATCHDOG_GRACE_S
 
 pytestmark = pytest.mark.tier("full")  # the launch path: hangs waited out to their timeouts
 
@@ -131,7 +131,7 @@ def test_a_stalled_rank_is_named_and_the_run_resumes_from_its_last_checkpoint(ti
         f"ranks 0, 1, 3 entered: it is stuck outside any collective (watchdog: "
     ) in diagnosis(run_dir, capsys)
     root = os.path.join(run_dir, "checkpoints")
-    assert checkpointing.read_tracker(root) == 4
+    assert checkpoint.read_tracker(root) == 4
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "latest", "latest_checkpointed_iteration.txt"]
     train_on_ranks(tiny_corpus, run_dir, *LAYOUT, "checkpoint.load=true")
     assert [r["lm_loss"] for r in read_metrics(run_dir)] == reference
@@ -152,7 +152,7 @@ def test_a_skipped_collective_is_where_the_ranks_part(tiny_corpus, tmp_path, cap
         f"the ranks part on world [0, 1, 2, 3] at #{seq}: ranks 0, 1, 3 entered all_reduce #{seq} (24 B, "
         f"iteration 5, boundary); {RANK2} went on without it (skipped it)"
     ) in diagnosis(run_dir, capsys)
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 4
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) == 4
 
 
 def test_a_rank_twice_as_slow_is_named_by_the_straggler_report(tiny_corpus, tmp_path, capfd):
@@ -225,7 +225,7 @@ def test_no_timeout_fires_on_a_healthy_run_that_saves_every_iteration(tiny_corpu
     assert run_forked_trainer(argv) == [0, 0, 0, 0]
     assert not os.path.exists(os.path.join(run_dir, "diagnostics"))
     root = os.path.join(run_dir, "checkpoints")
-    assert checkpointing.read_tracker(root) == 4
+    assert checkpoint.read_tracker(root) == 4
     assert [name for name in sorted(os.listdir(root)) if name.startswith("iter_")] == [
         f"iter_000000{i}" for i in range(1, 5)
     ]

@@ -166,7 +166,7 @@ def test_tied_embeddings_identical_after_training_pp2(tiny_corpus, tmp_path, ref
     """pp=2, 1f1b: parity (the last stage's copy of the tied embedding produces the logits, so a copy that
     drifted from the first stage's table would show in the loss), then the checkpoint stores the tied table
     once, under the embedding's global name (tests/e2e/test_checkpoint_layouts.py loads it into both copies)."""
-    from training.checkpoint.loader import read_global_tensors
+    from checkpoint.loader import read_global_tensors
 
     run_dir = str(tmp_path / "run")
     records = train(tiny_corpus, run_dir, 2, "train.eval_iters=0", "parallel.pp_size=2", "parallel.schedule=1f1b")

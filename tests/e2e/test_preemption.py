@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+import checkpoint
 import pretrain_gpt
+from operations.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
-from training import checkpointing, loop
-from training.guards import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from training import loop
 
 pytestmark = pytest.mark.tier("full")  # the launch path: signals to the trainer
 
@@ -52,7 +53,7 @@ def test_signal_saves_exits_3_and_resumes_bitwise(tiny_corpus, tmp_path, monkeyp
     found = signal.getsignal(sig)  # SIG_IGN for SIGINT when the suite was started in the background
     signal_at(monkeypatch, 5, sig)
     assert run_main(tiny_corpus, run_dir) == EXIT_PREEMPTED
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 5
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) == 5
     assert [r["iteration"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
     monkeypatch.undo()
     assert signal.getsignal(sig) == found  # the handler this test found is restored
@@ -65,7 +66,7 @@ def test_second_sigint_stops_at_once_without_a_checkpoint(tiny_corpus, tmp_path,
     signal_at(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
     assert run_main(tiny_corpus, run_dir) == EXIT_INTERRUPTED
     assert "stopped at once" in capsys.readouterr().err
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) is None
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) is None
     assert not os.path.exists(os.path.join(run_dir, "run.lock"))
 
 
@@ -100,7 +101,7 @@ def test_sigterm_to_every_process_of_the_run(tiny_corpus, tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
-    saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
+    saved = checkpoint.read_tracker(os.path.join(run_dir, "checkpoints"))
     assert saved >= 1 and f"stopped by SIGTERM after iteration {saved}" in output
     assert output.count("received SIGTERM") == 1 and "Traceback" not in output
     assert read_metrics(run_dir)[-1]["iteration"] == saved
@@ -111,4 +112,4 @@ def test_exit_duration_counts_from_job_start(tiny_corpus, tmp_path, monkeypatch)
     run_dir = str(tmp_path / "run")
     monkeypatch.setenv("SLURM_JOB_START_TIME", str(int(time.time()) - 3600))
     assert run_main(tiny_corpus, run_dir, "train.exit_duration_mins=30") == 0
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 0
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) == 0

@@ -14,8 +14,8 @@ import time
 import pytest
 
 import pretrain_gpt
+from operations.threads import usable_cores
 from tests.conftest import read_metrics, tiny_train_args
-from training.threads import usable_cores
 
 pytestmark = pytest.mark.tier("full")  # the trainer next to a busy process, stopped and resumed: seconds of waiting
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import pretrain_gpt
 from convert.model_weights import load_global_state
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from operations.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
-from training import checkpointing
-from training.guards import EXIT_DIVERGED, EXIT_INPUT_ERROR
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -53,7 +53,7 @@ def test_huge_lr_stops_within_a_few_iterations_and_leaves_finite_checkpoints(tin
     stopped_at = read_metrics(run_dir)[-1]["iteration"]
     assert stopped_at <= 10
     root = os.path.join(run_dir, "checkpoints")
-    last = checkpointing.read_tracker(root)
+    last = checkpoint.read_tracker(root)
     assert last is not None and last < stopped_at
     _, saved = load_global_state(os.path.join(root, f"iter_{last:07d}"))  # every weight, global names
     assert saved
@@ -96,7 +96,7 @@ def test_out_of_vocabulary_ids_stop_at_the_first_bad_batch(tiny_corpus, tmp_path
         int(x) for x in line.split("in document ")[1].split(" of ")[0:1] + line.split("(token ")[1].split()[0:1]
     )
     assert IndexedDataset(prefix)[document][offset] == bad_id  # the line points at the real token
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) is None
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) is None
     assert not read_metrics(run_dir) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else True
 
 
@@ -108,7 +108,7 @@ def test_second_trainer_in_a_live_run_dir_is_refused(tiny_corpus, tmp_path, caps
             sys.executable,
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
+            "from operations.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
             "print('held', flush=True); time.sleep(120)",
             REPO_ROOT,
             str(run_dir),

@@ -10,9 +10,9 @@ import pytest
 
 import pretrain_gpt
 from data import atomic_files, gpt_dataset
+from operations.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.faults import copy_corpus
-from training.guards import EXIT_INPUT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -115,7 +115,7 @@ def test_separate_split_paths_train(tiny_corpus, tmp_path, capsys):
 
 def test_the_sample_corpus_on_a_big_config_when_asked():
     from config.schema import load_config
-    from training.setup import check_sample_corpus_fits
+    from operations.startup import check_sample_corpus_fits
 
     path = os.path.join(REPO_ROOT, "configs", "gpt2_124m.yaml")
     check_sample_corpus_fits(load_config(path, ["data.use_sample_corpus=true"]))  # scripts/gpu_check.sh's runs

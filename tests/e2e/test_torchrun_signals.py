@@ -14,10 +14,10 @@ import time
 
 import pytest
 
+import checkpoint
 import pretrain_gpt
 from tests.conftest import REPO_ROOT, read_metrics, run_ranks, tiny_train_args
 from tests.e2e.test_torchrun import torchrun_command
-from training import checkpointing
 
 pytestmark = pytest.mark.tier("full")  # the launch path: signals to torchrun jobs
 
@@ -117,7 +117,7 @@ def test_signal_under_torchrun(tiny_corpus, tmp_path, reference, sig, target):
         assert not wait_gone(ranks, 60), output[-3000:]
     finally:
         proc.kill()
-    saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
+    saved = checkpoint.read_tracker(os.path.join(run_dir, "checkpoints"))
     assert saved is not None and saved < 24, output[-3000:]
     launcher_died = sig in (signal.SIGUSR1, signal.SIGKILL) and target == "torchrun"
     stopped_by = "SIGTERM" if launcher_died else sig.name

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
+import checkpoint
 import pretrain_gpt
 from tests.conftest import read_metrics, tiny_train_args
-from training import checkpointing, loop
+from training import loop
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -29,7 +30,7 @@ def test_metrics_file_and_run_dir(tiny_corpus, tmp_path):
     assert [r["iteration"] for r in evals] == [0, 5, 6] and all("val_ppl" in r for r in evals)
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
-    assert checkpointing.read_tracker(os.path.join(run_dir, "checkpoints")) == 6
+    assert checkpoint.read_tracker(os.path.join(run_dir, "checkpoints")) == 6
 
 
 def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
@@ -38,7 +39,7 @@ def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     train(tiny_corpus, whole, *drop)
     train(tiny_corpus, split, *drop, "train.exit_interval=10")
-    assert checkpointing.read_tracker(os.path.join(split, "checkpoints")) == 10
+    assert checkpoint.read_tracker(os.path.join(split, "checkpoints")) == 10
     train(tiny_corpus, split, *drop, "checkpoint.load=true")
     expected = [r["lm_loss"] for r in read_metrics(whole)]
     resumed = [r["lm_loss"] for r in read_metrics(split)]
@@ -49,9 +50,9 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
     run_dir = str(tmp_path / "run")
     train(tiny_corpus, run_dir, "train.train_iters=4", "checkpoint.save_interval=2")
     root = os.path.join(run_dir, "checkpoints")
-    assert checkpointing.read_tracker(root) == 4
+    assert checkpoint.read_tracker(root) == 4
 
-    real_save = checkpointing.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def crashing_save(*args, **kwargs):
         def crash():
@@ -62,10 +63,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_corpus, tmp_path, monkeyp
     monkeypatch.setattr(loop, "save_checkpoint", crashing_save)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_corpus, run_dir, "train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.load=true")
-    assert checkpointing.read_tracker(root) == 4  # the half-written iteration 6 is not the one that loads
+    assert checkpoint.read_tracker(root) == 4  # the half-written iteration 6 is not the one that loads
     monkeypatch.undo()
     train(tiny_corpus, run_dir, "train.train_iters=6", "checkpoint.load=true")
-    assert checkpointing.read_tracker(root) == 6
+    assert checkpoint.read_tracker(root) == 6
 
 
 def test_torn_file_is_reported_with_its_name(tiny_corpus, tmp_path, capsys):

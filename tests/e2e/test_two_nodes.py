@@ -21,9 +21,9 @@ import time
 
 import pytest
 
+import checkpoint
 from tests.conftest import REPO_ROOT, read_metrics, tiny_train_args
 from tests.e2e.netns import INTERFACE, SYSTEM_TEST, in_namespace, namespace_pids, tp2_pp2, two_nodes
-from training import checkpointing
 
 ADDRESSES = ("10.213.77.1", "10.213.77.2")  # a private /30 that lives only inside the test's namespaces
 PORT = 29400  # free by construction: the namespaces are new
@@ -102,7 +102,7 @@ def test_two_nodes_signal_one_and_resume(namespaces, tiny_corpus, tmp_path):
     procs[1].send_signal(signal.SIGUSR1)
     outputs = finish(procs, 240)
     text = "\n".join(outputs)
-    saved = checkpointing.read_tracker(os.path.join(run_dir, "checkpoints"))
+    saved = checkpoint.read_tracker(os.path.join(run_dir, "checkpoints"))
     assert saved is not None and 2 <= saved < ITERS, text[-4000:]
     assert procs[1].returncode == -signal.SIGUSR1
     assert "which started this rank, is gone" in outputs[1], outputs[1][-3000:]

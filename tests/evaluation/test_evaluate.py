@@ -15,12 +15,12 @@ from evaluation.documents import read_lambada
 from evaluation.model_source import load_model, run_config, run_tokenizer
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import lambada_task
+from operations.startup import DistEnv
 from parallel.layout import layout_from_config
 from tests.conftest import read_metrics, run_ranks
 from tests.evaluation.conftest import LAMBADA, WHITESPACE_LAMBADA, write_jsonl
 from tests.tools.test_convert_checkpoint import tokenizer_files  # noqa: F401  (a module fixture)
 from tools.convert_checkpoint import to_hf
-from training.setup import DistEnv
 
 pytestmark = pytest.mark.tier("full")  # the lm-evaluation-harness comparisons
 

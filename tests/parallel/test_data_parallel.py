@@ -20,11 +20,11 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
-from training.optimizer import build_optimizer
 from training.train_step import StepContext, train_step
 
 pytestmark = pytest.mark.tier("fast")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from config.schema import TrainConfig
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
@@ -23,7 +24,6 @@ from tests.parallel.test_data_parallel import (
     tiny_cfg,
     tiny_model,
 )
-from training.optimizer import build_optimizer
 
 pytestmark = pytest.mark.tier("fast")
 

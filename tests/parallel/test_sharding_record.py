@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoint.pieces import global_shape, tp_blocks
 from convert.model_weights import resize_vocab_rows
 from model.config import ModelConfig
 from model.gpt import GPTModel
@@ -15,7 +16,6 @@ from model.param_info import Sharding, param_info
 from parallel.model_builder import rank_spec
 from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
-from training.checkpoint.pieces import global_shape, tp_blocks
 
 pytestmark = pytest.mark.tier("fast")
 

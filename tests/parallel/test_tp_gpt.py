@@ -16,6 +16,7 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.rank_spec import Recompute
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads
 from parallel.model_builder import rank_spec
@@ -23,7 +24,6 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
-from training.optimizer import build_optimizer
 
 pytestmark = pytest.mark.tier("fast")
 

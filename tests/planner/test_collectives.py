@@ -10,13 +10,13 @@ import pytest
 
 import pretrain_gpt
 from config.schema import load_config
+from operations.startup import init_distributed
 from parallel.comm import CommRecorder
 from parallel.layout import layout_from_config
 from planner.collectives import LayoutCollectives
 from tests.conftest import run_ranks, tiny_train_args
 from training.loop import train
 from training.run import build_run
-from training.setup import init_distributed
 
 pytestmark = pytest.mark.tier("fast")
 

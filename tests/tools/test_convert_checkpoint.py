@@ -11,6 +11,7 @@ import sysconfig
 import pytest
 import torch
 
+from checkpoint import save_model_weights
 from config.schema import Config, DataConfig, ParallelConfig
 from convert.model_weights import load_global_state
 from model.config import ModelConfig
@@ -19,7 +20,6 @@ from parallel.state import ParallelState
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
 from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
-from training.checkpointing import save_model_weights
 
 pytestmark = pytest.mark.tier("fast")
 

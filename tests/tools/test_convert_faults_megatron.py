@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from checkpoint import save_model_weights
 from model.config import ModelConfig
 from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
@@ -26,7 +27,6 @@ from tests.tools.converter_inputs import (
     write_bytes,
 )
 from tools import checkpoint_info
-from training.checkpointing import save_model_weights
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from operations.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem, set_aside_previous
 from tools import diagnose_hang
-from training.diagnostics import FORMAT_VERSION, diagnostics_dir, dump_stem, set_aside_previous
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -55,7 +55,7 @@ def report(run_dir, capsys, *extra):
 
 BEFORE = [record(0, "world", 6, "all_reduce", 4, "boundary"), record(1, "world", 7, "all_reduce", 4, "checkpoint")]
 STUCK_STACK = """Thread 0x00007f0000000002 (most recent call first):
-  File "/x/training/watchdog.py", line 10 in _watch
+  File "/x/operations/watchdog.py", line 10 in _watch
 
 Thread 0x00007f0000000001 (most recent call first):
   File "/repo/data/loader.py", line 77 in __next__

@@ -249,7 +249,7 @@ def test_pipeline_timeline_bounds_what_it_draws(tmp_path, capsys, args, expected
 def _binary_stdin_on_rank_0(rank, world_size, out_dir):
     import sys
 
-    from training.setup import DistEnv
+    from operations.startup import DistEnv
 
     sys.stdin = types.SimpleNamespace(isatty=lambda: False, buffer=io.BytesIO(b"\xff"))
     tokenizer = types.SimpleNamespace(encode=lambda text: [1], eod=0)

@@ -7,15 +7,15 @@ import sys
 import pytest
 import torch
 
+from checkpoint import save_model_weights
 from model.generation import generate_tokens
+from operations.startup import DistEnv
 from parallel.state import ParallelState
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
 from tests.tools.test_convert_checkpoint import GPT, LLAMA, reference_model, run_config, tokenizer_files  # noqa: F401
 from tools.convert_checkpoint import to_hf
 from tools.generate import make_logits_fn, prepare
-from training.checkpointing import save_model_weights
-from training.setup import DistEnv
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -1,4 +1,4 @@
-"""The layout a checkpoint records (training/checkpoint/train_state.CheckpointLayout): meta.json's "layout" of
+"""The layout a checkpoint records (checkpoint/train_state.CheckpointLayout): meta.json's "layout" of
 every earlier writer reads and writes back unchanged, one describe() for every report, bad values refused."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import os
 
 import pytest
 
+from checkpoint import files
+from checkpoint.files import CheckpointError
+from checkpoint.layout import CheckpointLayout
+from checkpoint.train_state import read_train_state
 from parallel.state import ParallelState
-from training.checkpoint import files
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpoint.train_state import read_train_state
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -92,8 +92,8 @@ def test_a_malformed_format1_main_file_is_one_line(tmp_path) -> None:
     """The per-rank format of earlier versions: a main file whose config is not a mapping names the file."""
     import torch
 
-    from training.checkpoint.folder_names import MAIN_FILE
-    from training.checkpoint.legacy import rank_dir
+    from checkpoint.folder_names import MAIN_FILE
+    from checkpoint.legacy import rank_dir
 
     main_dir = rank_dir(str(tmp_path), 0, 0)
     os.makedirs(main_dir)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
+from checkpoint.loader import read_global_tensors
+from checkpoint.pieces import Block, flat_range_rects, pieces_of, tp_blocks
+from checkpoint.saver import SaveJob, write_checkpoint
 from model.param_info import Sharding, set_param_info
-from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
-from training.checkpoint.loader import read_global_tensors
-from training.checkpoint.pieces import Block, flat_range_rects, pieces_of, tp_blocks
-from training.checkpoint.saver import SaveJob, write_checkpoint
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 import pretrain_gpt
+from operations.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
 from parallel.comm import CommRecorder
-from training.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
 
 pytestmark = pytest.mark.tier("fast")
 

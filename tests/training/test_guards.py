@@ -20,11 +20,12 @@ from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset, TokenSource
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from data.microbatch import Microbatch
+from operations.guards import NonFiniteGuard, TrainingStopped, find_bad_token
+from operations.log import LOGGER_NAME
+from operations.run_lock import RunLock, RunLockError
+from operations.startup import check_devices
 from tests.data.options import BUILD, SAMPLES
-from training.guards import NonFiniteGuard, TrainingStopped, find_bad_token
-from training.logging import LOGGER_NAME, MetricsWriter
-from training.run_lock import RunLock, RunLockError
-from training.setup import check_devices
+from training.logging import MetricsWriter
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -42,7 +43,7 @@ def test_lock_refuses_a_second_trainer_naming_pid_and_host(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from training.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
+            "from operations.run_lock import RunLock; RunLock(sys.argv[2]).acquire(); "
             "print('held', flush=True); time.sleep(120)",
             os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
             str(tmp_path),

@@ -1,4 +1,4 @@
-"""training/loader_workers.py: closing the stream stops its loader workers, which ignore SIGTERM (as the
+"""operations/loader_workers.py: closing the stream stops its loader workers, which ignore SIGTERM (as the
 trainer's do): an idle worker leaves at once through torch's shutdown, one stuck in a read is SIGKILLed."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import cast
 import pytest
 import torch
 
-from training.loader_workers import MicrobatchStream
-from training.preemption import ignore_stop_signals
+from operations.loader_workers import MicrobatchStream
+from operations.preemption import ignore_stop_signals
 
 pytestmark = pytest.mark.tier("fast")
 

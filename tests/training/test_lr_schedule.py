@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from training.lr_schedule import LRSchedule
+from optim.lr_schedule import LRSchedule
 
 pytestmark = pytest.mark.tier("fast")
 

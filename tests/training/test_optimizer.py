@@ -12,6 +12,8 @@ import torch
 
 from config.schema import OptimConfig, TrainConfig
 from model.param_info import Sharding, set_param_info
+from optim.loss_scaler import DynamicLossScaler
+from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.grad_utils import finalize_model_grads, sum_of_squares
 from parallel.state import ParallelState
@@ -26,8 +28,6 @@ from tests.parallel.test_data_parallel import (
     tiny_cfg,
     tiny_model,
 )
-from training.loss_scaler import DynamicLossScaler
-from training.optimizer import build_optimizer
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from training.preemption import PreemptionHandler
+from operations.preemption import PreemptionHandler
 
 pytestmark = pytest.mark.tier("fast")
 

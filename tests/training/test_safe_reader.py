@@ -1,4 +1,4 @@
-"""training/checkpoint/safe_reader.py on its own: the DCP metadata of a real checkpoint reads; a crafted one is
+"""checkpoint/safe_reader.py on its own: the DCP metadata of a real checkpoint reads; a crafted one is
 refused in one line naming the file (a payload, a data file outside the folder, a malformed index, a torn
 file) and nothing runs; pickled .pt files are read weights-only with the same kind of refusal."""
 
@@ -13,10 +13,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from checkpoint.dcp_reader import read_dcp_metadata
+from checkpoint.files import CheckpointError
+from checkpoint.safe_reader import load_weights_file
 from tests.payloads import PAYLOAD_GLOBAL, CreatesFile, arm_dcp_metadata, arm_torch_file
-from training.checkpoint.dcp_reader import read_dcp_metadata
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.safe_reader import load_weights_file
 
 pytestmark = pytest.mark.tier("fast")
 

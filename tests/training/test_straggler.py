@@ -3,8 +3,8 @@ persistently above its pipeline stage's median."""
 
 import pytest
 
+from operations.straggler import summarize
 from parallel.rank_grid import RankGrid
-from training.straggler import summarize
 
 pytestmark = pytest.mark.tier("fast")
 

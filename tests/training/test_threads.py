@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from training.openmp_wait import describe_wait, passive_wait_default
-from training.threads import plan_threads, set_threads, usable_cores
+from operations.openmp_wait import describe_wait, passive_wait_default
+from operations.threads import plan_threads, set_threads, usable_cores
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -55,7 +55,7 @@ def _threads_after_init(omp: str | None, *overrides: str) -> tuple[int, str]:
         env["OMP_NUM_THREADS"] = omp
     env["PYTHONPATH"] = REPO_ROOT
     code = (
-        "import torch\nfrom training.setup import init_distributed\n"
+        "import torch\nfrom operations.startup import init_distributed\n"
         f"init_distributed(False, {overrides[0] if overrides else 0})\nprint('get_num_threads=', torch.get_num_threads())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from operations.guards import EXIT_HUNG
+from operations.watchdog import WATCHDOG_GRACE_S, HangGuard
 from parallel.comm import CollectiveError, CommRecorder
 from parallel.state import ParallelState
 from tests.conftest import free_port
 from tools import diagnose_hang
-from training.guards import EXIT_HUNG
 from training.logging import get_logger
-from training.watchdog import WATCHDOG_GRACE_S, HangGuard
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -1,6 +1,6 @@
 """Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
 then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
-DCP's `.metadata` is read only through training/checkpoint/safe_reader.py (a pickle: nothing in it may run).
+DCP's `.metadata` is read only through checkpoint/safe_reader.py (a pickle: nothing in it may run).
 """
 
 from __future__ import annotations
@@ -14,25 +14,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.state import ParallelState
-from training.checkpoint import files
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.safe_reader import load_weights_file
-from training.checkpoint.state import (
+from checkpoint import files
+from checkpoint.files import CheckpointError
+from checkpoint.safe_reader import load_weights_file
+from checkpoint.state import (
     check_against_metadata,
     optimizer_pieces,
     param_records,
     weight_pieces,
 )
-from training.checkpoint.train_state import OptimizerScalars, rng_path
-from training.optimizer import Optimizer
-from training.write_errors import reraise_interrupt
+from checkpoint.train_state import OptimizerScalars, rng_path
+from checkpoint.write_errors import reraise_interrupt
+from optim.optimizer import Optimizer
+from parallel.state import ParallelState
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from checkpoint.dcp_planners import GlobalPieces
     from model.config import ModelConfig
-    from training.checkpoint.dcp_planners import GlobalPieces
 
 
 def _distributed() -> bool:
@@ -63,8 +63,8 @@ def load_pieces(
     """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
     import torch.distributed.checkpoint as dcp
 
-    from training.checkpoint.dcp_planners import PiecesLoadPlanner
-    from training.checkpoint.dcp_reader import SafeFileSystemReader
+    from checkpoint.dcp_planners import PiecesLoadPlanner
+    from checkpoint.dcp_reader import SafeFileSystemReader
 
     check_against_metadata(wanted, metadata, iter_dir)
     files.check_storage_extents(iter_dir, metadata)  # else an extent past the file is DCP's "[Errno 22]"
@@ -102,11 +102,11 @@ def load_model_weights(
     """Load only the model weights of the checkpoint in iter_dir into this rank's chunks, at any layout
     (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
     if files.is_legacy(iter_dir):
-        from training.checkpoint.legacy import load_legacy_weights
+        from checkpoint.legacy import load_legacy_weights
 
         load_legacy_weights(iter_dir, chunks, state)
         return
-    from training.checkpoint.dcp_reader import read_dcp_metadata
+    from checkpoint.dcp_reader import read_dcp_metadata
 
     if verify:
         verify_share(iter_dir, group)
@@ -162,8 +162,8 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from training.checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
-    from training.checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_metadata
+    from checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
+    from checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_metadata
 
     metadata = read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata

@@ -3,7 +3,7 @@ that train.exit_duration_mins counts on.
 
 SLURM sends SIGTERM on `scancel`, on preemption and at the time limit; `#SBATCH --signal=USR1@<seconds>` is how
 a job asks for a warning before it; Ctrl-C sends SIGINT. The handler only records the signal. At the next
-iteration boundary every rank shares what it got (`training.guards.agree`, one all-reduce), so all ranks stop
+iteration boundary every rank shares what it got (`operations.guards.agree`, one all-reduce), so all ranks stop
 after the same iteration, save a checkpoint of it and exit with `EXIT_PREEMPTED`. A SIGINT that arrives while
 a stop is already pending stops at once (`Interrupted`, no checkpoint), as a second Ctrl-C is expected to.
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
-from training.run_lock import process_start_ticks
+from operations.run_lock import process_start_ticks
 
 # what signal.signal returns: the previous handler, SIG_DFL / SIG_IGN, or None (not installed from Python)
 SignalHandler = Callable[[int, FrameType | None], object] | int | None
@@ -120,7 +120,7 @@ def ask_for_signal_on_parent_death(sig: int) -> bool:
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader worker_init_fn: SLURM's scancel and a terminal's Ctrl-C signal every process, and torch's
     workers die of SIGTERM / SIGINT, which would break the trainer's next batch before it can save. Workers
-    ignore them; the trainer stops them when it is done, on every way out (training/loader_workers.py), and the
+    ignore them; the trainer stops them when it is done, on every way out (operations/loader_workers.py), and the
     kernel kills them when the trainer dies first (SIGKILL on parent death: a killed trainer, or one that
     leaves through os._exit, cannot stop them; torch's own check of the parent runs only between batches)."""
     for sig in STOP_SIGNALS:

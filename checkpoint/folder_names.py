@@ -1,5 +1,5 @@
 """The folder and file names of Megatron-LM's checkpoints, which this project's checkpoints share: one place
-for training/checkpoint/ (ours) and convert/ (reading and writing Megatron-LM's).
+for checkpoint/ (ours) and convert/ (reading and writing Megatron-LM's).
 
     CHECKPOINTS/latest_checkpointed_iteration.txt    the tracker: the newest complete iteration (Megatron: or
                                                      "release")

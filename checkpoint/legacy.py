@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from checkpoint.files import CheckpointError
+from checkpoint.folder_names import MAIN_FILE, mp_rank_name
+from checkpoint.layout import CheckpointLayout
+from checkpoint.safe_reader import load_weights_file
+from optim.optimizer import Optimizer
 from parallel.state import ParallelState
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.folder_names import MAIN_FILE, mp_rank_name
-from training.checkpoint.layout import CheckpointLayout
-from training.checkpoint.safe_reader import load_weights_file
-from training.optimizer import Optimizer
 
 
 def rank_dir(iter_dir: str, tp_rank: int, pp_rank: int) -> str:

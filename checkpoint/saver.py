@@ -3,7 +3,7 @@ iter_XXXXXXX.tmp.<pid>, checksums are gathered, then rank 0 renames the folder i
 trackers. `Checkpointer` runs that synchronously or, with async_save, in a background thread per rank on its
 own gloo group: the thread first copies the pieces aside (overlapping the next forward and backward; the loop
 waits for the copy only before its next optimizer step), then writes them. That group keeps the start-up timeout
-(parallel.init_timeout_s, training/watchdog.py), and its gathers go through the trainer's Collectives under the
+(parallel.init_timeout_s, operations/watchdog.py), and its gathers go through the trainer's Collectives under the
 name "checkpoint" (a hang report then shows how far each rank got in a save).
 """
 
@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from checkpoint import files
+from checkpoint.files import CheckpointError
+from checkpoint.state import staged_copy
+from checkpoint.train_state import TrainState, rng_path
+from checkpoint.write_errors import describe_write_error, reraise_interrupt
 from parallel.comm import Collectives
 from parallel.group_setup import creating_group
-from training.checkpoint import files
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.state import staged_copy
-from training.checkpoint.train_state import TrainState, rng_path
-from training.write_errors import describe_write_error, reraise_interrupt
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: write_checkpoint imports it
-    from training.checkpoint.dcp_planners import GlobalPieces
+    from checkpoint.dcp_planners import GlobalPieces
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _write_tensors(
     # on the training thread before a background save).
     import torch.distributed.checkpoint as dcp
 
-    from training.checkpoint.dcp_planners import PiecesSavePlanner
+    from checkpoint.dcp_planners import PiecesSavePlanner
 
     try:
         with warnings.catch_warnings():

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from config.schema import PRECISIONS, OptimConfig, TrainConfig
+from optim.loss_scaler import loss_scaler_for
 from parallel.data_parallel import Bucket, DataParallel
 from parallel.grad_utils import any_non_finite, clip_coefficient, counts_in_grad_norm, reduce_norm, sum_of_squares
 from parallel.param_gather import ParamGather, copy_bucket_to_params
-from training.loss_scaler import loss_scaler_for
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -73,7 +73,7 @@ class Segment:
     """One owned range [start, end) of chunk `bucket.chunk_index`'s grad buffer and its optimizer state.
     `pieces` are (param, segment offset, param-flat offset, length) of the params overlapping it."""
 
-    bucket: Bucket | None  # None: a sharded parameter's segment (training/sharded_optimizer.py)
+    bucket: Bucket | None  # None: a sharded parameter's segment (optim/sharded_optimizer.py)
     start: int
     end: int
     grad: torch.Tensor  # [end - start] view into the grad buffer
@@ -371,7 +371,7 @@ def build_optimizer(
 ) -> Optimizer:
     """The optimizer matching `ddp` (distributed iff ddp.distributed_optimizer) with the settings of the optim
     and train sections (Optimizer's docstring); FSDP's (a ShardedDataParallel) is
-    training/sharded_optimizer.build_sharded_optimizer. `chunks` must be the chunks `ddp` was built on.
+    optim/sharded_optimizer.build_sharded_optimizer. `chunks` must be the chunks `ddp` was built on.
     `overlap_param_gather` (parallel.overlap_param_gather; distributed only) gathers the updated params in the
     background until the next forward.
     """

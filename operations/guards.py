@@ -10,7 +10,7 @@ Exit codes of pretrain_gpt.py (every rank):
          norm, or an fp16 loss scale stuck at its minimum (no checkpoint is written from such a state)
     5    a hang: a collective timed out or failed (parallel.init_timeout_s / train_timeout_s; creating a process
          group included, parallel/group_setup.py), or the rank made no progress and its watchdog stopped it
-         (training/watchdog.py); each rank that could wrote its dump under
+         (operations/watchdog.py); each rank that could wrote its dump under
          run.dir/diagnostics/ (read them with tools/diagnose_hang.py); the last complete checkpoint stays the
          latest. A failure to SLURM: scripts/slurm/pretrain_gpt.sbatch requeues only after its USR1 warning.
     130  a second SIGINT: stopped at once, no checkpoint
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,6 @@ from parallel.fsdp import local_tensor
 
 if TYPE_CHECKING:
     from parallel.state import ParallelState
-    from training.train_step import StepResult
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT_ERROR, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_HUNG = 5
@@ -112,6 +111,20 @@ def bad_token_message(
 
 
 # ---- non-finite values -------------------------------------------------------------------------------
+class StepResult(Protocol):
+    """What NonFiniteGuard reads of an iteration's outcome (training.train_step.StepResult has these and more;
+    operations/ does not import training/)."""
+
+    @property
+    def loss(self) -> float: ...
+    @property
+    def grad_norm(self) -> float: ...
+    @property
+    def skipped(self) -> bool: ...
+    @property
+    def loss_scale(self) -> float: ...
+
+
 class NonFiniteGuard:
     """Counts consecutive iterations with a non-finite loss or gradient norm (the optimizer skipped their
     update) and, with fp16, skipped steps whose loss scale was already the minimum. Ordinary fp16 overflow

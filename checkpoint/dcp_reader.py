@@ -1,5 +1,5 @@
 """`SafeFileSystemReader`, and `read_dcp_metadata` through it: the torch.distributed.checkpoint FileSystemReader every load goes through, its
-`.metadata` read by training/checkpoint/safe_reader.py's allow-list unpickler. In a module of its own because
+`.metadata` read by checkpoint/safe_reader.py's allow-list unpickler. In a module of its own because
 subclassing FileSystemReader imports DCP (~1.3 CPU s: DTensor's operator strategies and sympy), which a run
 that neither saves nor loads, a config error or --help never needs: this module is imported where a
 checkpoint is read.
@@ -13,8 +13,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from training.checkpoint.files import DCP_METADATA
-from training.checkpoint.safe_reader import read_metadata_file
+from checkpoint.files import DCP_METADATA
+from checkpoint.safe_reader import read_metadata_file
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):

@@ -19,11 +19,11 @@ from data.loader import build_data_iterator
 from data.microbatch import Microbatch
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
+from operations.loader_workers import MicrobatchStream
+from operations.preemption import ignore_stop_signals, stop_at_once
+from operations.threads import ThreadPlan, log_thread_plan, set_threads
 from parallel.comm import Collectives
 from parallel.group_setup import creating_group
-from training.loader_workers import MicrobatchStream
-from training.preemption import ignore_stop_signals, stop_at_once
-from training.threads import ThreadPlan, log_thread_plan, set_threads
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml")  # the trainer's config without --config
@@ -87,7 +87,7 @@ def init_distributed(
 
     A plain `python pretrain_gpt.py` (no WORLD_SIZE) runs as one process without torch.distributed.
     `use_cuda` (from `check_devices`) defaults to whether CUDA is available; `num_threads` is
-    train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, training/threads.py);
+    train.num_threads (0: OMP_NUM_THREADS, else this rank's share of the usable cores, operations/threads.py);
     `announce_threads=False` keeps the thread count off stdout (tools whose stdout is their output);
     `timeout_s` bounds the world group's creation and collectives (parallel.init_timeout_s; None: torch's
     default); a creation that times out raises GroupCreationTimeout (parallel/group_setup.py), naming it.
@@ -234,7 +234,7 @@ def data_iterator(
     num_workers: int | None = None,
 ) -> MicrobatchStream:
     """This dp rank's micro-batches from `consumed_samples` on (data.num_workers loader processes unless
-    `num_workers` says otherwise); a stream with workers is closed on every way out (training/loader_workers.py)."""
+    `num_workers` says otherwise); a stream with workers is closed on every way out (operations/loader_workers.py)."""
     data = config.data
 
     def start() -> Iterator[Microbatch]:

@@ -16,14 +16,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from checkpoint import files
+from checkpoint.files import CheckpointError
+from checkpoint.parts import CheckpointParts
+from checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
+from optim.lr_schedule import LRSchedule
 from parallel.random import RNGTracker
-from training.checkpoint import files
-from training.checkpoint.files import CheckpointError
-from training.checkpoint.parts import CheckpointParts
-from training.checkpoint.train_state import TrainingProgress, TrainState, read_train_state
-from training.lr_schedule import LRSchedule
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
 # change what a resumed run computes from the same tensors (a fine-tune may change them). Marked on ModelConfig.
@@ -126,7 +126,7 @@ def plan_resume(config: Config, run_root: str, log: Callable[[str], None], is_ra
         )
     _check_config(plan, config, log)
     if not legacy:
-        from training.checkpoint.loader import verify_share
+        from checkpoint.loader import verify_share
 
         verify_share(iter_dir)  # every byte, the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
@@ -185,8 +185,8 @@ def load_into_run(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
     """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
-    from training.checkpoint.dcp_reader import read_dcp_metadata
-    from training.checkpoint.loader import load_model_weights, load_optimizer_state
+    from checkpoint.dcp_reader import read_dcp_metadata
+    from checkpoint.loader import load_model_weights, load_optimizer_state
 
     if plan.legacy:
         return _load_legacy(plan, config, parts, log)
@@ -242,7 +242,7 @@ def restore_rng(plan: ResumePlan, config: Config, parts: CheckpointParts, log: C
     """Same sizes (tp, cp, pp, vp, dp): each rank continues its own saved streams (bitwise resume). Another
     layout: the streams are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed,
     iteration)."""
-    from training.checkpoint.loader import load_rng
+    from checkpoint.loader import load_rng
 
     state, rng_tracker, saved_layout = parts.state, parts.rng_tracker, plan.train_state.layout
     saved = load_rng(plan.iter_dir, state.rank) if saved_layout.same_sizes(parts.layout) else None
@@ -261,7 +261,7 @@ def restore_rng(plan: ResumePlan, config: Config, parts: CheckpointParts, log: C
 def _load_legacy(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
-    from training.checkpoint.legacy import load_legacy
+    from checkpoint.legacy import load_legacy
 
     state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
     _, per_rank = load_legacy(

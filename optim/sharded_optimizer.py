@@ -4,11 +4,11 @@ Each rank holds a shard of every parameter (FSDP's fp32 sharded parameter: the m
 backward, the fp32 reduce-scattered gradient of that shard. One segment per parameter: `master` is a view of
 the shard itself (no copy, nothing to write back; FSDP casts it for the next all-gather), `grad` the gradient
 shard (FSDP allocates it each backward, so it is bound at every step), the Adam moments are this optimizer's.
-Everything else is training/optimizer.Optimizer's step, unchanged: unscale and the inf/NaN check over the world
+Everything else is optim/optimizer.Optimizer's step, unchanged: unscale and the inf/NaN check over the world
 (fp16 skips the step), the global grad norm (each element counted once: tp-replicated parameters on tp rank 0,
 summed over tp x pp and over the shard group, not over HSDP's replicas, which hold the same shard), clipping,
 the same AdamW arithmetic on each element. Checkpoint pieces: `pieces` says where each shard lies in the
-parameter (parallel/fsdp.local_shard), so training/checkpoint/state.py stores it in global coordinates.
+parameter (parallel/fsdp.local_shard), so checkpoint/state.py stores it in global coordinates.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from config.schema import OptimConfig, TrainConfig
+from optim.optimizer import Optimizer, OptimizerState, Segment, StepStats, _runs, check_optimizer_inputs, decays
 from parallel.fsdp import ShardedDataParallel, local_shard, local_tensor
 from parallel.grad_utils import counts_in_grad_norm
-from training.optimizer import Optimizer, OptimizerState, Segment, StepStats, _runs, check_optimizer_inputs, decays
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -90,7 +90,7 @@ class ShardedOptimizer(Optimizer):
     def state_dict(self) -> OptimizerState:
         raise ValueError(
             "the per-rank optimizer format of earlier versions has no FSDP shards: checkpoints of an FSDP run are "
-            "written in the layout-free format (training/checkpoint/)"
+            "written in the layout-free format (checkpoint/)"
         )
 
     def load_state_dict(self, state: OptimizerState) -> None:
@@ -107,6 +107,6 @@ def build_sharded_optimizer(
     optim: OptimConfig,
     train: TrainConfig,
 ) -> ShardedOptimizer:
-    """training/optimizer.build_optimizer's twin for FSDP: the same settings (the optim and train sections)."""
+    """optim/optimizer.build_optimizer's twin for FSDP: the same settings (the optim and train sections)."""
     check_optimizer_inputs(chunks, ddp.chunks, train, "build_sharded_optimizer")
     return ShardedOptimizer(ddp, state, optim, train)

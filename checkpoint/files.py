@@ -21,8 +21,8 @@ import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
 from data.atomic_files import pid_alive
-from training.checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -32,7 +32,7 @@ META = "meta.json"
 CHECKSUMS = "checksums.json"
 DCP_METADATA = ".metadata"
 TMP_RE = re.compile(r"\.tmp\.(\d+)$")
-FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (training/checkpoint/legacy.py)
+FORMAT_VERSION = 2  # 1: the per-rank mp_rank_XX_YYY files of earlier versions (checkpoint/legacy.py)
 
 
 class CheckpointError(RuntimeError):

@@ -3,7 +3,7 @@
 Timeouts. Every process group starts with parallel.init_timeout_s (start-up: creating the groups, building the
 data, loading a checkpoint, compiling, the first iteration). After the first iteration of this process every rank
 meets at one barrier (so no rank still busy with start-up work meets a shorter timeout) and the training groups
-take parallel.train_timeout_s. The checkpoint group (training/checkpoint/saver.py) keeps the start-up timeout:
+take parallel.train_timeout_s. The checkpoint group (checkpoint/saver.py) keeps the start-up timeout:
 a save, sync or async, waits on that group only, so it never trips the training timeout.
 
 Watchdog. A thread per rank (when there is more than one rank) watches for progress: a collective issued or
@@ -13,8 +13,8 @@ WATCHDOG_GRACE_S, it fires. That catches what no collective timeout can see: a r
 blocked inside a collective report the collective's own timeout first. During a checkpoint save (`relaxed`) the
 start-up timeout applies; a single process has no peers waiting for it and no watchdog.
 
-Either way the rank writes its dump (training/diagnostics.py: latest collectives, every thread's stack,
-coordinates, iteration) and exits with EXIT_HUNG (training/guards.py). A collective that raised unwinds the
+Either way the rank writes its dump (operations/diagnostics.py: latest collectives, every thread's stack,
+coordinates, iteration) and exits with EXIT_HUNG (operations/guards.py). A collective that raised unwinds the
 normal way (run_training returns the code), with the watchdog as a backstop if that cleanup itself blocks; a
 watchdog firing exits at once (os._exit: the main thread is stuck and cannot be unwound). The checkpoint in
 progress, if any, stays an iter_N.tmp.<pid> folder that is never loaded; the last complete one stays the latest.
@@ -32,9 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from parallel.comm import CollectiveError
-from parallel.state import ParallelState
-from training.diagnostics import (
+from operations.diagnostics import (
     RankIdentity,
     RunAttempt,
     agree_on_attempt,
@@ -43,7 +41,9 @@ from training.diagnostics import (
     set_aside_previous,
     write_dump,
 )
-from training.guards import EXIT_HUNG
+from operations.guards import EXIT_HUNG
+from parallel.comm import CollectiveError
+from parallel.state import ParallelState
 
 WATCHDOG_GRACE_S = 5.0  # a rank blocked in a collective reports its timeout before its watchdog fires
 EXIT_BACKSTOP_S = 15.0  # after a collective failed, the process is ended if its cleanup takes longer

@@ -1,6 +1,6 @@
 """The training loop's micro-batch stream, and the end of its data loader's worker processes on every way out.
 
-The workers ignore SIGTERM and SIGINT (training.preemption.ignore_stop_signals): scancel and Ctrl-C signal every
+The workers ignore SIGTERM and SIGINT (operations.preemption.ignore_stop_signals): scancel and Ctrl-C signal every
 process of the job, and a worker killed by them would break the trainer's next batch before it has saved. The
 price is that nothing but the trainer can stop them. torch stops them when the iterator is garbage-collected,
 which an exception's traceback prevents (its frames hold the iterator), and does nothing once the interpreter is

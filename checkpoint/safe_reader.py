@@ -5,7 +5,7 @@ metadata for our checkpoints and Megatron-LM's torch_dist folders alike.
 crafted file runs its code the moment a checkpoint is opened (checksums.json does not help, whoever crafted
 the file can write it too). `MetadataUnpickler` resolves only the classes such a file is made of (DCP's
 metadata dataclasses and enums, torch.Size, dtypes and layouts, paths) and refuses any other global by name,
-before it is called. `SafeFileSystemReader` (training/checkpoint/dcp_reader.py) is the FileSystemReader every
+before it is called. `SafeFileSystemReader` (checkpoint/dcp_reader.py) is the FileSystemReader every
 load goes through: its `read_metadata` uses the unpickler, checks the result's shape (an index of tensors
 whose data lie in files of the folder itself) and returns the same object every time, so `dcp.load` plans
 with exactly what the caller checked (and DCP's `torch.load(weights_only=False)` of byte entries is never
@@ -24,8 +24,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from checkpoint.files import CheckpointError
 from compat.torch_private import PICKLED_LAYOUT, dcp_metadata_classes
-from training.checkpoint.files import CheckpointError
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: imported where a file is read
     from torch.distributed.checkpoint.metadata import Metadata

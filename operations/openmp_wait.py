@@ -5,7 +5,7 @@ libgomp, torch's OpenMP runtime on Linux, reads OMP_WAIT_POLICY and GOMP_SPINCOU
 loads it; set later they change nothing. By default an idle libgomp thread spins before it sleeps, so on a
 shared machine a rank's threads take cores from their neighbours while they wait for each other (two threads
 next to one busy process on two cores: 3.6x slower per iteration, docs/performance.md). Sleeping instead
-changes no result (the thread count decides the numerics, and training/threads.py fixes it from the run's
+changes no result (the thread count decides the numerics, and operations/threads.py fixes it from the run's
 topology), so the entry points (pretrain_gpt.py, tools/evaluate.py, tools/generate.py) add the default before
 they import torch. This module imports nothing but the standard library for that reason.
 """

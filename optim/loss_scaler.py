@@ -1,4 +1,4 @@
-"""Loss scalers of the optimizer (training/optimizer.py): none for bf16 / fp32, dynamic for fp16."""
+"""Loss scalers of the optimizer (optim/optimizer.py): none for bf16 / fp32, dynamic for fp16."""
 
 from __future__ import annotations
 

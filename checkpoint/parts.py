@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from checkpoint.layout import CheckpointLayout
+from optim.lr_schedule import LRSchedule
+from optim.optimizer import Optimizer
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
-from training.checkpoint.layout import CheckpointLayout
-from training.lr_schedule import LRSchedule
-from training.optimizer import Optimizer
 
 
 @dataclass(frozen=True)

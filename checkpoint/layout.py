@@ -1,5 +1,5 @@
 """The layout a checkpoint was written at, as one typed record: `CheckpointLayout`, a field of
-training/checkpoint/train_state.TrainState (meta.json's "layout"), built once by the run
+checkpoint/train_state.TrainState (meta.json's "layout"), built once by the run
 (training/run.Run.checkpoint_parts) and read by the resume (the RNG streams) and every report of a stored layout.
 """
 

@@ -1,5 +1,5 @@
 """What a rank contributes to (and takes from) a checkpoint: its parameters and optimizer state as
-`GlobalPieces` under global keys (written and read by the planners of training/checkpoint/dcp_planners.py).
+`GlobalPieces` under global keys (written and read by the planners of checkpoint/dcp_planners.py).
 
 Keys: the model weight under its global name (`layers.5.mlp.fc1.weight`), the optimizer state under
 `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` and, when the weights are not fp32, `optim.master.<name>`
@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
 from model.param_info import param_info
+from optim.optimizer import Optimizer
 from parallel.fsdp import LocalShard, local_shard, shard_replicas
 from parallel.state import ParallelState
-from training.checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
-from training.optimizer import Optimizer
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: only a save or a load needs it
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from training.checkpoint.dcp_planners import GlobalPieces
+    from checkpoint.dcp_planners import GlobalPieces
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -75,7 +75,7 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
 
 
 def _add(out: dict[str, GlobalPieces], key: str, shape: tuple[int, ...], pieces: list) -> None:
-    from training.checkpoint.dcp_planners import GlobalPieces  # a save or a load: DCP is needed now
+    from checkpoint.dcp_planners import GlobalPieces  # a save or a load: DCP is needed now
 
     if pieces:
         out.setdefault(key, GlobalPieces(shape, [])).pieces.extend(pieces)
@@ -124,7 +124,7 @@ def staged_copy(
     result of an earlier call with pieces of the same shapes, is reused: no new allocation (page faults cost
     more than the copy), and pinned when the tensors live on a GPU."""
 
-    from training.checkpoint.dcp_planners import GlobalPieces  # a save: DCP is needed now
+    from checkpoint.dcp_planners import GlobalPieces  # a save: DCP is needed now
 
     def same_layout(a: GlobalPieces, b: GlobalPieces) -> bool:
         return [(o, t.shape, t.dtype) for o, t in a.pieces] == [(o, t.shape, t.dtype) for o, t in b.pieces]
@@ -154,7 +154,7 @@ def staged_copy(
 
 def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Metadata, iter_dir: str) -> None:
     """Every key present with the expected global shape; else CheckpointError naming the first tensor."""
-    from training.checkpoint.files import CheckpointError
+    from checkpoint.files import CheckpointError
 
     stored = metadata.state_dict_metadata
     for key in sorted(wanted):

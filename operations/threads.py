@@ -8,7 +8,7 @@ ranks of the node. It is a function of the run's topology only because the threa
 bits (matmul blocking, reduction order): an earlier rule counted the cores free at start, and a run started
 next to a busy process (1 thread) and resumed on a quiet machine (2) differed at 1.2e-7 where resume is bitwise
 (issue 40). Sharing a busy machine gracefully is left to how the threads wait, which changes no result: the
-entry points make them sleep instead of spin (training/openmp_wait.py; next to one busy process on two cores
+entry points make them sleep instead of spin (operations/openmp_wait.py; next to one busy process on two cores
 spinning threads ran 4.65x slower than idle, docs/performance.md).
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from training.logging import get_logger
-from training.openmp_wait import describe_wait
+from operations.log import get_logger
+from operations.openmp_wait import describe_wait
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ThreadPlan:
     source: str  # what decided it: "train.num_threads=4", "OMP_NUM_THREADS=1" or "auto"
     usable_cores: int  # cores in this process's affinity mask
     local_ranks: int  # ranks sharing this node's cores
-    wait: str = ""  # how idle OpenMP threads wait (training/openmp_wait.py), e.g. "OMP_WAIT_POLICY=PASSIVE"
+    wait: str = ""  # how idle OpenMP threads wait (operations/openmp_wait.py), e.g. "OMP_WAIT_POLICY=PASSIVE"
 
     def describe(self) -> str:
         """One log line: the count, what chose it, the cores it shares and how its threads wait."""

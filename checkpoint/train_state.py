@@ -2,7 +2,7 @@
 
 Written and read here only. The rank-common fields are meta.json (`state_dict()` / `load_state_dict()`,
 the keys unchanged since format 2); this rank's RNG states are its own file rng/rank_XXXXX.pt. A checkpoint of
-the per-rank format 1 (training/checkpoint/legacy.py) reads into the same record (`from_legacy`).
+the per-rank format 1 (checkpoint/legacy.py) reads into the same record (`from_legacy`).
 
 A new counter is a field of `TrainingProgress` and its key in `MetaJson` (loaded and defaulted for older
 checkpoints without further code); a new section is a field here with its key in `MetaJson` and its line in
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from training.checkpoint import files
-from training.checkpoint.layout import CheckpointLayout
+from checkpoint import files
+from checkpoint.layout import CheckpointLayout
 
 ConfigSections = dict[str, dict[str, object]]  # Config.to_dict(): section -> key -> value
 
@@ -158,7 +158,7 @@ class TrainState:
     @classmethod
     def from_legacy(cls, main: Mapping[str, object]) -> TrainState:
         """The main file (model_optim_rng.pt) of a format-1 checkpoint: its optimizer state stays in its
-        per-rank files, read by training/checkpoint/legacy.py."""
+        per-rank files, read by checkpoint/legacy.py."""
         return cls(
             progress=TrainingProgress.from_dict(main),
             config=_config_sections(main["config"]),
@@ -173,7 +173,7 @@ def read_train_state(iter_dir: str) -> TrainState:
     """The TrainState of the checkpoint in iter_dir (any format; its RNG states are read per rank by loader.load_rng)."""
     legacy = files.is_legacy(iter_dir)
     if legacy:
-        from training.checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
+        from checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
 
         saved = legacy_main_file(iter_dir)
         what, path = "a format-1 main file", os.path.join(rank_dir(iter_dir, 0, 0), MAIN_FILE)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from operations.diagnostics import describe_rank
 from parallel.rank_grid import MEGATRON_ORDER, RankGrid
 from parallel.state import ParallelState
-from training.diagnostics import describe_rank
 
 REPORTS_IN_A_ROW = 2  # how persistent a straggler must be before the warning
 

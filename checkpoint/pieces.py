@@ -5,7 +5,7 @@ A checkpoint stores every tensor under its global name with its global shape (`l
 halves of SwiGLU's stacked fc1; vocabulary rows up to the real vocabulary size, the tp padding is not stored;
 all read off the parameter's model/param_info.Sharding),
 and with the distributed optimizer a flat range of it. `GlobalPieces` lists such pieces as (global offsets,
-local view) pairs (`pieces_of`), which training/checkpoint/dcp_planners.py hands to torch.distributed.checkpoint
+local view) pairs (`pieces_of`), which checkpoint/dcp_planners.py hands to torch.distributed.checkpoint
 to write and reshard like DTensor shards.
 
 Tensors are 1-D or 2-D here; a 1-D tensor of n elements is handled as an [n, 1] matrix internally.

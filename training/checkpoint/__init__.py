@@ -1,1 +1,0 @@
-"""Layout-free checkpoints; the public API is training/checkpointing.py."""
