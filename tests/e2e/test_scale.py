@@ -49,22 +49,23 @@ SCALE_LAYOUTS = [
 
 def _rank_main_measured(rank: int, world_size: int, argv: list[str], launched_at: float, out_dir: str) -> None:
     """`_rank_main`, writing to out_dir/rank<N>.json when this rank joined (its process group made), when its
-    first training step began (seconds since `launched_at`, the test's clock) and its memory at the end."""
+    first training step began (seconds since `launched_at`, the test's clock), its open files then and its
+    memory at the end."""
     import training.loop
 
     joined = time.time() - launched_at
     step = training.loop.train_step
-    first_step: list[float] = []
+    first_step: dict[str, float] = {}
 
     def timed_step(*args, **kwargs):
-        if not first_step:
-            first_step.append(time.time() - launched_at)
+        if not first_step:  # every process group is up by now: its gloo sockets are among the open files
+            first_step.update(first_step_s=time.time() - launched_at, fds=len(os.listdir("/proc/self/fd")))
         return step(*args, **kwargs)
 
     training.loop.train_step = timed_step  # this body's fork only: the pool puts its modules back after it
     _rank_main(rank, world_size, argv)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
-        json.dump({"joined_s": joined, "first_step_s": first_step[0], **_memory_kib()}, handle)
+        json.dump({"joined_s": joined, **first_step, **_memory_kib()}, handle)
 
 
 def _memory_kib() -> dict[str, int]:
@@ -91,7 +92,7 @@ def _summary(out_dir: str) -> str:
     total_pss = sum(rank["Pss"] for rank in ranks) / 1024
     return (
         f"{WORLD_SIZE} ranks (min/mean/max): joined {spread('joined_s')} s, first step {spread('first_step_s')} s "
-        f"after launch; VmHWM {spread('VmHWM', 1024)} MiB, Pss {spread('Pss', 1024)} MiB, private "
+        f"after launch; open files {spread('fds')}; VmHWM {spread('VmHWM', 1024)} MiB, Pss {spread('Pss', 1024)} MiB, private "
         f"{spread('Private', 1024)} MiB; Pss of all ranks {total_pss:.0f} MiB"
     )
 
