@@ -195,3 +195,11 @@ def test_sets_past_the_cap_run_and_are_not_kept(monkeypatch):
     assert list(kept) == [8, 4]
     pool.run(2 * rank_pool.MAX_RANKS, b"", 1.0, lambda: 0)
     assert not pool.workers and all(workers.closed for workers in kept.values())
+
+
+def test_reports_of_many_ranks_are_grouped_first_failure_first():
+    """At 32 ranks a failure or a hang reports each distinct text once, under its ranks, the first to come first."""
+    reports = [(5, "ValueError: the cause"), *((rank, "barrier broken") for rank in (0, 1, 2, 3, 4, 6, 7, 31))]
+    assert rank_pool._grouped_reports(reports, " (note)") == (
+        "--- rank 5 (note) ---\nValueError: the cause\n--- ranks 0-4, 6-7, 31 (note) ---\nbarrier broken"
+    )
