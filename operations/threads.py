@@ -56,10 +56,16 @@ class ThreadPlan:
         total = self.threads * self.local_ranks
         if total <= self.usable_cores:
             return None
+        fixes = []
+        if self.threads > 1:
+            most = max(1, self.usable_cores // self.local_ranks)
+            fixes.append(f"set train.num_threads or OMP_NUM_THREADS to at most {most}")
+        if self.local_ranks > self.usable_cores:  # one thread is the least: only fewer ranks (or more cores) help
+            fixes.append(f"run at most {self.usable_cores} rank(s) per node, or give them more cores")
+        fix = "; ".join(fixes)
         return (
             f"warning: {self.local_ranks} local rank(s) x {self.threads} threads = {total} threads on "
-            f"{self.usable_cores} usable cores ({self.source}): threads will wait on each other; set "
-            f"train.num_threads or OMP_NUM_THREADS to at most {max(1, self.usable_cores // self.local_ranks)}"
+            f"{self.usable_cores} usable cores ({self.source}): threads will wait on each other; {fix}"
         )
 
 

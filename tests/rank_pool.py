@@ -8,7 +8,8 @@ cwd, signal handlers, thread count, RNG, default dtype, monkeypatched modules, r
 started) ends with it, so no test can leave state for the next. Each body gets a fresh default process group
 (a new port and TCPStore). A body that fails or hangs past its timeout: the parent reports the test, each
 failing rank and its traceback (a hung rank: the stack faulthandler dumped at the timeout) as an
-AssertionError, kills that set of workers with their bodies, and the next call starts a new set.
+AssertionError, the first failure first and each distinct text once under its ranks (32 ranks' copies of one
+stack read as one), kills that set of workers with their bodies, and the next call starts a new set.
 
 Fork safety: the workers are forked from a zygote, which pytest forks right after collection (every test
 module imported, `warm_up` done, no test run yet: no OpenMP thread pool, no gloo), and which only ever forks.
@@ -35,7 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
 
-MAX_RANKS = 16  # rank workers kept at once: sets for 1, 2, 4 and 8 ranks (idle, their memory shared with the zygote)
+# rank workers kept at once: sets for 1, 2, 4 and 8 ranks (idle, their memory shared with the zygote); a larger
+# world size gets a set of its own for its run, retired with it
+MAX_RANKS = 16
 START_TIMEOUT_S = 60.0
 ERROR_GRACE_S = 2.0  # after one rank fails, how long the others get to report theirs before all are killed
 POOL_SWITCH = "PTDP_RANK_POOL"
@@ -291,13 +294,13 @@ class RankWorkers:
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         _replay(outputs)
         cpu = sum(result[1] for result in results.values())
-        failures = [f"--- rank {rank} ---\n{results[rank][0]}" for rank in sorted(results) if results[rank][0]]
+        # in the order they came: the first to fail is the likeliest cause, the others mostly report the
+        # collective it broke
+        failures = [(rank, error) for rank, (error, _) in results.items() if error]
         if pending and not failures:
-            stacks = "\n".join(
-                f"--- rank {rank} (stack at the timeout) ---\n{_tail(outputs[rank])}" for rank in pending
-            )
-            failures.append(f"ranks {sorted(pending)} did not finish within {timeout} s\n{stacks}")
-        return ("\n".join(failures) or None), cpu, not failures
+            stacks = _grouped_reports([(rank, _tail(outputs[rank])) for rank in pending], " (stack at the timeout)")
+            return f"{_rank_list(sorted(pending))} did not finish within {timeout} s\n{stacks}", cpu, False
+        return (_grouped_reports(failures) or None), cpu, not failures
 
     def close(self) -> None:
         for conn in self.conns:
@@ -307,6 +310,28 @@ class RankWorkers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _grouped_reports(reports: list[tuple[int, str]], note: str = "") -> str:
+    """Each distinct report once, under the ranks that sent it (`--- rank 1 ---`, `--- ranks 0, 2-31 ---`), in
+    the order of their first rank in `reports`: 32 hung ranks give one stack, not 32 copies of it."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, text in reports:
+        ranks_of.setdefault(text, []).append(rank)
+    return "\n".join(f"--- {_rank_list(ranks)}{note} ---\n{text}" for text, ranks in ranks_of.items())
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """`rank 3`, or `ranks 0, 2-31` (runs of consecutive ranks as ranges)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "ranks " + ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def _replay(outputs: list[str]) -> None:
@@ -342,7 +367,8 @@ class RankPool:
         failure, cpu, reusable = workers.run(payload, timeout, free_port)
         if self.report_cpu is not None:
             self.report_cpu(cpu)
-        if not reusable:
+        if not reusable or world_size > MAX_RANKS:
+            # a set larger than the cap (32 ranks: tests/e2e/test_scale.py) runs, but is not kept idle after
             self.retire(world_size)
         if failure is not None:
             test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from typing import cast
 
 import pytest
 import torch
@@ -168,3 +169,37 @@ def test_bodies_start_warm_from_a_single_threaded_zygote(tmp_path):
         assert state["dynamo"] and state["frozen"] > 100_000, state
     zygote_pid = _SessionPool.pool.zygote.pid
     assert len(os.listdir(f"/proc/{zygote_pid}/task")) == 1
+
+
+class _FakeWorkers:
+    """A RankWorkers stand-in that starts no process: it records its world size and whether it was closed."""
+
+    def __init__(self, zygote, world_size: int):
+        self.world_size, self.closed = world_size, False
+
+    def run(self, payload: bytes, timeout: float, free_port) -> tuple[str | None, float, bool]:
+        return None, 0.0, True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_sets_past_the_cap_run_and_are_not_kept(monkeypatch):
+    """At most MAX_RANKS idle workers: sets up to the cap stay for the next body; a set larger than the cap
+    (32 ranks) is made after retiring the others and retired after its run."""
+    monkeypatch.setattr(rank_pool, "RankWorkers", _FakeWorkers)
+    pool = rank_pool.RankPool(zygote=None)  # type: ignore[arg-type]  # the fake workers fork nothing
+    pool.run(8, b"", 1.0, lambda: 0)
+    pool.run(4, b"", 1.0, lambda: 0)
+    kept = {size: cast(_FakeWorkers, workers) for size, workers in pool.workers.items()}
+    assert list(kept) == [8, 4]
+    pool.run(2 * rank_pool.MAX_RANKS, b"", 1.0, lambda: 0)
+    assert not pool.workers and all(workers.closed for workers in kept.values())
+
+
+def test_reports_of_many_ranks_are_grouped_first_failure_first():
+    """At 32 ranks a failure or a hang reports each distinct text once, under its ranks, the first to come first."""
+    reports = [(5, "ValueError: the cause"), *((rank, "barrier broken") for rank in (0, 1, 2, 3, 4, 6, 7, 31))]
+    assert rank_pool._grouped_reports(reports, " (note)") == (
+        "--- rank 5 (note) ---\nValueError: the cause\n--- ranks 0-4, 6-7, 31 (note) ---\nbarrier broken"
+    )

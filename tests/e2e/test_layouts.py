@@ -42,12 +42,24 @@ def _rank_main(rank: int, world_size: int, argv: list[str]) -> None:
     assert pretrain_gpt.main(argv) == 0
 
 
-def train(corpus: dict, run_dir: str, world_size: int, *extra: str) -> list[dict]:
-    """Run the trainer on world_size forked ranks (one for the single process); return its training lines."""
-    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *tiny_train_args(corpus, run_dir, *extra)]
-    run_ranks(world_size, _rank_main, argv, timeout=240.0)
+def train(
+    corpus: dict,
+    run_dir: str,
+    world_size: int,
+    *extra: str,
+    iterations: int = 10,
+    timeout: float = 240.0,
+    rank_main=_rank_main,
+    rank_args: tuple = (),
+) -> list[dict]:
+    """Run the trainer for `iterations` on world_size forked ranks (one for the single process), each rank given
+    `timeout` seconds; return its training lines. `rank_main(rank, world_size, argv, *rank_args)` is the body
+    (one that also measures the rank, say)."""
+    args = tiny_train_args(corpus, run_dir, f"train.train_iters={iterations}", *extra)
+    argv = ["--config", pretrain_gpt.DEFAULT_CONFIG, *args]
+    run_ranks(world_size, rank_main, argv, *rank_args, timeout=timeout)
     records = read_metrics(run_dir)
-    assert [r["iteration"] for r in records] == list(range(1, 11))
+    assert [r["iteration"] for r in records] == list(range(1, iterations + 1))
     return records
 
 

@@ -43,6 +43,13 @@ def test_oversubscription_warns_with_the_fix():
     assert warning is not None and "8 threads on 4 usable cores" in warning and "at most 2" in warning
 
 
+def test_more_ranks_than_cores_warns_with_the_fix_that_helps():
+    """32 ranks on 2 cores run 1 thread each already: the warning names the ranks per node, not the threads."""
+    warning = plan_threads(0, {"OMP_NUM_THREADS": "1"}, local_ranks=32, cores=2).oversubscription()
+    assert warning is not None and "32 threads on 2 usable cores" in warning
+    assert "at most 2 rank(s) per node" in warning and "OMP_NUM_THREADS to at most" not in warning
+
+
 def test_usable_cores_follows_the_affinity_mask():
     expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert usable_cores() == expected
