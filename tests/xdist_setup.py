@@ -33,6 +33,9 @@ SHARED_FIXTURE_MODULES = (
     "test_convert_megatron.py",  # megatron_dir: megatron-core checkpoints at three layouts (16 s)
     "test_checkpoint_layouts.py",  # saved_run: an 8-rank run whose checkpoint every test resumes (6.5 s)
 )
+# Modules whose tests must not run two at a time: each of test_scale.py's tests starts 32 ranks, and two at
+# once (64 processes on 2 cores) would only wait on each other.
+ONE_TEST_AT_A_TIME_MODULES = ("test_scale.py",)
 # Modules that share an expensive session-scoped fixture run on one worker together, under one group name: the
 # evaluation tests' harness_results (lm_eval over the exported model and the checkpoint, ~18 CPU s, and the
 # lm_eval / transformers imports) was built on both workers.
@@ -81,14 +84,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def xdist_group_of(item) -> str | None:
     """The group an item's worker is chosen by: "system" for the system tests, its module for the modules of
-    SHARED_FIXTURE_MODULES, the fixture's name for SHARED_SESSION_FIXTURE_GROUPS, None (any worker) otherwise."""
+    SHARED_FIXTURE_MODULES and ONE_TEST_AT_A_TIME_MODULES, the fixture's name for SHARED_SESSION_FIXTURE_GROUPS, None (any worker) otherwise."""
     name = os.path.basename(str(item.path))
     if name in SYSTEM_TEST_FILES:
         return "system"
     module = item.nodeid.split("::")[0]
     if module in SHARED_SESSION_FIXTURE_GROUPS:
         return SHARED_SESSION_FIXTURE_GROUPS[module]
-    if name in SHARED_FIXTURE_MODULES:
+    if name in SHARED_FIXTURE_MODULES or name in ONE_TEST_AT_A_TIME_MODULES:
         return module
     return None
 
