@@ -84,7 +84,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def xdist_group_of(item) -> str | None:
     """The group an item's worker is chosen by: "system" for the system tests, its module for the modules of
-    SHARED_FIXTURE_MODULES and ONE_TEST_AT_A_TIME_MODULES, the fixture's name for SHARED_SESSION_FIXTURE_GROUPS, None (any worker) otherwise."""
+    SHARED_FIXTURE_MODULES and ONE_TEST_AT_A_TIME_MODULES, the fixture's name for SHARED_SESSION_FIXTURE_GROUPS,
+    None (any worker) otherwise."""
     name = os.path.basename(str(item.path))
     if name in SYSTEM_TEST_FILES:
         return "system"
