@@ -32,7 +32,7 @@ import torch
 from bench_models import fork_ranks, set_rank_environment, short_run
 
 from config.schema import load_config
-from parallel.comm import CommRecorder
+from parallel.comm_recorder import CommRecorder
 from parallel.fsdp import RecordedAllGather, RecordedReduceScatter, local_tensor
 from parallel.layout import layout_from_config
 from training.loop import train

@@ -6,7 +6,7 @@ import time
 import pytest
 
 import pretrain_gpt
-from parallel.comm import CommRecorder
+from parallel.comm_recorder import CommRecorder
 from training.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
 
 pytestmark = pytest.mark.tier("fast")

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.comm import CollectiveError, CommRecorder
+from parallel.comm import CollectiveError
+from parallel.comm_recorder import CommRecorder
 from parallel.state import ParallelState
 from tests.conftest import free_port
 from tools import diagnose_hang
