@@ -19,7 +19,9 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch only for the annotation: the lock itself is plain Python
-    from training.setup import DistEnv
+    import torch
+
+    from parallel.comm import Collectives
 
 LOCK_NAME = "run.lock"
 
@@ -158,12 +160,12 @@ def _unusable_run_dir_message(run_dir: str, err: OSError, lock_path: str) -> str
     )
 
 
-def take_run_lock(lock: RunLock, env: DistEnv) -> str | None:
+def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.device, comm: Collectives) -> str | None:
     """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce over the world,
-    through the world's door `env.comm`: recorded, and a timeout is a CollectiveError). Returns the error (""
-    on ranks other than 0, which print nothing), or None."""
+    through `comm`, the world's door DistEnv.comm: recorded, and a timeout is a CollectiveError). Returns the
+    error ("" on ranks other than 0, which print nothing), or None."""
     error = None
-    if env.rank == 0:
+    if rank == 0:
         try:
             os.makedirs(os.path.dirname(lock.path), exist_ok=True)
             lock.acquire()
@@ -171,12 +173,12 @@ def take_run_lock(lock: RunLock, env: DistEnv) -> str | None:
             error = str(err)
         except OSError as err:  # run.dir a file, not writable, on a full or read-only disk: name the key
             error = _unusable_run_dir_message(os.path.dirname(lock.path), err, lock.path)
-    if env.world_size > 1:
+    if world_size > 1:
         import torch  # here only: the lock itself is plain Python (tools and tests use it without torch)
         import torch.distributed as dist
 
-        failed = torch.tensor([int(error is not None)], device=env.device)
-        env.comm.all_reduce(failed, op=dist.ReduceOp.MAX)
+        failed = torch.tensor([int(error is not None)], device=device)
+        comm.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
             error = ""
     return error

@@ -6,11 +6,17 @@ destroying process groups and asking for ranks are not collectives."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 
 import pytest
+import torch
 
-from tests.conftest import REPO_ROOT
+from parallel.comm import Collectives
+from parallel.comm_recorder import CommRecorder
+from tests.conftest import REPO_ROOT, run_ranks
+from training.run_lock import RunLock, take_run_lock
+from training.setup import DistEnv, barrier
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -166,3 +172,32 @@ def test_the_door_itself_is_what_the_scan_leaves_out():
     assert any(line.endswith("torch.distributed.batch_isend_irecv") for line in inside)
     assert "parallel/comm.py" not in _source_files(REPO_ROOT)
     assert "tools/generate.py" in _source_files(REPO_ROOT) and "pretrain_gpt.py" in _source_files(REPO_ROOT)
+
+
+def _start_up_body(rank: int, world_size: int, run_dir: str, out_dir: str) -> None:
+    env = DistEnv(
+        world_size, rank, rank, world_size, torch.device("cpu"), comm=Collectives(CommRecorder(keep_all=True))
+    )
+    lock = RunLock(run_dir)
+    assert take_run_lock(lock, env.rank, env.world_size, env.device, env.comm) is None
+    barrier(env)  # no state yet: the world's door
+    problem = ["rank 0's reason" if rank == 0 else ""]
+    env.comm.broadcast_object_list(problem, src=0)
+    assert problem == ["rank 0's reason"]
+    assert env.comm.recorder is not None
+    rows = [(r.kind, r.group, r.group_size, r.nbytes, r.seq, r.region, r.state) for r in env.comm.recorder.records()]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(rows, handle)
+    env.comm.barrier()
+    lock.release()
+
+
+def test_the_start_up_collectives_are_recorded_by_the_world_door(tmp_path):
+    run_ranks(2, _start_up_body, str(tmp_path / "run"), str(tmp_path))
+    for rank in range(2):
+        rows = [tuple(r) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+        assert rows == [
+            ("all_reduce", "world", 2, 8, 0, "startup", "completed"),  # the run lock's verdict (one int64)
+            ("barrier", "world", 2, 0, 1, "startup", "completed"),
+            ("broadcast_object_list", "world", 2, 0, 2, "startup", "completed"),
+        ]
