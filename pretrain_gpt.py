@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_HUNG
         try:
-            error = take_run_lock(lock, env.rank, env.world_size, env.device)
+            error = take_run_lock(lock, env.rank, env.world_size, env.device, env.comm)
             if error is not None:
                 if error:
                     print(f"error: {error}", file=sys.stderr)

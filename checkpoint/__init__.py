@@ -181,7 +181,7 @@ def save_model_weights(
         layout=CheckpointLayout.of(state, sequence_parallel, distributed_optimizer=False, schedule=None),
     )
     job = SaveJob(root, iteration, weight_pieces(records, for_save=True), train_state, keep_last=0)
-    return write_checkpoint(job).path
+    return write_checkpoint(job, comm=state.comm).path
 
 
 def build_save_job(
@@ -227,7 +227,7 @@ def save_checkpoint(
     os.makedirs(root, exist_ok=True)
     job = build_save_job(root, parts, progress, config, keep_last=keep_last, before_tracker=before_tracker)
     if checkpointer is None:
-        write_checkpoint(job)
+        write_checkpoint(job, comm=parts.state.comm)
     else:
         checkpointer.save(job)
     return os.path.join(root, files.iter_name(progress.iteration))

@@ -26,6 +26,7 @@ from checkpoint.state import (
 from checkpoint.train_state import OptimizerScalars, rng_path
 from checkpoint.write_errors import reraise_interrupt
 from optim.optimizer import Optimizer
+from parallel.comm import Collectives
 from parallel.state import ParallelState
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
@@ -39,9 +40,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def verify_share(iter_dir: str, group: dist.ProcessGroup | None = None) -> None:
+def verify_share(iter_dir: str, comm: Collectives, group: dist.ProcessGroup | None = None) -> None:
     """Every file's size and CRC-32, the files dealt over the ranks; CheckpointError on every rank, naming
-    the first bad file, if any rank found one."""
+    the first bad file, if any rank found one (the verdicts gathered through `comm`, the caller's door)."""
     names = sorted(files.read_checksums(iter_dir))
     rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
     error = None
@@ -51,7 +52,7 @@ def verify_share(iter_dir: str, group: dist.ProcessGroup | None = None) -> None:
         error = str(err)
     if world > 1:
         gathered: list[str | None] = [None] * world
-        dist.all_gather_object(gathered, error, group=group)
+        comm.all_gather_object(gathered, error, group)
         error = next((e for e in gathered if e), None)
     if error:
         raise CheckpointError(error)
@@ -109,7 +110,7 @@ def load_model_weights(
     from checkpoint.dcp_reader import read_dcp_metadata
 
     if verify:
-        verify_share(iter_dir, group)
+        verify_share(iter_dir, state.comm, group)
     metadata = read_dcp_metadata(iter_dir)
     records = param_records(chunks, state)
     with torch.no_grad():

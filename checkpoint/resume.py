@@ -23,6 +23,7 @@ from checkpoint.train_state import TrainingProgress, TrainState, read_train_stat
 from config.schema import Config
 from model.config import ModelConfig, checkpoint_keys
 from optim.lr_schedule import LRSchedule
+from parallel.comm import Collectives
 from parallel.random import RNGTracker
 
 # Model settings that change the tensors (names or shapes): they must match the checkpoint; and those that
@@ -89,10 +90,12 @@ def _source(config: Config, run_root: str) -> str | None:
     return str(load)
 
 
-def plan_resume(config: Config, run_root: str, log: Callable[[str], None], is_rank0: bool) -> ResumePlan | None:
+def plan_resume(
+    config: Config, run_root: str, log: Callable[[str], None], is_rank0: bool, comm: Collectives
+) -> ResumePlan | None:
     """Resolve checkpoint.load, check the checkpoint against this run's config (model.vocab_size already
     known) and verify its files. Raises CheckpointError before anything of the run is written; None = start
-    fresh. Collective when distributed (the verification)."""
+    fresh. Collective when distributed (the verification, through `comm`)."""
     if is_rank0:
         files.remove_stale_tmp(run_root, log)
     source = _source(config, run_root)
@@ -128,7 +131,7 @@ def plan_resume(config: Config, run_root: str, log: Callable[[str], None], is_ra
     if not legacy:
         from checkpoint.loader import verify_share
 
-        verify_share(iter_dir)  # every byte, the files dealt over the ranks (collective)
+        verify_share(iter_dir, comm)  # every byte, the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
     start = 0 if plan.reset_progress else saved.iteration
     _refuse_overwrite(config, run_root, from_root and not plan.reset_progress, start)

@@ -69,15 +69,12 @@ def _rank_info(group: ProcessGroup | None) -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj: object, group: ProcessGroup | None, comm: Collectives | None) -> list:
+def _all_gather(obj: object, group: ProcessGroup | None, comm: Collectives) -> list:
     """Every rank's `obj` (the callers know what they sent: the list is as untyped as pickle's output)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[object] = [None] * dist.get_world_size()
-    if comm is not None:
-        comm.all_gather_object(out, obj, group)
-    else:
-        dist.all_gather_object(out, obj, group=group)
+    comm.all_gather_object(out, obj, group)
     return out
 
 
@@ -91,9 +88,10 @@ def _pieces_bytes(job: SaveJob) -> int:
 
 
 def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Collectives | None = None) -> SaveResult:
-    """Collective over all ranks (on `group`; its gathers through `comm` when given). Raises CheckpointError
-    with one line if any rank failed; the previous checkpoint then stays the latest and the partial folder is
-    removed."""
+    """Collective over all ranks (on `group`; its gathers through `comm`, the caller's door, or without one a
+    door of its own that records nothing). Raises CheckpointError with one line if any rank failed; the
+    previous checkpoint then stays the latest and the partial folder is removed."""
+    comm = comm if comm is not None else Collectives()
     rank, world = _rank_info(group)
     started = time.perf_counter()
     final = os.path.join(job.root, files.iter_name(job.iteration))

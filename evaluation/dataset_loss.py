@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-import torch.distributed as dist
-
 from config.schema import Config
 from data.builder import SPLIT_NAMES, build_train_valid_test_datasets
 from data.microbatch import Microbatch
@@ -60,7 +58,7 @@ def dataset_split(config: Config, prefix: str, split: str, env: DistEnv) -> GPTD
         except (ValueError, OSError) as err:  # (an empty split, a split without tokens) named by rank 0 ...
             problem[0] = str(err)
     if env.world_size > 1:  # ... and known to every rank, none left waiting for the index caches
-        dist.broadcast_object_list(problem, src=0)
+        env.comm.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ReportedError(problem[0], 0)
     if env.rank != 0:

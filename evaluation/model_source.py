@@ -145,8 +145,9 @@ def copy_global_weights(chunks: list, tensors: dict[str, torch.Tensor]) -> None:
 def load_model(
     config: Config, source: ModelSource, layout: Layout, env: DistEnv, dtype: torch.dtype = torch.float32
 ) -> EvalContext:
-    """This rank's chunks of the model in `source`, at `layout`, in eval mode (collective under torchrun)."""
-    state = ParallelState.from_layout(layout)
+    """This rank's chunks of the model in `source`, at `layout`, in eval mode (collective under torchrun; the
+    state's collectives recorded by the world door's recorder, `env.comm`)."""
+    state = ParallelState.from_layout(layout, env.comm.recorder)
     cfg = config.model
     chunks = build_model_chunks(
         cfg,

@@ -27,7 +27,8 @@ from typing import NotRequired, TypedDict, TypeGuard, get_type_hints
 
 import torch.distributed as dist
 
-from parallel.comm import WORLD, CommRecorder
+from parallel.comm import WORLD
+from parallel.comm_recorder import CommRecorder
 from parallel.rank_grid import MEGATRON_ORDER
 from parallel.state import ParallelState
 

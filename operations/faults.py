@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from parallel.comm import P2P_KINDS, CommRecorder
+from parallel.comm_recorder import P2P_KINDS, CommRecorder
 
 ENV_VAR = "PTDP_INJECT_FAULT"
 COLLECTIVE_KINDS = ("sleep", "skip", "slow")  # act through Collectives.before_issue

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch only for the annotation: the lock itself is plain Python
     import torch
 
+    from parallel.comm import Collectives
+
 LOCK_NAME = "run.lock"
 
 
@@ -158,9 +160,10 @@ def _unusable_run_dir_message(run_dir: str, err: OSError, lock_path: str) -> str
     )
 
 
-def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.device) -> str | None:
-    """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce, collective
-    over the world). Returns the error ("" on ranks other than 0, which print nothing), or None."""
+def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.device, comm: Collectives) -> str | None:
+    """Rank 0 creates run.dir and takes its lock; every rank learns the outcome (one all-reduce over the world,
+    through `comm`, the world's door DistEnv.comm: recorded, and a timeout is a CollectiveError). Returns the
+    error ("" on ranks other than 0, which print nothing), or None."""
     error = None
     if rank == 0:
         try:
@@ -175,7 +178,7 @@ def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.devic
         import torch.distributed as dist
 
         failed = torch.tensor([int(error is not None)], device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        comm.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
             error = ""
     return error

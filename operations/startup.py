@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,6 +23,7 @@ from operations.loader_workers import MicrobatchStream
 from operations.preemption import ignore_stop_signals, stop_at_once
 from operations.threads import ThreadPlan, log_thread_plan, set_threads
 from parallel.comm import Collectives
+from parallel.comm_recorder import CommRecorder
 from parallel.group_setup import creating_group
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,12 +35,19 @@ DatasetSplits = tuple[Dataset | None, Dataset | None, Dataset | None]  # train, 
 
 @dataclass
 class DistEnv:
+    """This process in the world torchrun / srun started: ranks, device, thread plan, and the world's door.
+
+    `comm` issues the collectives made before a ParallelState exists (the run lock, the start-up barriers) on
+    the world group; `init_distributed` gives it a recorder, which the trainer's ParallelState then shares
+    (training/run.py `build_state`), so those calls are in the rank's records and its hang report."""
+
     world_size: int
     rank: int
     local_rank: int
     local_world_size: int
     device: torch.device
     threads: ThreadPlan | None = None  # the intra-op thread choice init_distributed applied (None: not chosen here)
+    comm: Collectives = field(default_factory=Collectives)  # the world's door (parallel/comm.py)
 
 
 def _gpus_allocated(environ) -> str | None:
@@ -112,16 +120,14 @@ def init_distributed(
                 dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device, timeout=timeout)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return DistEnv(world_size, rank, local_rank, local_world_size, device, plan)
+    return DistEnv(world_size, rank, local_rank, local_world_size, device, plan, Collectives(CommRecorder()))
 
 
 def barrier(env: DistEnv, comm: Collectives | None = None) -> None:
-    """Every rank meets (through `comm` when given: recorded, and a timeout is a CollectiveError)."""
+    """Every rank meets, through `comm` (None: the world's door, `env.comm`): recorded, and a timeout is a
+    CollectiveError."""
     if env.world_size > 1:
-        if comm is not None:
-            comm.barrier()
-        else:
-            dist.barrier()
+        (comm if comm is not None else env.comm).barrier()
 
 
 def check_sample_corpus_fits(config: Config) -> None:

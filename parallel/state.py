@@ -9,7 +9,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from parallel.comm import Collectives, CommRecorder
+from parallel.comm import Collectives
+from parallel.comm_recorder import CommRecorder
 from parallel.group_setup import creating_group
 from parallel.layout import Layout, derive_dp_size
 from parallel.pipeline.stages import StageMap

@@ -136,11 +136,12 @@ def _split_last(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 def _gather_last(x: torch.Tensor, comm: TPComm, phase: str) -> torch.Tensor:
     if comm.size == 1:
         return x
-    # Gather along dim 0 (contiguous), then move the rank axis next to the last dim.
-    out = torch.empty((comm.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    # Gather along dim 0 (contiguous), then move each rank's block next to the last dim. The output's dim 0 is
+    # size x the input's (not a new rank axis): gloo checks each rank's slice of it against the input's shape.
+    out = torch.empty((x.shape[0] * comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     issue = _issuer(comm)
     issue(comm.scope, "all_gather", phase, x, comm.collectives.all_gather_into, out, x.contiguous(), comm.group)
-    return torch.cat(out.unbind(0), dim=-1)
+    return torch.cat(out.chunk(comm.size, dim=0), dim=-1)
 
 
 def _split_first(x: torch.Tensor, comm: TPComm) -> torch.Tensor:

@@ -71,15 +71,16 @@ class StreamDecoder:
 
 
 def make_logits_fn(model, cfg: ModelConfig, state):
-    """logits_fn(tokens, positions, cache) -> [b, s, vocab] (the vocabulary shards gathered over tp)."""
+    """logits_fn(tokens, positions, cache) -> [b, s, vocab] (the vocabulary shards gathered over tp, through
+    the state's door as the trainer's output layer gathers them: parallel/tp_mappings.py)."""
+    from parallel.tensor_parallel import tp_comm
+    from parallel.tp_mappings import gather_from_tp_region
+
+    output_comm = tp_comm(state, scope="output")
 
     def logits_fn(tokens, positions, cache):
         logits = model(tokens, positions, kv_cache=cache)  # [b, s, V/tp]
-        if state.tp_size > 1:
-            shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-            dist.all_gather(shards, logits.contiguous(), group=state.tp_group)
-            logits = torch.cat(shards, dim=-1)
-        return logits[..., : cfg.vocab_size]
+        return gather_from_tp_region(logits, output_comm)[..., : cfg.vocab_size]  # [b, s, V] (tp = 1: as is)
 
     return logits_fn
 
@@ -112,7 +113,7 @@ def shared_prompt(args: argparse.Namespace, env, tokenizer) -> tuple[str, list[i
     prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod]
     if env.world_size > 1:  # every rank runs the same prompt
         holder: list[object] = [prompt_ids, problem]
-        dist.broadcast_object_list(holder, src=0)
+        env.comm.broadcast_object_list(holder, src=0)
         prompt_ids, sent = holder
         problem = None if sent is None else str(sent)  # rank 0's reason (a str), or None
     if problem is not None:
@@ -158,7 +159,12 @@ def prepare(args: argparse.Namespace, env):
     )
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} entries, the model model.vocab_size={cfg.vocab_size}")
-    state = ParallelState.create(env.world_size, 1) if env.world_size > 1 else ParallelState.single()
+    # tp over every rank; its collectives (the logits' gather) recorded as the prompt's broadcast is (env.comm)
+    state = (
+        ParallelState.create(env.world_size, 1, recorder=env.comm.recorder)
+        if env.world_size > 1
+        else ParallelState.single()
+    )
     model = build_model_from_state(cfg, tensors, state, env.device, param_dtype(args.dtype))
     return model, cfg, state, tokenizer, sampling
 

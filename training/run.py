@@ -45,7 +45,8 @@ from operations.watchdog import HangGuard
 from optim.lr_schedule import LRSchedule
 from optim.optimizer import DistributedOptimizer, Optimizer, build_optimizer
 from optim.sharded_optimizer import build_sharded_optimizer
-from parallel.comm import Collectives, CommRecorder
+from parallel.comm import Collectives
+from parallel.comm_recorder import CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
 from parallel.layout import Layout
@@ -107,15 +108,17 @@ def prepare_data(
     config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
 ) -> tuple[int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
-    and verified before anything is written) and datasets; then the resolved config is saved.
+    and verified before anything is written) and datasets; then the resolved config is saved. Its collectives
+    go through `comm` (None: the world's door, `env.comm`).
     Returns the end-of-document id, the datasets and the resume plan."""
+    comm = comm if comm is not None else env.comm
     resolve_sample_data(config, env, logger, comm)
     data = config.data
     tokenizer = build_tokenizer_of(data, config.model.vocab_size)
     if config.model.vocab_size is None:
         config.model.vocab_size = tokenizer.vocab_size
     check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
-    resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0)
+    resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0, comm)
     datasets = build_datasets(config, env, config.train.global_batch_size, comm)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
         os.makedirs(config.run.dir, exist_ok=True)
@@ -200,9 +203,11 @@ def build_state(
     fault: FaultSpec | None,
     logger: logging.Logger,
 ) -> ParallelState:
-    """The parallel state with its recorder (the latest collectives of this rank, always kept), its groups on the
-    start-up timeout, the hang guard started, and the fault-injection test hook on the rank it names."""
-    state = ParallelState.from_layout(layout, CommRecorder(), config.parallel.init_timeout_s)
+    """The parallel state with its recorder (the latest collectives of this rank, always kept: the world door's,
+    `env.comm`, so the start-up's calls before the state are in the same records), its groups on the start-up
+    timeout, the hang guard started, and the fault-injection test hook on the rank it names."""
+    recorder = env.comm.recorder if env.comm.recorder is not None else CommRecorder()
+    state = ParallelState.from_layout(layout, recorder, config.parallel.init_timeout_s)
     logger.info(f"layout: {layout.describe()}; {state.describe()}; device {env.device}")
     if guard is not None:
         guard.start(state)

@@ -33,7 +33,7 @@ from bench_models import fork_ranks, set_rank_environment, short_run
 
 from config.schema import load_config
 from operations.startup import DEFAULT_CONFIG, init_distributed
-from parallel.comm import CommRecorder
+from parallel.comm_recorder import CommRecorder
 from parallel.fsdp import RecordedAllGather, RecordedReduceScatter, local_tensor
 from parallel.layout import layout_from_config
 from training.loop import train

@@ -47,7 +47,7 @@ def _rank(
                 optimizer.state_bytes(),
             )
         )
-    dist.barrier()
+    state.comm.barrier()
     dist.destroy_process_group()
 
 

@@ -92,13 +92,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     best = {False: float("inf"), True: float("inf")}
     for round_index in range(args.rounds + 1):  # round 0 warms up
         for overlap, (ctx, timer) in sides.items():
-            dist.barrier()
+            state.comm.barrier()
             timer.seconds = 0.0
             for step in range(args.iters):
                 train_step(ctx, batches(step), 1e-3)
             ctx.optimizer.finish_param_gather()
             exposed = torch.tensor([timer.seconds / args.iters])
-            dist.all_reduce(exposed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            state.comm.all_reduce(exposed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if round_index:
                 best[overlap] = min(best[overlap], float(exposed))
     if rank == 0:

@@ -72,7 +72,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
             best = (float("inf"), 0.0)
             for repeat in range(args.repeats + 1):
                 chunk.zero_grad(set_to_none=True)
-                dist.barrier()
+                state.comm.barrier()
                 waited[0], start = 0.0, time.perf_counter()
                 execute_schedule(
                     plan,
@@ -86,7 +86,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                     overlap_p2p_comm=False,
                 )
                 elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when both ranks are done
+                state.comm.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when both ranks are done
                 if repeat and elapsed.item() < best[0]:  # repeat 0 warms up
                     best = (elapsed.item(), waited[0])
             queue.put((schedule, m, rank, best[0] * 1e3, best[1] * 1e3))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.comm import P2P, CollectiveError, Collectives, CommRecorder
+from parallel.comm import P2P, CollectiveError, Collectives
+from parallel.comm_recorder import CommRecorder
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
 

@@ -11,7 +11,7 @@ import pytest
 import pretrain_gpt
 from config.schema import load_config
 from operations.startup import init_distributed
-from parallel.comm import CommRecorder
+from parallel.comm_recorder import CommRecorder
 from parallel.layout import layout_from_config
 from planner.collectives import LayoutCollectives
 from tests.conftest import run_ranks, tiny_train_args

@@ -7,7 +7,7 @@ import pytest
 
 import pretrain_gpt
 from operations.faults import FaultInjector, FaultSpec, InjectedFault, fault_from_env, parse_fault
-from parallel.comm import CommRecorder
+from parallel.comm_recorder import CommRecorder
 
 pytestmark = pytest.mark.tier("fast")
 

@@ -12,12 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from operations.guards import EXIT_HUNG
+from operations.log import get_logger
 from operations.watchdog import WATCHDOG_GRACE_S, HangGuard
-from parallel.comm import CollectiveError, CommRecorder
+from parallel.comm import CollectiveError
+from parallel.comm_recorder import CommRecorder
 from parallel.state import ParallelState
 from tests.conftest import free_port
 from tools import diagnose_hang
-from training.logging import get_logger
 
 pytestmark = pytest.mark.tier("fast")
 
