@@ -34,8 +34,9 @@ from convert.model_weights import build_model_from_state, load_global_state, loa
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
+from model.precision import precision_dtype
 from training.checkpointing import CheckpointError
-from training.setup import init_distributed, param_dtype
+from training.setup import init_distributed
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -159,7 +160,7 @@ def prepare(args: argparse.Namespace, env):
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} entries, the model model.vocab_size={cfg.vocab_size}")
     state = ParallelState.create(env.world_size, 1) if env.world_size > 1 else ParallelState.single()
-    model = build_model_from_state(cfg, tensors, state, env.device, param_dtype(args.dtype))
+    model = build_model_from_state(cfg, tensors, state, env.device, precision_dtype(args.dtype))
     return model, cfg, state, tokenizer, sampling
 
 
