@@ -172,6 +172,15 @@ def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[
     return total
 
 
+def fsdp_shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """[first, end) of the dim-0 rows that shard `index` of `shards` holds under FSDP2's Shard(0), torch.chunk's
+    split: ceil(rows / shards) rows per shard, the last shards fewer or none. The trainer (parallel/fsdp.py)
+    and the planner (planner/sharded.py) both read it."""
+    per_shard = -(-rows // shards)
+    first = min(index * per_shard, rows)
+    return first, min(first + per_shard, rows)
+
+
 @dataclass(frozen=True)
 class ParamShape:
     """One parameter of a chunk as one tp rank holds it, in the order `chunk.parameters()` yields it."""
@@ -188,8 +197,9 @@ class ParamShape:
         return self.rows or self.numel
 
     def padded_numel(self, shards: int) -> int:
-        """Elements FSDP moves for it over `shards` ranks: dim 0 padded to a multiple of the ranks."""
-        return -(-self.dim0 // shards) * shards * (self.numel // self.dim0)
+        """Elements FSDP moves for it over `shards` ranks: every shard padded to the first one's rows, the most."""
+        first, end = fsdp_shard_rows(self.dim0, shards, 0)
+        return (end - first) * shards * (self.numel // self.dim0)
 
 
 def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
