@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from model.config import ModelConfig
+from model.rank_spec import Recompute
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,10 @@ class IterationFlops:
 
 
 def recomputed_layers(cfg: ModelConfig, train: RecomputeSettings, num_chunks: int) -> int:
-    """Layers whose forward full recomputation repeats: all (`uniform`), or the first recompute_num_layers
-    of each of the `num_chunks` (pp x vp) model chunks (`block`)."""
-    if train.recompute != "full":
-        return 0
-    if train.recompute_method == "uniform":
-        return cfg.num_layers
-    return min(train.recompute_num_layers, cfg.num_layers // num_chunks) * num_chunks
+    """Layers whose forward full recomputation repeats over the `num_chunks` (pp x vp) model chunks of equal
+    length: those GPTModel checkpoints in each (model.rank_spec.Recompute.layer_ids)."""
+    rule = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
+    return len(rule.layer_ids(range(cfg.num_layers // num_chunks))) * num_chunks
 
 
 def iteration_flops(
