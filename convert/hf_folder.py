@@ -33,8 +33,6 @@ from model.config import ModelConfig
 Tensors = dict[str, torch.Tensor]
 SAFE_INDEX = "model.safetensors.index.json"
 HF_TOKENIZER = "tokenizer.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class HFFolderError(ValueError):

@@ -17,6 +17,15 @@ from data.gpt_dataset import PAD_ID
 from data.microbatch import Microbatch
 
 
+def sample_index(
+    first_sample: int, microbatch: int, row: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> int:
+    """The global sample index that `row` of micro-batch `microbatch` on dp rank `dp_rank` reads, counting
+    micro-batches from the one that starts at `first_sample` (the samples consumed before it). The sampler
+    below walks exactly these; the id checks and evaluation ask this function to name a sample."""
+    return first_sample + microbatch * micro_batch_size * dp_size + dp_rank * micro_batch_size + row
+
+
 class PretrainingSampler:
     """Yields this rank's lists of sample indices (Megatron's MegatronPretrainingSampler, drop_last=True)."""
 
@@ -31,16 +40,16 @@ class PretrainingSampler:
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
-        self.global_chunk = micro_batch_size * dp_size
+        self.dp_size = dp_size
 
     def __len__(self) -> int:
-        return max(0, (self.total_samples - self.consumed_samples) // self.global_chunk)
+        return max(0, (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size))
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        for chunk in range(len(self)):
-            first = start + chunk * self.global_chunk
-            yield list(range(first, first + self.micro_batch_size))
+        mbs, rank, size = self.micro_batch_size, self.dp_rank, self.dp_size
+        for microbatch in range(len(self)):
+            first = sample_index(self.consumed_samples, microbatch, 0, mbs, rank, size)
+            yield list(range(first, first + mbs))
 
 
 def get_batch_masks(

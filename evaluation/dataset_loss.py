@@ -93,12 +93,12 @@ def loss_task(
         found = find_bad_token(microbatches, vocab_size)
         verdict = agree(state, env.device, 0, False, found is not None)
         if verdict.bad_token_rank >= 0:
-            first = batch * train.global_batch_size + state.dp_rank * train.micro_batch_size
+            first = batch * train.global_batch_size  # the samples the batches before this one consumed
             message = (
                 ""
                 if found is None
                 else bad_token_message(
-                    found, dataset, first, train.micro_batch_size, state.dp_size, vocab_size, "evaluated"
+                    found, dataset, first, train.micro_batch_size, state.dp_rank, state.dp_size, vocab_size, "evaluated"
                 )
             )
             raise ReportedError(message, verdict.bad_token_rank)

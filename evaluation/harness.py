@@ -39,6 +39,7 @@ from config.schema import ParallelConfig
 from evaluation.model_source import DTYPES, INPUT_ERRORS, load_model, run_config, run_tokenizer, window_length
 from evaluation.scoring import WindowScorer
 from evaluation.windows import Window, continuation_window, rolling_windows
+from model.precision import precision_dtype
 from operations.startup import check_devices, init_distributed
 from parallel.layout import layout_from_config
 
@@ -119,7 +120,7 @@ class PTDPLM(TemplateLM):
         env = init_distributed(
             check_devices(config.train, os.environ), config.train.num_threads, announce_threads=False
         )
-        self.scorer = WindowScorer(load_model(config, source, layout, env, DTYPES[dtype]), self.tokenizer.eod)
+        self.scorer = WindowScorer(load_model(config, source, layout, env, precision_dtype(dtype)), self.tokenizer.eod)
         self.source = source.describe()
 
     # ---- what TemplateLM asks of a model --------------------------------------------------------------

@@ -34,7 +34,7 @@ from parallel.pipeline.plan import build_plan
 from parallel.run_shape import RunShape
 from parallel.state import ParallelState
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")  # the precisions evaluation runs in (model.precision gives their torch dtypes)
 # What bad input raises (config, layout, tokenizer, files, checkpoint): one line, exit 2.
 INPUT_ERRORS = (ValueError, OSError, CheckpointError)
 

@@ -5,7 +5,8 @@ The windows run through the pipeline executor's forward-only plan, the one valid
 `num_microbatches` micro-batches of `micro_batch_size` windows, right-padded to the step's longest window
 (causal attention: padding after a token never changes its prediction). On the last virtual stage the
 head turns the (vocabulary-parallel) logits into, per position, the target's log-probability (in fp32),
-whether the target is the argmax (the lowest id among equal maxima, as torch.argmax) and the argmax itself.
+whether the target is the argmax (the lowest id among equal maxima, as torch.argmax) and the argmax itself,
+with the training loss's log-softmax (parallel/tp_layers.vocab_parallel_softmax).
 The results go from the last stage to every stage (broadcast over pp) and to every dp rank (all-gather), so
 every rank returns every window's scores and computes the same figures.
 """
@@ -28,6 +29,9 @@ from parallel.pipeline.executor import execute_schedule
 from parallel.pipeline.forward import ForwardOnlyContext
 from parallel.pipeline.plan import PipelinePlan
 from parallel.state import ParallelState
+from parallel.tensor_parallel import tp_comm
+from parallel.tp_layers import vocab_parallel_softmax
+from parallel.tp_mappings import all_reduce
 
 Progress = Callable[[int, int], None]  # (windows scored so far, total)
 _FIELDS = 3  # per position: target log-probability, target is the argmax (0/1), the argmax id
@@ -81,29 +85,20 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group, state:
 
 def target_scores(logits_local: torch.Tensor, labels: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """[b, s, 3] float64 (log-probability of labels, label is the argmax, argmax) from this tp rank's logits
-    [b, s, V/tp] (padding columns already -inf): a log-softmax and argmax over the whole vocabulary with three
-    all-reduces over tp (max, then lowest id at the max, sum of exp) plus one for the target's logit."""
-    logits = logits_local.float()
-    vocab_local = logits.shape[-1]
-    vocab_start = state.tp_rank * vocab_local
-    local_max, local_arg = logits.max(dim=-1)  # [b, s]; the first index among equal values, as torch.argmax
-    global_max, argmax = local_max, local_arg
-    local_label = labels - vocab_start
-    owned = (local_label >= 0) & (local_label < vocab_local)
-    target = logits.gather(-1, local_label.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
-    target = torch.where(owned, target, torch.zeros_like(target))
-    if state.tp_size > 1:
-        group = state.tp_group
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group, state)
-        lowest = torch.full_like(local_arg, torch.iinfo(torch.int64).max)
-        argmax = _all_reduce(
-            torch.where(local_max == global_max, local_arg + vocab_start, lowest), dist.ReduceOp.MIN, group, state
-        )
-        target = _all_reduce(target, dist.ReduceOp.SUM, group, state)
-    sum_exp = (logits - global_max.unsqueeze(-1)).exp().sum(dim=-1)
-    if state.tp_size > 1:
-        sum_exp = _all_reduce(sum_exp, dist.ReduceOp.SUM, state.tp_group, state)
-    logprob = target - global_max - sum_exp.log()
+    [b, s, V/tp] (padding columns already -inf): the loss's log-softmax over the whole vocabulary
+    (parallel/tp_layers.vocab_parallel_softmax: its log-probability is minus the training loss, bit for bit)
+    and one more all-reduce over tp for the argmax."""
+    comm = tp_comm(state, scope="eval")  # through the state's door: recorded, bounded by the groups' timeouts
+    softmax = vocab_parallel_softmax(logits_local, labels, comm)
+    # [b, s]; the first index among equal values. In the logits' own dtype: fp32 holds each value exactly
+    # and orders them alike, so no fp32 copy of [b, s, V/tp] is made for this.
+    local_max, local_arg = logits_local.max(dim=-1)
+    vocab_start = state.tp_rank * logits_local.shape[-1]
+    lowest = torch.full_like(local_arg, torch.iinfo(torch.int64).max)
+    # the lowest id at the global max, as torch.argmax over the whole vocabulary
+    at_max = torch.where(local_max.float() == softmax.global_max, local_arg + vocab_start, lowest)
+    argmax = all_reduce(at_max, comm, "forward", op=dist.ReduceOp.MIN)
+    logprob = softmax.log_prob()
     return torch.stack([logprob.double(), (argmax == labels).double(), argmax.double()], dim=-1)
 
 

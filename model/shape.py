@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from model.config import ModelConfig
+from model.rank_spec import Recompute
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,10 @@ class IterationFlops:
 
 
 def recomputed_layers(cfg: ModelConfig, train: RecomputeSettings, num_chunks: int) -> int:
-    """Layers whose forward full recomputation repeats: all (`uniform`), or the first recompute_num_layers
-    of each of the `num_chunks` (pp x vp) model chunks (`block`)."""
-    if train.recompute != "full":
-        return 0
-    if train.recompute_method == "uniform":
-        return cfg.num_layers
-    return min(train.recompute_num_layers, cfg.num_layers // num_chunks) * num_chunks
+    """Layers whose forward full recomputation repeats over the `num_chunks` (pp x vp) model chunks of equal
+    length: those GPTModel checkpoints in each (model.rank_spec.Recompute.layer_ids)."""
+    rule = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
+    return len(rule.layer_ids(range(cfg.num_layers // num_chunks))) * num_chunks
 
 
 def iteration_flops(
@@ -172,6 +170,15 @@ def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[
     return total
 
 
+def fsdp_shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """[first, end) of the dim-0 rows that shard `index` of `shards` holds under FSDP2's Shard(0), torch.chunk's
+    split: ceil(rows / shards) rows per shard, the last shards fewer or none. The trainer (parallel/fsdp.py)
+    and the planner (planner/sharded.py) both read it."""
+    per_shard = -(-rows // shards)
+    first = min(index * per_shard, rows)
+    return first, min(first + per_shard, rows)
+
+
 @dataclass(frozen=True)
 class ParamShape:
     """One parameter of a chunk as one tp rank holds it, in the order `chunk.parameters()` yields it."""
@@ -188,8 +195,9 @@ class ParamShape:
         return self.rows or self.numel
 
     def padded_numel(self, shards: int) -> int:
-        """Elements FSDP moves for it over `shards` ranks: dim 0 padded to a multiple of the ranks."""
-        return -(-self.dim0 // shards) * shards * (self.numel // self.dim0)
+        """Elements FSDP moves for it over `shards` ranks: every shard padded to the first one's rows, the most."""
+        first, end = fsdp_shard_rows(self.dim0, shards, 0)
+        return (end - first) * shards * (self.numel // self.dim0)
 
 
 def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset
+from data.loader import sample_index
 from data.microbatch import Microbatch
 from parallel.fsdp import local_tensor
 
@@ -93,14 +94,15 @@ def bad_token_message(
     dataset: GPTDataset | BlendedDataset,
     first_sample: int,
     micro_batch_size: int,
+    dp_rank: int,
     dp_size: int,
     vocab_size: int,
     split: str,
 ) -> str:
-    """The one line for a bad id. Sample numbering follows data/loader.py's sampler: micro-batch k of a
-    step that starts at `first_sample` (+ dp_rank * mbs) holds samples first + k * mbs * dp + [0, mbs)."""
+    """The one line for a bad id found by find_bad_token on dp rank `dp_rank` in the micro-batches of a step
+    that starts at `first_sample` (the samples consumed before it); the sampler says which sample that is."""
     microbatch, row, position, token = found
-    sample = first_sample + microbatch * micro_batch_size * dp_size + row
+    sample = sample_index(first_sample, microbatch, row, micro_batch_size, dp_rank, dp_size)
     source = dataset.locate_token(sample, position)
     return (
         f"token id {token} in document {source.document} of {source.path_prefix} (token {source.offset} of the "

@@ -262,11 +262,6 @@ def data_iterator(
     return MicrobatchStream(start)
 
 
-def param_dtype(precision: str) -> torch.dtype:
-    """The parameters' dtype of train.precision."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 def log_kernel_choices(
     chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device, dtype: torch.dtype, logger
 ) -> None:

@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from model.param_info import ParamInfo, param_info, set_param_info
+from model.shape import fsdp_shard_rows
 from parallel.comm import Collectives, RecordedWork
 
 if TYPE_CHECKING:  # torch.distributed.fsdp imports torch.distributed.tensor (~1.3 CPU s): only FSDP runs need it
@@ -87,7 +88,7 @@ def local_shard(tensor: torch.Tensor) -> LocalShard:
         raise ValueError(f"expected an FSDP parameter sharded along dim 0, got placements {tensor.placements}")
     mesh = tensor.device_mesh
     index, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
-    first_row = min(index * -(-rows // size), rows)
+    first_row, _ = fsdp_shard_rows(rows, size, index)
     return LocalShard(local.view(-1), first_row * per_row)
 
 

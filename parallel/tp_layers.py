@@ -3,7 +3,8 @@
     ColumnParallelLinear    Y_local = X A_local      A split by output rows     [s, b, h] -> [s, b, out/tp]
     RowParallelLinear       Y = sum_r X_r A_r + b    A split by input columns   [s, b, in/tp] -> [s, b, out]
     VocabParallelEmbedding  rows of the table split by vocabulary, lookups outside the shard give 0
-    vocab_parallel_cross_entropy  per-token loss from logits [s, b, V/tp] without gathering them
+    vocab_parallel_softmax  the softmax over the whole vocabulary from logits [.., V/tp] without gathering them
+    vocab_parallel_cross_entropy  per-token loss [s, b] from it (evaluation/scoring.py reads log-probabilities)
 
 GPTModel builds them directly (parallel/tensor_parallel.tp_layer_factories). Every parameter they create carries
 its ParamInfo (model/param_info.py): full_shape, the `Sharding` the layer declares (split dim, stacked parts; the
@@ -13,11 +14,14 @@ model/init.py (which gives it its value: the shard of the full tensor), the chec
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.kernels.cross_entropy import owned_target
 from model.param_info import REPLICATED, Sharding, set_param_info
 from parallel.layout import require_divisible
 from parallel.tp_mappings import (
@@ -240,35 +244,56 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
 
 
+class VocabSoftmax(NamedTuple):
+    """The softmax of vocabulary-sharded logits at each position, from `vocab_parallel_softmax`."""
+
+    exp_shifted: torch.Tensor  # [..., V/tp] fp32 exp(logit - global max) of this rank's columns (fresh: writable)
+    sum_exp: torch.Tensor  # [...] their sum over the whole vocabulary (every rank)
+    target_shifted: torch.Tensor  # [...] the target's logit - global max (every rank)
+    global_max: torch.Tensor  # [...] the largest logit over the whole vocabulary (every rank)
+    target_local: torch.Tensor  # [...] int64 the target's column on this rank (clamped where not owned)
+    owned: torch.Tensor  # [...] bool: this rank holds the target's column
+
+    def log_prob(self) -> torch.Tensor:
+        """[...] fp32 log-probability of the target: exactly minus the cross-entropy loss."""
+        return self.target_shifted - self.sum_exp.log()
+
+
+def vocab_parallel_softmax(logits_local: torch.Tensor, target: torch.Tensor, comm: TPComm) -> VocabSoftmax:
+    """Stable softmax over a vocabulary split across tp, in fp32: three all-reduces of [...] tensors (max,
+    target logit, sum of exp) instead of gathering [..., V]. Rank r holds ids [r * V/tp, (r + 1) * V/tp);
+    padding columns must already be -inf. The loss and the evaluation's scores both read it."""
+    logits = logits_local.float()
+    global_max = all_reduce(logits.max(dim=-1).values, comm, "forward", op=dist.ReduceOp.MAX)
+    logits = logits - global_max.unsqueeze(-1)  # a fresh fp32 tensor that we may overwrite
+    vocab_local = logits.shape[-1]
+    target_local, owned = owned_target(target, comm.rank * vocab_local, vocab_local)
+    target_shifted = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+    target_shifted = all_reduce(target_shifted, comm, "forward")
+    exp_shifted = logits.exp_()
+    sum_exp = all_reduce(exp_shifted.sum(dim=-1), comm, "forward")
+    return VocabSoftmax(exp_shifted, sum_exp, target_shifted, global_max, target_local, owned)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Stable softmax cross entropy over a vocabulary split across tp: three all-reduces of [s, b]
-    tensors (max, target logit, sum of exp) instead of gathering [s, b, V]."""
+    """Cross entropy over a vocabulary split across tp (vocab_parallel_softmax), with its own backward."""
 
     @staticmethod
     def forward(ctx, logits_local: torch.Tensor, target: torch.Tensor, comm: TPComm) -> torch.Tensor:
         # logits_local [s, b, V/tp] (any float dtype), target [s, b] -> loss [s, b] fp32
-        logits = logits_local.float()
-        logits_max = all_reduce(logits.max(dim=-1).values, comm, "forward", op=dist.ReduceOp.MAX)
-        logits = logits - logits_max.unsqueeze(-1)  # a fresh fp32 tensor that we may overwrite
-        vocab_local = logits.shape[-1]
-        start = comm.rank * vocab_local
-        outside = (target < start) | (target >= start + vocab_local)
-        target_local = (target - start).masked_fill(outside, 0)
-        predicted = logits.gather(-1, target_local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        predicted = all_reduce(predicted, comm, "forward")  # [s, b] the target's logit
-        softmax = logits.exp_()
-        sum_exp = all_reduce(softmax.sum(dim=-1), comm, "forward")  # [s, b]
-        softmax.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, target_local)
+        parts = vocab_parallel_softmax(logits_local, target, comm)
+        softmax = parts.exp_shifted.div_(parts.sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, parts.owned, parts.target_local)
         ctx.input_dtype = logits_local.dtype
-        return sum_exp.log() - predicted
+        return parts.sum_exp.log() - parts.target_shifted
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        # d loss / d logit_v = softmax_v - [v == target]; only the owner of the target subtracts the 1.
-        softmax, outside, target_local = ctx.saved_tensors
+        # d loss / d logit_v = softmax_v - [v == target]; only the owner of the target subtracts the 1
+        # (the others add -0.0 at their clamped column: no change).
+        softmax, owned, target_local = ctx.saved_tensors
         grad = softmax.clone()
-        grad.scatter_add_(-1, target_local.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
+        grad.scatter_add_(-1, target_local.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import ParamShape, chunk_parameters
+from model.shape import ParamShape, chunk_parameters, fsdp_shard_rows
 from parallel.layout import Layout
 from parallel.run_shape import RunShape
 from planner.collective import Collective
@@ -112,9 +112,8 @@ class ShardedCollectives:
         index = dp_cp_rank % self.shards
         total = 0
         for p in params:
-            per_rank = -(-p.dim0 // self.shards)
-            rows = max(0, min(per_rank, p.dim0 - index * per_rank))
-            total += rows * (p.numel // p.dim0)
+            first, end = fsdp_shard_rows(p.dim0, self.shards, index)
+            total += (end - first) * (p.numel // p.dim0)
         return total
 
     def sequence_parallel_params(self) -> list[ParamShape]:

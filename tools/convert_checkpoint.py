@@ -32,10 +32,8 @@ import torch
 import yaml
 
 from checkpoint import CheckpointError
-from config.schema import Config, ConfigError, DataConfig, config_from_dict
+from config.schema import PRECISIONS, Config, ConfigError, DataConfig, config_from_dict
 from convert.hf_folder import (
-    DTYPES,
-    HF_DTYPE_NAMES,
     HFFolderError,
     check_tokenizer_files,
     hf_model_config,
@@ -62,6 +60,7 @@ from convert.model_weights import (
 )
 from convert.staging import Stopped, check_output_free, staged_file, staged_folder
 from model.config import ModelConfig
+from model.precision import precision_dtype
 
 TOKENIZER_DIR = "tokenizer"  # OUT/tokenizer/: the copied tokenizer files of from-hf / from-megatron
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
@@ -81,11 +80,12 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     print(f"loaded {loaded_iteration(checkpoint)}")
     cfg = model_config_of(config)
     warn_about_normalization(config["data"])
-    hf_tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, tensors).items()}
+    torch_dtype = precision_dtype(dtype)
+    hf_tensors = {k: v.to(torch_dtype) for k, v in to_hf_state_dict(cfg, tensors).items()}
     with staged_folder(out_dir) as tmp:
         ids = export_tokenizer(tmp, config["data"], cfg)
         files = write_weights(tmp, hf_tensors, max_bytes)
-        hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": HF_DTYPE_NAMES[dtype]}
+        hf = {**hf_config(cfg, ids["bos"], ids["eos"]), "dtype": str(torch_dtype).removeprefix("torch.")}
         _write_json(os.path.join(tmp, "config.json"), hf)
         _write_json(
             os.path.join(tmp, "generation_config.json"), {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}
@@ -245,7 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = sub.add_parser("to-hf", help="our checkpoint -> transformers folder")
     p.add_argument("checkpoint")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=PRECISIONS, default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="shard safetensors above this size (default 5GB)")
     for name, source, out, what in (
         ("from-hf", "hf_dir", "out_checkpoint", "transformers folder -> our checkpoint"),

@@ -44,6 +44,7 @@ from evaluation.model_source import (
 )
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, wikitext_task
+from model.precision import precision_dtype
 from operations.startup import DistEnv, check_devices, init_distributed
 from parallel.layout import layout_from_config
 from training.logging import json_safe
@@ -65,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--checkpoint", help="checkpoints folder or iter_XXXXXXX folder of this trainer")
     model.add_argument("--hf", help="transformers model folder (GPT-2 or Llama, with its tokenizer)")
     parser.add_argument("--json", action="store_true", help="one JSON record on stdout")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--split", choices=SPLITS, default="all", help="loss: which split of the dataset")
     parser.add_argument("--batches", type=int, default=None, help="loss: global batches (default: one epoch)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp_size=2")
@@ -117,7 +118,7 @@ def evaluate(args: argparse.Namespace, env_holder: list[DistEnv]) -> Figures:
     task = prepare_task(args, config, tokenizer)
     env = init_distributed(check_devices(config.train, os.environ), config.train.num_threads, announce_threads=False)
     env_holder.append(env)
-    ctx = load_model(config, source, layout, env, DTYPES[args.dtype])
+    ctx = load_model(config, source, layout, env, precision_dtype(args.dtype))
     if task is None:
         assert data_prefix is not None
         dataset = dataset_split(config, data_prefix, args.split, env)

@@ -35,7 +35,8 @@ from convert.model_weights import build_model_from_state, load_global_state, loa
 from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
-from operations.startup import init_distributed, param_dtype
+from model.precision import precision_dtype
+from operations.startup import init_distributed
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -165,7 +166,7 @@ def prepare(args: argparse.Namespace, env):
         if env.world_size > 1
         else ParallelState.single()
     )
-    model = build_model_from_state(cfg, tensors, state, env.device, param_dtype(args.dtype))
+    model = build_model_from_state(cfg, tensors, state, env.device, precision_dtype(args.dtype))
     return model, cfg, state, tokenizer, sampling
 
 

@@ -110,9 +110,9 @@ def check_tokens(
     verdict = agree(state, run.env.device, signal_number, time_up, found is not None)
     if verdict.bad_token_rank >= 0:
         message = ""
-        if found is not None and dataset is not None:  # this rank's samples start dp_rank * mbs into a batch
+        if found is not None and dataset is not None:
             message = bad_token_message(
-                found, dataset, first_sample + state.dp_rank * mbs, mbs, state.dp_size, vocab_size, split
+                found, dataset, first_sample, mbs, state.dp_rank, state.dp_size, vocab_size, split
             )
         raise TrainingStopped(message, EXIT_INPUT_ERROR, reporting_rank=verdict.bad_token_rank)
     return verdict

@@ -27,6 +27,7 @@ from checkpoint import (
 from config.schema import Config
 from data.tokenizers import build_tokenizer_of
 from model.gpt import GPTModel
+from model.precision import precision_dtype
 from model.rank_spec import Recompute
 from operations.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from operations.log import get_logger
@@ -37,7 +38,6 @@ from operations.startup import (
     build_datasets,
     check_vocab_size,
     log_kernel_choices,
-    param_dtype,
     resolve_sample_data,
 )
 from operations.straggler import StragglerReport
@@ -136,7 +136,7 @@ def build_data_parallel(
     the distributed optimizer: reduce-scattered into its shards). The step does not know which it got."""
     par = config.parallel
     if layout.fsdp:
-        compute_dtype = param_dtype(config.train.precision)
+        compute_dtype = precision_dtype(config.train.precision)
         return ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
     return DataParallel(
         chunks,
@@ -175,7 +175,7 @@ def build_chunks(
     """This rank's model chunks (its virtual pipeline stages, tp-sharded), in the run's parameter dtype."""
     train_cfg, model_cfg = config.train, config.model
     # FSDP keeps the sharded parameters in fp32 (the master weights) and computes in the run's precision
-    dtype = torch.float32 if layout.fsdp else param_dtype(train_cfg.precision)
+    dtype = torch.float32 if layout.fsdp else precision_dtype(train_cfg.precision)
     recompute = Recompute(
         train_cfg.recompute, train_cfg.recompute_method, train_cfg.recompute_num_layers, make_checkpoint_fn(rng_tracker)
     )
@@ -229,7 +229,7 @@ def build_run(
     logger = get_logger(env.rank)
     state = build_state(config, env, layout, guard, fault, logger)
     eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
-    dtype = param_dtype(train_cfg.precision)
+    dtype = precision_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter(compiled=train_cfg.compile)
     chunks = build_chunks(config, env, layout, state, rng_tracker, comm_counter, logger)

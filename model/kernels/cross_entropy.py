@@ -45,7 +45,11 @@ def _mask_padding_(logits: torch.Tensor, num_valid: int) -> None:
         logits[:, max(num_valid, 0) :] = float("-inf")
 
 
-def _owned_target(target: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def owned_target(target: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's column in this vocabulary shard [vocab_start, vocab_start + vocab_local), clamped into it
+    where the shard does not hold the target; whether it holds it) for target ids of any shape. Readers of
+    the column take their value there and zero it where not owned, so one rank's contribution survives the
+    sum over shards."""
     local = target - vocab_start
     owned = (local >= 0) & (local < vocab_local)
     return local.clamp(0, vocab_local - 1), owned
@@ -58,7 +62,7 @@ def _chunk_stats_torch(
     _mask_padding_(logits, num_valid)
     row_max = logits.max(dim=-1).values
     safe_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # a shard of padding only
-    local, owned = _owned_target(target, vocab_start, logits.shape[-1])
+    local, owned = owned_target(target, vocab_start, logits.shape[-1])
     target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
     sum_exp = logits.sub_(safe_max.unsqueeze(-1)).exp_().sum(dim=-1)
     return row_max, sum_exp, target_logit
@@ -75,7 +79,7 @@ def _chunk_grad_torch(
     """In place: logits [C, V] fp32 -> grad_loss * (softmax - onehot(target))."""
     _mask_padding_(logits, num_valid)
     grad = logits.sub_(lse.unsqueeze(-1)).exp_()
-    local, owned = _owned_target(target, vocab_start, logits.shape[-1])
+    local, owned = owned_target(target, vocab_start, logits.shape[-1])
     grad.scatter_add_(-1, local.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
     grad.mul_(grad_loss.unsqueeze(-1))
 

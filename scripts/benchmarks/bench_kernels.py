@@ -21,6 +21,7 @@ from model.kernels import reference
 from model.kernels.backend import backend_name
 from model.kernels.cross_entropy import chunked_linear_cross_entropy
 from model.kernels.registry import register_kernel_ops
+from model.precision import precision_dtype
 
 
 def measure(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> tuple[float, float]:
@@ -99,7 +100,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = precision_dtype(args.dtype)
     path = backend_name(device)
     if path == "torch":
         print("no Triton on this device (set TRITON_INTERPRET=1 on a CPU): nothing to measure")

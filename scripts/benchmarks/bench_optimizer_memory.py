@@ -18,11 +18,10 @@ import torch.distributed as dist
 from bench_models import fork_ranks, model_config, tied_gpt
 
 from config.schema import OptimConfig, TrainConfig
+from model.precision import precision_dtype
 from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.state import ParallelState
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _rank(
@@ -33,7 +32,7 @@ def _rank(
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     state = ParallelState.create(tp_size=1, pp_size=1)
     cfg = model_config(layers, hidden, heads=4, seq_length=64, vocab_size=1000)
-    model = tied_gpt(cfg, seed=0, dtype=DTYPES[precision])
+    model = tied_gpt(cfg, seed=0, dtype=precision_dtype(precision))
     ddp = DataParallel([model], state, bucket_size_mb=0.25, distributed_optimizer=distributed)
     train = TrainConfig(precision=precision)
     optimizer = build_optimizer([model], ddp, state, OptimConfig(lr=1e-4), train, overlap_param_gather=False)

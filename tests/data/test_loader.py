@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import PretrainingSampler, build_data_iterator, get_batch_masks
+from data.loader import PretrainingSampler, build_data_iterator, get_batch_masks, sample_index
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -43,6 +43,17 @@ def test_sampler_slices_chunks_per_rank():
     s0 = list(PretrainingSampler(20, 0, 2, 0, 3))
     s2 = list(PretrainingSampler(20, 0, 2, 2, 3))
     assert s0 == [[0, 1], [6, 7], [12, 13]] and s2 == [[4, 5], [10, 11], [16, 17]]
+
+
+def test_sample_index_names_what_the_sampler_yields():
+    for consumed, mbs, dp_size in [(0, 2, 3), (12, 3, 2), (5, 1, 4)]:
+        for dp_rank in range(dp_size):
+            batches = list(PretrainingSampler(40, consumed, mbs, dp_rank, dp_size))
+            named = [
+                [sample_index(consumed, k, row, mbs, dp_rank, dp_size) for row in range(mbs)]
+                for k in range(len(batches))
+            ]
+            assert batches == named
 
 
 def test_resume_continues_the_same_stream():

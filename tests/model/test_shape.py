@@ -16,7 +16,7 @@ from config.schema import load_config
 from model.config import checkpoint_keys
 from model.gpt import GPTModel
 from model.rank_spec import RankSpec, Recompute
-from model.shape import iteration_flops, recomputed_layers
+from model.shape import ParamShape, fsdp_shard_rows, iteration_flops, recomputed_layers
 from tests.conftest import REPO_ROOT
 from training.logging import IntervalStats
 
@@ -122,3 +122,16 @@ def test_gemm_count_follows_the_built_model():
     linears = [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)]
     shapes = [(g.in_features, g.out_features) for g in layer_gemms(config.model)]
     assert shapes == [(mod.in_features, mod.out_features) for mod in linears]
+
+
+def test_fsdp_shard_rows_are_torch_chunks_split():
+    """FSDP2's Shard(0) cuts dim 0 with torch.chunk and pads the missing shards: every (rows, shards) here."""
+    for rows in range(0, 14):
+        for shards in range(1, 6):
+            chunks = torch.arange(rows).chunk(shards) if rows else ()
+            for index in range(shards):
+                first, end = fsdp_shard_rows(rows, shards, index)
+                held = chunks[index].tolist() if index < len(chunks) else []
+                assert list(range(first, end)) == held, (rows, shards, index)
+            per_shard = max((len(c) for c in chunks), default=0)
+            assert rows == 0 or ParamShape("w", rows * 3, rows=rows).padded_numel(shards) == per_shard * shards * 3

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config.schema import ParallelConfig
+from evaluation.scoring import target_scores
 from model.config import ModelConfig
 from model.gpt import GPTModel, StreamDropout
 from model.init import initialize_parameters
@@ -165,6 +166,15 @@ def _cross_entropy_case(rank, world_size, vocab, padded):
     assert loss.dtype == torch.float32 and loss.shape == (S, B)
     _close(loss, expected.detach(), "loss")
     _close(local.grad, full.grad.chunk(world_size, -1)[rank], "dlogits")
+    # Evaluation reads the same log-softmax: minus the loss bit for bit, and the argmax over the whole
+    # vocabulary (the lowest id among equal maxima: a tie planted across the first and last shard).
+    tied = logits.clone()
+    tied[0, 0, 0] = tied[0, 0, -1] = tied[0, 0].max() + 1.0
+    scores = target_scores(tied.chunk(world_size, -1)[rank], labels, state)
+    tied_loss = vocab_parallel_cross_entropy(tied.chunk(world_size, -1)[rank], labels, tp_comm(state))
+    assert torch.equal(scores[..., 0], -tied_loss.double())
+    assert torch.equal(scores[..., 2], tied.argmax(dim=-1).double()) and scores[0, 0, 2] == 0
+    assert torch.equal(scores[..., 1], (tied.argmax(dim=-1) == labels).double())
 
 
 def test_vocab_parallel_cross_entropy_bf16_single_rank():

@@ -133,6 +133,7 @@ def test_sharded_bf16_export_and_round_trips(tokenizer_files, tmp_path):
     )  # a tensor larger than the limit goes alone
     exported = {k: v for shard in loaded for k, v in shard.items()}
     assert all(v.dtype == torch.bfloat16 for v in exported.values())
+    assert json.load(open(out / "config.json"))["dtype"] == "bfloat16"
     assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
     # HF -> ours -> HF through the files: bitwise
     from_hf(str(out), str(tmp_path / "back"), tp=2, pp=2)

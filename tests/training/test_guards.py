@@ -19,8 +19,9 @@ from config.schema import TrainConfig
 from data.blended_dataset import BlendedDataset
 from data.gpt_dataset import GPTDataset, TokenSource
 from data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from data.loader import build_data_iterator
 from data.microbatch import Microbatch
-from operations.guards import NonFiniteGuard, TrainingStopped, find_bad_token
+from operations.guards import NonFiniteGuard, TrainingStopped, bad_token_message, find_bad_token
 from operations.log import LOGGER_NAME
 from operations.run_lock import RunLock, RunLockError
 from operations.startup import check_devices
@@ -119,6 +120,24 @@ def test_bad_token_is_found_and_located_in_its_document(tmp_path):
         assert (row, token) == (0, 999)
         expected = TokenSource(str(tmp_path / "docs"), 2, 5)
         assert dataset.locate_token(sample, position) == blend.locate_token(sample, position) == expected
+
+
+def test_bad_token_message_names_the_sample_the_rank_was_fed(tmp_path):
+    """dp=2, mbs=2, 2 micro-batches per rank, the step after 8 consumed samples: rank 1's second micro-batch
+    holds samples 14 and 15 (data/loader.sample_index); the bad id sits in sample 15 (document 2, token 6)."""
+    docs = [list(range(10 + 20 * d, 25 + 20 * d)) for d in range(6)]
+    docs[2][6] = 999
+    dataset = _dataset(tmp_path, docs)
+    assert 999 in dataset[15]["text"].tolist() and sum(999 in dataset[i]["text"] for i in range(len(dataset))) == 1
+    messages = {}
+    for dp_rank in range(2):
+        data = build_data_iterator(dataset, 8, 2, dp_rank, 2, 0, -1, False, False, False, True)
+        found = find_bad_token([next(data), next(data)], vocab_size=200)  # the documents' ids reach 124
+        if found is not None:
+            assert found[:2] == (1, 1)  # second micro-batch, second row
+            messages[dp_rank] = bad_token_message(found, dataset, 8, 2, dp_rank, 2, 200, "train")
+    assert list(messages) == [1]
+    assert f"in document 2 of {tmp_path / 'docs'} (token 6 of the document, train sample 15)" in messages[1]
 
 
 def test_last_label_and_negative_ids_are_checked():
