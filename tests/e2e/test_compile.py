@@ -102,21 +102,12 @@ def test_compiled_layers_with_selective_and_full_recompute_match_eager():
     whole compiled layers: loss and gradients equal eager's."""
     import torch
 
-    from model.config import ModelConfig
     from model.gpt import GPTModel
     from model.rank_spec import RankSpec, Recompute
     from parallel.random import RNGTracker, make_checkpoint_fn
+    from tests.tiny_models import tiny_config
 
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=8,
-        vocab_size=50,
-        make_vocab_size_divisible_by=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_config(make_vocab_size_divisible_by=16)
     tracker = RNGTracker("cpu")
     tracker.add("model-parallel", 3)
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))

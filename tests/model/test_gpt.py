@@ -9,17 +9,9 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.tier("fast")
-
-LLAMA = dict(
-    position_embedding_type="rope",
-    normalization="rmsnorm",
-    activation="swiglu",
-    num_query_groups=2,
-    tie_embeddings=False,
-    add_bias_linear=False,
-)
 
 
 def build(cfg, **kwargs):
@@ -29,18 +21,9 @@ def build(cfg, **kwargs):
     return model
 
 
-@pytest.mark.parametrize("style", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("style", ["gpt", "llama"])
 def test_forward_backward_shapes(style):
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=16,
-        vocab_size=300,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **style,
-    )
+    cfg = tiny_config(style, hidden_size=64, seq_length=16, vocab_size=300)
     model = build(cfg)
     tokens = torch.randint(0, 300, (3, 16))
     positions = torch.arange(16).expand(3, 16)
@@ -95,15 +78,7 @@ def test_largest_paper_model_builds_on_meta_without_memory():
 
 
 def test_reset_attention_mask_path_matches_causal_when_one_document():
-    cfg = ModelConfig(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=2,
-        seq_length=8,
-        vocab_size=50,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_config(num_layers=1, num_attention_heads=2)
     model = build(cfg)
     tokens = torch.randint(0, 50, (2, 8))
     positions = torch.arange(8).expand(2, 8)
@@ -111,22 +86,13 @@ def test_reset_attention_mask_path_matches_causal_when_one_document():
     assert torch.allclose(model(tokens, positions, attention_mask=causal), model(tokens, positions), atol=1e-6)
 
 
-@pytest.mark.parametrize("style", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("style", ["gpt", "llama"])
 def test_reset_masks_make_documents_independent(style):
     """With reset_attention_mask and reset_position_ids, the second document of a sequence gets exactly the
     logits it gets alone: no attention across the EOD, positions restarted (learned and rotary)."""
     from data.loader import get_batch_masks
 
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=12,
-        vocab_size=50,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **style,
-    )
+    cfg = tiny_config(style, seq_length=12)
     model = build(cfg)
     eod = 0
     first, second = torch.randint(1, 50, (1, 4)), torch.randint(1, 50, (1, 7))

@@ -20,6 +20,7 @@ from model.gpt import GPTModel
 from model.init import initialize_parameters
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
+from tests.tiny_models import tiny_config, tiny_hf_config
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -32,33 +33,13 @@ def random_hf_model(arch: str):
 
     torch.manual_seed(0)
     if arch == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=64,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            activation_function="gelu",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
+        config = tiny_hf_config(
+            "gpt2", vocab_size=VOCAB, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
         )
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        config = tiny_hf_config(
+            "llama", vocab_size=VOCAB, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}
         )
         model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -137,28 +118,12 @@ def test_import_at_tp2_gives_transformers_logits(arch):
 def test_export_gives_transformers_the_same_logits(style):
     import transformers
 
-    kwargs = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=32,
-        vocab_size=VOCAB,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_std=0.1,
-    )
+    overrides = dict(hidden_size=64, seq_length=32, vocab_size=VOCAB, init_std=0.1)
     if style == "gpt2_untied_no_bias":
-        kwargs.update(tie_embeddings=False, add_bias_linear=False)
-    if style.startswith("llama"):
-        kwargs.update(
-            position_embedding_type="rope",
-            normalization="rmsnorm",
-            activation="swiglu",
-            num_query_groups=2,
-            rotary_base=500.0,
-            add_bias_linear=True,
-        )
-    cfg = ModelConfig(**kwargs)
+        overrides.update(tie_embeddings=False, add_bias_linear=False)
+    if style.startswith("llama"):  # Llama with GPT-2's tied output layer and biases
+        overrides.update(tie_embeddings=True, add_bias_linear=True, rotary_base=500.0)
+    cfg = tiny_config("llama" if style.startswith("llama") else "gpt", **overrides)
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size())
     initialize_parameters(model, cfg, seed=11)

@@ -25,6 +25,7 @@ from parallel.data_parallel import DataParallel
 from parallel.layout import Layout
 from parallel.state import ParallelState
 from tests.conftest import run_ranks
+from tests.tiny_models import tiny_config
 from training.train_step import StepContext, train_step
 
 pytestmark = pytest.mark.tier("fast")
@@ -33,16 +34,7 @@ GLOBAL_BATCH, SEQ = 8, 16
 
 
 def tiny_cfg(num_layers: int = 2) -> ModelConfig:
-    return ModelConfig(
-        num_layers=num_layers,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        vocab_size=100,
-        make_vocab_size_divisible_by=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    return tiny_config(num_layers=num_layers, seq_length=SEQ, vocab_size=100, make_vocab_size_divisible_by=64)
 
 
 def tiny_model(

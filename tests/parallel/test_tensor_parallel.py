@@ -28,6 +28,7 @@ from parallel.tp_layers import (
 )
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -351,15 +352,7 @@ def test_recompute_replays_tracker_and_default_masks():
 def test_gpt_recompute_with_dropout_bitwise_equal():
     """Whole GPT, tp = 1 with the attention dropout on the tracker's stream: full and selective recompute give
     the same gradients bit for bit as no recompute."""
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=8,
-        vocab_size=64,
-        hidden_dropout=0.2,
-        attention_dropout=0.3,
-    )
+    cfg = tiny_config(vocab_size=64, hidden_dropout=0.2, attention_dropout=0.3)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(8).expand(2, 8)
     results = []

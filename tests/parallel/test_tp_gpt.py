@@ -24,6 +24,7 @@ from parallel.random import RNGTracker, make_checkpoint_fn
 from parallel.state import ParallelState
 from parallel.tp_mappings import CommCounter
 from tests.conftest import run_ranks
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -40,27 +41,16 @@ def _warm_meta_device():
 
 
 def _model_config(style: str, num_query_groups: int = 2, dropout: float = 0.0) -> ModelConfig:
-    common = dict(
+    llama = {} if style == "gpt" else dict(num_query_groups=num_query_groups, ffn_hidden_size=64)
+    return tiny_config(
+        style,
         num_layers=NUM_LAYERS,
-        hidden_size=32,
         num_attention_heads=8,
         seq_length=16,
-        vocab_size=50,
         make_vocab_size_divisible_by=8,
         hidden_dropout=dropout,
         attention_dropout=dropout,
-    )
-    if style == "gpt":
-        return ModelConfig(**common)  # learned positions, LayerNorm, GeLU, tied, biases
-    return ModelConfig(
-        **common,
-        num_query_groups=num_query_groups,
-        position_embedding_type="rope",
-        normalization="rmsnorm",
-        activation="swiglu",
-        ffn_hidden_size=64,
-        tie_embeddings=False,
-        add_bias_linear=False,
+        **llama,
     )
 
 

@@ -19,29 +19,14 @@ from parallel.model_builder import build_model_chunks
 from parallel.state import ParallelState
 from tests.cli_runner import run_cli
 from tests.conftest import REPO_ROOT, run_ranks
+from tests.tiny_models import STYLES, tiny_config, tiny_hf_config
 from tools.convert_checkpoint import consolidate, from_hf, to_hf, to_megatron
 
 pytestmark = pytest.mark.tier("fast")
 
-GPT = dict(
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=4,
-    seq_length=32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    init_std=0.1,
-)
-LLAMA = dict(
-    GPT,
-    position_embedding_type="rope",
-    normalization="rmsnorm",
-    activation="swiglu",
-    num_query_groups=2,
-    tie_embeddings=False,
-    add_bias_linear=False,
-    rotary_base=500.0,
-)
+# The converters' models, as overrides of tests/tiny_models.py's tiny GPT (run_config builds them from it)
+GPT = dict(num_layers=4, hidden_size=64, seq_length=32, init_std=0.1)
+LLAMA = dict(GPT, **STYLES["llama"], rotary_base=500.0)
 SEED = 5
 
 
@@ -58,7 +43,7 @@ def tokenizer_files(tmp_path_factory):
 
 def run_config(style: dict, tokenizer: dict, tp=1, pp=1, vp=1, vocab_size=300) -> dict:
     return Config(
-        model=ModelConfig(vocab_size=vocab_size, **style),
+        model=tiny_config(vocab_size=vocab_size, **style),
         parallel=ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp),
         data=DataConfig(**tokenizer),
     ).to_dict()
@@ -166,18 +151,7 @@ def test_from_hf_of_a_transformers_save_round_trips_bitwise(tmp_path):
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_hf_config("llama")
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), tp=2)
     assert "tp_size: 2" in (tmp_path / "ours" / "config.yaml").read_text()
@@ -197,9 +171,7 @@ def test_gpt2_gelu_new_converts_with_transformers_logits_and_exports_back(tmp_pa
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
+    config = tiny_hf_config("gpt2")
     assert config.activation_function == "gelu_new"
     hf_model = transformers.GPT2LMHeadModel(config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
