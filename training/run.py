@@ -43,11 +43,12 @@ from operations.startup import (
 from operations.straggler import StragglerReport
 from operations.watchdog import HangGuard
 from optim.lr_schedule import LRSchedule
-from optim.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from optim.optimizer import Optimizer, build_optimizer
 from optim.sharded_optimizer import build_sharded_optimizer
 from parallel.comm import Collectives, CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
+from parallel.grad_sync import GradientSync
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
@@ -126,37 +127,28 @@ def prepare_data(
     return tokenizer.eod, datasets, resume_plan
 
 
-def build_data_parallel(
+def build_optimizer_and_schedule(
     config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
-) -> DataParallel | ShardedDataParallel:
-    """The data-parallel flavour: FSDP's shards (parallel.fsdp), or gradient buckets over whole parameters (with
-    the distributed optimizer: reduce-scattered into its shards). The step does not know which it got."""
+) -> tuple[GradientSync, Optimizer, LRSchedule]:
+    """The data-parallel flavour with the optimizer that matches it, and the LR schedule: FSDP's shards
+    (parallel.fsdp) with the sharded optimizer, or gradient buckets over whole parameters (with the distributed
+    optimizer: reduce-scattered into its shards). The step does not know which it got."""
     par = config.parallel
+    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     if layout.fsdp:
         compute_dtype = param_dtype(config.train.precision)
-        return ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
-    return DataParallel(
+        sharded = ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
+        return sharded, build_sharded_optimizer(chunks, sharded, state, config.optim, config.train), lr_schedule
+    ddp = DataParallel(
         chunks,
         state,
         bucket_size_mb=par.grad_bucket_size_mb,
         distributed_optimizer=par.distributed_optimizer,
         grad_dtype=torch.float32,
     )
-
-
-def build_optimizer_and_schedule(
-    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
-) -> tuple[DataParallel | ShardedDataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
-    """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
-    ddp = build_data_parallel(config, chunks, state, layout)
-    optimizer: Optimizer
-    if isinstance(ddp, ShardedDataParallel):
-        optimizer = build_sharded_optimizer(chunks, ddp, state, config.optim, config.train)
-    else:
-        optimizer = build_optimizer(
-            chunks, ddp, state, config.optim, config.train, overlap_param_gather=config.parallel.overlap_param_gather
-        )
-    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
+    optimizer = build_optimizer(
+        chunks, ddp, state, config.optim, config.train, overlap_param_gather=par.overlap_param_gather
+    )
     return ddp, optimizer, lr_schedule
 
 
