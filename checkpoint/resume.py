@@ -80,7 +80,7 @@ def other_differences(saved: dict, current: dict) -> list[str]:
 
 
 def _source(config: Config, run_root: str) -> str | None:
-    load = config.checkpoint.load
+    load = config.checkpoint.source()
     if load is False or load is None:
         return None
     if load is True:
@@ -101,7 +101,7 @@ def plan_resume(
     source = _source(config, run_root)
     if source is None:
         _refuse_overwrite(config, run_root, from_root=False, start=0)
-        if config.checkpoint.load is True:
+        if config.checkpoint.source() is True:
             log(f"checkpoint.load=true but no checkpoint under {run_root}: starting fresh")
         return None
     if (
@@ -162,18 +162,19 @@ def _refuse_overwrite(config: Config, run_root: str, from_root: bool, start: int
     if not existing:
         return
     newest, ckpt = os.path.join(run_root, files.iter_name(existing[-1])), config.checkpoint
+    load = ckpt.source()
     # The advice depends on what was asked: never "checkpoint.load=true" to a run that gave it.
-    if ckpt.load is False:
+    if load is False:
         advice = "resume them with checkpoint.load=true, or choose another run.dir"
     elif ckpt.finetune:
         advice = "a fine-tune starts at iteration 0: give it another run.dir"
-    elif ckpt.load is True:
+    elif load is True:
         advice = (
             f"checkpoint.load=true loads iteration {start}, as {newest} does not verify (python "
             f"tools/checkpoint_info.py {newest} --verify says why): move it aside, or choose another run.dir"
         )
     else:
-        advice = f"checkpoint.load={ckpt.load} starts at iteration {start}: choose another run.dir"
+        advice = f"checkpoint.load={load} starts at iteration {start}: choose another run.dir"
     raise CheckpointError(
         f"{run_root} already holds checkpoints ({os.path.basename(newest)}) that this run would write over: {advice}"
     )

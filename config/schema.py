@@ -404,19 +404,22 @@ class CheckpointConfig:
         ),
     )
 
+    def source(self) -> bool | str:
+        """The checkpoint to load: checkpoint.load, or the path of checkpoint.finetune=PATH (one override meaning
+        load=PATH with finetune=true); false: none. Derived here, so the config stays as it was given."""
+        return self.finetune if isinstance(self.finetune, str) else self.load
+
     def validate(self) -> None:
-        """The declared checks, then the rules between this section's keys (finetune=PATH becomes load=PATH)."""
+        """The declared checks, then the rules between this section's keys (finetune=PATH names the source)."""
         check_declared(self, "checkpoint")
         if isinstance(self.load, str) and not self.load:
             raise ConfigError("checkpoint.load must be true, false or a path")
-        if isinstance(self.finetune, str):  # one override: checkpoint.finetune=PATH
-            if self.load not in (False, self.finetune):
-                raise ConfigError(
-                    f"checkpoint.finetune={self.finetune!r} and checkpoint.load={self.load!r} name "
-                    f"different checkpoints: set one of them"
-                )
-            self.load, self.finetune = self.finetune, True
-        if (self.finetune or not self.load_optimizer) and self.load is False:
+        if isinstance(self.finetune, str) and self.load not in (False, self.finetune):  # one override: finetune=PATH
+            raise ConfigError(
+                f"checkpoint.finetune={self.finetune!r} and checkpoint.load={self.load!r} name "
+                f"different checkpoints: set one of them"
+            )
+        if (self.finetune or not self.load_optimizer) and self.source() is False:
             key = "checkpoint.finetune=true" if self.finetune else "checkpoint.load_optimizer=false"
             raise ConfigError(f"{key} needs checkpoint.load (true or a path)")
 

@@ -1,7 +1,8 @@
-"""AdamW on flat fp32 tensors: the plain optimizer, the distributed (ZeRO-1) one, and the fp16 loss scaler.
+"""AdamW on flat fp32 tensors: the shared step (`Optimizer`), the plain optimizer over whole gradient buffers
+(`BufferOptimizer`) and the distributed (ZeRO-1) one; FSDP's is optim/sharded_optimizer.py.
 
-The optimizer works on the flat fp32 grad buffers of `parallel.data_parallel.DataParallel`, one segment per
-bucket: the whole bucket (plain) or this dp rank's shard of it (distributed). For each segment it keeps fp32
+The buffer optimizers work on the flat fp32 grad buffers of `parallel.data_parallel.DataParallel`, one segment
+per bucket: the whole bucket (plain) or this dp rank's shard of it (distributed). For each segment it keeps fp32
 master params, exp_avg and exp_avg_sq. Weight decay and "counts in the grad norm" are per element but stored
 as runs of (start, end) over contiguous params, not as per-element masks: that costs nothing per element.
 
@@ -14,6 +15,7 @@ all-gather the shards over dp).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypedDict
 
@@ -29,6 +31,8 @@ from parallel.param_gather import ParamGather, copy_bucket_to_params
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from parallel.state import ParallelState
 
 
 class SegmentState(TypedDict):
@@ -108,63 +112,36 @@ def _pieces(ddp: DataParallel, bucket: Bucket, start: int, end: int):
     return pieces
 
 
-class Optimizer:
-    """AdamW over the whole grad buffers of `ddp` (plain, dp-replicated state). See the module docstring.
+class Optimizer(ABC):
+    """AdamW over segments of flat fp32 tensors; the subclasses say where the segments lie: `BufferOptimizer`
+    (the whole grad buffers of DataParallel), `DistributedOptimizer` (this dp rank's shards of them) and
+    optim/sharded_optimizer.ShardedOptimizer (FSDP's parameter shards). See the module docstring.
 
     The settings are the config's: lr, weight_decay, adam_beta1/2 and adam_eps of the optim section (and its
     loss-scaler settings under fp16); train.clip_grad; train.precision (fp32: each param becomes a view of its
-    master). `step(lr)` is collective over the world (the inf/nan check) and the model-parallel group (the norm).
+    master where the subclass can alias). `step(lr)` is collective over the world (the inf/nan check) and the
+    model-parallel group (the norm).
     """
 
     distributed = False
 
-    def __init__(self, ddp: DataParallel, state, optim: OptimConfig, train: TrainConfig):
-        self.ddp, self.state = ddp, state
+    def __init__(self, state: ParallelState, optim: OptimConfig, train: TrainConfig):
+        self.state = state
         self.lr, self.weight_decay = optim.lr, optim.weight_decay
         self.betas, self.eps = (optim.adam_beta1, optim.adam_beta2), optim.adam_eps
         self.clip_grad = train.clip_grad
         self.scaler = loss_scaler_for(train.precision, optim)
         self.step_count = 0
         self.segments = self._build_segments()
-        self.aliased = train.precision == "fp32" and self._alias_params()
+        self.aliased = self._alias_params(train.precision)
 
-    # ---- construction -----------------------------------------------------------------------
+    @abstractmethod
     def _build_segments(self) -> list[Segment]:
-        """One segment per gradient bucket: the whole bucket, or (distributed) this rank's shard of it."""
-        return [self._build_segment(b, *self._owned(b)) for b in self.ddp._all_buckets() if b.numel]
+        """This rank's segments: where its gradients, masters and moments lie."""
 
-    def _owned(self, bucket: Bucket) -> tuple[int, int]:
-        return bucket.start, bucket.end
-
-    def _build_segment(self, bucket: Bucket, start: int, end: int) -> Segment:
-        grad = self.ddp.buffers[bucket.chunk_index][start:end]
-        master = torch.zeros(end - start, dtype=torch.float32, device=grad.device)
-        pieces = _pieces(self.ddp, bucket, start, end)
-        for param, offset, param_offset, length in pieces:
-            master[offset : offset + length].copy_(param.detach().reshape(-1)[param_offset : param_offset + length])
-        tp_rank = self.state.tp_rank
-        return Segment(
-            bucket,
-            start,
-            end,
-            grad,
-            master,
-            torch.zeros_like(master),
-            torch.zeros_like(master),
-            pieces,
-            decay_runs=_runs(pieces, decays),
-            norm_runs=_runs(pieces, lambda p: counts_in_grad_norm(p, tp_rank)),
-        )
-
-    def _alias_params(self) -> bool:
-        """fp32 plain: make each param a view of its master, so no copy-back and no second fp32 copy."""
-        params = [piece[0] for seg in self.segments for piece in seg.pieces]
-        if self.distributed or any(p.dtype != torch.float32 for p in params):
-            return False
-        for seg in self.segments:
-            for param, offset, _, length in seg.pieces:
-                param.data = seg.master[offset : offset + length].view(param.shape)
-        return True
+    @abstractmethod
+    def _alias_params(self, precision: str) -> bool:
+        """Make the model params views of their masters where that is possible; True if they are."""
 
     # ---- the step ---------------------------------------------------------------------------
     @property
@@ -228,6 +205,7 @@ class Optimizer:
     def finish_param_gather(self) -> None:
         """Finish parameter gathers still in flight (distributed optimizer with overlap_param_gather): call
         before anything but the forward reads or overwrites the model params."""
+        return  # none by default: only DistributedOptimizer gathers in the background
 
     def copy_to_params(self) -> None:
         """Write the fp32 masters into the (16-bit) model parameters (after a step or a checkpoint load)."""
@@ -304,7 +282,54 @@ class Optimizer:
         self.copy_to_params()
 
 
-class DistributedOptimizer(Optimizer):
+class BufferOptimizer(Optimizer):
+    """AdamW over the whole grad buffers of `ddp` (plain, dp-replicated state): one segment per gradient bucket."""
+
+    def __init__(self, ddp: DataParallel, state: ParallelState, optim: OptimConfig, train: TrainConfig):
+        self.ddp = ddp  # read by _build_segments, which the base constructor calls
+        super().__init__(state, optim, train)
+
+    def _build_segments(self) -> list[Segment]:
+        """One segment per bucket: the whole bucket, or (distributed) this rank's shard of it."""
+        return [self._build_segment(b, *self._owned(b)) for b in self.ddp._all_buckets() if b.numel]
+
+    def _owned(self, bucket: Bucket) -> tuple[int, int]:
+        return bucket.start, bucket.end
+
+    def _build_segment(self, bucket: Bucket, start: int, end: int) -> Segment:
+        grad = self.ddp.buffers[bucket.chunk_index][start:end]
+        master = torch.zeros(end - start, dtype=torch.float32, device=grad.device)
+        pieces = _pieces(self.ddp, bucket, start, end)
+        for param, offset, param_offset, length in pieces:
+            master[offset : offset + length].copy_(param.detach().reshape(-1)[param_offset : param_offset + length])
+        tp_rank = self.state.tp_rank
+        return Segment(
+            bucket,
+            start,
+            end,
+            grad,
+            master,
+            torch.zeros_like(master),
+            torch.zeros_like(master),
+            pieces,
+            decay_runs=_runs(pieces, decays),
+            norm_runs=_runs(pieces, lambda p: counts_in_grad_norm(p, tp_rank)),
+        )
+
+    def _alias_params(self, precision: str) -> bool:
+        """fp32 plain: make each param a view of its master, so no copy-back and no second fp32 copy."""
+        if precision != "fp32":
+            return False
+        params = [piece[0] for seg in self.segments for piece in seg.pieces]
+        if self.distributed or any(p.dtype != torch.float32 for p in params):
+            return False
+        for seg in self.segments:
+            for param, offset, _, length in seg.pieces:
+                param.data = seg.master[offset : offset + length].view(param.shape)
+        return True
+
+
+class DistributedOptimizer(BufferOptimizer):
     """ZeRO-1: this dp rank keeps masters and moments of its shard of every bucket only; the norm also sums
     over dp; updated shards are all-gathered over dp into the model params, bucket by bucket. With
     `overlap_param_gather` the gathers run in the background until the forward that needs them
@@ -312,7 +337,14 @@ class DistributedOptimizer(Optimizer):
 
     distributed = True
 
-    def __init__(self, ddp: DataParallel, state, optim: OptimConfig, train: TrainConfig, overlap_param_gather: bool):
+    def __init__(
+        self,
+        ddp: DataParallel,
+        state: ParallelState,
+        optim: OptimConfig,
+        train: TrainConfig,
+        overlap_param_gather: bool,
+    ):
         super().__init__(ddp, state, optim, train)
         overlap = overlap_param_gather and state.dp_cp_size > 1  # the shards span dp x cp
         self.param_gather = ParamGather(ddp, state.dp_cp_group) if overlap else None
@@ -363,7 +395,7 @@ def check_optimizer_inputs(
 def build_optimizer(
     chunks: list[nn.Module],
     ddp: DataParallel,
-    state,
+    state: ParallelState,
     optim: OptimConfig,
     train: TrainConfig,
     *,
@@ -378,4 +410,4 @@ def build_optimizer(
     check_optimizer_inputs(chunks, ddp.chunks, train, "build_optimizer")
     if ddp.distributed_optimizer:
         return DistributedOptimizer(ddp, state, optim, train, overlap_param_gather)
-    return Optimizer(ddp, state, optim, train)
+    return BufferOptimizer(ddp, state, optim, train)

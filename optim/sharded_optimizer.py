@@ -4,10 +4,10 @@ Each rank holds a shard of every parameter (FSDP's fp32 sharded parameter: the m
 backward, the fp32 reduce-scattered gradient of that shard. One segment per parameter: `master` is a view of
 the shard itself (no copy, nothing to write back; FSDP casts it for the next all-gather), `grad` the gradient
 shard (FSDP allocates it each backward, so it is bound at every step), the Adam moments are this optimizer's.
-Everything else is optim/optimizer.Optimizer's step, unchanged: unscale and the inf/NaN check over the world
-(fp16 skips the step), the global grad norm (each element counted once: tp-replicated parameters on tp rank 0,
-summed over tp x pp and over the shard group, not over HSDP's replicas, which hold the same shard), clipping,
-the same AdamW arithmetic on each element. Checkpoint pieces: `pieces` says where each shard lies in the
+Everything else is the step of the shared base, optim/optimizer.Optimizer: unscale and the inf/NaN check over
+the world (fp16 skips the step), the global grad norm (each element counted once: tp-replicated parameters on
+tp rank 0, summed over tp x pp and over the shard group, not over HSDP's replicas, which hold the same shard),
+clipping, the same AdamW arithmetic on each element. Checkpoint pieces: `pieces` says where each shard lies in the
 parameter (parallel/fsdp.local_shard), so checkpoint/state.py stores it in global coordinates.
 """
 
@@ -32,12 +32,13 @@ class ShardedOptimizer(Optimizer):
     """AdamW over the FSDP shards of `ddp` (a ShardedDataParallel); see the module docstring."""
 
     def __init__(self, ddp: ShardedDataParallel, state: ParallelState, optim: OptimConfig, train: TrainConfig):
-        self.fsdp = ddp
-        super().__init__(ddp, state, optim, train)  # type: ignore[arg-type]
-        self.aliased = True  # in every precision: FSDP keeps the fp32 shards and casts them for compute
+        self.fsdp = ddp  # read by _build_segments, which the base constructor calls
+        super().__init__(state, optim, train)
 
-    def _alias_params(self) -> bool:
-        return True  # nothing to do: each segment's master is a view of the sharded parameter itself
+    def _alias_params(self, precision: str) -> bool:
+        """In every precision: FSDP keeps the fp32 shards and casts them for compute, and each segment's master
+        is a view of the sharded parameter itself (nothing to do)."""
+        return True
 
     def _build_segments(self) -> list[Segment]:
         segments = []

@@ -1,7 +1,7 @@
 """Gradient helpers on `param.main_grad`: the all-reduces that finish a step's gradients across the model
 parallel dimensions, and the pieces of the global gradient norm and clipping.
 
-`finalize_model_grads` runs after `DataParallel.finish_grad_sync()`:
+`finalize_model_grads` runs after `GradientSync.finish_grad_sync()` (parallel/grad_sync.py):
   * the tied word embedding lives on the first and the last pipeline stage; its two gradients are summed
     over `state.embedding_group` (or on the rank itself where one rank holds both, zb-v's V placement) so
     both copies take the same step;
@@ -27,10 +27,9 @@ from torch.distributed import ProcessGroup
 from compat.torch_private import foreach_norm
 from model.param_info import ParamInfo, param_info
 from parallel.comm import Collectives
-from parallel.data_parallel import DataParallel
-from parallel.fsdp import ShardedDataParallel
 
 if TYPE_CHECKING:
+    from parallel.grad_sync import GradientSync
     from parallel.state import ParallelState
 
 
@@ -60,9 +59,7 @@ def _unique_params(chunks: Iterable[nn.Module], flag: str) -> list[nn.Parameter]
     return found
 
 
-def finalize_model_grads(
-    chunks: Sequence[nn.Module], state: ParallelState, ddp: DataParallel | ShardedDataParallel
-) -> None:
+def finalize_model_grads(chunks: Sequence[nn.Module], state: ParallelState, ddp: GradientSync) -> None:
     """Tied-embedding grads over the embedding group, sequence-parallel grads over tp (see module doc),
     on the part of each main_grad that `ddp` reduced for this rank. A no-op where neither applies
     (pp == 1 or untied embeddings; no sequence-parallel params)."""

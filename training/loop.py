@@ -60,13 +60,13 @@ ExtraEvaluation = Callable[[Run], dict[str, float]]
 
 def relaxed(run: Run) -> contextlib.AbstractContextManager[None]:
     """Around checkpoint work: the watchdog allows the start-up timeout (saves never trip the training one)."""
-    return run.hang_guard.relaxed() if run.hang_guard is not None else contextlib.nullcontext()
+    return run.guards.hang_guard.relaxed() if run.guards.hang_guard is not None else contextlib.nullcontext()
 
 
 def save(run: Run) -> None:
     """Checkpoint the current iteration (sync, or copied aside and written in the background with async_save);
     the checkpointer logs its size and the time the loop was blocked. Never from non-finite weights."""
-    if run.checkpointer is None or run.last_saved == run.progress.iteration:
+    if run.checkpointer is None or run.loop.last_saved == run.progress.iteration:
         return
     with relaxed(run), run.state.comm.region("checkpoint", run.progress.iteration):
         _save(run)
@@ -79,7 +79,7 @@ def _save(run: Run) -> None:
         raise TrainingStopped(
             f"training diverged: the weights after iteration {run.progress.iteration} are not "
             f"finite, so no checkpoint was written; the last one on disk is iteration "
-            f"{run.last_saved}: lower optim.lr and resume from it",
+            f"{run.loop.last_saved}: lower optim.lr and resume from it",
             EXIT_DIVERGED,
         )
     save_checkpoint(
@@ -90,7 +90,7 @@ def _save(run: Run) -> None:
         keep_last=run.config.checkpoint.keep_last,
         checkpointer=run.checkpointer,
     )
-    run.last_saved = run.progress.iteration
+    run.loop.last_saved = run.progress.iteration
 
 
 def check_tokens(
@@ -146,7 +146,7 @@ def iteration_boundary(run: Run, microbatches: list[Microbatch], job_start: floa
     saves the last finished iteration and stops it (exit 3); exit_duration_mins (counted from the job's
     start) saves and ends it (exit 0, returns True)."""
     train_cfg = run.config.train
-    received = run.preemption.received if run.preemption is not None else None
+    received = run.guards.preemption.received if run.guards.preemption is not None else None
     over = bool(train_cfg.exit_duration_mins) and (time.time() - job_start) / 60.0 >= train_cfg.exit_duration_mins
     verdict = check_tokens(
         run, microbatches, run.datasets[0], run.progress.consumed_samples, "train", int(received or 0), over
@@ -185,7 +185,7 @@ def after_step(run: Run, stats: IntervalStats, result: StepResult, lr: float, se
 def report_stragglers(run: Run) -> None:
     """Every logging.straggler_interval iterations (all ranks, one small all-gather): the slowest and fastest
     rank on the console and in metrics.jsonl / TensorBoard, and a warning for a persistent straggler."""
-    summary = run.straggler.report(run.progress.iteration) if run.straggler is not None else None
+    summary = run.guards.straggler.report(run.progress.iteration) if run.guards.straggler is not None else None
     if summary is None:
         return
     run.logger.info(summary.line)
@@ -236,7 +236,7 @@ def train_from(run: Run, train_iter: MicrobatchStream, extra_evaluation: ExtraEv
     )
     nonfinite = NonFiniteGuard(train_cfg.max_nonfinite_iters, cfg.optim.min_loss_scale, train_cfg.precision == "fp16")
     comm = state.comm  # labels what each collective below belongs to in the rank's record (parallel/comm.py)
-    guard, straggler = run.hang_guard, run.straggler
+    guard, straggler = run.guards.hang_guard, run.guards.straggler
     while run.progress.iteration < train_cfg.train_iters:
         iteration = run.progress.iteration + 1
         if guard is not None:
@@ -250,8 +250,8 @@ def train_from(run: Run, train_iter: MicrobatchStream, extra_evaluation: ExtraEv
         lr = run.lr_schedule.lr(run.progress.iteration)
         started = time.perf_counter()
         with comm.region("train", iteration):
-            if run.fault is not None:
-                run.fault.raise_if_due(run.env.rank, iteration)  # PTDP_INJECT_FAULT kind=raise
+            if run.guards.fault is not None:
+                run.guards.fault.raise_if_due(run.env.rank, iteration)  # PTDP_INJECT_FAULT kind=raise
             result = train_step(
                 run.ctx, microbatches, lr, before_update=run.checkpointer.before_update if run.checkpointer else None
             )
@@ -355,8 +355,7 @@ def _build_and_train(
     guard: HangGuard,
 ) -> int:
     try:  # bad input found while building (data files, tokenizer, checkpoint): one line, exit 2
-        run = build_run(config, env, layout, guard, fault)
-        run.preemption = preemption
+        run = build_run(config, env, layout, guard, fault, preemption)
         extra_evaluation = make_extra_evaluation(run) if make_extra_evaluation is not None else None
         resume_if_asked(run)
     except (ValueError, OSError, CheckpointError) as err:

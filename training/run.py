@@ -7,9 +7,10 @@ anything is written, so a start with bad input leaves no run folder behind (see 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,12 +44,13 @@ from operations.startup import (
 from operations.straggler import StragglerReport
 from operations.watchdog import HangGuard
 from optim.lr_schedule import LRSchedule
-from optim.optimizer import DistributedOptimizer, Optimizer, build_optimizer
+from optim.optimizer import Optimizer, build_optimizer
 from optim.sharded_optimizer import build_sharded_optimizer
 from parallel.comm import Collectives
 from parallel.comm_recorder import CommRecorder
 from parallel.data_parallel import DataParallel
 from parallel.fsdp import ShardedDataParallel
+from parallel.grad_sync import GradientSync
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks, count_parameters, rank_spec
 from parallel.random import RNGTracker, make_checkpoint_fn
@@ -61,10 +63,29 @@ from training.wandb_logging import open_wandb
 
 
 @dataclass
-class Run:
-    """Everything the loop touches, built once by `build_run`."""
+class LoopState:
+    """What the training loop changes as it runs: its counters (set from the checkpoint by `resume_if_asked`)
+    and the iteration of the checkpoint this run last wrote or loaded."""
 
-    config: Config
+    progress: TrainingProgress = field(default_factory=TrainingProgress)
+    last_saved: int = -1
+
+
+@dataclass(frozen=True)
+class RunGuards:
+    """What watches the run and may stop it (operations/), each None where it is off."""
+
+    preemption: PreemptionHandler | None = None  # stop signals: save and exit 3
+    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (operations/watchdog.py)
+    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (operations/straggler.py)
+    fault: FaultSpec | None = None  # PTDP_INJECT_FAULT; the loop raises kind=raise's error (operations/faults.py)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything the loop touches, built once by `build_run`; what changes as it trains is `loop`."""
+
+    config: Config  # as loaded, with model.vocab_size the tokenizer's where it was unset (`prepare_data`)
     env: DistEnv
     layout: Layout
     shape: RunShape  # what follows from the model and the layout: FLOPs, chunks, vocabulary, sequence
@@ -75,24 +96,25 @@ class Run:
     comm_counter: CommCounter
     datasets: DatasetSplits  # train, valid, test (valid/test may be None)
     eod_id: int
-    progress: TrainingProgress
     metrics: MetricsWriter
     logger: logging.Logger
     checkpoint_root: str
-    resume_plan: ResumePlan | None = None  # the checkpoint to start from; None: start fresh
-    checkpointer: Checkpointer | None = None  # None with checkpoint.save=false
-    preemption: PreemptionHandler | None = None
-    last_saved: int = -1  # iteration of the checkpoint this run last wrote or loaded
-    hang_guard: HangGuard | None = None  # timeouts, watchdog, hang dumps (operations/watchdog.py)
-    straggler: StragglerReport | None = None  # every logging.straggler_interval iterations (operations/straggler.py)
-    fault: FaultSpec | None = None  # PTDP_INJECT_FAULT; the loop raises kind=raise's error (operations/faults.py)
+    resume_plan: ResumePlan | None  # the checkpoint to start from; None: start fresh
+    checkpointer: Checkpointer | None  # None with checkpoint.save=false
+    guards: RunGuards
+    loop: LoopState
+
+    @property
+    def progress(self) -> TrainingProgress:
+        """The loop's counters (`loop.progress`): iteration, consumed samples, skipped iterations."""
+        return self.loop.progress
 
     @property
     def vocab_size(self) -> int:
-        """model.vocab_size: the tokenizer's when the config left it unset (filled in by `prepare_data`)."""
+        """model.vocab_size of the run's config: the tokenizer's when the loaded config left it unset."""
         size = self.config.model.vocab_size
         if size is None:
-            raise ValueError("model.vocab_size is unset: build the run with build_run, which fills it in")
+            raise ValueError("model.vocab_size is unset: build the run with build_run, which resolves it")
         return size
 
     def checkpoint_parts(self) -> CheckpointParts:
@@ -106,18 +128,19 @@ class Run:
 
 def prepare_data(
     config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
-) -> tuple[int, DatasetSplits, ResumePlan | None]:
-    """Tokenizer (which fills in model.vocab_size), the checkpoint to start from (checked against this config
-    and verified before anything is written) and datasets; then the resolved config is saved. Its collectives
-    go through `comm` (None: the world's door, `env.comm`).
-    Returns the end-of-document id, the datasets and the resume plan."""
+) -> tuple[Config, int, DatasetSplits, ResumePlan | None]:
+    """Tokenizer (its vocabulary size resolves an unset model.vocab_size), the checkpoint to start from (checked
+    against the resolved config and verified before anything is written) and datasets; then the resolved config
+    is saved. Its collectives go through `comm` (None: the world's door, `env.comm`). Returns the resolved config
+    (a new value: the vocabulary size is not written into `config`), the end-of-document id, the datasets and the
+    resume plan."""
     comm = comm if comm is not None else env.comm
     resolve_sample_data(config, env, logger, comm)
     data = config.data
     tokenizer = build_tokenizer_of(data, config.model.vocab_size)
-    if config.model.vocab_size is None:
-        config.model.vocab_size = tokenizer.vocab_size
-    check_vocab_size(config.model.vocab_size, tokenizer.vocab_size, data)
+    vocab_size = tokenizer.vocab_size if config.model.vocab_size is None else config.model.vocab_size
+    check_vocab_size(vocab_size, tokenizer.vocab_size, data)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
     resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0, comm)
     datasets = build_datasets(config, env, config.train.global_batch_size, comm)
     if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
@@ -126,40 +149,31 @@ def prepare_data(
         with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
             handle.write(resolved)
         logger.info("resolved config:\n" + resolved.rstrip())
-    return tokenizer.eod, datasets, resume_plan
+    return config, tokenizer.eod, datasets, resume_plan
 
 
-def build_data_parallel(
+def build_optimizer_and_schedule(
     config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
-) -> DataParallel | ShardedDataParallel:
-    """The data-parallel flavour: FSDP's shards (parallel.fsdp), or gradient buckets over whole parameters (with
-    the distributed optimizer: reduce-scattered into its shards). The step does not know which it got."""
+) -> tuple[GradientSync, Optimizer, LRSchedule]:
+    """The data-parallel flavour with the optimizer that matches it, and the LR schedule: FSDP's shards
+    (parallel.fsdp) with the sharded optimizer, or gradient buckets over whole parameters (with the distributed
+    optimizer: reduce-scattered into its shards). The step does not know which it got."""
     par = config.parallel
+    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
     if layout.fsdp:
         compute_dtype = precision_dtype(config.train.precision)
-        return ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
-    return DataParallel(
+        sharded = ShardedDataParallel(chunks, state, compute_dtype, par.fsdp_reshard_after_forward)
+        return sharded, build_sharded_optimizer(chunks, sharded, state, config.optim, config.train), lr_schedule
+    ddp = DataParallel(
         chunks,
         state,
         bucket_size_mb=par.grad_bucket_size_mb,
         distributed_optimizer=par.distributed_optimizer,
         grad_dtype=torch.float32,
     )
-
-
-def build_optimizer_and_schedule(
-    config: Config, chunks: list[torch.nn.Module], state: ParallelState, layout: Layout
-) -> tuple[DataParallel | ShardedDataParallel, Optimizer | DistributedOptimizer, LRSchedule]:
-    """Data parallelism (gradient buffers, or FSDP's shards), the optimizer that matches it, the LR schedule."""
-    ddp = build_data_parallel(config, chunks, state, layout)
-    optimizer: Optimizer
-    if isinstance(ddp, ShardedDataParallel):
-        optimizer = build_sharded_optimizer(chunks, ddp, state, config.optim, config.train)
-    else:
-        optimizer = build_optimizer(
-            chunks, ddp, state, config.optim, config.train, overlap_param_gather=config.parallel.overlap_param_gather
-        )
-    lr_schedule = LRSchedule.of(config.optim, config.train.train_iters)
+    optimizer = build_optimizer(
+        chunks, ddp, state, config.optim, config.train, overlap_param_gather=par.overlap_param_gather
+    )
     return ddp, optimizer, lr_schedule
 
 
@@ -221,14 +235,21 @@ def build_state(
 
 
 def build_run(
-    config: Config, env: DistEnv, layout: Layout, guard: HangGuard | None = None, fault: FaultSpec | None = None
+    config: Config,
+    env: DistEnv,
+    layout: Layout,
+    guard: HangGuard | None = None,
+    fault: FaultSpec | None = None,
+    preemption: PreemptionHandler | None = None,
 ) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule; resume from the latest checkpoint if asked.
-    `guard` (timeouts and watchdog) starts as soon as the state exists; `fault` is PTDP_INJECT_FAULT's."""
-    par, train_cfg = config.parallel, config.train
+    """Parallel state, data, model chunks, optimizer, schedule, and the checkpoint to resume from if asked
+    (loaded by `resume_if_asked`). `guard` (timeouts and watchdog) starts as soon as the state exists; `fault`
+    is PTDP_INJECT_FAULT's; `preemption` turns stop signals into a save. `config` is not changed: the run holds
+    the resolved one (`prepare_data`)."""
     logger = get_logger(env.rank)
     state = build_state(config, env, layout, guard, fault, logger)
-    eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
+    config, eod_id, datasets, resume_plan = prepare_data(config, env, logger, state.comm)
+    par, train_cfg = config.parallel, config.train
     dtype = precision_dtype(train_cfg.precision)
     rng_tracker = RNGTracker.seeded(train_cfg.seed, state.tp_rank, state.pp_rank, env.device)
     comm_counter = CommCounter(compiled=train_cfg.compile)
@@ -265,7 +286,6 @@ def build_run(
         comm_counter=comm_counter,
         datasets=datasets,
         eod_id=eod_id,
-        progress=TrainingProgress(),
         metrics=MetricsWriter(
             config.run.dir, env.rank == 0, config.logging.tensorboard, open_wandb(config, env.rank == 0)
         ),
@@ -277,11 +297,15 @@ def build_run(
             if config.checkpoint.save
             else None
         ),
-        hang_guard=guard,
-        fault=fault,
-        straggler=StragglerReport(
-            config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
+        guards=RunGuards(
+            preemption=preemption,
+            hang_guard=guard,
+            straggler=StragglerReport(
+                config.logging.straggler_interval, config.logging.straggler_threshold, state, env.device
+            ),
+            fault=fault,
         ),
+        loop=LoopState(),
     )
 
 
@@ -321,9 +345,8 @@ def resume_if_asked(run: Run) -> None:
         if moved:
             run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
         return
-    loaded = load_into_run(run.resume_plan, run.config, run.checkpoint_parts(), run.logger.info)
-    run.progress = loaded
-    run.last_saved = run.progress.iteration
+    run.loop.progress = load_into_run(run.resume_plan, run.config, run.checkpoint_parts(), run.logger.info)
+    run.loop.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
     run.logger.info(
         f"{'resumed from' if run.progress.iteration else 'starting at'} iteration "

@@ -16,9 +16,8 @@ import torch
 
 from data.microbatch import Microbatch
 from model.gpt import GPTModel
-from optim.optimizer import DistributedOptimizer, Optimizer
-from parallel.data_parallel import DataParallel
-from parallel.fsdp import ShardedDataParallel
+from optim.optimizer import Optimizer
+from parallel.grad_sync import GradientSync
 from parallel.grad_utils import finalize_model_grads
 from parallel.layout import Layout
 from parallel.pipeline.executor import execute_schedule
@@ -38,8 +37,8 @@ class StepContext:
     chunks: list[GPTModel]
     state: ParallelState
     layout: Layout
-    ddp: DataParallel | ShardedDataParallel  # the data-parallel flavour: the step calls the same methods on each
-    optimizer: Optimizer | DistributedOptimizer
+    ddp: GradientSync  # the data-parallel flavour (DataParallel or ShardedDataParallel)
+    optimizer: Optimizer  # the one matching `ddp`: plain, distributed (ZeRO-1) or sharded (FSDP)
     activation_shape: tuple[int, int, int]  # [s(/tp with sequence parallelism), b, h] between stages
     activation_dtype: torch.dtype
     device: torch.device

@@ -58,7 +58,7 @@ def _resume_rank(rank: int, world_size: int, overrides: list[str], copy_root: st
     run = build_run(config, init_distributed(), layout_from_config(config, world_size))
     resume_if_asked(run)
     assert run.progress.iteration == 5
-    job = build_save_job(copy_root, run.checkpoint_parts(), run.progress, config.to_dict(), keep_last=0)
+    job = build_save_job(copy_root, run.checkpoint_parts(), run.progress, run.config.to_dict(), keep_last=0)
     os.makedirs(copy_root, exist_ok=True)
     write_checkpoint(job, run.checkpointer.group)
     train(run)

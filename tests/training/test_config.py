@@ -201,7 +201,12 @@ def test_checkpoint_load_keys():
     assert load_config(None, ["checkpoint.load=true"]).checkpoint.load is True
     assert load_config(None, ["checkpoint.load=/runs/a/checkpoints"]).checkpoint.load == "/runs/a/checkpoints"
     finetune = load_config(None, ["checkpoint.finetune=/runs/a/checkpoints"]).checkpoint  # one override
-    assert (finetune.load, finetune.finetune) == ("/runs/a/checkpoints", True)
+    # the override names the source, and the loaded config keeps what was given (nothing is rewritten)
+    assert (finetune.load, finetune.finetune, finetune.source()) == (
+        False,
+        "/runs/a/checkpoints",
+        "/runs/a/checkpoints",
+    )
     for overrides, message in (
         (["checkpoint.finetune=true"], "checkpoint.finetune=true needs checkpoint.load"),
         (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=false needs"),
