@@ -1,15 +1,18 @@
 """A model's weights as one global state dict, from and to our checkpoints, and as a runnable model.
 
 The global state dict is what a single-process GPTModel holds (`layers.5.mlp.fc1.weight`, the vocabulary
-padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_checkpoint.py) and generation
-(tools/generate.py) work on it, so that any checkpoint layout is read in one place.
+padded to ModelConfig.padded_vocab_size(1)); the converters (tools/convert_checkpoint.py) work on it, so that
+any checkpoint layout is read in one place. place_global_weights gives a model's chunks at any layout their
+shards of it (a transformers folder opened by convert/open_model.py, the one door that opens a model).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from checkpoint import load_model_weights, read_saved_config, resolve_checkpoint, save_model_weights
 from config.data_config import DataConfig, resolve_data_file
@@ -17,7 +20,8 @@ from config.schema import ParallelConfig, TrainConfig, config_from_dict
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import materialize_parameters
-from model.param_info import full_shape
+from model.param_info import full_shape, param_info
+from model.rank_spec import RankSpec
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
@@ -32,13 +36,27 @@ def load_global_state(path: str) -> tuple[dict, Tensors]:
     iter_dir = resolve_checkpoint(path)
     config = read_run_config(iter_dir)
     state = ParallelState.single()
-    chunks = build_model_chunks(
-        config_from_dict(config).model, state, seed=0, device=torch.device("cpu"), dtype=torch.float32
-    )
-    load_model_weights(iter_dir, chunks, state)
+    model = config_from_dict(config).model
+    chunks = checkpoint_chunks(iter_dir, model, state, 0, torch.device("cpu"), torch.float32, rank_spec(model, state))
     tensors = chunks[0].state_dict()
     check_finite(tensors, iter_dir)
     return config, tensors
+
+
+def checkpoint_chunks(
+    iter_dir: str,
+    cfg: ModelConfig,
+    state: ParallelState,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    spec: RankSpec,
+) -> list[GPTModel]:
+    """This rank's chunks at `state` holding the weights of the checkpoint in `iter_dir`, read through the
+    layout-free loader (collective when distributed; `seed` only draws the initial values it overwrites)."""
+    chunks = build_model_chunks(cfg, state, seed, device, dtype, spec)
+    load_model_weights(iter_dir, chunks, state)
+    return chunks
 
 
 def read_run_config(iter_dir: str) -> dict:
@@ -96,19 +114,6 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> ParallelConfig:
     return parallel
 
 
-def checkpoint_iteration(path: str) -> tuple[int, str]:
-    """(iteration, iteration folder) a checkpoint path resolves to (iter_0000120 -> 120)."""
-    iter_dir = resolve_checkpoint(path)
-    digits = os.path.basename(iter_dir).removeprefix("iter_")
-    return (int(digits) if digits.isdigit() else 0), iter_dir
-
-
-def loaded_iteration(path: str) -> str:
-    """Which iteration a checkpoint path resolves to, as words for the user ("iteration 120 of DIR")."""
-    iteration, iter_dir = checkpoint_iteration(path)
-    return f"iteration {iteration} of {iter_dir}"
-
-
 def save_global_state(root: str, iteration: int, config: dict, tensors: Tensors) -> str:
     """A weights-only checkpoint of a global state dict under root (loadable at any layout, e.g. with
     checkpoint.finetune=ROOT); returns the iteration folder."""
@@ -135,26 +140,37 @@ def build_model_from_state(
     dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
     """A whole model (pre and post process) holding `tensors`, sharded over state's tp group, in eval mode:
-    built on the meta device from the rank's description, then each parameter given its shard of the global
-    tensor (the cut model/init.py makes of an initial value)."""
+    built on the meta device from the rank's description, then filled by place_global_weights."""
     state = state or ParallelState.single()
     with torch.device("meta"):
         model = GPTModel(cfg, cfg.padded_vocab_size(state.tp_size), spec=rank_spec(cfg, state))
-    padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(state.tp_size))
-    _check_names_and_shapes(model, padded)
-    materialize_parameters(model, lambda name, shape: padded[name].to(torch.float32), device, dtype)
+    place_global_weights([model], tensors, cfg, device, dtype)
     return model.eval()
 
 
-def _check_names_and_shapes(model: GPTModel, tensors: Tensors) -> None:
-    """ValueError naming the first tensor the model lacks or does not hold, or whose shape differs."""
-    shapes = {name: full_shape(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    missing, unexpected = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+@torch.no_grad()
+def place_global_weights(
+    chunks: Sequence[nn.Module], tensors: Tensors, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> None:
+    """Give every parameter of `chunks` (meta or not) its shard of the global state dict `tensors` (the cut
+    model/init.py makes of an initial value), vocabulary tables padded to the chunks' rows, on `device` in
+    `dtype`. Checked first: ValueError naming the first tensor the model lacks or does not hold, or whose
+    shape differs."""
+    shardings = param_shardings(cfg)
+    unexpected = sorted(tensors.keys() - meta_state(cfg).keys())
+    shapes = {}  # global name -> the full shape this layout holds it at (vocabulary rows padded to the layout)
+    for chunk in chunks:
+        for name, param in chunk.named_parameters(remove_duplicate=False):
+            shapes[param_info(param).init_name or name] = full_shape(param)
+    missing = sorted(shapes.keys() - tensors.keys())
     if missing or unexpected:
         what = f"lacks {missing[0]}" if missing else f"holds {unexpected[0]}, which the model does not have"
         raise ValueError(f"the weights do not fit the model config: the state dict {what}")
+    padded = {name: shardings[name].padded(tensors[name], shape[0]) for name, shape in shapes.items()}
     for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
+        if tuple(padded[name].shape) != shape:
             raise ValueError(
-                f"the weights do not fit the model config: {name} is {tuple(tensors[name].shape)}, the model's {shape}"
+                f"the weights do not fit the model config: {name} is {tuple(padded[name].shape)}, the model's {shape}"
             )
+    for chunk in chunks:
+        materialize_parameters(chunk, lambda name, shape: padded[name].to(torch.float32), device, dtype)

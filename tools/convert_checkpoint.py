@@ -39,9 +39,7 @@ from convert.hf_folder import (
     hf_model_config,
     hf_tokenizer_json,
     parse_size,
-    read_hf_weights,
     sentencepiece_normalizer,
-    tokenizer_section,
     write_tokenizer,
     write_weights,
 )
@@ -50,14 +48,8 @@ from convert.hf_mapping import (
     hf_config,
     to_hf_state_dict,
 )
-from convert.model_weights import (
-    check_finite,
-    check_layout,
-    checkpoint_iteration,
-    load_global_state,
-    loaded_iteration,
-    save_global_state,
-)
+from convert.model_weights import check_finite, check_layout, save_global_state
+from convert.open_model import ModelSource, global_state
 from convert.staging import Stopped, check_output_free, staged_file, staged_folder
 from model.config import ModelConfig
 from model.precision import precision_dtype
@@ -76,8 +68,9 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     """Export a checkpoint of any layout to a transformers folder; returns the files written."""
     max_bytes = parse_size(max_shard_size)
     check_output_free(out_dir)
-    config, tensors = load_global_state(checkpoint)
-    print(f"loaded {loaded_iteration(checkpoint)}")
+    source = ModelSource.checkpoint(checkpoint)
+    config, tensors = global_state(source)
+    print(f"loaded {source.describe()}")
     cfg = model_config_of(config)
     warn_about_normalization(config["data"])
     torch_dtype = precision_dtype(dtype)
@@ -179,8 +172,8 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
     check_output_free(out)  # before reading the weights
     cfg = hf_model_config(hf_dir)
     parallel = layout_section(cfg, tp, pp, vp)  # before reading the weights too
-    tensors = read_hf_weights(hf_dir, cfg)
-    data = tokenizer_section(hf_dir)
+    config, tensors = global_state(ModelSource(hf_dir=hf_dir), cfg)
+    data = config["data"]
     if data is not None:
         check_tokenizer_files(data, cfg.vocab_size or 0)
     return write_our_checkpoint(out, cfg, tensors, data, parallel)
@@ -213,9 +206,11 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
     from convert.megatron_export import megatron_files
 
     check_output_free(out)  # before reading the weights
-    config, tensors = load_global_state(checkpoint)
-    iteration = checkpoint_iteration(checkpoint)[0]
-    print(f"loaded {loaded_iteration(checkpoint)}")
+    source = ModelSource.checkpoint(checkpoint)
+    config, tensors = global_state(source)
+    iteration = source.iteration
+    assert iteration is not None  # a checkpoint's source has one
+    print(f"loaded {source.describe()}")
     files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration, config["data"])
     with staged_folder(out) as tmp:
         for relative, payload in files.items():
@@ -229,7 +224,7 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
 # ---- consolidate -----------------------------------------------------------------------------------
 def consolidate(checkpoint: str, out_file: str) -> str:
     """One torch file {"config": run config, "model": global state dict} from a checkpoint of any layout."""
-    config, tensors = load_global_state(checkpoint)
+    config, tensors = global_state(ModelSource.checkpoint(checkpoint))
     if os.path.isdir(out_file):
         raise ValueError(f"output {out_file} is a folder; give a file name such as model.pt")
     tensors = {name: t.clone() for name, t in tensors.items()}  # the tied output shares no storage then

@@ -28,32 +28,17 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointError
 from config.cli import numbers_as_values
-from config.schema import PRECISIONS, ConfigError, config_from_dict
-from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
+from config.schema import PRECISIONS, ConfigError
+from convert.hf_folder import HFFolderError
 from convert.hf_mapping import UnsupportedModelError
-from convert.model_weights import build_model_from_state, load_global_state, loaded_iteration
-from data.tokenizers import build_tokenizer
+from convert.open_model import ModelSource, open_config, open_model, run_tokenizer
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
 from model.precision import precision_dtype
+from operations.guards import weights_are_finite
 from operations.startup import init_distributed
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
-
-
-def load_model_source(path: str) -> tuple[ModelConfig, dict, dict]:
-    """(model config, global state dict, tokenizer keys of the data section) of a checkpoint or HF folder."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        cfg = hf_model_config(path)
-        tokenizer = tokenizer_section(path)
-        if tokenizer is None:
-            raise HFFolderError(
-                f"{path} holds no tokenizer this tool reads (vocab.json + merges.txt, tokenizer.model or tokenizer.json)"
-            )
-        return cfg, read_hf_weights(path, cfg), tokenizer  # checked: NaN weights would fail deep inside sampling
-    config, tensors = load_global_state(path)
-    print(f"loaded {loaded_iteration(path)}", file=sys.stderr)  # which weights generate, when a run saves many
-    return config_from_dict(config).model, tensors, config["data"]
 
 
 class StreamDecoder:
@@ -148,25 +133,25 @@ def prepare(args: argparse.Namespace, env):
     sampling.validate()
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    cfg, tensors, data = load_model_source(args.checkpoint)
-    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    source = ModelSource.at(args.checkpoint)
+    config = open_config(source)
+    cfg = config.model
     check_tensor_parallel(cfg, env.world_size, sequence_parallel=False)
-    tokenizer = build_tokenizer(
-        data["tokenizer_type"],
-        vocab_file=data.get("vocab_file"),
-        merge_file=data.get("merge_file"),
-        tokenizer_model=data.get("tokenizer_model"),
-        vocab_size=cfg.vocab_size,
-    )
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} entries, the model model.vocab_size={cfg.vocab_size}")
     # tp over every rank; its collectives (the logits' gather) recorded as the prompt's broadcast is (env.comm)
     state = (
         ParallelState.create(env.world_size, 1, recorder=env.comm.recorder)
         if env.world_size > 1
         else ParallelState.single()
     )
-    model = build_model_from_state(cfg, tensors, state, env.device, precision_dtype(args.dtype))
+    # the weights before the tokenizer, as from-hf reads them: a config.json that disagrees with its weights
+    # is named as such, not as a tokenizer of another vocabulary
+    model = open_model(config, source, state, env.device, precision_dtype(args.dtype))[0]  # pp=1: the whole model
+    # checked on every rank at once: NaN weights would fail deep inside sampling, or on one tp rank only
+    if not weights_are_finite([model], state, env.device):
+        raise ValueError(source.broken_weights())
+    tokenizer = run_tokenizer(config)
+    if env.rank == 0:
+        print(f"loaded {source.describe()}", file=sys.stderr)  # which weights generate, when a run saves many
     return model, cfg, state, tokenizer, sampling
 
 
