@@ -300,3 +300,10 @@ def test_bad_moe_settings_are_refused_with_one_line(overrides, message):
     with pytest.raises(ValueError) as refusal:
         moe_config(**overrides)
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_gpt_model_refuses_experts_until_a_layer_holds_them():
+    from model.gpt import GPTModel
+
+    with pytest.raises(ValueError, match=r"^model.num_experts=4: GPTModel has no MoE layers yet"):
+        GPTModel(moe_config(), padded_vocab_size=128)
