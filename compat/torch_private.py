@@ -98,6 +98,15 @@ LOADER_SHUTDOWN = PrivateName(
     "none (a DataLoader iterator has no public close): without it the workers are SIGKILLed, and torch's "
     "SIGCHLD handler may report them as failed (a second error after the first)",
 )
+GROUPED_MM = PrivateName(
+    "torch",
+    "_grouped_mm",
+    "the experts of a Mixture-of-Experts layer in one matrix multiply over their token groups "
+    "(model/moe/experts.py): one launch instead of one per expert, torch's CUTLASS grouped GEMM on CUDA; it "
+    "needs row strides of a multiple of 16 bytes (hidden and expert FFN sizes a multiple of 4 in fp32, 8 in "
+    "bf16)",
+    "none yet: without it (or for unaligned sizes) the experts run one torch.mm each over their token groups",
+)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     AUTOGRAD_ENGINE,
@@ -108,6 +117,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PICKLED_LAYOUT,
     SET_PG_TIMEOUT,
     LOADER_SHUTDOWN,
+    GROUPED_MM,
 )
 
 
@@ -192,3 +202,11 @@ def shutdown_loader_workers(iterator: object) -> bool:
         return False
     shutdown()
     return True
+
+
+GroupedMM = Callable[..., torch.Tensor]  # (mat_a [T, K], mat_b [G, K, N], *, offs [G] int32) -> [T, N]
+
+
+def grouped_mm() -> GroupedMM | None:
+    """torch's grouped matrix multiply (GROUPED_MM), or None when this torch has none."""
+    return getattr(torch, "_grouped_mm", None)

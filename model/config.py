@@ -240,6 +240,129 @@ class ModelConfig:
         ),
     )
 
+    # ---- Mixture of Experts (megatron-core's TransformerConfig names; model/moe/) ----------------------
+    num_experts: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Experts of each MoE layer (megatron-core's num_moe_experts). 0 or null: a dense model.",
+            ge=0,
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_layer_freq: int | list[int] = field(
+        default=1,
+        metadata=key_spec(
+            "Which layers are MoE layers: n (every n-th: layers 0, n, 2n, ...), or a list of 0/1, one per layer "
+            "(1: MoE; DeepSeek's first k dense layers are k zeros).",
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_router_topk: int = field(
+        default=2, metadata=key_spec("Experts each token is routed to (k); at most model.num_experts.", ge=1)
+    )
+    moe_ffn_hidden_size: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Width of each routed expert's MLP. null: the dense MLP's width (model.ffn_hidden_size).",
+            ge=1,
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_shared_expert_ffn_hidden_size: int | None = field(
+        default=None,
+        metadata=key_spec(
+            "Width of the shared expert, an MLP every token goes through beside its routed experts (several "
+            "shared experts are one wider MLP). 0 or null: none.",
+            ge=0,
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_shared_expert_gate: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Multiply the shared expert's output by sigmoid(w . x), a learned gate per token (Qwen2-MoE).",
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_router_score_function: str = field(
+        default="softmax",
+        metadata=key_spec(
+            "Router scores: softmax (Mixtral, OLMoE, Qwen2-MoE) or sigmoid (DeepSeek-V3: the top-k sigmoid "
+            "scores renormalised); computed in fp32 whatever the precision.",
+            choices=("softmax", "sigmoid"),
+        ),
+    )
+    moe_router_pre_softmax: bool = field(
+        default=False,
+        metadata=key_spec(
+            "With softmax scores: the top-k of the softmax over all experts, not renormalised (OLMoE, Qwen2-MoE "
+            "with norm_topk_prob=false). false: the softmax over the top-k logits (Mixtral). Needed for top-1."
+        ),
+    )
+    moe_router_topk_scaling_factor: float | None = field(
+        default=None,
+        metadata=key_spec("Multiplies the routing weights (DeepSeek-V3's routed_scaling_factor). null: 1.", gt=0),
+    )
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss",
+        metadata=key_spec(
+            "aux_loss (the Switch Transformer's loss over the micro-batch), seq_aux_loss (the same per sequence, "
+            "averaged: DeepSeek-V2/V3) or none; weighted by model.moe_aux_loss_coeff.",
+            choices=("aux_loss", "seq_aux_loss", "none"),
+        ),
+    )
+    moe_aux_loss_coeff: float = field(
+        default=0.0,
+        metadata=key_spec(
+            "Coefficient of the load-balancing loss (1e-2 is a usual start); its gradient is added in backward, "
+            "the logged lm loss leaves it out. 0: off.",
+            ge=0,
+        ),
+    )
+    moe_z_loss_coeff: float | None = field(
+        default=None,
+        metadata=key_spec(
+            "Coefficient of the router z-loss, the mean squared logsumexp of the router logits (ST-MoE; 1e-3 is "
+            "a usual start). null: off.",
+            ge=0,
+        ),
+    )
+    moe_router_enable_expert_bias: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the selection only "
+            "(not the weights), moved by model.moe_router_bias_update_rate after each step towards equal load. "
+            "Needs model.moe_router_score_function=sigmoid.",
+            also=_STRUCTURAL,
+        ),
+    )
+    moe_router_bias_update_rate: float = field(
+        default=1e-3, metadata=key_spec("Step of the expert bias per update (DeepSeek-V3's 1e-3).", ge=0)
+    )
+    moe_expert_capacity_factor: float | None = field(
+        default=None,
+        metadata=key_spec(
+            "Each expert takes at most ceil(tokens x top_k / experts x factor) tokens of a micro-batch; the rest "
+            "of its tokens are dropped (they pass by the residual). null: dropless.",
+            gt=0,
+        ),
+    )
+    moe_token_drop_policy: str = field(
+        default="probs",
+        metadata=key_spec(
+            "With a capacity factor, which tokens an expert keeps: probs (its highest routing weights) or "
+            "position (the earliest in the micro-batch).",
+            choices=("probs", "position"),
+        ),
+    )
+    moe_pad_expert_input_to_capacity: bool = field(
+        default=False,
+        metadata=key_spec(
+            "With a capacity factor, every expert computes exactly its capacity in rows (the rows of tokens not "
+            "routed to it weigh 0): fixed shapes."
+        ),
+    )
+
     def validate(self) -> None:
         """Checks local to this section; each error names the key and its value."""
         check_declared(self, "model")
@@ -259,6 +382,7 @@ class ModelConfig:
                 f"model.seq_length={self.seq_length}"
             )
         self._validate_kernels()
+        self._validate_moe()
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
 
@@ -272,6 +396,36 @@ class ModelConfig:
         for name in self.fused_kernel_names:
             if name not in KERNEL_NAMES:
                 raise ValueError(f"model.fused_kernel_names: {name!r} is not one of {', '.join(KERNEL_NAMES)}")
+
+    def _validate_moe(self) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            if len(freq) != self.num_layers or any(item not in (0, 1) or isinstance(item, bool) for item in freq):
+                raise ValueError(
+                    f"model.moe_layer_freq={freq} must be one 0 or 1 per layer (model.num_layers={self.num_layers})"
+                )
+        elif freq < 1:
+            raise ValueError(f"model.moe_layer_freq={freq} must be >= 1 (every n-th layer) or a list of 0/1")
+        if not self.num_experts:
+            return
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"model.moe_router_topk={self.moe_router_topk} is more than model.num_experts={self.num_experts}"
+            )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "model.moe_router_enable_expert_bias=true needs model.moe_router_score_function=sigmoid, got "
+                f"{self.moe_router_score_function}"
+            )
+        if (
+            self.moe_router_topk == 1
+            and self.moe_router_score_function == "softmax"
+            and not self.moe_router_pre_softmax
+        ):
+            # A softmax over one logit is 1 whatever the logit: the router would get no gradient.
+            raise ValueError("model.moe_router_topk=1 with softmax scores needs model.moe_router_pre_softmax=true")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("model.moe_pad_expert_input_to_capacity=true needs model.moe_expert_capacity_factor")
 
     # ---- derived sizes ----------------------------------------------------------------------
     @property
@@ -289,6 +443,19 @@ class ModelConfig:
         if self.activation == "swiglu":
             return 64 * math.ceil(int(8 * self.hidden_size / 3) / 64)
         return 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Width of each routed expert's MLP."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether global layer `layer_id` holds an MoE layer in place of the dense MLP (model.moe_layer_freq)."""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return self.moe_layer_freq[layer_id] == 1
+        return layer_id % self.moe_layer_freq == 0
 
     @property
     def max_positions(self) -> int:

@@ -269,6 +269,11 @@ class GPTModel(nn.Module):
         spec: RankSpec | None = None,
     ):
         super().__init__()
+        if cfg.num_experts:  # the MoE layer (model/moe/) is built and tested alone; no layer holds it yet
+            raise ValueError(
+                f"model.num_experts={cfg.num_experts}: GPTModel has no MoE layers yet (model/moe/ holds the layer "
+                "alone); leave model.num_experts out or set it to 0"
+            )
         self.cfg = cfg
         spec = spec or RankSpec.one_process(cfg)
         self.tp_hooks = spec.tp

@@ -36,6 +36,7 @@ def test_every_listed_name_exists_in_the_installed_torch(name: PrivateName):
 def test_the_accessors_reach_the_private_names():
     assert torch_private.autograd_engine() is resolve(torch_private.AUTOGRAD_ENGINE).__self__
     assert torch_private.fused_sdp_choice() is resolve(torch_private.FUSED_SDP_CHOICE)
+    assert torch_private.grouped_mm() is resolve(torch_private.GROUPED_MM)
     base = torch.arange(6.0)
     assert torch_private.is_view(base[2:]) is True and torch_private.is_view(base) is False
     tensors = [torch.randn(5, 3), torch.randn(7)]

@@ -108,6 +108,12 @@ def test_structural_keys_are_marked_on_the_config():
         "activation",
         "tie_embeddings",
         "add_bias_linear",
+        "num_experts",
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_ffn_hidden_size",
+        "moe_shared_expert_gate",
+        "moe_router_enable_expert_bias",
     }
     assert checkpoint_keys("resume_only") == ("seq_length", "rotary_base")
 
