@@ -40,7 +40,9 @@ from evaluation.model_source import DTYPES, INPUT_ERRORS, load_model, run_config
 from evaluation.scoring import WindowScorer
 from evaluation.windows import Window, continuation_window, rolling_windows
 from model.precision import precision_dtype
+from operations.guards import EXIT_HUNG
 from operations.startup import check_devices, init_distributed
+from parallel.group_setup import GroupCreationTimeout
 from parallel.layout import layout_from_config
 
 NAME = "ptdp"
@@ -79,8 +81,8 @@ class PTDPLM(TemplateLM):
         **model_args: Any,
     ):
         super().__init__()
-        self._max_gen_toks = int(max_gen_toks)
         try:
+            self._max_gen_toks = _whole_tokens("max_gen_toks", max_gen_toks)
             self._build(checkpoint, hf, dtype, batch_size, max_length, model_args)
         except INPUT_ERRORS as err:
             raise ModelInputError(str(err)) from None
@@ -214,6 +216,18 @@ def _window_argument(max_length: int | float | str) -> int:
     return length
 
 
+def _whole_tokens(name: str, value: int | float | str) -> int:
+    """A model_args token count (`name`) as a whole number >= 1, else a one-line error naming it."""
+    try:
+        count = int(value)
+        whole = float(value) == count
+    except (ValueError, OverflowError):  # text, nan; inf
+        whole = False
+    if not whole or count < 1:
+        raise ValueError(f"ptdp model_args {name}={value!r} must be a whole number of tokens >= 1")
+    return count
+
+
 class ModelInputError(ValueError):
     """The ptdp model could not be built from its model_args (a bad checkpoint, tokenizer, layout, ...)."""
 
@@ -248,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
         return 2
+    except GroupCreationTimeout as err:  # a rank that never joined: one line per rank, as the trainer says it
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HUNG
     except ValueError as err:
         if not refused_by_lm_eval(err):
             raise

@@ -45,7 +45,9 @@ from evaluation.model_source import (
 from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, wikitext_task
 from model.precision import precision_dtype
+from operations.guards import EXIT_HUNG
 from operations.startup import DistEnv, check_devices, init_distributed
+from parallel.group_setup import GroupCreationTimeout
 from parallel.layout import layout_from_config
 from training.logging import json_safe
 
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     env_holder: list[DistEnv] = []
     try:
         record = evaluate(args, env_holder)
+    except GroupCreationTimeout as err:  # a rank that never joined: one line per rank, as the trainer says it
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HUNG
     except ReportedError as err:  # found on one rank: that rank names it
         if env_holder and env_holder[0].rank == err.reporting_rank:
             print(f"error: {err}", file=sys.stderr)

@@ -35,8 +35,9 @@ from convert.open_model import ModelSource, open_config, open_model, run_tokeniz
 from model.config import ModelConfig
 from model.generation import SamplingConfig, generate_tokens
 from model.precision import precision_dtype
-from operations.guards import weights_are_finite
+from operations.guards import EXIT_HUNG, weights_are_finite
 from operations.startup import init_distributed
+from parallel.group_setup import GroupCreationTimeout
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -157,7 +158,11 @@ def prepare(args: argparse.Namespace, env):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    env = init_distributed(announce_threads=False)  # stdout is the generated text
+    try:
+        env = init_distributed(announce_threads=False)  # stdout is the generated text
+    except GroupCreationTimeout as err:  # a rank that never joined: one line per rank, as the trainer says it
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_HUNG
     try:
         try:
             if not 0 <= args.seed < 2**64:  # torch.Generator's range (else "Overflow when unpacking long long")

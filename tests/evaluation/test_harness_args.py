@@ -1,0 +1,20 @@
+"""The lm_eval adapter's token-count model_args: one line naming the argument, before any model is opened."""
+
+import pytest
+
+from evaluation.harness import PTDPLM, ModelInputError, _whole_tokens
+
+pytestmark = pytest.mark.tier("fast")
+
+
+@pytest.mark.parametrize("value,expected", [(8, 8), ("8", 8), (8.0, 8), ("1", 1)])
+def test_a_whole_token_count_is_taken(value, expected):
+    assert _whole_tokens("max_gen_toks", value) == expected
+
+
+@pytest.mark.parametrize("value", ["x", "1.5", 0, -1, float("nan"), float("inf"), ""])
+def test_a_bad_max_gen_toks_is_one_line_naming_it(value):
+    with pytest.raises(ModelInputError) as raised:
+        PTDPLM(checkpoint="/nonexistent", max_gen_toks=value)
+    message = str(raised.value)
+    assert message.startswith("ptdp model_args max_gen_toks=") and "\n" not in message
