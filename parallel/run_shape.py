@@ -5,6 +5,8 @@ planner, tools/ and convert/ ask for it instead of deriving it again:
 
     padded_vocab, vocab_local     the vocabulary padded for tp (ModelConfig.padded_vocab_size) and its shard
     local_seq_length              tokens of each sequence on one rank (seq_length / cp)
+    sequence_parallel             whether sequence parallelism splits anything (asked for, and tp > 1)
+    value_bytes                   bytes of one activation value in the run's precision (train.precision)
     activation_shape              [s/cp(/tp with sequence parallelism), b, h]: what pipeline stages exchange
     flops                         FLOPs of one iteration (model/shape.py's GEMM arithmetic at the padded
                                   vocabulary and the pp x vp chunks that block recomputation counts)
@@ -17,7 +19,8 @@ planner, tools/ and convert/ ask for it instead of deriving it again:
 
 Why its own object rather than methods of Layout: a Layout is the model-free answer of the layout rules (it is
 printed at start-up, stored in checkpoints and built by the planner for candidates); these quantities also need
-the model (layers, vocabulary, sequence) and the train section (batch, recomputation).
+the model (layers, vocabulary, sequence) and the train section (batch, recomputation, precision). The planner's
+per-layer activation model (planner/activations.ActivationShape) is built from these values, not beside them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from model.config import ModelConfig
+from model.precision import precision_dtype
 from model.rank_spec import Recompute
 from model.shape import IterationFlops, RecomputeSettings, iteration_flops
 from parallel.layout import Layout
@@ -38,6 +42,7 @@ class TrainShape(RecomputeSettings, Protocol):
     """What a RunShape needs of the train section (config.schema.TrainConfig has these)."""
 
     micro_batch_size: int
+    precision: str
 
 
 class ShapeSections(Protocol):
@@ -105,9 +110,20 @@ class RunShape:
         return self.model.seq_length // self.layout.cp_size
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether sequence parallelism splits the layer's replicated activations: the layout asks for it and
+        there are tp ranks to split over (with tp = 1 the flag changes nothing)."""
+        return self.layout.sequence_parallel and self.layout.tp_size > 1
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one activation value in train.precision: 4 for fp32, 2 for bf16 and fp16."""
+        return precision_dtype(self.train.precision).itemsize
+
+    @property
     def activation_shape(self) -> tuple[int, int, int]:
         """[s, b, h] of the tensors pipeline stages exchange: s/cp tokens, /tp again with sequence parallelism."""
-        seq = self.local_seq_length // (self.layout.tp_size if self.layout.sequence_parallel else 1)
+        seq = self.local_seq_length // (self.layout.tp_size if self.sequence_parallel else 1)
         return seq, self.train.micro_batch_size, self.model.hidden_size
 
     @property

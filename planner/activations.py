@@ -12,9 +12,9 @@ attention, any ffn width, SwiGLU (fc1 output of 2 ffn values), dropout off (no m
 kernels that keep no [s, s] tensor (`attention="flash"`: only a fp32 log-sum-exp per query row).
 
 Context parallelism (cp) gives each rank s / cp tokens of every sequence: every term counts the local sequence
-(`ActivationShape.local_seq`), and ring attention keeps, like a flash kernel, only a log-sum-exp per query
-row besides q, k, v and the output (parallel/context_parallel.py), so its attention is "flash" whatever the
-backend of one process would be.
+(`ActivationShape.local_seq`, RunShape's local_seq_length), and ring attention keeps, like a flash kernel, only a
+log-sum-exp per query row besides q, k, v and the output (parallel/context_parallel.py), so its attention is
+"flash" whatever the backend of one process would be.
 """
 
 from __future__ import annotations
@@ -22,18 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from parallel.run_shape import RunShape, ShapeSections
 from planner.fusion import FUSIONS, fused_operators
 
 if TYPE_CHECKING:
-    from config.schema import ParallelConfig, TrainConfig
-    from model.config import ModelConfig
+    from parallel.layout import Layout
 
 
 @dataclass(frozen=True)
 class ActivationShape:
-    """What the formula needs: sizes, tp, and what the kernels keep."""
+    """What the formula needs: sizes, tp, and what the kernels keep. `shape_from_config` builds it from a
+    RunShape; a test may write one by hand to pin the formula at the paper's sizes."""
 
-    seq_length: int
+    seq_length: int  # keys each query attends to: the whole sequence, whatever cp is
+    local_seq: int  # tokens of each sequence on one rank (RunShape.local_seq_length: seq_length / cp)
     micro_batch: int
     hidden: int
     heads: int
@@ -41,21 +43,16 @@ class ActivationShape:
     ffn: int
     swiglu: bool
     tp_size: int
-    sequence_parallel: bool
+    sequence_parallel: bool  # splits something: asked for and tp > 1 (RunShape.sequence_parallel)
     value_bytes: int  # 2 for bf16/fp16 activations, 4 for fp32
     mask_bytes: int = 1  # a dropout mask element (bool on GPU)
     hidden_dropout: bool = True
     attention_dropout: bool = True
     attention: str = "materialized"  # or "flash"
-    cp_size: int = 1  # context parallelism: each rank holds seq_length / cp_size tokens
+    cp_size: int = 1  # context parallelism: the ranks each sequence is cut over
     # the memory-bound chains that run fused (planner/fusion.py; the time model only, the kept bytes are the
     # fused kernels'): all by default, as the cost formulas are written; the config's kernel selection decides
     fused: frozenset[str] = FUSIONS
-
-    @property
-    def local_seq(self) -> int:
-        """Tokens of each sequence on one rank (seq_length / cp)."""
-        return self.seq_length // self.cp_size
 
     @property
     def attention_kept(self) -> str:
@@ -63,29 +60,27 @@ class ActivationShape:
         return "flash" if self.cp_size > 1 else self.attention
 
 
-def shape_from_config(
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    train: TrainConfig,
-    attention: str = "materialized",
-    micro_batch: int | None = None,
-) -> ActivationShape:
-    """The ActivationShape of a run config (config.schema sections)."""
+def shape_from_config(config: ShapeSections, layout: Layout, attention: str = "materialized") -> ActivationShape:
+    """The ActivationShape of a run config (a config.schema.Config) under its `layout`: every size that follows
+    from the layout (local sequence, tp, cp, sequence parallelism, value size) is RunShape's."""
+    run = RunShape.of(config, layout)
+    model = run.model
     return ActivationShape(
         seq_length=model.seq_length,
-        micro_batch=micro_batch or train.micro_batch_size,
+        local_seq=run.local_seq_length,
+        micro_batch=run.train.micro_batch_size,
         hidden=model.hidden_size,
         heads=model.num_attention_heads,
         query_groups=model.query_groups,
         ffn=model.ffn_size,
         swiglu=model.activation == "swiglu",
-        tp_size=parallel.tp_size,
-        sequence_parallel=bool(parallel.sequence_parallel and parallel.tp_size > 1),
-        value_bytes=4 if train.precision == "fp32" else 2,
+        tp_size=layout.tp_size,
+        sequence_parallel=run.sequence_parallel,
+        value_bytes=run.value_bytes,
         hidden_dropout=model.hidden_dropout > 0,
         attention_dropout=model.attention_dropout > 0,
         attention=attention,
-        cp_size=parallel.cp_size,
+        cp_size=layout.cp_size,
         fused=fused_operators(model, attention),
     )
 

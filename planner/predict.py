@@ -272,7 +272,7 @@ def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Sof
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
     hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout))
-    shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
+    shape = shape_from_config(config, layout, attention=cluster.efficiency.attention)
     comms = LayoutCollectives(config, layout, software)
     costs = _Costs(config, layout, hw, shape, comms)
     plan = CommPlan(costs.step, par.overlap_p2p_comm, comms.plans) if software.planned_p2p else None

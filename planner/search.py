@@ -137,7 +137,7 @@ def first_estimate(config: Config, cluster: ClusterSpec, world_size: int, softwa
     layout = build_layout(model, par, train, world_size)
     if layout.fsdp:
         return predict(config, cluster, world_size, software).iteration_seconds
-    shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
+    shape = shape_from_config(config, layout, attention=cluster.efficiency.attention)
     hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout))
     layer = layer_times(shape, model, hw, train.recompute)
     comms = LayoutCollectives(config, layout)
@@ -169,7 +169,7 @@ def search(
         considered += 1
         model, par, train = candidate.model, candidate.parallel, candidate.train
         layout = build_layout(model, par, train, world_size)
-        shape = shape_from_config(model, par, train, attention=cluster.efficiency.attention)
+        shape = shape_from_config(candidate, layout, attention=cluster.efficiency.attention)
         memory = memory_of(candidate, layout, cluster, shape, software_of(candidate))
         if memory.total / GIB <= cluster.memory_gib:
             fitting.append((first_estimate(candidate, cluster, world_size, software_of(candidate)), candidate))

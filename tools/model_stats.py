@@ -61,7 +61,7 @@ def total_parameters(config: Config) -> int:
 
 def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[str]:
     """The report's lines; `layout` is the trainer's Layout of the config at this dp (built when not given)."""
-    par, m, train = config.parallel, config.model, config.train
+    par, train = config.parallel, config.train
     layout = layout or layout_from_config(config, par.tp_size * par.cp_size * par.pp_size * dp_size)
     shape = RunShape.of(config, layout)
     total = total_parameters(config)
@@ -82,7 +82,7 @@ def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[s
         f"model FLOPs {flops.model:.4e} (recomputation excluded, for MFU)"
     )
     # the planner's estimate, as the trainer's size check uses it (no cluster allowance)
-    activations = shape_from_config(m, par, train)
+    activations = shape_from_config(config, layout)
     memory = config_memory(config, layout, activations, 0.0).as_gib()
     lines.append(
         f"memory estimate per device (busiest stage, {train.precision}, recompute {train.recompute}, "

@@ -52,8 +52,9 @@ def lower_bound_estimate(config: Config, layout: Layout) -> MemoryEstimate:
         model = dataclasses.replace(model, vocab_size=_VOCAB_UNKNOWN)
     cap = _MAX_MICROBATCHES_PER_STAGE * layout.pp_size  # a multiple of pp, as interleaving needs
     bounded = dataclasses.replace(layout, num_microbatches=min(layout.num_microbatches, cap))
-    shape = shape_from_config(model, config.parallel, config.train, attention="flash")
-    return config_memory(dataclasses.replace(config, model=model), bounded, shape, 0.0)
+    estimated = dataclasses.replace(config, model=model)
+    shape = shape_from_config(estimated, layout, attention="flash")
+    return config_memory(estimated, bounded, shape, 0.0)
 
 
 def check_fits(config: Config, layout: Layout, use_cuda: bool, environ: Mapping[str, str]) -> None:

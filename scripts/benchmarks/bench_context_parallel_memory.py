@@ -42,7 +42,7 @@ def predicted_activations(overrides: list[str], world_size: int) -> float:
     """The planner's activation bytes for the busiest rank of this run (no process group needed)."""
     config = load_config(DEFAULT_CONFIG, overrides)
     layout = layout_from_config(config, world_size)
-    shape = shape_from_config(config.model, config.parallel, config.train, attention="flash")
+    shape = shape_from_config(config, layout, attention="flash")
     return rank_memory(config.model, layout, config.train, False, shape, 0, 0.0).activations
 
 

@@ -100,7 +100,9 @@ def test_planner_activations_fall_with_cp_and_ring_bytes():
         return load_config(None, ["model.seq_length=8192", "model.attention_dropout=0.0", f"parallel.cp_size={cp}"])
 
     per_layer = [
-        layer_activation_bytes(shape_from_config(c.model, c.parallel, c.train, attention="flash"), "none")
+        layer_activation_bytes(
+            shape_from_config(c, layout_from_config(c, c.parallel.cp_size), attention="flash"), "none"
+        )
         for c in (config(1), config(4))
     ]
     assert per_layer[1] == pytest.approx(per_layer[0] / 4)

@@ -68,3 +68,26 @@ def test_sizes_flops_and_recomputation():
     assert [shape.recomputed_layers(c) for c in shape.chunks(1)] == [(4, 5, 6)]
     uniform = dataclasses.replace(shape, train=dataclasses.replace(config.train, recompute_method="uniform"))
     assert uniform.recomputed_layers(shape.chunks(0)[0]) == (0, 1, 2, 3)
+
+
+def test_sequence_parallelism_in_effect_and_value_bytes():
+    # sequence parallelism splits only where there are tp ranks; the flag alone at tp 1 changes nothing
+    alone = tiny("parallel.sequence_parallel=true", "train.precision=fp32")
+    single = RunShape.of(alone, layout_from_config(alone, 1))
+    assert single.layout.sequence_parallel and not single.sequence_parallel and single.value_bytes == 4
+    split = tiny("parallel.tp_size=2", "parallel.sequence_parallel=true", "train.precision=bf16")
+    shape = RunShape.of(split, layout_from_config(split, 2))
+    assert shape.sequence_parallel and shape.value_bytes == 2
+    assert shape.activation_shape == (shape.local_seq_length // 2, 4, 128)
+
+
+def test_the_planners_activation_shape_reads_the_run_shape():
+    from planner.activations import shape_from_config
+
+    config = tiny("parallel.tp_size=2", "parallel.cp_size=2", "parallel.sequence_parallel=true")
+    layout = layout_from_config(config, 4)
+    run, planned = RunShape.of(config, layout), shape_from_config(config, layout)
+    assert (planned.local_seq, planned.micro_batch, planned.hidden) == (run.local_seq_length, *run.activation_shape[1:])
+    assert (planned.tp_size, planned.cp_size) == (layout.tp_size, layout.cp_size)
+    assert (planned.sequence_parallel, planned.value_bytes) == (run.sequence_parallel, run.value_bytes)
+    assert planned.seq_length == config.model.seq_length == 2 * planned.local_seq

@@ -37,6 +37,7 @@ def a100(**efficiency):
 def shape(tp=8, sp=False, b=1, cp=1):
     return ActivationShape(
         seq_length=2048,
+        local_seq=2048 // cp,
         micro_batch=b,
         hidden=12288,
         heads=96,

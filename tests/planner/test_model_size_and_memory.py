@@ -88,6 +88,7 @@ def test_paper_1t_total():
 def shape(tp=1, sp=False, attention="materialized", value_bytes=2):
     return ActivationShape(
         seq_length=2048,
+        local_seq=2048,
         micro_batch=2,
         hidden=4096,
         heads=32,
@@ -159,9 +160,9 @@ def test_memory_model_agrees_with_the_measured_cpu_figures(overrides, dp, params
     ]
     config = load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"), base + overrides)
     attention = "materialized" if config.model.attention_dropout > 0 else "flash"
-    cpu_shape = shape_from_config(config.model, config.parallel, config.train, attention=attention)
-    cpu_shape = ActivationShape(**{**cpu_shape.__dict__, "mask_bytes": 4})
     layout = Layout(1, 1, 1, dp, 1, "1f1b")
+    cpu_shape = shape_from_config(config, layout, attention=attention)
+    cpu_shape = ActivationShape(**{**cpu_shape.__dict__, "mask_bytes": 4})
     memory = layout_memory(config.model, layout, config.train, config.parallel.distributed_optimizer, cpu_shape, 0.0)
     assert memory.params == 6_482_432
     predicted = [memory.weights, memory.grads, memory.optimizer, memory.activations]

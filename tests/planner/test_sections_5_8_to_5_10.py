@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from config.schema import load_config
+from parallel.layout import layout_from_config
 from planner.activations import shape_from_config
 from planner.cluster import ClusterError, load_cluster
 from planner.costs import unfused_bytes
@@ -71,20 +72,24 @@ def test_one_trillion_traffic_and_checkpoint_against_the_paper(capsys):
 
 def test_the_config_kernel_selection_decides_what_is_fused():
     config = load_config(os.path.join(PAPER, "gpt_174.6b.yaml"))
-    model, par, train = config.model, config.parallel, config.train
-    assert shape_from_config(model, par, train).fused == FUSIONS  # the paper configs fuse all three
-    none = dataclasses.replace(model, fused_kernels=False)
-    assert shape_from_config(none, par, train).fused == frozenset()
-    assert shape_from_config(none, par, train, attention="flash").fused == {SCALE_MASK_SOFTMAX}  # SDPA's kernel
-    norm_only = dataclasses.replace(model, fused_kernel_names=["norm"])
-    assert shape_from_config(norm_only, par, train).fused == {SCALE_MASK_SOFTMAX}
-    gelu_only = dataclasses.replace(model, fused_kernel_names=["bias_gelu"])
-    assert shape_from_config(gelu_only, par, train).fused == {BIAS_ACTIVATION, SCALE_MASK_SOFTMAX}
+    layout = layout_from_config(config, 384)  # tp 8 x pp 12 x dp 4, as Table 2's smallest run
+    assert shape_from_config(config, layout).fused == FUSIONS  # the paper configs fuse all three
+
+    def with_model(**changes):
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
+
+    none = with_model(fused_kernels=False)
+    assert shape_from_config(none, layout).fused == frozenset()
+    assert shape_from_config(none, layout, attention="flash").fused == {SCALE_MASK_SOFTMAX}  # SDPA's kernel
+    norm_only = with_model(fused_kernel_names=["norm"])
+    assert shape_from_config(norm_only, layout).fused == {SCALE_MASK_SOFTMAX}
+    gelu_only = with_model(fused_kernel_names=["bias_gelu"])
+    assert shape_from_config(gelu_only, layout).fused == {BIAS_ACTIVATION, SCALE_MASK_SOFTMAX}
 
 
 def test_unfused_bytes_follow_the_ops_of_each_chain():
     config = load_config(os.path.join(PAPER, "gpt_174.6b.yaml"))
-    shape = shape_from_config(config.model, config.parallel, config.train)
+    shape = shape_from_config(config, layout_from_config(config, 384))
     assert unfused_bytes(shape, add_bias=True) == unfused_bytes(dataclasses.replace(shape, fused=FUSIONS), True)
     assert unfused_bytes(shape, add_bias=True).softmax_forward == 0.0
     tokens, hidden, t = 2048, 12288, 8

@@ -75,7 +75,7 @@ def test_zero3_memory_is_16_bytes_per_parameter_over_the_shard_group_plus_the_ga
     for tp, gpus in ((1, 768), (8, 768)):
         config.parallel.tp_size, config.parallel.pp_size = tp, 1
         layout = layout_from_config(config, gpus)
-        memory = config_memory(config, layout, _shape(config), 0.0)
+        memory = config_memory(config, layout, _shape(config, layout), 0.0)
         sharded = ShardedCollectives(config, layout, _run(config, layout), TRAINER)
         per_shard = sharded.params_per_shard
         assert memory.optimizer == 8 * per_shard
@@ -83,10 +83,10 @@ def test_zero3_memory_is_16_bytes_per_parameter_over_the_shard_group_plus_the_ga
         assert per_shard == pytest.approx(174.6e9 / gpus, rel=0.01)
 
 
-def _shape(config):
+def _shape(config, layout):
     from planner.activations import shape_from_config
 
-    return shape_from_config(config.model, config.parallel, config.train)
+    return shape_from_config(config, layout)
 
 
 def _run(config, layout):
