@@ -29,7 +29,7 @@ from operations.faults import fault_from_env
 from operations.guards import EXIT_HUNG, EXIT_INPUT_ERROR, EXIT_INTERRUPTED
 from operations.preemption import Interrupted, PreemptionHandler
 from operations.run_lock import RunLock, take_run_lock
-from operations.startup import DEFAULT_CONFIG, check_devices, init_distributed
+from operations.startup import DEFAULT_CONFIG, check_devices, check_sample_corpus_fits, init_distributed
 from operations.threads import check_cpu_requests, usable_cores
 from parallel.group_setup import GroupCreationTimeout
 from parallel.layout import layout_from_config
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         use_cuda = check_devices(config.train, os.environ)
         check_cpu_requests(config.train.num_threads, config.data.num_workers, os.environ, usable_cores())
         check_wandb_importable(config.logging)
+        check_sample_corpus_fits(config)  # a config error, named before the memory estimate that follows from it
         check_fits(config, layout, use_cuda, os.environ)  # sizes against the memory here, before any allocation
         extra_evaluation = zero_shot_tasks(config)  # eval.*: its files are read here, before any work
         fault = fault_from_env(world_size, config.train.train_iters)  # PTDP_INJECT_FAULT, operations/faults.py
