@@ -114,7 +114,7 @@ def exact_storage(view: torch.Tensor) -> torch.Tensor:
         or view.untyped_storage().nbytes() == view.nbytes
     ):
         return view
-    as_bytes = view.reshape(-1).view(torch.uint8).numpy()  # a buffer over the view's bytes only
+    as_bytes = view.detach().reshape(-1).view(torch.uint8).numpy()  # a buffer over the view's bytes only
     return torch.frombuffer(as_bytes, dtype=view.dtype).view(view.shape)
 
 
