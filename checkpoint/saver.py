@@ -108,14 +108,15 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("unexpected pos")
         status = f"{tmp}: {describe_write_error(err, job.root, needed)}"
     error = _first_error(_all_gather(status, group, comm))
+    written: dict[str, dict] = {}  # the data files' sizes and CRC-32s, taken while DCP wrote them
     if error is None:
-        error = _write_tensors(job, tmp, group, rank, world, needed)
+        error = _write_tensors(job, tmp, group, rank, world, needed, written)
     sums: dict[str, dict] | str = {}
     if error is None:
         try:
             if rank == 0 and job.train_state is not None:
                 files.write_json(job.train_state.state_dict(), os.path.join(tmp, files.META))
-            sums = files.checksum_files(tmp, _own_files(tmp, rank))
+            sums = _checksums(tmp, _own_files(tmp, rank), written)
         except OSError as err:
             sums = f"{tmp}: {describe_write_error(err, job.root)}"
     gathered = _all_gather(sums if error is None else error, group, comm)
@@ -131,22 +132,25 @@ def write_checkpoint(job: SaveJob, group: ProcessGroup | None = None, comm: Coll
 
 
 def _write_tensors(
-    job: SaveJob, tmp: str, group: ProcessGroup | None, rank: int, world: int, needed: int
+    job: SaveJob, tmp: str, group: ProcessGroup | None, rank: int, world: int, needed: int, sums: dict[str, dict]
 ) -> str | None:
-    """Every rank's pieces into `tmp` with torch.distributed.checkpoint (collective): None, or the error line.
-    A second Ctrl-C re-raises (exit 130), rank 0 removing the partial folder."""
+    """Every rank's pieces into `tmp` with torch.distributed.checkpoint (collective): None, or the error line;
+    `sums` receives the size and CRC-32 of each data file this rank wrote. A second Ctrl-C re-raises (exit
+    130), rank 0 removing the partial folder."""
     # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
     # on the training thread before a background save).
     import torch.distributed.checkpoint as dcp
 
+    from checkpoint.crc_writer import ChecksummingWriter
     from checkpoint.dcp_planners import PiecesSavePlanner
 
+    writer = ChecksummingWriter(tmp)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(
                 job.tensors,
-                storage_writer=dcp.FileSystemWriter(tmp),
+                storage_writer=writer,
                 planner=PiecesSavePlanner(),
                 process_group=group,
                 no_dist=world == 1,
@@ -159,7 +163,20 @@ def _write_tensors(
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         return f"writing the tensors failed: {describe_write_error(err, job.root, needed)}"
+    sums.update(writer.sums)
     return None
+
+
+def _checksums(tmp: str, names: list[str], written: dict[str, dict]) -> dict[str, dict]:
+    """checksums.json's entries for `names`: a data file's from `written` (taken as DCP wrote and fsynced it:
+    its bytes are not read back) when its size on disk matches, every other file read and fsynced here."""
+    known = {
+        name: written[name]
+        for name in names
+        if name in written and os.path.getsize(os.path.join(tmp, name)) == written[name]["size"]
+    }
+    sums = files.checksum_files(tmp, [name for name in names if name not in known])
+    return {name: known[name] if name in known else sums[name] for name in names}
 
 
 def _own_files(tmp: str, rank: int) -> list[str]:
