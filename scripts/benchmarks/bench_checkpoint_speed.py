@@ -46,7 +46,8 @@ from checkpoint import (
     plan_resume,
 )
 from config.schema import Config, load_config
-from operations.startup import param_dtype
+from model.precision import precision_dtype
+from parallel.comm import Collectives
 from parallel.layout import Layout
 from parallel.model_builder import build_model_chunks
 from parallel.random import RNGTracker
@@ -68,7 +69,7 @@ class Built:
 def build(config: Config) -> Built:
     """Model chunks, data parallelism, optimizer and LR schedule as training/run.py builds them (one process)."""
     state, layout = ParallelState.single(), Layout.single()
-    dtype = param_dtype(config.train.precision)
+    dtype = precision_dtype(config.train.precision)
     chunks = build_model_chunks(config.model, state, config.train.seed, torch.device("cpu"), dtype)
     ddp, optimizer, lr_schedule = build_optimizer_and_schedule(config, list[torch.nn.Module](chunks), state, layout)
     recorded = CheckpointLayout.of(state, sequence_parallel=False, distributed_optimizer=False, schedule="1f1b")
@@ -170,7 +171,7 @@ def trainer_sync(built: Built, root: str, iteration: int) -> dict[str, float]:
     resume_config = dataclasses.replace(built.config)
     resume_config.checkpoint = dataclasses.replace(built.config.checkpoint, load=root)
     started = time.perf_counter()
-    plan = plan_resume(resume_config, os.path.join(root, "unused_run"), lambda message: None, True)
+    plan = plan_resume(resume_config, os.path.join(root, "unused_run"), lambda message: None, True, Collectives())
     assert plan is not None, f"no checkpoint found under {root}"
     load_into_run(plan, resume_config, built.parts, lambda message: None)
     load = time.perf_counter() - started
