@@ -23,30 +23,18 @@ the model (layers, vocabulary, sequence) and the train section (batch, recomputa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from model.config import ModelConfig
 from model.rank_spec import Recompute
-from model.shape import IterationFlops, RecomputeSettings, iteration_flops
+from model.shape import IterationFlops, iteration_flops
 from parallel.layout import Layout
 from parallel.pipeline.stages import ChunkPlacement, StageMap
 
+if TYPE_CHECKING:
+    from config.schema import Config, TrainConfig
+
 TIED_NONE, TIED_LOCAL, TIED_GROUP = "none", "local", "group"
-
-
-class TrainShape(RecomputeSettings, Protocol):
-    """What a RunShape needs of the train section (config.schema.TrainConfig has these)."""
-
-    micro_batch_size: int
-
-
-class ShapeSections(Protocol):
-    """What a RunShape reads of a config.schema.Config: its model and train sections."""
-
-    @property
-    def model(self) -> ModelConfig: ...
-    @property
-    def train(self) -> TrainShape: ...
 
 
 @dataclass(frozen=True)
@@ -77,11 +65,11 @@ class RunShape:
 
     model: ModelConfig
     layout: Layout
-    train: TrainShape
+    train: TrainConfig
 
     @classmethod
-    def of(cls, config: ShapeSections, layout: Layout) -> RunShape:
-        """From a config.schema.Config (or any object with model and train sections) and its Layout."""
+    def of(cls, config: Config, layout: Layout) -> RunShape:
+        """From a config.schema.Config and its Layout."""
         return cls(config.model, layout, config.train)
 
     # ---- sizes ---------------------------------------------------------------------------------------
