@@ -105,7 +105,16 @@ class RunShape:
     @property
     def flops(self) -> IterationFlops:
         """FLOPs of one iteration of the global batch (model/shape.iteration_flops)."""
-        return iteration_flops(self.model, self.padded_vocab, self.train, self.stages.num_stages)
+        return iteration_flops(
+            self.model, self.padded_vocab, self.train.global_batch_size, self.recompute, self.stages.num_stages
+        )
+
+    @property
+    def recompute(self) -> Recompute:
+        """The train section's recomputation as the model's rule (model.rank_spec.Recompute), without the
+        checkpoint function that only the trainer's model build supplies."""
+        train = self.train
+        return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
 
     # ---- placement -----------------------------------------------------------------------------------
     def chunks(self, pp_rank: int) -> tuple[ChunkPlacement, ...]:
@@ -134,5 +143,4 @@ class RunShape:
     def recomputed_layers(self, chunk: ChunkPlacement) -> tuple[int, ...]:
         """Layers of `chunk` whose forward full recomputation repeats in backward: those GPTModel checkpoints
         (model.rank_spec.Recompute: every layer with `uniform`, the first recompute_num_layers with `block`)."""
-        train = self.train
-        return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers).layer_ids(chunk.layer_ids)
+        return self.recompute.layer_ids(chunk.layer_ids)
