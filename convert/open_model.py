@@ -27,7 +27,7 @@ from checkpoint import CheckpointError, resolve_checkpoint
 from config.schema import Config, apply_overrides, config_from_dict
 from convert.hf_folder import HFFolderError, hf_model_config, read_hf_weights, tokenizer_section
 from convert.model_weights import Tensors, checkpoint_chunks, load_global_state, place_global_weights, read_run_config
-from data.tokenizers import build_tokenizer_of
+from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.rank_spec import RankSpec
@@ -154,7 +154,13 @@ def run_tokenizer(config: Config, exact: bool = True) -> TextTokenizer:
             "the model's tokenizer is NullTokenizer (its text is ids): give the tokenizer it was trained with "
             "(data.tokenizer_type=... and data.vocab_file / data.merge_file / data.tokenizer_model)"
         )
-    tokenizer = build_tokenizer_of(data, config.model.vocab_size)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+        vocab_size=config.model.vocab_size,
+    )
     vocab_size = config.model.vocab_size
     if tokenizer.vocab_size != vocab_size and (exact or vocab_size is None or tokenizer.vocab_size > vocab_size):
         source = data.vocab_file or data.tokenizer_model or data.tokenizer_type

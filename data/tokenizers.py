@@ -28,26 +28,6 @@ from data.bpe import (
 EOD_TOKEN = "<|endoftext|>"
 
 
-class TokenizerKeys(Protocol):
-    """The data-section keys that name a tokenizer (config.data_config.DataConfig has them)."""
-
-    tokenizer_type: str
-    vocab_file: str | None
-    merge_file: str | None
-    tokenizer_model: str | None
-
-
-def build_tokenizer_of(data: TokenizerKeys, vocab_size: int | None):
-    """The tokenizer a data section names (build_tokenizer with its keys); vocab_size: model.vocab_size."""
-    return build_tokenizer(
-        data.tokenizer_type,
-        vocab_file=data.vocab_file,
-        merge_file=data.merge_file,
-        tokenizer_model=data.tokenizer_model,
-        vocab_size=vocab_size,
-    )
-
-
 class Tokenizer(Protocol):
     """What every tokenizer here exposes (the module docstring)."""
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from model.kernels import KernelSelection
+
 # Metadata names of the bounds key_spec() takes, with the comparison each one requires of a value.
 _BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
 
@@ -385,6 +387,13 @@ class ModelConfig:
         self._validate_moe()
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
+
+    def kernel_selection(self) -> KernelSelection:
+        """The fused kernels fused_kernels and fused_kernel_names choose (model/kernels), their ops not yet
+        registered: a model build calls `.registered()` on it once."""
+        from model.kernels import KernelSelection  # model/kernels imports torch: only when asked
+
+        return KernelSelection.of(self.fused_kernels, self.fused_kernel_names)
 
     def _validate_kernels(self) -> None:
         from model.kernels import KERNEL_NAMES

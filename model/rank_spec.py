@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from model.config import ModelConfig
-from model.kernels import KernelSelection, select_kernels
+from model.kernels import KernelSelection
 from model.tp_hooks import ContextParallelHooks, TensorParallelHooks
 
 # opens a random stream for the block it guards (parallel/random.RNGTracker.fork)
@@ -75,4 +75,4 @@ class RankSpec:
     @classmethod
     def one_process(cls, cfg: ModelConfig, recompute: Recompute | None = None) -> RankSpec:
         """One process: plain torch layers, the default generator, the config's kernels."""
-        return cls(kernels=select_kernels(cfg), recompute=recompute or Recompute())
+        return cls(kernels=cfg.kernel_selection().registered(), recompute=recompute or Recompute())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from model.config import ModelConfig
 from model.rank_spec import Recompute
@@ -92,15 +91,6 @@ def layer_forward_flops(cfg: ModelConfig, tokens: float, seq_length: int) -> flo
     return sum(layer_gemm_flops(cfg, tokens)) + 2 * attention_matmul_flops(cfg, tokens, seq_length)
 
 
-class RecomputeSettings(Protocol):
-    """What the FLOPs need of the train section (config.schema.TrainConfig has these)."""
-
-    global_batch_size: int
-    recompute: str  # none | selective | full
-    recompute_method: str  # uniform | block
-    recompute_num_layers: int
-
-
 @dataclass(frozen=True)
 class IterationFlops:
     """FLOPs of one training iteration of a global batch.
@@ -113,26 +103,26 @@ class IterationFlops:
     with_recompute: float
 
 
-def recomputed_layers(cfg: ModelConfig, train: RecomputeSettings, num_chunks: int) -> int:
+def recomputed_layers(cfg: ModelConfig, recompute: Recompute, num_chunks: int) -> int:
     """Layers whose forward full recomputation repeats over the `num_chunks` (pp x vp) model chunks of equal
-    length: those GPTModel checkpoints in each (model.rank_spec.Recompute.layer_ids)."""
-    rule = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
-    return len(rule.layer_ids(range(cfg.num_layers // num_chunks))) * num_chunks
+    length: those GPTModel checkpoints in each (`recompute.layer_ids`)."""
+    return len(recompute.layer_ids(range(cfg.num_layers // num_chunks))) * num_chunks
 
 
 def iteration_flops(
-    cfg: ModelConfig, padded_vocab: int, train: RecomputeSettings, num_chunks: int = 1
+    cfg: ModelConfig, padded_vocab: int, global_batch_size: int, recompute: Recompute, num_chunks: int = 1
 ) -> IterationFlops:
-    """Training FLOPs of one iteration: 3 x the forward, plus one more forward of what is recomputed (full:
-    the recomputed layers, never the logits; selective: attention's two batched matmuls in every layer)."""
+    """Training FLOPs of one iteration of `global_batch_size` sequences: 3 x the forward, plus one more forward
+    of what `recompute` repeats (full: the recomputed layers, never the logits; selective: attention's two
+    batched matmuls in every layer)."""
     s = cfg.seq_length
-    tokens = float(train.global_batch_size * s)
+    tokens = float(global_batch_size * s)
     layer = layer_forward_flops(cfg, tokens, s)
     forward = cfg.num_layers * layer + 2.0 * tokens * output_gemm(cfg, padded_vocab).weights
-    if train.recompute == "selective":
+    if recompute.mode == "selective":
         recomputed = cfg.num_layers * 2 * attention_matmul_flops(cfg, tokens, s)
     else:
-        recomputed = recomputed_layers(cfg, train, num_chunks) * layer
+        recomputed = recomputed_layers(cfg, recompute, num_chunks) * layer
     return IterationFlops(model=3.0 * forward, with_recompute=3.0 * forward + recomputed)
 
 

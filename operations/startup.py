@@ -266,10 +266,9 @@ def log_kernel_choices(
     chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device, dtype: torch.dtype, logger
 ) -> None:
     """Log once which fused kernels run on which path (model/kernels) and which SDPA backend attention uses."""
-    from model.kernels import KernelSelection
     from model.kernels.attention_backend import sdpa_backend
 
-    selection = chunks[0].kernels if chunks else KernelSelection.from_model_config(model_cfg)
+    selection = chunks[0].kernels if chunks else model_cfg.kernel_selection()
     logger.info(
         f"{selection.describe(device)}; attention: scaled_dot_product_attention, backend "
         f"{sdpa_backend(model_cfg, micro_batch_size, tp_size, device, dtype)}"

@@ -11,11 +11,12 @@ Nothing here needs torch.distributed or a process group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from parallel.pipeline.stages import StageMap
 
 if TYPE_CHECKING:
+    from config.schema import Config, ParallelConfig, TrainConfig
     from model.config import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -23,37 +24,6 @@ ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")  # backward split into input (B) and w
 # Block attention backends of context parallelism and whether each returns the log-sum-exp that the ring's
 # online-softmax merge needs: "torch" is plain matmul + logsumexp (CPU and GPU); SDPA returns no LSE.
 CP_ATTENTION_BACKENDS = {"torch": True, "sdpa": False}
-
-
-class ParallelSection(Protocol):
-    """What the layout rules read of the parallel section (config.schema.ParallelConfig; this package does not
-    import config/). `fsdp` and `fsdp_replicate` are read when present (off and 1 otherwise)."""
-
-    tp_size: int
-    pp_size: int
-    vp_size: int
-    cp_size: int
-    schedule: str
-    sequence_parallel: bool
-    cp_attention_backend: str
-
-
-class BatchSection(Protocol):
-    """What the layout rules read of the train section (config.schema.TrainConfig)."""
-
-    micro_batch_size: int
-    global_batch_size: int
-
-
-class ConfigSections(Protocol):
-    """A config.schema.Config as the layout rules see it: its model, parallel and train sections."""
-
-    @property
-    def model(self) -> ModelConfig: ...
-    @property
-    def parallel(self) -> ParallelSection: ...
-    @property
-    def train(self) -> BatchSection: ...
 
 
 class LayoutError(ValueError):
@@ -266,9 +236,9 @@ def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
         )
 
 
-def build_layout(model: ModelConfig, parallel: ParallelSection, train: BatchSection, world_size: int) -> Layout:
-    """Validate every layout rule for these config sections (config.schema's model, parallel and train; this
-    package does not import config/) and world size. No process group is needed.
+def build_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, world_size: int) -> Layout:
+    """Validate every layout rule for these config sections (config.schema's model, parallel and train) and
+    world size. No process group is needed.
     """
     tp, pp, vp, cp = parallel.tp_size, parallel.pp_size, parallel.vp_size, parallel.cp_size
     check_positive(tp_size=tp, pp_size=pp, vp_size=vp, cp_size=cp)
@@ -285,11 +255,11 @@ def build_layout(model: ModelConfig, parallel: ParallelSection, train: BatchSect
         )
     num_microbatches = train.global_batch_size // per_step
     schedule = check_schedule(parallel.schedule, pp, vp, num_microbatches, per_step)
-    fsdp, replicate = bool(getattr(parallel, "fsdp", False)), int(getattr(parallel, "fsdp_replicate", 1))
+    fsdp, replicate = parallel.fsdp, parallel.fsdp_replicate
     if fsdp:
         check_fsdp(pp, dp, replicate)
         fsdp = dp * cp > 1  # one data-parallel rank: nothing to shard (the trainer says so, runs it plain)
-    return Layout(tp, pp, vp, dp, num_microbatches, schedule, bool(parallel.sequence_parallel), cp, fsdp, replicate)
+    return Layout(tp, pp, vp, dp, num_microbatches, schedule, parallel.sequence_parallel, cp, fsdp, replicate)
 
 
 def check_fsdp(pp_size: int, dp_size: int, replicate: int) -> None:
@@ -305,6 +275,6 @@ def check_fsdp(pp_size: int, dp_size: int, replicate: int) -> None:
     require_divisible("dp (world / (tp * cp * pp))", dp_size, "parallel.fsdp_replicate", replicate)
 
 
-def layout_from_config(config: ConfigSections, world_size: int) -> Layout:
+def layout_from_config(config: Config, world_size: int) -> Layout:
     """build_layout on a config.schema.Config."""
     return build_layout(config.model, config.parallel, config.train, world_size)

@@ -13,7 +13,6 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
-from model.kernels import select_kernels
 from model.param_info import param_info
 from model.rank_spec import RankSpec, Recompute
 from parallel.context_parallel import context_parallel_hooks
@@ -37,7 +36,7 @@ def rank_spec(
     default generator), recomputation, and the config's fused kernels (registered here, once)."""
     check_tensor_parallel(cfg, state.tp_size, sequence_parallel)
     return RankSpec(
-        kernels=select_kernels(cfg),
+        kernels=cfg.kernel_selection().registered(),
         tp=tensor_parallel_hooks(tp_comm(state, comm_counter), sequence_parallel),
         cp=context_parallel_hooks(state),
         dropout=dropout_streams(rng_tracker, sequence_parallel and state.tp_size > 1),

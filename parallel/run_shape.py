@@ -26,32 +26,19 @@ per-layer activation model (planner/activations.ActivationShape) is built from t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from model.config import ModelConfig
 from model.precision import precision_dtype
 from model.rank_spec import Recompute
-from model.shape import IterationFlops, RecomputeSettings, iteration_flops
+from model.shape import IterationFlops, iteration_flops
 from parallel.layout import Layout
 from parallel.pipeline.stages import ChunkPlacement, StageMap
 
+if TYPE_CHECKING:
+    from config.schema import Config, TrainConfig
+
 TIED_NONE, TIED_LOCAL, TIED_GROUP = "none", "local", "group"
-
-
-class TrainShape(RecomputeSettings, Protocol):
-    """What a RunShape needs of the train section (config.schema.TrainConfig has these)."""
-
-    micro_batch_size: int
-    precision: str
-
-
-class ShapeSections(Protocol):
-    """What a RunShape reads of a config.schema.Config: its model and train sections."""
-
-    @property
-    def model(self) -> ModelConfig: ...
-    @property
-    def train(self) -> TrainShape: ...
 
 
 @dataclass(frozen=True)
@@ -82,11 +69,11 @@ class RunShape:
 
     model: ModelConfig
     layout: Layout
-    train: TrainShape
+    train: TrainConfig
 
     @classmethod
-    def of(cls, config: ShapeSections, layout: Layout) -> RunShape:
-        """From a config.schema.Config (or any object with model and train sections) and its Layout."""
+    def of(cls, config: Config, layout: Layout) -> RunShape:
+        """From a config.schema.Config and its Layout."""
         return cls(config.model, layout, config.train)
 
     # ---- sizes ---------------------------------------------------------------------------------------
@@ -133,7 +120,16 @@ class RunShape:
     @property
     def flops(self) -> IterationFlops:
         """FLOPs of one iteration of the global batch (model/shape.iteration_flops)."""
-        return iteration_flops(self.model, self.padded_vocab, self.train, self.stages.num_stages)
+        return iteration_flops(
+            self.model, self.padded_vocab, self.train.global_batch_size, self.recompute, self.stages.num_stages
+        )
+
+    @property
+    def recompute(self) -> Recompute:
+        """The train section's recomputation as the model's rule (model.rank_spec.Recompute), without the
+        checkpoint function that only the trainer's model build supplies."""
+        train = self.train
+        return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
 
     # ---- placement -----------------------------------------------------------------------------------
     def chunks(self, pp_rank: int) -> tuple[ChunkPlacement, ...]:
@@ -162,5 +158,4 @@ class RunShape:
     def recomputed_layers(self, chunk: ChunkPlacement) -> tuple[int, ...]:
         """Layers of `chunk` whose forward full recomputation repeats in backward: those GPTModel checkpoints
         (model.rank_spec.Recompute: every layer with `uniform`, the first recompute_num_layers with `block`)."""
-        train = self.train
-        return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers).layer_ids(chunk.layer_ids)
+        return self.recompute.layer_ids(chunk.layer_ids)

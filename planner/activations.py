@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parallel.run_shape import RunShape, ShapeSections
+from parallel.run_shape import RunShape
 from planner.fusion import FUSIONS, fused_operators
 
 if TYPE_CHECKING:
+    from config.schema import Config
     from parallel.layout import Layout
 
 
@@ -60,7 +61,7 @@ class ActivationShape:
         return "flash" if self.cp_size > 1 else self.attention
 
 
-def shape_from_config(config: ShapeSections, layout: Layout, attention: str = "materialized") -> ActivationShape:
+def shape_from_config(config: Config, layout: Layout, attention: str = "materialized") -> ActivationShape:
     """The ActivationShape of a run config (a config.schema.Config) under its `layout`: every size that follows
     from the layout (local sequence, tp, cp, sequence parallelism, value size) is RunShape's."""
     run = RunShape.of(config, layout)

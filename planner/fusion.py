@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from model.kernels import KernelSelection
-
 if TYPE_CHECKING:
     from model.config import ModelConfig
 
@@ -36,7 +34,7 @@ FP32_BYTES = 4
 def fused_operators(model: ModelConfig, attention: str) -> frozenset[str]:
     """The chains of FUSIONS that run fused for this model config on an attention path ("materialized" or
     "flash", the cluster's efficiency.attention)."""
-    selection = KernelSelection.from_model_config(model)
+    selection = model.kernel_selection()
     activation_kernel = "swiglu" if model.activation == "swiglu" else "bias_gelu"
     fused = set()
     if selection.uses(activation_kernel):

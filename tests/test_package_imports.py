@@ -33,7 +33,9 @@ ALLOWED = {
     "data": set(),
     "model": {"compat"},
     "config": {"model", "data"},  # data only for data paths, lazily
-    "parallel": {"compat", "model", "data"},  # data: the Microbatch record (context parallelism cuts it)
+    # data: the Microbatch record (context parallelism cuts it); config: the layout rules and RunShape read its
+    # sections' own types (config imports only model/ and data/, so no cycle), not Protocols restating them
+    "parallel": {"compat", "config", "model", "data"},
     "planner": {"config", "model", "parallel"},
     "optim": {"compat", "config", "model", "parallel"},
     "checkpoint": {"compat", "config", "data", "model", "optim", "parallel"},

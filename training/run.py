@@ -26,7 +26,7 @@ from checkpoint import (
     plan_resume,
 )
 from config.schema import Config
-from data.tokenizers import build_tokenizer_of
+from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.precision import precision_dtype
 from model.rank_spec import Recompute
@@ -137,7 +137,13 @@ def prepare_data(
     comm = comm if comm is not None else env.comm
     resolve_sample_data(config, env, logger, comm)
     data = config.data
-    tokenizer = build_tokenizer_of(data, config.model.vocab_size)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+        vocab_size=config.model.vocab_size,
+    )
     vocab_size = tokenizer.vocab_size if config.model.vocab_size is None else config.model.vocab_size
     check_vocab_size(vocab_size, tokenizer.vocab_size, data)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))

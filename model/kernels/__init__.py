@@ -15,17 +15,17 @@ model's original code, so the default configuration computes exactly what it com
                           chunked over tokens (torch chunks without Triton)
 
 Selection: `model.fused_kernels=true` turns every kernel on; `model.fused_kernel_names=[norm, rotary]` then
-keeps only those. `select_kernels(cfg)` makes the selection once per model build (model/rank_spec.py) and
-registers the custom ops it needs (model/kernels/registry.py: an explicit, idempotent call; importing this
+keeps only those. `ModelConfig.kernel_selection()` reads those keys (`KernelSelection.of`); once per model build
+(model/rank_spec.py, parallel/model_builder.py) its `registered()` registers the custom ops it needs (model/kernels/registry.py: an explicit, idempotent call; importing this
 package registers nothing); every module of the model holds that one selection.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -39,30 +39,19 @@ from model.kernels.registry import KernelOps, register_kernel_ops
 KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy")
 
 
-class KernelSettings(Protocol):
-    """The keys of the model section that choose the kernels (model.config.ModelConfig has them; that module
-    imports this package, so the type is named by what it is read for)."""
-
-    @property
-    def fused_kernels(self) -> bool: ...
-    @property
-    def fused_kernel_names(self) -> list[str] | None: ...
-
-
 @dataclass(frozen=True)
 class KernelSelection:
     """Which fused kernels the model uses (empty: none, the default), and their registered ops (None until
-    `registered()`: `select_kernels` does both)."""
+    `registered()`: a model build does both, from `ModelConfig.kernel_selection()`)."""
 
     names: frozenset[str] = frozenset()
     ops: KernelOps | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_model_config(cls, cfg: KernelSettings) -> KernelSelection:
+    def of(cls, fused_kernels: bool, names: Sequence[str] | None) -> KernelSelection:
         """From model.fused_kernels (all on/off) and model.fused_kernel_names (a subset, or None = all)."""
-        if not cfg.fused_kernels:
+        if not fused_kernels:
             return cls()
-        names = cfg.fused_kernel_names
         return cls(frozenset(KERNEL_NAMES if names is None else names))
 
     def registered(self) -> KernelSelection:
@@ -96,11 +85,6 @@ class KernelSelection:
                 f"set TRITON_INTERPRET=1 to run the kernels on CPU): references, chunked cross entropy"
             )
         return f"fused kernels: {chosen} via {path}"
-
-
-def select_kernels(cfg: KernelSettings) -> KernelSelection:
-    """The model config's kernels, their ops registered: the one call a model build makes."""
-    return KernelSelection.from_model_config(cfg).registered()
 
 
 def norm(module: nn.Module, x: torch.Tensor, kernels: KernelSelection) -> torch.Tensor:

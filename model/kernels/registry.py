@@ -7,7 +7,7 @@ traces holds no graph break either). The formulas are those of the autograd.Func
 same order, so eager numbers are bitwise unchanged. It returns the ops as a `KernelOps`.
 
 Nothing is registered on import. The model's builder calls it once per process (model/kernels
-`select_kernels`, from RankSpec); it is idempotent: an op already in torch's registry (the process-wide one
+`KernelSelection.registered`, from RankSpec); it is idempotent: an op already in torch's registry (the process-wide one
 torch keeps) is looked up, not registered again.
 """
 

@@ -213,11 +213,12 @@ def test_kernel_selection_from_config_and_errors():
     from model.config import ModelConfig
     from model.kernels import KERNEL_NAMES, KernelSelection
 
-    assert KernelSelection.from_model_config(ModelConfig()).names == frozenset()
-    assert KernelSelection.from_model_config(ModelConfig(fused_kernels=True)).names == frozenset(KERNEL_NAMES)
+    assert ModelConfig().kernel_selection().names == frozenset()
+    assert ModelConfig(fused_kernels=True).kernel_selection().names == frozenset(KERNEL_NAMES)
     subset = ModelConfig(fused_kernels=True, fused_kernel_names=["norm", "rotary"])
     subset.validate()
-    assert KernelSelection.from_model_config(subset).names == {"norm", "rotary"}
+    assert subset.kernel_selection().names == {"norm", "rotary"}
+    assert subset.kernel_selection() == KernelSelection.of(True, ["rotary", "norm"])
     with pytest.raises(ValueError, match=r"model\.fused_kernel_names: 'normm' is not one of norm, bias_gelu"):
         ModelConfig(fused_kernels=True, fused_kernel_names=["normm"]).validate()
     with pytest.raises(ValueError, match=r"model\.fused_kernel_names=\['norm'\] needs model\.fused_kernels=true"):
@@ -256,7 +257,6 @@ def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):
     log line says so."""
     from model.config import ModelConfig
     from model.gpt import GPTModel
-    from model.kernels import KernelSelection
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cfg = ModelConfig(
@@ -270,7 +270,7 @@ def test_cpu_without_interpreter_runs_the_torch_path(monkeypatch):
         attention_dropout=0.0,
     )
     fused_cfg = ModelConfig(**{**cfg.__dict__, "fused_kernels": True})
-    assert "on the torch path" in KernelSelection.from_model_config(fused_cfg).describe("cpu")
+    assert "on the torch path" in fused_cfg.kernel_selection().describe("cpu")
     torch.manual_seed(0)
     plain, fused = GPTModel(cfg, 64), GPTModel(fused_cfg, 64)
     fused.load_state_dict(plain.state_dict())

@@ -36,6 +36,11 @@ RECOMPUTE = [
 ]
 
 
+def recompute_of(train, checkpoint_fn=None) -> Recompute:
+    """The train section's recomputation as the model's rule (what the trainer builds)."""
+    return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers, checkpoint_fn)
+
+
 def counted_flops(config) -> float:
     """torch's count of every matmul of one forward + backward of the global batch (one process).
 
@@ -44,8 +49,7 @@ def counted_flops(config) -> float:
     the last GEMM of each recomputed region, whose output backward does not need)."""
     m, train = config.model, config.train
     fn = functools.partial(checkpoint, use_reentrant=False)
-    recompute = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers, fn)
-    model = GPTModel(m, m.padded_vocab_size(1), spec=RankSpec.one_process(m, recompute))
+    model = GPTModel(m, m.padded_vocab_size(1), spec=RankSpec.one_process(m, recompute_of(train, fn)))
     b, s = train.global_batch_size, m.seq_length
     tokens = torch.randint(0, m.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)
@@ -60,7 +64,7 @@ def test_logged_flops_equal_torchs_count_of_the_matmuls(name, overrides, recompu
     batch = ["train.global_batch_size=2", "train.micro_batch_size=2", "model.seq_length=64", "model.vocab_size=1000"]
     config = load_config(os.path.join(REPO_ROOT, "configs", name), overrides + batch + recompute)
     m = config.model
-    flops = iteration_flops(m, m.padded_vocab_size(1), config.train)
+    flops = iteration_flops(m, m.padded_vocab_size(1), config.train.global_batch_size, recompute_of(config.train))
     stats = IntervalStats(flops, 2 * 64, world_size=1, device_type="cpu", peak_tflops=1.0)
     stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0), lr=0.1, seconds=1.0)
     record = stats.flush(SimpleNamespace(iteration=1, consumed_samples=2, skipped_iters=0))
@@ -80,7 +84,7 @@ def test_paper_configs_give_the_papers_formula(path):
     b, s, l, h = train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size  # noqa: E741 (the paper's l)
     v = m.padded_vocab_size(par.tp_size)
     assert train.recompute == "full" and v == 51200
-    flops = iteration_flops(m, v, train, par.pp_size * par.vp_size)
+    flops = iteration_flops(m, v, b, recompute_of(train), par.pp_size * par.vp_size)
     # the paper's equation (3) with full recomputation, and 72 B s l h^2 (1 + s/6h + V/12lh) without
     assert flops.with_recompute == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), 1e-12)
     assert flops.model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), 1e-12)
@@ -88,10 +92,10 @@ def test_paper_configs_give_the_papers_formula(path):
 
 def test_block_recompute_counts_the_layers_of_every_chunk():
     config = load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"))  # 8 layers
-    block = SimpleNamespace(recompute="full", recompute_method="block", recompute_num_layers=3)
+    block = Recompute("full", "block", 3)
     assert recomputed_layers(config.model, block, num_chunks=4) == 2 * 4  # 2 layers per chunk, all of them
     assert recomputed_layers(config.model, block, num_chunks=2) == 3 * 2
-    assert recomputed_layers(config.model, config.train, num_chunks=2) == 0  # recompute none
+    assert recomputed_layers(config.model, recompute_of(config.train), num_chunks=2) == 0  # recompute none
 
 
 def test_structural_keys_are_marked_on_the_config():

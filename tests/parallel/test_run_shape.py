@@ -6,6 +6,7 @@ import os
 import pytest
 
 from config.schema import load_config
+from model.rank_spec import Recompute
 from model.shape import iteration_flops
 from parallel.layout import layout_from_config
 from parallel.pipeline.stages import StageMap
@@ -63,7 +64,8 @@ def test_sizes_flops_and_recomputation():
     shape = RunShape.of(config, layout)
     assert shape.padded_vocab == config.model.padded_vocab_size(2) and shape.vocab_local == shape.padded_vocab // 2
     assert shape.local_seq_length == 64 and shape.activation_shape == (32, 4, 128)
-    assert shape.flops == iteration_flops(config.model, shape.padded_vocab, config.train, 2)
+    assert shape.recompute == Recompute("full", "block", 3)
+    assert shape.flops == iteration_flops(config.model, shape.padded_vocab, 16, Recompute("full", "block", 3), 2)
     assert shape.tokens_per_iteration == 16 * 128
     assert [shape.recomputed_layers(c) for c in shape.chunks(1)] == [(4, 5, 6)]
     uniform = dataclasses.replace(shape, train=dataclasses.replace(config.train, recompute_method="uniform"))

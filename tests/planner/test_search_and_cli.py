@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from config.schema import load_config
+from model.rank_spec import Recompute
 from model.shape import iteration_flops
 from planner import calibrate
 from planner.cluster import load_cluster
@@ -107,8 +108,10 @@ def write_run(run_dir, config, world, seconds, logs_world_size=True):
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
         yaml.safe_dump(config.to_dict(), handle)
-    m = config.model
-    flops = iteration_flops(m, m.padded_vocab_size(config.parallel.tp_size), config.train).with_recompute
+    m, train = config.model, config.train
+    recompute = Recompute(train.recompute, train.recompute_method, train.recompute_num_layers)
+    vocab = m.padded_vocab_size(config.parallel.tp_size)
+    flops = iteration_flops(m, vocab, train.global_batch_size, recompute).with_recompute
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as handle:
         for i, scale in enumerate((3.0, 1.0, 1.01, 0.99)):  # the first interval holds the warm-up
             ms = 1000 * seconds * scale
