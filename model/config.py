@@ -387,6 +387,8 @@ class ModelConfig:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
 
     def _validate_kernels(self) -> None:
+        # here, not at the top: model.kernels imports torch (~1.7 CPU s), and this module stays torch-free for
+        # the config readers and the planner
         from model.kernels import KERNEL_NAMES
 
         if self.fused_kernel_names is None:
