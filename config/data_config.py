@@ -19,7 +19,7 @@ def _expand_home(value: object) -> object:
 
 def _parse_data_path(value: list, key: str) -> tuple[list[float] | None, list[str]]:
     """data.builder.parse_data_path (the one parser of blend lists), imported here: data.builder costs ~0.2 CPU s
-    (numpy, the dataset modules), which a config read without data paths (the planner, the tools) never needs."""
+    (numpy and the dataset modules), which a config read without data paths (the planner, the tools) never needs."""
     from data.builder import parse_data_path
 
     return parse_data_path(value, key)
