@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpoint import files
+from checkpoint import dcp_modules, files
 from checkpoint.files import CheckpointError
+from checkpoint.legacy import load_legacy_weights
 from checkpoint.safe_reader import load_weights_file
 from checkpoint.state import (
     check_against_metadata,
@@ -27,9 +28,11 @@ from checkpoint.train_state import OptimizerScalars, rng_path
 from checkpoint.write_errors import reraise_interrupt
 from optim.optimizer import Optimizer
 from parallel.comm import Collectives
+from parallel.lazy_torch import dcp
+from parallel.model_builder import build_chunk_modules, rank_spec
 from parallel.state import ParallelState
 
-if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one import it
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: the functions reading one get it lazily
     from torch.distributed.checkpoint.metadata import Metadata
 
     from checkpoint.dcp_planners import GlobalPieces
@@ -62,20 +65,15 @@ def load_pieces(
     iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Metadata, group: dist.ProcessGroup | None = None
 ) -> None:
     """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
-    import torch.distributed.checkpoint as dcp
-
-    from checkpoint.dcp_planners import PiecesLoadPlanner
-    from checkpoint.dcp_reader import SafeFileSystemReader
-
     check_against_metadata(wanted, metadata, iter_dir)
     files.check_storage_extents(iter_dir, metadata)  # else an extent past the file is DCP's "[Errno 22]"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
+            dcp().load(
                 wanted,
-                storage_reader=SafeFileSystemReader(iter_dir, metadata),
-                planner=PiecesLoadPlanner(),
+                storage_reader=dcp_modules.reader().SafeFileSystemReader(iter_dir, metadata),
+                planner=dcp_modules.planners().PiecesLoadPlanner(),
                 process_group=group,
                 no_dist=not _distributed(),
             )
@@ -103,15 +101,11 @@ def load_model_weights(
     """Load only the model weights of the checkpoint in iter_dir into this rank's chunks, at any layout
     (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
     if files.is_legacy(iter_dir):
-        from checkpoint.legacy import load_legacy_weights
-
         load_legacy_weights(iter_dir, chunks, state)
         return
-    from checkpoint.dcp_reader import read_dcp_metadata
-
     if verify:
         verify_share(iter_dir, state.comm, group)
-    metadata = read_dcp_metadata(iter_dir)
+    metadata = dcp_modules.reader().read_dcp_metadata(iter_dir)
     records = param_records(chunks, state)
     with torch.no_grad():
         load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
@@ -121,8 +115,6 @@ def check_model_entries(iter_dir: str, metadata: Metadata, cfg: ModelConfig) -> 
     """The check every weight load makes before reading (check_against_metadata), made without reading: each
     weight of a `cfg` model is stored as a tensor of its global shape. CheckpointError naming the first that
     is missing, bytes or of another shape (tools/checkpoint_info.py --verify refuses what the loaders refuse)."""
-    from parallel.model_builder import build_chunk_modules, rank_spec
-
     state = ParallelState.single()
     chunks = build_chunk_modules(cfg, state, rank_spec(cfg, state))  # meta device: shapes, no memory
     check_against_metadata(
@@ -160,30 +152,25 @@ def load_rng(iter_dir: str, rank: int) -> dict | None:
 
 def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Whole global tensors (all keys, or `keys`) of a checkpoint, read in this process alone (tools, tests)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
-    from checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_metadata
-
-    metadata = read_dcp_metadata(iter_dir)
+    reader, planners = dcp_modules.reader(), dcp_modules.planners()
+    metadata = reader.read_dcp_metadata(iter_dir)
     stored = metadata.state_dict_metadata
     out, wanted = {}, {}
     for key in sorted(stored) if keys is None else keys:
         if key not in stored:
             raise CheckpointError(f"checkpoint {iter_dir} has no tensor {key!r}")
         entry = stored[key]
-        if not isinstance(entry, TensorStorageMetadata):
+        if not isinstance(entry, dcp().metadata.TensorStorageMetadata):
             continue  # bytes entries (none are written today)
         tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         out[key] = tensor
-        wanted[key] = GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])
+        wanted[key] = planners.GlobalPieces(tuple(entry.size), [((0,) * tensor.ndim, tensor)])
     files.check_storage_extents(iter_dir, metadata)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         try:
-            reader = SafeFileSystemReader(iter_dir, metadata)
-            dcp.load(wanted, storage_reader=reader, planner=PiecesLoadPlanner(), no_dist=True)
+            storage_reader = reader.SafeFileSystemReader(iter_dir, metadata)
+            dcp().load(wanted, storage_reader=storage_reader, planner=planners.PiecesLoadPlanner(), no_dist=True)
         except BaseException as err:
             reraise_interrupt(err)
             raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None

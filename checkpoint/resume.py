@@ -16,8 +16,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from checkpoint import files
+from checkpoint import dcp_modules, files
 from checkpoint.files import CheckpointError
+from checkpoint.legacy import load_legacy
+from checkpoint.loader import load_model_weights, load_optimizer_state, load_rng, verify_share
 from checkpoint.parts import CheckpointParts
 from checkpoint.train_state import TrainingProgress, TrainState, read_train_state
 from config.schema import Config
@@ -129,8 +131,6 @@ def plan_resume(
         )
     _check_config(plan, config, log)
     if not legacy:
-        from checkpoint.loader import verify_share
-
         verify_share(iter_dir, comm)  # every byte, the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
     start = 0 if plan.reset_progress else saved.iteration
@@ -189,9 +189,6 @@ def load_into_run(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
     """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
-    from checkpoint.dcp_reader import read_dcp_metadata
-    from checkpoint.loader import load_model_weights, load_optimizer_state
-
     if plan.legacy:
         return _load_legacy(plan, config, parts, log)
     state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
@@ -200,7 +197,7 @@ def load_into_run(
         load_model_weights(plan.iter_dir, chunks, state, verify=False)
         optimizer.reset_from_params()
     else:
-        metadata = read_dcp_metadata(plan.iter_dir)
+        metadata = dcp_modules.reader().read_dcp_metadata(plan.iter_dir)
         if saved.optimizer is None:
             raise CheckpointError(f"checkpoint {plan.iter_dir}: meta.json has no optimizer scalars")
         load_optimizer_state(plan.iter_dir, chunks, optimizer, state, metadata, saved.optimizer)
@@ -246,8 +243,6 @@ def restore_rng(plan: ResumePlan, config: Config, parts: CheckpointParts, log: C
     """Same sizes (tp, cp, pp, vp, dp): each rank continues its own saved streams (bitwise resume). Another
     layout: the streams are tied to (tp rank, pp rank), so they restart from a seed derived from (train.seed,
     iteration)."""
-    from checkpoint.loader import load_rng
-
     state, rng_tracker, saved_layout = parts.state, parts.rng_tracker, plan.train_state.layout
     saved = load_rng(plan.iter_dir, state.rank) if saved_layout.same_sizes(parts.layout) else None
     if saved is not None:
@@ -265,8 +260,6 @@ def restore_rng(plan: ResumePlan, config: Config, parts: CheckpointParts, log: C
 def _load_legacy(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
-    from checkpoint.legacy import load_legacy
-
     state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
     _, per_rank = load_legacy(
         plan.iter_dir, state, chunks, None if plan.weights_only else optimizer, config.parallel.distributed_optimizer

@@ -26,6 +26,7 @@ import torch
 
 from checkpoint.files import CheckpointError
 from compat.torch_private import PICKLED_LAYOUT, dcp_metadata_classes
+from parallel.lazy_torch import dcp
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: imported where a file is read
     from torch.distributed.checkpoint.metadata import Metadata
@@ -93,10 +94,12 @@ def _is_shape(value: object, ndim: int | None = None) -> bool:
 
 def _is_tensor_entry(entry: object) -> bool:
     """A TensorStorageMetadata with a shape, a dtype and chunks of that rank (what every reader relies on)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     size, chunks = getattr(entry, "size", None), getattr(entry, "chunks", None)
-    if not isinstance(size, tuple) or not isinstance(chunks, list) or not isinstance(entry, TensorStorageMetadata):
+    if (
+        not isinstance(size, tuple)
+        or not isinstance(chunks, list)
+        or not isinstance(entry, dcp().metadata.TensorStorageMetadata)
+    ):
         return False
     ndim = len(size)
     return (
@@ -122,14 +125,13 @@ def _is_data_file(info: object) -> bool:
 
 def _check_shape(metadata: object, path: str) -> Metadata:
     """The unpickled object, if it is an index of tensors stored in files of the folder itself."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-
-    if not isinstance(metadata, Metadata):
+    metadata_classes = dcp().metadata
+    if not isinstance(metadata, metadata_classes.Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
     entries = getattr(metadata, "state_dict_metadata", None)
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(entries, dict) or not all(
-        isinstance(key, str) and (isinstance(entry, BytesStorageMetadata) or _is_tensor_entry(entry))
+        isinstance(key, str) and (isinstance(entry, metadata_classes.BytesStorageMetadata) or _is_tensor_entry(entry))
         for key, entry in entries.items()
     ):
         raise CheckpointError(f"{path} is not checkpoint metadata (its index of tensors is malformed)")

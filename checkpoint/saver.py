@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from checkpoint import files
+from checkpoint import dcp_modules, files
 from checkpoint.files import CheckpointError
 from checkpoint.state import staged_copy
 from checkpoint.train_state import TrainState, rng_path
 from checkpoint.write_errors import describe_write_error, reraise_interrupt
 from parallel.comm import Collectives
 from parallel.group_setup import creating_group
+from parallel.lazy_torch import dcp
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.3 CPU s to import: write_checkpoint imports it
     from checkpoint.dcp_planners import GlobalPieces
@@ -137,21 +138,16 @@ def _write_tensors(
     """Every rank's pieces into `tmp` with torch.distributed.checkpoint (collective): None, or the error line;
     `sums` receives the size and CRC-32 of each data file this rank wrote. A second Ctrl-C re-raises (exit
     130), rank 0 removing the partial folder."""
-    # Here, not at module level: a run that never saves does not pay DCP's import (Checkpointer.save imports it
-    # on the training thread before a background save).
-    import torch.distributed.checkpoint as dcp
-
-    from checkpoint.crc_writer import ChecksummingWriter
-    from checkpoint.dcp_planners import PiecesSavePlanner
-
-    writer = ChecksummingWriter(tmp)
+    # DCP through its accessors, not at module level: a run that never saves does not pay its import
+    # (Checkpointer.save imports it on the training thread before a background save).
+    writer = dcp_modules.crc_writer().ChecksummingWriter(tmp)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(
+            dcp().save(
                 job.tensors,
                 storage_writer=writer,
-                planner=PiecesSavePlanner(),
+                planner=dcp_modules.planners().PiecesSavePlanner(),
                 process_group=group,
                 no_dist=world == 1,
             )
@@ -242,7 +238,7 @@ class Checkpointer:
         """Write `job` (blocking), or (async) hand it to a background thread that first copies the pieces aside
         and then writes them; the loop only has to call `before_update()` before its next optimizer step."""
         # DCP's first import (write_checkpoint's) on this thread, never alongside training in the background one
-        import torch.distributed.checkpoint  # noqa: F401
+        dcp()
 
         self.wait()
         started = time.perf_counter()

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from checkpoint import dcp_modules
+from checkpoint.files import CheckpointError
 from checkpoint.pieces import Block, global_shape, pieces_of, tp_blocks
 from model.param_info import param_info
 from optim.optimizer import Optimizer
@@ -75,10 +77,8 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
 
 
 def _add(out: dict[str, GlobalPieces], key: str, shape: tuple[int, ...], pieces: list) -> None:
-    from checkpoint.dcp_planners import GlobalPieces  # a save or a load: DCP is needed now
-
-    if pieces:
-        out.setdefault(key, GlobalPieces(shape, [])).pieces.extend(pieces)
+    if pieces:  # a save or a load: DCP is needed now
+        out.setdefault(key, dcp_modules.planners().GlobalPieces(shape, [])).pieces.extend(pieces)
 
 
 def weight_pieces(records: list[ParamRecord], for_save: bool, key_of=lambda name: name) -> dict[str, GlobalPieces]:
@@ -123,8 +123,7 @@ def staged_copy(
     """The same pieces copied into CPU memory that training does not touch (async save). `buffers`, the
     result of an earlier call with pieces of the same shapes, is reused: no new allocation (page faults cost
     more than the copy), and pinned when the tensors live on a GPU."""
-
-    from checkpoint.dcp_planners import GlobalPieces  # a save: DCP is needed now
+    new_pieces = dcp_modules.planners().GlobalPieces  # a save: DCP is needed now
 
     def same_layout(a: GlobalPieces, b: GlobalPieces) -> bool:
         return [(o, t.shape, t.dtype) for o, t in a.pieces] == [(o, t.shape, t.dtype) for o, t in b.pieces]
@@ -135,7 +134,7 @@ def staged_copy(
         or not all(same_layout(state_dict[k], buffers[k]) for k in state_dict)
     ):
         buffers = {
-            key: GlobalPieces(
+            key: new_pieces(
                 tuple(value.shape),
                 [
                     (offsets, torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda))
@@ -154,8 +153,6 @@ def staged_copy(
 
 def check_against_metadata(wanted: dict[str, GlobalPieces], metadata: Metadata, iter_dir: str) -> None:
     """Every key present with the expected global shape; else CheckpointError naming the first tensor."""
-    from checkpoint.files import CheckpointError
-
     stored = metadata.state_dict_metadata
     for key in sorted(wanted):
         if key not in stored:

@@ -19,6 +19,7 @@ from typing import TypedDict
 
 from checkpoint import files
 from checkpoint.layout import CheckpointLayout
+from checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
 
 ConfigSections = dict[str, dict[str, object]]  # Config.to_dict(): section -> key -> value
 
@@ -173,8 +174,6 @@ def read_train_state(iter_dir: str) -> TrainState:
     """The TrainState of the checkpoint in iter_dir (any format; its RNG states are read per rank by loader.load_rng)."""
     legacy = files.is_legacy(iter_dir)
     if legacy:
-        from checkpoint.legacy import MAIN_FILE, legacy_main_file, rank_dir
-
         saved = legacy_main_file(iter_dir)
         what, path = "a format-1 main file", os.path.join(rank_dir(iter_dir, 0, 0), MAIN_FILE)
     else:

@@ -17,6 +17,14 @@ def _expand_home(value: object) -> object:
     return os.path.expanduser(value) if isinstance(value, str) else value
 
 
+def _parse_data_path(value: list, key: str) -> tuple[list[float] | None, list[str]]:
+    """data.builder.parse_data_path (the one parser of blend lists), imported here: data.builder costs ~0.2 CPU s
+    (numpy and the dataset modules), which a config read without data paths (the planner, the tools) never needs."""
+    from data.builder import parse_data_path
+
+    return parse_data_path(value, key)
+
+
 def resolve_data_file(path: str | None, base: str, base_first: bool = False) -> str | None:
     """A relative tokenizer file path made usable from anywhere: taken relative to the working directory when
     it exists there (base_first=False, the YAML rule) and else relative to `base` when it exists there
@@ -149,9 +157,7 @@ class DataConfig:
             setattr(self, key, _expand_home(getattr(self, key)))
         for key in ("data_path", *self.SPLIT_KEYS):
             if getattr(self, key):  # each blend list's shape and weights, before any work (one parser: data/)
-                from data.builder import parse_data_path  # here: numba behind data/ is needed only with data
-
-                parse_data_path(getattr(self, key), f"data.{key}")
+                _parse_data_path(getattr(self, key), f"data.{key}")
         if self.data_path and any(getattr(self, key) for key in self.SPLIT_KEYS):
             given = next(key for key in self.SPLIT_KEYS if getattr(self, key))
             raise ValueError(
@@ -177,10 +183,9 @@ class DataConfig:
                 f"data.split={self.split!r} is not used with data.train_data_path (each split reads its own "
                 f"path): drop data.split, or give data.data_path instead of the per-split paths"
             )
-        from data.builder import parse_data_path
 
         def data_files(key: str) -> list[tuple[str, str]]:  # (prefix, its .bin with every link resolved)
-            prefixes = parse_data_path(getattr(self, key), f"data.{key}")[1] if getattr(self, key) else []
+            prefixes = _parse_data_path(getattr(self, key), f"data.{key}")[1] if getattr(self, key) else []
             return [(prefix, os.path.realpath(prefix + ".bin")) for prefix in prefixes]
 
         train = {resolved for _, resolved in data_files("train_data_path")}

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from checkpoint import load_weights_file
+from compat.optional import safetensors_torch
 from convert.hf_mapping import (
     UnsupportedModelError,
     from_hf_state_dict,
@@ -27,7 +28,9 @@ from convert.hf_mapping import (
 from convert.model_weights import check_dtypes, check_finite, meta_state
 from convert.safe_pickle import first_line
 from data.atomic_files import honour_umask
-from data.tokenizers import EOD_TOKEN, HuggingFaceTokenizer
+from data.bpe import check_vocab_and_merges, load_vocab_and_merges
+from data.tokenizer_libraries import sentencepiece_model_pb2
+from data.tokenizers import EOD_TOKEN, HuggingFaceTokenizer, build_tokenizer
 from model.config import ModelConfig
 
 Tensors = dict[str, torch.Tensor]
@@ -77,8 +80,6 @@ def shard_tensors(tensors: Tensors, max_shard_bytes: int) -> list[Tensors]:
 
 def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[str]:
     """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json."""
-    from safetensors.torch import save_file
-
     shards = shard_tensors(tensors, max_shard_bytes)
     if len(shards) == 1:
         names = ["model.safetensors"]
@@ -86,7 +87,7 @@ def write_weights(folder: str, tensors: Tensors, max_shard_bytes: int) -> list[s
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        safetensors_torch().save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
         honour_umask(os.path.join(folder, name))  # safetensors creates its files 0600 whatever the umask
         weight_map.update({key: name for key in shard})
     if len(shards) == 1:
@@ -110,8 +111,6 @@ def check_tokenizer_files(data: dict[str, Any], vocab_size: int, exact: bool = F
     entries against the model's vocabulary: more entries than the model has rows are refused (their ids would
     index past the embedding), fewer refused when `exact` (to-hf writes one vocab_size for both), else a
     one-line warning (a padded vocabulary is legal). ValueError naming the file otherwise."""
-    from data.tokenizers import build_tokenizer
-
     kind = data["tokenizer_type"]
     if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
         check_gpt2_files(data["vocab_file"], data["merge_file"])
@@ -143,8 +142,6 @@ def check_tokenizer_files(data: dict[str, Any], vocab_size: int, exact: bool = F
 
 def check_gpt2_files(vocab_file: str, merge_file: str) -> None:
     """vocab.json and merges.txt that belong together (data.bpe.check_vocab_and_merges); its warning printed."""
-    from data.bpe import check_vocab_and_merges, load_vocab_and_merges
-
     vocab, merges = load_vocab_and_merges(vocab_file, merge_file)
     warning = check_vocab_and_merges(vocab, merges, vocab_file, merge_file, {EOD_TOKEN})
     if warning:
@@ -254,15 +251,13 @@ def weight_files(folder: str) -> list[str]:
 
 def read_weights(folder: str) -> Tensors:
     """Every tensor of a transformers folder (safetensors, sharded safetensors or pytorch_model.bin)."""
-    from safetensors.torch import load_file
-
     tensors: Tensors = {}
     for path in weight_files(folder):
         if path.endswith(".bin"):
             loaded = load_weights_file(path)  # weights only; a refusal names the file and the global
         else:
             try:
-                loaded = load_file(path)
+                loaded = safetensors_torch().load_file(path)
             except Exception as err:  # safetensors errors have many types; name the file
                 raise HFFolderError(
                     f"{path} cannot be read: {first_line(err)}; re-download or re-save the model"
@@ -328,9 +323,7 @@ def tokenizer_section(folder: str) -> dict[str, str | None] | None:
 
 def sentencepiece_normalizer(model_file: str) -> str:
     """The normalization rule a SentencePiece model applies ('identity', 'nmt_nfkc', ...)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf class
+    proto = sentencepiece_model_pb2().ModelProto()  # a generated protobuf class
     with open(model_file, "rb") as handle:
         proto.ParseFromString(handle.read())
     return proto.normalizer_spec.name

@@ -18,6 +18,7 @@ from typing import Any
 
 from convert.hf_folder import hf_tokenizer_json
 from convert.hf_mapping import UnsupportedModelError
+from data.tokenizers import build_tokenizer
 from model.config import ModelConfig
 
 Args = argparse.Namespace
@@ -211,8 +212,6 @@ def tokenizer_from_args(args: Args) -> tuple[dict | None, int | None]:
     Megatron's args name (import). GPT-2 BPE, SentencePiece and HuggingFace (tokenizer_model a local folder or
     tokenizer.json) are carried when their files exist; NullTokenizer has no files (its size is
     args.vocab_size + 1: the ids and one end-of-document id, Megatron's rule)."""
-    from data.tokenizers import build_tokenizer
-
     kind = _arg(args, "tokenizer_type")
     if kind == "NullTokenizer" and _arg(args, "vocab_size"):
         keys = {"tokenizer_type": kind, "vocab_file": None, "merge_file": None, "tokenizer_model": None}

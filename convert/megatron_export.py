@@ -24,6 +24,7 @@ import torch
 from checkpoint import MAIN_FILE, iter_name, mp_rank_name
 from convert.megatron_args import model_args, tokenizer_args
 from convert.megatron_names import GLOBAL_TO_MCORE, LAYER_EXTRA_STATES, LAYER_TO_MCORE, OUTPUT_EXTRA_STATE
+from convert.model_weights import check_layout, resize_vocab_rows
 from model.config import ModelConfig
 from parallel.pipeline.stages import StageMap
 from parallel.tensor_parallel import param_shardings
@@ -91,8 +92,6 @@ def megatron_files(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: tuple[int, int, int], iteration: int, data: dict
 ) -> dict[str, dict]:
     """{relative path of each model_optim_rng.pt: its payload} for the layout (tp, pp, vp)."""
-    from convert.model_weights import check_layout, resize_vocab_rows
-
     tp, pp, vp = layout
     check_layout(cfg, tp, pp, vp)  # the trainer's layout rules and messages (heads, groups, ffn, layers, vp)
     padded = resize_vocab_rows(tensors, cfg, cfg.padded_vocab_size(tp))

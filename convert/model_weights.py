@@ -22,6 +22,7 @@ from model.gpt import GPTModel
 from model.init import materialize_parameters
 from model.param_info import full_shape, param_info
 from model.rank_spec import RankSpec
+from parallel.layout import build_layout
 from parallel.model_builder import build_model_chunks, rank_spec
 from parallel.state import ParallelState
 from parallel.tensor_parallel import param_shardings
@@ -107,8 +108,6 @@ def meta_state(cfg: ModelConfig) -> Tensors:
 def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> ParallelConfig:
     """The parallel section of a conversion to (tp, pp, vp), checked by the trainer's own rules
     (parallel/layout.py): a layout the trainer would refuse is refused with the trainer's message."""
-    from parallel.layout import build_layout
-
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
     build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
     return parallel

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from data.tokenizer_libraries import hf_tokenizers
+
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -145,9 +147,8 @@ def library_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
     mapped to their symbols with no further split and no prefix space, the listed merges (no special tokens
     parsed: <|endoftext|> in text is text), byte-level decoding that replaces invalid UTF-8 as
     bytes.decode(errors="replace") does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizers = hf_tokenizers()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
     return tokenizer

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+from data.tokenizer_libraries import hf_tokenizers, sentencepiece
 from data.tokenizers import EOD_TOKEN
 
 MAX_VOCAB_SIZE = 1 << 22  # 16x the largest vocabularies in use (~256k); the trainers allocate by it up front
@@ -40,20 +41,19 @@ def train_gpt2_bpe(
     texts: Iterable[str], vocab_size: int, output_dir: str, min_frequency: int = 2, show_progress: bool = False
 ) -> tuple[str, str]:
     """Train byte-level BPE; write output_dir/vocab.json and merges.txt; return their paths."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     if vocab_size < 257:
         raise ValueError(f"vocab_size {vocab_size} is too small for byte-level BPE (needs >= 257)")
     check_not_too_large(vocab_size)
-    tokenizer = Tokenizer(models.BPE())
+    tokenizers = hf_tokenizers()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     # Same pre-tokenisation as GPT-2 (the regex split, no prefix space), so merges never cross pieces.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         special_tokens=[EOD_TOKEN],
         show_progress=show_progress,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     os.makedirs(output_dir, exist_ok=True)
@@ -71,11 +71,9 @@ def train_gpt2_bpe(
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_prefix: str, model_type: str = "bpe") -> str:
     """Train a SentencePiece model (with eos, used as end of document); return the .model path."""
-    import sentencepiece
-
     check_not_too_large(vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    sentencepiece.SentencePieceTrainer.train(
+    sentencepiece().SentencePieceTrainer.train(
         sentence_iterator=iter(texts),
         model_prefix=model_prefix,
         vocab_size=vocab_size,

@@ -24,6 +24,7 @@ from data.bpe import (
     load_vocab_and_merges,
     merges_in_order,
 )
+from data.tokenizer_libraries import hf_tokenizers, sentencepiece
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -125,10 +126,8 @@ class SentencePieceTokenizer:
     """A SentencePiece model with Megatron's GPT semantics: end of document = the model's eos id."""
 
     def __init__(self, model_file: str):
-        import sentencepiece
-
         try:
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+            self.sp = sentencepiece().SentencePieceProcessor(model_file=model_file)
         except (OSError, RuntimeError) as exc:
             raise ValueError(f"{model_file}: cannot load SentencePiece model: {exc}") from None
         if self.sp.eos_id() < 0:
@@ -182,11 +181,9 @@ class HuggingFaceTokenizer:
     """
 
     def __init__(self, tokenizer_model: str):
-        from tokenizers import Tokenizer
-
         path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
         try:
-            self.tokenizer = Tokenizer.from_file(path)
+            self.tokenizer = hf_tokenizers().Tokenizer.from_file(path)
         except Exception as exc:  # the Rust library raises its own exception types: name the file
             raise ValueError(f"{path}: cannot load a HuggingFace tokenizer.json: {str(exc).splitlines()[0]}") from None
         self.path = path

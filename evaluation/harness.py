@@ -35,6 +35,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from compat.optional import lm_eval_cli, lm_eval_evaluate_config, lm_eval_evaluator
 from config.schema import ParallelConfig
 from evaluation.model_source import DTYPES, INPUT_ERRORS, load_model, run_config, run_tokenizer, window_length
 from evaluation.scoring import WindowScorer
@@ -236,28 +237,23 @@ def refused_by_lm_eval(err: Exception) -> bool:
     """Whether lm_eval's checks of its own command line raised `err` (its option checks in
     lm_eval/config/evaluate_config.py: an unknown task, conflicting options; simple_evaluate's checks before
     any model is built: no task). Raised anywhere else, a ValueError is a fault and keeps its traceback."""
-    from lm_eval import evaluator
-    from lm_eval.config import evaluate_config
-
     frames = traceback.extract_tb(err.__traceback__)
     if not frames:
         return False
     raised_in = frames[-1]
-    return raised_in.filename == evaluate_config.__file__ or (
-        raised_in.filename == evaluator.__file__ and raised_in.name == "simple_evaluate"
+    return raised_in.filename == lm_eval_evaluate_config().__file__ or (
+        raised_in.filename == lm_eval_evaluator().__file__ and raised_in.name == "simple_evaluate"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """lm_eval's command line with the "ptdp" model registered; a bad model input or a command line lm_eval
     refuses (no task, an unknown task): one line, exit 2."""
-    from lm_eval.__main__ import cli_evaluate
-
     saved_argv = sys.argv
     if argv is not None:  # lm_eval's parser reads sys.argv
         sys.argv = [saved_argv[0], *argv]
     try:
-        cli_evaluate()
+        lm_eval_cli().cli_evaluate()
     except ModelInputError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)

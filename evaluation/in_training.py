@@ -11,16 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from types import ModuleType
+from typing import Protocol
 
 from checkpoint import TrainingProgress
 from config.schema import Config
 from evaluation.documents import read_lambada, read_wikitext
+from evaluation.scoring import WindowScorer
 from evaluation.tasks import Task, lambada_task, trainer_record, wikitext_task
 from parallel.pipeline.forward import ForwardOnlyContext
-
-if TYPE_CHECKING:
-    from evaluation.scoring import WindowScorer
 
 
 class Run(Protocol):
@@ -59,6 +58,15 @@ class ZeroShotEvaluation:
         return record
 
 
+def _model_source() -> ModuleType:
+    """evaluation.model_source, imported when the evaluation is built: it brings the HuggingFace folder reader
+    (convert/, ~0.15 CPU s), which every start of the trainer would otherwise pay (pretrain_gpt imports this
+    module)."""
+    from evaluation import model_source
+
+    return model_source
+
+
 def zero_shot_tasks(config: Config) -> Callable[[Run], ZeroShotEvaluation] | None:
     """None without eval.interval. Else the files are read now (a missing or malformed one is a one-line
     error before any work) and a builder is returned that the trainer calls once its run exists (the
@@ -70,13 +78,11 @@ def zero_shot_tasks(config: Config) -> Callable[[Run], ZeroShotEvaluation] | Non
     lambada = read_lambada(eval_cfg.lambada_file) if eval_cfg.lambada_file else None
 
     def build(run: Run) -> ZeroShotEvaluation:
-        # imported here: evaluation.model_source brings the HuggingFace folder reader (~0.15 CPU s), which every start
-        # of the trainer would otherwise pay (pretrain_gpt imports this module)
-        from evaluation.model_source import run_tokenizer, window_length
-        from evaluation.scoring import WindowScorer
-
-        tokenizer = run_tokenizer(run.config, exact=False)  # the trainer allows model.vocab_size > the tokenizer's
-        window = window_length(run.config)
+        model_source = _model_source()
+        tokenizer = model_source.run_tokenizer(
+            run.config, exact=False
+        )  # the trainer allows model.vocab_size > the tokenizer's
+        window = model_source.window_length(run.config)
         tasks = []
         if wikitext is not None:
             tasks.append(wikitext_task(wikitext, tokenizer.encode, tokenizer.eod, window, eval_cfg.overlapping_eval))

@@ -12,7 +12,7 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -103,6 +103,14 @@ def checkpoint_keys(kind: str) -> tuple[str, ...]:
     return tuple(
         f.metadata.get("compared_as") or f.name for f in fields(ModelConfig) if f.metadata.get("checkpoint") == kind
     )
+
+
+def _kernels() -> ModuleType:
+    """model.kernels, imported when a kernel choice is read: it imports torch (~1.7 CPU s), and this module stays
+    torch-free for the config readers and the planner."""
+    import model.kernels
+
+    return model.kernels
 
 
 @dataclass
@@ -391,20 +399,18 @@ class ModelConfig:
     def kernel_selection(self) -> KernelSelection:
         """The fused kernels fused_kernels and fused_kernel_names choose (model/kernels), their ops not yet
         registered: a model build calls `.registered()` on it once."""
-        from model.kernels import KernelSelection  # model/kernels imports torch: only when asked
-
-        return KernelSelection.of(self.fused_kernels, self.fused_kernel_names)
+        return _kernels().KernelSelection.of(self.fused_kernels, self.fused_kernel_names)
 
     def _validate_kernels(self) -> None:
-        from model.kernels import KERNEL_NAMES
-
         if self.fused_kernel_names is None:
             return
         if not self.fused_kernels:
             raise ValueError(f"model.fused_kernel_names={self.fused_kernel_names} needs model.fused_kernels=true")
         for name in self.fused_kernel_names:
-            if name not in KERNEL_NAMES:
-                raise ValueError(f"model.fused_kernel_names: {name!r} is not one of {', '.join(KERNEL_NAMES)}")
+            if name not in _kernels().KERNEL_NAMES:
+                raise ValueError(
+                    f"model.fused_kernel_names: {name!r} is not one of {', '.join(_kernels().KERNEL_NAMES)}"
+                )
 
     def _validate_moe(self) -> None:
         freq = self.moe_layer_freq

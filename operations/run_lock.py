@@ -174,11 +174,10 @@ def take_run_lock(lock: RunLock, rank: int, world_size: int, device: torch.devic
         except OSError as err:  # run.dir a file, not writable, on a full or read-only disk: name the key
             error = _unusable_run_dir_message(os.path.dirname(lock.path), err, lock.path)
     if world_size > 1:
-        import torch  # here only: the lock itself is plain Python (tools and tests use it without torch)
-        import torch.distributed as dist
+        import torch.distributed  # here only: the lock itself is plain Python (tools and tests use it without torch)
 
         failed = torch.tensor([int(error is not None)], device=device)
-        comm.all_reduce(failed, op=dist.ReduceOp.MAX)
+        comm.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         if failed.item() and error is None:
             error = ""
     return error

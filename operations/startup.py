@@ -19,6 +19,7 @@ from data.loader import build_data_iterator
 from data.microbatch import Microbatch
 from data.sample_corpus import VOCAB_SIZE as SAMPLE_VOCAB_SIZE
 from data.sample_corpus import ensure_sample_corpus
+from model.kernels.attention_backend import sdpa_backend
 from operations.loader_workers import MicrobatchStream
 from operations.preemption import ignore_stop_signals, stop_at_once
 from operations.threads import ThreadPlan, log_thread_plan, set_threads
@@ -266,8 +267,6 @@ def log_kernel_choices(
     chunks: list, model_cfg, micro_batch_size: int, tp_size: int, device: torch.device, dtype: torch.dtype, logger
 ) -> None:
     """Log once which fused kernels run on which path (model/kernels) and which SDPA backend attention uses."""
-    from model.kernels.attention_backend import sdpa_backend
-
     selection = chunks[0].kernels if chunks else model_cfg.kernel_selection()
     logger.info(
         f"{selection.describe(device)}; attention: scaled_dot_product_attention, backend "

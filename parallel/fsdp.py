@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from model.param_info import ParamInfo, param_info, set_param_info
 from model.shape import fsdp_shard_rows
 from parallel.comm import Collectives, RecordedWork
+from parallel.lazy_torch import dtensor, fsdp
 
 if TYPE_CHECKING:  # torch.distributed.fsdp imports torch.distributed.tensor (~1.3 CPU s): only FSDP runs need it
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -78,13 +79,11 @@ def local_shard(tensor: torch.Tensor) -> LocalShard:
     a plain tensor (all of it)."""
     if not is_dtensor(tensor):
         return LocalShard(tensor.detach().view(-1), 0)
-    from torch.distributed.tensor import Shard
-
     local = tensor.to_local().detach()
     rows = tensor.shape[0]
     per_row = tensor.numel() // rows if rows else 0
     placement = tensor.placements[-1]
-    if not isinstance(placement, Shard) or placement.dim != 0:
+    if not isinstance(placement, dtensor().Shard) or placement.dim != 0:
         raise ValueError(f"expected an FSDP parameter sharded along dim 0, got placements {tensor.placements}")
     mesh = tensor.device_mesh
     index, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
@@ -191,9 +190,7 @@ class ShardedDataParallel:
         )
         device = next(p for chunk in chunks for p in chunk.parameters()).device
         self.mesh = fsdp_mesh(state, device.type)
-        from torch.distributed.fsdp import MixedPrecisionPolicy  # here: a run without FSDP never imports it
-
-        policy = MixedPrecisionPolicy(
+        policy = fsdp().MixedPrecisionPolicy(
             param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
         )
         for chunk in chunks:
@@ -207,8 +204,7 @@ class ShardedDataParallel:
         return self.state.dp_cp_group if self.state.fsdp_replicate == 1 else self.state.hsdp_shard_group
 
     def _shard_chunk(self, chunk: nn.Module, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
-        from torch.distributed.fsdp import fully_shard
-
+        fully_shard = fsdp().fully_shard
         before = {name: param_info(p) for name, p in chunk.named_parameters(remove_duplicate=False)}
         layers = [layer for _, layer in chunk.transformer_layers()]  # type: ignore[operator]
         for layer in layers:

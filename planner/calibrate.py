@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from config.schema import Config, ConfigError, load_config
 from parallel.layout import layout_from_config
 from parallel.run_shape import RunShape
@@ -136,8 +138,6 @@ def fit(
     At most len(observations) of `keys` are fitted; one observation fits one scale of gemm_max and hbm.
     `prior_sigma` gives keys a log-normal prior around their starting value, its width in units of one
     observation's log error (a MAP fit)."""
-    import numpy as np
-
     if not observations:
         raise ValueError("calibration needs at least one observation")
     tied = len(observations) == 1

@@ -14,6 +14,7 @@ import os
 from planner.cluster import ClusterSpec
 from planner.predict import predict
 from planner.published import TABLE_2_PTDP, TABLE_2_ZERO3, PublishedRow
+from planner.pyplot import pyplot
 from planner.software import TRAINER
 
 MODELS = ("174.6B", "529.6B")
@@ -80,11 +81,7 @@ def table_lines(points: list[Figure10Point]) -> list[str]:
 
 def draw_figure_10(points: list[Figure10Point], path: str) -> str:
     """Both models side by side: TFLOP/s per GPU against GPUs, published (markers), planner (lines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, model in zip(axes, MODELS):
         for scheme, color in (("PTD-P", "tab:orange"), ("ZeRO-3", "tab:blue")):
@@ -95,7 +92,7 @@ def draw_figure_10(points: list[Figure10Point], path: str) -> str:
             ax.plot(gpus, [p.this_trainer for p in series], ":", color=color, label=f"{scheme}, planner (this trainer)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({p.gpus for p in points if p.model == model}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
         ax.set_xlabel("number of GPUs")
         ax.set_ylabel("TFLOP/s per GPU")
         ax.set_ylim(0, 240)

@@ -8,12 +8,14 @@ Points whose layout does not fit in memory are drawn hollow.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
 from parallel.layout import LayoutError
 from planner.cluster import ClusterSpec
 from planner.predict import predict
+from planner.pyplot import pyplot
 from planner.search import with_layout
 
 if TYPE_CHECKING:
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
 
 
 def _batch(config: Config, global_batch: int) -> Config:
-    import dataclasses
-
     return dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=global_batch))
 
 
@@ -108,11 +108,7 @@ def sweep_interleaving(config: Config, cluster: ClusterSpec, world: int, vp: int
 
 def draw_all(config: Config, cluster: ClusterSpec, world: int, out_dir: str) -> list[str]:
     """Write the three PNGs into out_dir; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
     name = f"{config.model.num_layers} layers, h {config.model.hidden_size}, {world} GPUs, {cluster.name}"
     paths = []
@@ -145,8 +141,6 @@ def draw_all(config: Config, cluster: ClusterSpec, world: int, out_dir: str) -> 
 
 
 def _finish(fig, ax, title: str, path: str) -> str:
-    import matplotlib.pyplot as plt
-
     ax.set_ylabel("predicted TFLOP/s per GPU")
     ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
@@ -154,6 +148,6 @@ def _finish(fig, ax, title: str, path: str) -> str:
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     os.replace(tmp, path)
     return path

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from config.schema import Config, config_from_dict, load_config
 from parallel.layout import layout_from_config
 from parallel.run_shape import RunShape
+from planner.calibrate import Observation
+from planner.predict import predict
 from planner.software import Software
 
 if TYPE_CHECKING:
@@ -193,7 +195,6 @@ ZERO3_FIT_ROW = 1  # the row the one constant of PAPER_DEEPSPEED_ZERO3 is fitted
 def fit_sharded_bandwidth(cluster: ClusterSpec, row: PublishedRow = TABLE_2_ZERO3[ZERO3_FIT_ROW]) -> float:
     """The `sharded_bandwidth` at which the planner gives `row`'s published TFLOP/s (bisection in log space:
     throughput rises with it)."""
-    from planner.predict import predict
 
     def tflops(share: float) -> float:
         software = dataclasses.replace(row.run.software, sharded_bandwidth=share)
@@ -208,8 +209,6 @@ def fit_sharded_bandwidth(cluster: ClusterSpec, row: PublishedRow = TABLE_2_ZERO
 
 def observations(rows: list[PublishedRow]) -> list:
     """Calibration observations (planner.calibrate.Observation) of published rows."""
-    from planner.calibrate import Observation
-
     result = []
     for row in rows:
         config = row.config()  # full recomputation: the achieved FLOPs are the paper's equation (3)

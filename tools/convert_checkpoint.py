@@ -31,7 +31,7 @@ import sys
 import torch
 import yaml
 
-from checkpoint import CheckpointError
+from checkpoint import TRACKER, CheckpointError
 from config.schema import PRECISIONS, Config, ConfigError, DataConfig, config_from_dict
 from convert.hf_folder import (
     HFFolderError,
@@ -48,6 +48,8 @@ from convert.hf_mapping import (
     hf_config,
     to_hf_state_dict,
 )
+from convert.megatron import load_megatron_checkpoint
+from convert.megatron_export import megatron_files
 from convert.model_weights import check_finite, check_layout, save_global_state
 from convert.open_model import ModelSource, global_state
 from convert.staging import Stopped, check_output_free, staged_file, staged_folder
@@ -181,8 +183,6 @@ def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str
 
 def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """A Megatron-LM torch-format GPT checkpoint (legacy or megatron-core names, any tp/pp) -> ours."""
-    from convert.megatron import load_megatron_checkpoint
-
     check_output_free(out)  # before reading the weights
     cfg, tensors, data = load_megatron_checkpoint(megatron_dir)
     check_finite(tensors, megatron_dir)
@@ -202,9 +202,6 @@ def from_megatron(megatron_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int
 def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
     """Our checkpoint (any layout) -> Megatron-LM's legacy torch format at (tp, pp, vp), weights only, with
     the iteration it was saved at."""
-    from checkpoint import TRACKER
-    from convert.megatron_export import megatron_files
-
     check_output_free(out)  # before reading the weights
     source = ModelSource.checkpoint(checkpoint)
     config, tensors = global_state(source)

@@ -38,6 +38,10 @@ from model.precision import precision_dtype
 from operations.guards import EXIT_HUNG, weights_are_finite
 from operations.startup import init_distributed
 from parallel.group_setup import GroupCreationTimeout
+from parallel.layout import check_tensor_parallel
+from parallel.state import ParallelState
+from parallel.tensor_parallel import tp_comm
+from parallel.tp_mappings import gather_from_tp_region
 
 INPUT_ERRORS = (ValueError, OSError, CheckpointError, HFFolderError, UnsupportedModelError, ConfigError)
 
@@ -60,9 +64,6 @@ class StreamDecoder:
 def make_logits_fn(model, cfg: ModelConfig, state):
     """logits_fn(tokens, positions, cache) -> [b, s, vocab] (the vocabulary shards gathered over tp, through
     the state's door as the trainer's output layer gathers them: parallel/tp_mappings.py)."""
-    from parallel.tensor_parallel import tp_comm
-    from parallel.tp_mappings import gather_from_tp_region
-
     output_comm = tp_comm(state, scope="output")
 
     def logits_fn(tokens, positions, cache):
@@ -127,9 +128,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace, env):
     """Model (tensor parallel over every rank under torchrun), tokenizer, sampling config, prompt ids."""
-    from parallel.layout import check_tensor_parallel
-    from parallel.state import ParallelState
-
     sampling = SamplingConfig(args.greedy, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     sampling.validate()
     if args.max_new_tokens < 1:

@@ -33,6 +33,7 @@ from model.shape import total_params
 from parallel.layout import LayoutError
 from planner import calibrate
 from planner.cluster import ClusterError, ClusterSpec, efficiency_yaml, load_cluster
+from planner.plots import draw_all
 from planner.predict import Prediction, fusion_speedup, predict
 from planner.published import paper_software
 from planner.search import (
@@ -279,8 +280,6 @@ def run_plan(args: argparse.Namespace, cluster: ClusterSpec) -> int:
     if config.model.vocab_size is None:
         raise ConfigError("model.vocab_size must be set for the planner (no tokenizer is loaded)")
     if args.plot:
-        from planner.plots import draw_all
-
         for path in draw_all(config, cluster, args.gpus, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     software_of = paper_software if args.software == "paper" else (lambda _: TRAINER)

@@ -9,9 +9,17 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
 from checkpoint import describe_write_error
+from compat.optional import tensorboard_writer
 from model.shape import IterationFlops
 from operations.log import get_logger
+
+try:
+    import resource  # POSIX only: without it peak_memory_gib reports 0 on CPU
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from checkpoint import TrainingProgress
@@ -59,11 +67,11 @@ class MetricsWriter:
         os.makedirs(run_dir, exist_ok=True)
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                summary_writer = tensorboard_writer()
             except ImportError:  # tensorboard is in requirements.txt; keep training if it is missing
                 get_logger().warning("tensorboard is not installed: TensorBoard events are not written")
             else:
-                self._tb = SummaryWriter(log_dir=self.tensorboard_dir)
+                self._tb = summary_writer(log_dir=self.tensorboard_dir)
 
     def _read_lines(self) -> list[str]:
         """The file's complete lines; a torn last line (a crash or a full disk mid-write) is dropped with a
@@ -179,15 +187,10 @@ def format_train_line(record: Mapping[str, float | None], train_iters: int) -> s
 def peak_memory_gib(device_type: str) -> float:
     """Peak memory of this process: allocator peak on GPU, resident-set high-water mark on CPU."""
     if device_type == "cuda":
-        import torch
-
         return torch.cuda.max_memory_allocated() / 2**30
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    except ImportError:
+    if resource is None:
         return 0.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def peak_tflops(
@@ -201,8 +204,6 @@ def peak_tflops(
     if device_type != "cuda" or precision == "fp32":
         return None
     if device_name is None:
-        import torch
-
         device_name = torch.cuda.get_device_name()
     return next((peak for name, peak in DENSE_16BIT_PEAK_TFLOPS if name in device_name), None)
 

@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
 from data.index_budget import available_memory_bytes
 from planner.activations import shape_from_config
 from planner.memory import GIB, MemoryEstimate, config_memory
@@ -33,8 +35,6 @@ def available_memory(use_cuda: bool, local_rank: int, environ: Mapping[str, str]
     """(bytes one rank may use, where they come from): the GPU's memory, or this node's available memory
     divided by its ranks (LOCAL_WORLD_SIZE)."""
     if use_cuda:
-        import torch
-
         props = torch.cuda.get_device_properties(local_rank % max(1, torch.cuda.device_count()))
         return float(props.total_memory), f"the {props.name}'s {props.total_memory / GIB:.1f} GiB"
     local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")) or 1))

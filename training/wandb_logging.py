@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from compat.optional import wandb
 from config.schema import Config, LoggingConfig
 
 RUN_ID_FILE = "wandb_run_id"
@@ -40,10 +41,8 @@ class WandbSink:
     def close(self) -> None:
         """Finish the run and stop wandb's background service: finish() alone returns before the service has
         written the run's last records, and offline files must be complete when the trainer exits."""
-        import wandb
-
         self._run.finish()
-        wandb.teardown()
+        wandb().teardown()
 
 
 def run_id(run_dir: str) -> str:
@@ -75,7 +74,7 @@ def check_wandb_importable(logging_config: LoggingConfig) -> None:
             "(or drop the key)"
         )
     try:
-        import wandb  # noqa: F401
+        wandb()
     except Exception as err:  # whatever a broken package raises while importing
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
         raise ValueError(
@@ -89,9 +88,7 @@ def open_wandb(config: Config, enabled: bool) -> WandbSink | None:
     project = config.logging.wandb_project
     if not enabled or not project:
         return None
-    import wandb  # only here: the trainer does not need wandb unless the key is set
-
-    run = wandb.init(
+    run = wandb().init(  # wandb imported only here: the trainer does not need it unless the key is set
         project=project,
         entity=config.logging.wandb_entity,
         name=os.path.basename(os.path.normpath(config.run.dir)),

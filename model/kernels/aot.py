@@ -15,6 +15,7 @@ as Triton's launcher marks the contiguous tensors ops.py hands it, so the code i
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import subprocess
@@ -272,8 +273,6 @@ def compile_all(configs: list[KernelConfig], archs: list[int], workers: int = 2)
 def compile_jobs(jobs: list[tuple[KernelConfig, int]], workers: int = 2) -> list[CompileResult | str]:
     """compile_for of each (config, arch) in `workers` fresh (spawned) processes with Triton's interpreter off,
     whatever this process runs under; an error comes back as its message. No job: no process started."""
-    import multiprocessing
-
     if not jobs:
         return []
     saved = os.environ.get("TRITON_INTERPRET")

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRICKY_TEXTS = [
@@ -41,8 +43,7 @@ TRICKY_TEXTS = [
 
 def _measure(work_dir: str, label: str) -> None:
     """Child process: encode the corpus and the tricky texts with the checkout on sys.path; print JSON."""
-    import numpy as np
-
+    # here, not at the top: the checkout measured (old or new) is the one on this child's sys.path
     from data.preprocess import preprocess_jsonl
     from data.tokenizer_training import iter_jsonl_texts
     from data.tokenizers import GPT2BPETokenizer
@@ -80,7 +81,7 @@ def _measure(work_dir: str, label: str) -> None:
 
 
 def _prepare(work_dir: str, vocab_size: int) -> None:
-    sys.path.insert(0, REPO_ROOT)
+    sys.path.insert(0, REPO_ROOT)  # this checkout's data/ (the script runs without it on sys.path)
     from data.sample_corpus import write_stdlib_jsonl
     from data.tokenizer_training import iter_jsonl_texts, train_gpt2_bpe
 
@@ -123,8 +124,6 @@ def main() -> None:
     os.makedirs(old_root)
     archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", args.old_ref], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", old_root], input=archive.stdout, check=True)
-    import numpy as np
-
     results = {}
     for label, root in (("old", old_root), ("new", REPO_ROOT)):
         results[label] = r = _run_checkout(root, work_dir, label)

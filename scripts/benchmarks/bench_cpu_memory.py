@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -138,7 +139,6 @@ def _rank(rank: int, world_size: int, port: int, overrides: list[str], verbose: 
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         train(run)
     peak_rss = sampler.stop()
-    import resource
 
     results.put(
         (

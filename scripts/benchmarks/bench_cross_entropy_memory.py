@@ -23,6 +23,11 @@ import resource
 import sys
 import time
 
+import torch
+
+from model.kernels import reference
+from model.kernels.cross_entropy import chunked_linear_cross_entropy
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -32,11 +37,6 @@ def rss_bytes() -> int:
 
 
 def _case(args: argparse.Namespace, chunked: bool, queue: mp.Queue) -> None:
-    import torch
-
-    from model.kernels import reference
-    from model.kernels.cross_entropy import chunked_linear_cross_entropy
-
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     padded = 128 * math.ceil(args.vocab / 128)
     generator = torch.Generator().manual_seed(0)
