@@ -150,7 +150,8 @@ DP_FLAVOURS = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.tier("full"))])
+@pytest.mark.tier("full")  # six flavours x 3 saves; the fast tier keeps the FSDP dp2 save-after-evaluation resume
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_every_dp_flavour_saves_right_after_evaluation(tiny_corpus, tmp_path, precision):
     """Evaluation and a save at every iteration (3 iterations): each flavour exits 0 with a checkpoint per
     iteration, and the weights saved last (after two evaluations and saves) are plain dp2's, within 1e-5 in

@@ -253,6 +253,7 @@ INVALID = [
 ]
 
 
+@pytest.mark.tier("full")  # an entry point started as a process for each bad layout (~8 CPU s)
 def test_invalid_layouts_fail_before_any_work(tiny_corpus, tmp_path):
     """Exit code 2 and one line naming the values, before a process group, run dir or data exists."""
     cases = [p.values for p in INVALID]

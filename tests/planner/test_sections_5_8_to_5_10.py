@@ -36,11 +36,12 @@ def plan_json(capsys, config, gpus, *overrides):
         # Table 2's 175B row on 384 GPUs: (t, p, d) = (8, 12, 4), 4 chunks (published.TABLE_2_PTDP); 113 -> 135 TF
         ("gpt_174.6b.yaml", 384, ["parallel.schedule=interleaved", "parallel.vp_size=4"], 0.19),
         # its 530B row on 560 GPUs: (8, 35, 2), batch 2240, 3 chunks; 133 -> 148 TF
-        (
+        pytest.param(  # the larger model's plan costs ~13 CPU s: the full tier
             "gpt_529.6b.yaml",
             560,
             ["parallel.schedule=interleaved", "parallel.vp_size=3", "train.global_batch_size=2240"],
             0.11,
+            marks=pytest.mark.tier("full"),
         ),
     ],
 )
@@ -50,6 +51,7 @@ def test_fusion_gain_at_table_2_layouts_is_within_a_quarter_of_the_paper(capsys,
     assert gain == pytest.approx(paper_gain, rel=0.25)
 
 
+@pytest.mark.tier("full")  # the 1T model on 3072 GPUs: a paper reproduction (~8 CPU s)
 def test_one_trillion_traffic_and_checkpoint_against_the_paper(capsys):
     # Table 1's 1T row as the paper ran it: (8, 64, 6), micro-batch 1, 2 chunks (planner/published.py)
     result = plan_json(capsys, "gpt_1t.yaml", 3072, "parallel.schedule=interleaved", "parallel.vp_size=2")

@@ -47,6 +47,7 @@ def _tflops(capsys, model: str, gpus: int, *overrides: str) -> float:
     return json.loads(out)["tflops_per_gpu"]
 
 
+@pytest.mark.tier("full")  # a paper reproduction over many layouts (~20 CPU s)
 def test_table_2_zero3_ptdp_and_the_ratio_at_the_doubled_gpu_counts(capsys):
     zero3, ptdp = {}, {}
     for model, gpus, mb, batch, published in ZERO3:

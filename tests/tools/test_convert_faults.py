@@ -337,6 +337,7 @@ def wait_until_staged(process: subprocess.Popen) -> None:
     raise AssertionError(f"the converter ended before staging its output: {process.wait()} {process.stderr.read()}")
 
 
+@pytest.mark.tier("full")  # signals to a real converter process: the launch path
 def test_sigterm_removes_the_staging_folder_and_a_rerun_removes_a_killed_ones(converter_sources, tmp_path, capsys):
     runs = {
         "to-hf": converter_sources["ours"],
