@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -59,17 +57,7 @@ def _function_name(nodeid: str) -> str:
 
 def collected_cases(files: list[str]) -> list[str]:
     """The parity node ids pytest collects from `files` (a separate process: no -k of this run applies)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
-        + ["--tier", "full", *files],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT, "PTDP_RANK_POOL": "0"},
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
-    return sorted(nodeid for nodeid in ids if is_parity_test(_function_name(nodeid)))
+    return sorted(nodeid for nodeid in tiers.collect_ids(files, "full") if is_parity_test(_function_name(nodeid)))
 
 
 def _cases_of_this_session(request, files: list[str]) -> list[str] | None:

@@ -21,6 +21,8 @@ Which tests run (`--tier`):
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +81,21 @@ def tier_of(item) -> str | None:
     if mark is None:
         return None
     return mark.args[0] if mark.args else mark.kwargs.get("name")
+
+
+def collect_ids(files: list[str], tier: str) -> list[str]:
+    """The test ids a new pytest process collects from `files` in `tier` (no -k or tier of this run applies)."""
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+        + ["--tier", tier, *files],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": repo_root, "PTDP_RANK_POOL": "0"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line.strip() for line in out.stdout.splitlines() if "::" in line]
 
 
 def collected_items(config) -> list:
