@@ -29,16 +29,22 @@ def test_expensive_shared_fixtures_and_system_tests_keep_to_one_worker():
 
 
 @pytest.mark.parametrize(
-    "capture,pdb,chosen,expected",
+    "capture,pdb,chosen,tier,expected",
     [
-        ("fd", False, None, min(2, xdist_setup._usable_cores())),
-        ("no", False, None, 0),
-        ("fd", True, None, 0),
-        ("fd", False, "3", 3),
+        ("fd", False, None, None, min(2, xdist_setup._usable_cores())),
+        ("fd", False, None, "fast", min(2, xdist_setup._usable_cores())),
+        ("fd", False, None, "full", 2 * xdist_setup._usable_cores()),
+        ("fd", False, None, "full-only", 2 * xdist_setup._usable_cores()),
+        ("no", False, None, "full", 0),
+        ("fd", True, None, None, 0),
+        ("fd", False, "3", "full", 3),
     ],
 )
-def test_the_number_of_workers(monkeypatch, capture, pdb, chosen, expected):
-    config = types.SimpleNamespace(option=types.SimpleNamespace(capture=capture), getoption=lambda name, default: pdb)
+def test_the_number_of_workers(monkeypatch, capture, pdb, chosen, tier, expected):
+    options = {"usepdb": pdb, "tier": tier}
+    config = types.SimpleNamespace(
+        option=types.SimpleNamespace(capture=capture), getoption=lambda name, default: options.get(name, default)
+    )
     if chosen is None:
         monkeypatch.delenv("PTDP_TEST_WORKERS", raising=False)
     else:

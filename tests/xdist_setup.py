@@ -3,7 +3,10 @@ these hooks. docs/testing.md has the measurements behind the choices.
 
 - Two workers by default (`-n auto`, sized by `pytest_xdist_auto_num_workers`): most tests run one process with
   one thread, so one worker per core of a two-core machine roughly halves the wall time. More than two did not
-  pay on two cores and a test's ranks already fill the cores of a bigger one. PTDP_TEST_WORKERS=N or `-n N`
+  pay on two cores for the fast tier and a test's ranks already fill the cores of a bigger one. `--tier full`
+  and `--tier full-only` get two workers per core: what the fast tier leaves out mostly waits (signals
+  delivered and waited for, hangs waited out to their timeouts, SLURM's scheduler), and with two workers it
+  kept the cores 52% busy (1,107 CPU s in 2,084 s). PTDP_TEST_WORKERS=N or `-n N`
   chooses; `-n 0` (or `-p no:xdist`) runs in one process, and so do `-s` and `--pdb` (their output must reach
   this terminal).
 - OMP_NUM_THREADS=1 for the workers (unless set): two workers with two OpenMP threads each on two cores
@@ -22,6 +25,7 @@ import pytest
 # tests that start daemons or network namespaces of the machine: never two at once
 SYSTEM_TEST_FILES = ("test_slurm.py", "test_slurm_two_nodes.py", "test_two_nodes.py")
 DEFAULT_WORKERS = 2
+FULL_TIER_WORKERS_PER_CORE = 2  # the full tiers wait more than they compute (module docstring)
 LOADGROUP_SWITCH = "PTDP_XDIST_LOADGROUP"  # set by the controller for its workers
 # Modules whose module-scoped fixture costs more than its tests would lose by running on one worker (CPU
 # seconds of the fixture, measured with PTDP_TEST_COSTS: docs/testing.md). Cheaper ones are built on each
@@ -73,12 +77,15 @@ def pytest_cmdline_main(config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: PTDP_TEST_WORKERS, else two (one where there is one core); none with -s or --pdb."""
+    """`-n auto`: PTDP_TEST_WORKERS, else two (one where there is one core), two per core for `--tier full` and
+    `--tier full-only`; none with -s or --pdb."""
     if config.option.capture == "no" or config.getoption("usepdb", False):
         return 0
     chosen = os.environ.get("PTDP_TEST_WORKERS", "").strip()
     if chosen.isdigit():
         return int(chosen)
+    if config.getoption("tier", None) in ("full", "full-only"):
+        return FULL_TIER_WORKERS_PER_CORE * _usable_cores()
     return min(DEFAULT_WORKERS, _usable_cores())
 
 
