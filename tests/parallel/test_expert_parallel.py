@@ -10,10 +10,12 @@ token dropping is decided per rank on its local tokens, as in megatron-core (mod
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
+from checkpoint.pieces import pieces_of, tp_blocks
 from config.schema import OptimConfig, TrainConfig, load_config
 from model.config import ModelConfig
 from model.init import initialize_parameters
@@ -25,7 +27,7 @@ from parallel.expert_parallel import EPExchange
 from parallel.layout import LayoutError, layout_from_config
 from parallel.rank_grid import RankGrid
 from parallel.state import ParallelState
-from tests.conftest import run_ranks
+from tests.conftest import REPO_ROOT, assert_entry_points_refuse, run_ranks
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -83,6 +85,14 @@ def test_bad_ep_is_refused_with_one_line(world_size, overrides, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.tier("full")  # two processes that import the trainer
+def test_trainer_and_model_stats_refuse_ep_without_experts(tmp_path):
+    overrides = ["parallel.ep_size=2"]
+    with pytest.raises(LayoutError) as refused:  # the trainer's default config is dense
+        layout_from_config(load_config(os.path.join(REPO_ROOT, "configs", "gpt_tiny.yaml"), overrides), 2)
+    assert_entry_points_refuse(overrides, 2, str(refused.value), f"{tmp_path}/run")
+
+
 def test_ep_layout():
     lay = layout(8, "parallel.ep_size=4", "parallel.tp_size=2", "train.global_batch_size=16", *MOE)
     assert (lay.dp_size, lay.ep_size, lay.expert_dp_size) == (4, 4, 1)
@@ -104,6 +114,28 @@ def _groups_ranks(rank, world_size):
 
 def test_state_builds_ep_and_expert_dp_groups():
     run_ranks(8, _groups_ranks)
+
+
+def test_expert_params_lie_at_their_first_expert():
+    cfg = ModelConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_experts=EXPERTS, moe_ffn_hidden_size=FFN
+    )
+    cfg.validate()
+
+    class Exchange:  # the third of four ep ranks, without a group: only the layout of its weights is read
+        ep_size, ep_rank = 4, 2
+
+        def all_to_all(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]):
+            raise AssertionError("no forward here")
+
+    layer = MoELayer(cfg, expert_exchange=Exchange())
+    bias = layer.experts.fc1_bias  # [E / ep, f]: a 2-D expert weight, as checkpoints piece them
+    assert bias is not None and param_info(bias).experts == (4, 6) and param_info(bias).full_shape == (EXPERTS, FFN)
+    full = torch.arange(EXPERTS * FFN, dtype=torch.float32).view(EXPERTS, FFN)
+    assert torch.equal(param_info(bias).local_shard(full), full[4:6])
+    pieces = pieces_of(bias.detach().reshape(-1), 0, tuple(bias.shape), tp_blocks(bias))
+    assert [(offsets, tuple(view.shape)) for offsets, view in pieces] == [((4, 0), (2, FFN))]
+    assert all(param_info(p).experts is None for p in layer.router.parameters())
 
 
 # ---- the all-to-all --------------------------------------------------------------------------------
