@@ -203,7 +203,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, tolerance: fl
     assert error <= tolerance, f"{what}: max difference {error:.3g}"
 
 
-def build(layer: MoELayer, state: ParallelState, distributed: bool):
+def build(layer: MoELayer, state: ParallelState, distributed: bool, overlap: bool = False):
     ddp = DataParallel([layer], state, bucket_size_mb=0.002, distributed_optimizer=distributed)
     optimizer = build_optimizer(
         [layer],
@@ -211,12 +211,12 @@ def build(layer: MoELayer, state: ParallelState, distributed: bool):
         state,
         OptimConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-6),
         TrainConfig(clip_grad=1.0),
-        overlap_param_gather=False,
+        overlap_param_gather=overlap,
     )
     return ddp, optimizer
 
 
-def _layer_ranks(rank, world_size, ep_size, distributed, capacity):
+def _layer_ranks(rank, world_size, ep_size, distributed, capacity, overlap=False):
     state = ParallelState.create(tp_size=1, pp_size=1, ep_size=ep_size)
     cfg = moe_config(capacity)
     reference = MoELayer(cfg, use_grouped_mm=False)
@@ -231,7 +231,7 @@ def _layer_ranks(rank, world_size, ep_size, distributed, capacity):
     for (name, param), full in pairs:  # the layout-free init cuts the full draw
         assert torch.equal(param.detach(), param_info(param).local_shard(full.detach())), name
     assert layer.experts.fc1_weight.shape[0] == EXPERTS // ep_size
-    ddp, optimizer = build(layer, state, distributed)
+    ddp, optimizer = build(layer, state, distributed, overlap)
     reference_ddp, reference_optimizer = build(reference, ParallelState.single(), distributed=False)
     # the reference runs the dp ranks' micro-batches one after the other, each loss a 1/dp share as dp's average
     reference.aux_loss_backward_scale = 1.0 / state.dp_size
@@ -241,6 +241,7 @@ def _layer_ranks(rank, world_size, ep_size, distributed, capacity):
         ddp.zero_grad()
         reference_ddp.zero_grad()
         out, _ = layer(tokens[:, columns[rank]])
+        ddp.enable_grad_sync()  # one micro-batch: buckets are reduced as backward completes them
         (out * weights[:, columns[rank]]).sum().backward()
         ddp.finish_grad_sync()
         for r in range(world_size):
@@ -259,6 +260,7 @@ def _layer_ranks(rank, world_size, ep_size, distributed, capacity):
             close(ddp.owned_main_grad(param), expected, f"step {step} gradient of {name}")
         stats, reference_stats = optimizer.step(), reference_optimizer.step()
         assert math.isclose(stats.grad_norm, reference_stats.grad_norm, rel_tol=TOLERANCE), (stats, reference_stats)
+        optimizer.finish_param_gather()  # overlapped: the gathers the next forward would wait for
         for (name, param), full in pairs:
             after = f"step {step} {name} after the step"
             close(param.detach(), param_info(param).local_shard(full.detach()), after, STEP_TOLERANCE)
@@ -271,3 +273,7 @@ def _layer_ranks(rank, world_size, ep_size, distributed, capacity):
 )
 def test_moe_layer_with_ep_equals_one_process(world_size, ep_size, distributed, capacity):
     run_ranks(world_size, _layer_ranks, ep_size, distributed, capacity)
+
+
+def test_overlapped_param_gather_of_expert_buckets():
+    run_ranks(4, _layer_ranks, 2, True, None, True)
