@@ -233,7 +233,7 @@ def check_context_parallel(
         )
 
 
-def check_expert_parallel(model: ModelConfig, ep_size: int, dp_size: int, cp_size: int, fsdp: bool) -> None:
+def check_expert_parallel(model: ModelConfig, ep_size: int, dp_size: int, cp_size: int, hsdp_replicas: int) -> None:
     """Expert parallelism re-divides the dp x cp ranks (Megatron-core: for the experts the world is tp x ep x
     expert-dp x pp with expert-dp = dp x cp / ep), and each ep rank holds num_experts / ep whole experts."""
     check_positive(ep_size=ep_size)
@@ -243,10 +243,10 @@ def check_expert_parallel(model: ModelConfig, ep_size: int, dp_size: int, cp_siz
         raise LayoutError(f"parallel.ep_size={ep_size} needs an MoE model: model.num_experts={model.num_experts}")
     require_divisible("dp x cp (world / (tp * pp))", dp_size * cp_size, "parallel.ep_size", ep_size)
     require_divisible("model.num_experts", model.num_experts, "parallel.ep_size", ep_size)
-    if fsdp:
+    if hsdp_replicas > 1:
         raise LayoutError(
-            f"parallel.ep_size={ep_size} with parallel.fsdp=true is not supported yet: use "
-            f"parallel.distributed_optimizer=true (or plain dp) with expert parallelism"
+            f"parallel.ep_size={ep_size} with parallel.fsdp_replicate={hsdp_replicas} (HSDP) is not supported: "
+            f"use plain FSDP (fsdp_replicate=1) or the distributed optimizer with expert parallelism"
         )
 
 
@@ -271,7 +271,7 @@ def build_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     check_tensor_parallel(model, tp, parallel.sequence_parallel and cp == 1)
     check_context_parallel(model, cp, tp, parallel.sequence_parallel, parallel.cp_attention_backend)
     check_pipeline_split(model.num_layers, pp, vp)
-    check_expert_parallel(model, ep, dp, cp, parallel.fsdp and dp * cp > 1)
+    check_expert_parallel(model, ep, dp, cp, parallel.fsdp_replicate if parallel.fsdp else 1)
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
         raise LayoutError(

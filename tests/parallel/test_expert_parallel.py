@@ -75,10 +75,17 @@ INVALID = [
     (4, ("parallel.ep_size=4", "model.num_experts=6"), "model.num_experts=6 is not divisible by parallel.ep_size=4"),
     (2, ("parallel.ep_size=2",), "parallel.ep_size=2 needs an MoE model: model.num_experts=None"),
     (1, ("parallel.ep_size=0",), "parallel.ep_size=0 must be >= 1"),
+    (
+        4,
+        ("parallel.ep_size=2", "parallel.fsdp=true", "parallel.fsdp_replicate=2", *MOE),
+        "parallel.ep_size=2 with parallel.fsdp_replicate=2 (HSDP) is not supported",
+    ),
 ]
 
 
-@pytest.mark.parametrize("world_size,overrides,message", INVALID, ids=["dp", "tp", "experts", "dense", "positive"])
+@pytest.mark.parametrize(
+    "world_size,overrides,message", INVALID, ids=["dp", "tp", "experts", "dense", "positive", "hsdp"]
+)
 def test_bad_ep_is_refused_with_one_line(world_size, overrides, message):
     with pytest.raises((LayoutError, ValueError)) as refused:
         layout(world_size, *overrides)
@@ -277,3 +284,71 @@ def test_moe_layer_with_ep_equals_one_process(world_size, ep_size, distributed, 
 
 def test_overlapped_param_gather_of_expert_buckets():
     run_ranks(4, _layer_ranks, 2, True, None, True)
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk of one MoE layer, as FSDP's wrapper reads chunks (transformer_layers)."""
+
+    def __init__(self, layer: MoELayer):
+        super().__init__()
+        self.layer = layer
+
+    def transformer_layers(self) -> list[tuple[int, MoELayer]]:
+        return [(0, self.layer)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)[0]
+
+
+def _fsdp_ranks(rank, world_size, ep_size):
+    from optim.sharded_optimizer import build_sharded_optimizer
+    from parallel.fsdp import ShardedDataParallel, local_shard
+
+    state = ParallelState.create(tp_size=1, pp_size=1, ep_size=ep_size)
+    cfg = moe_config(None)
+    reference = MoELayer(cfg, use_grouped_mm=False)
+    initialize_parameters(reference, cfg, SEED)
+    with torch.device("meta"):
+        layer = MoELayer(cfg, use_grouped_mm=False, expert_exchange=EPExchange.of(state))
+    initialize_parameters(layer, cfg, SEED)
+    chunk = _Chunk(layer)
+    optim, train = OptimConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-6), TrainConfig(clip_grad=1.0)
+    fsdp = ShardedDataParallel([chunk], state, torch.float32)
+    optimizer = build_sharded_optimizer([chunk], fsdp, state, optim, train)
+    assert layer.experts.fc1_weight.device_mesh.size() == state.expert_dp_size  # type: ignore[attr-defined]
+    reference_ddp, reference_optimizer = build(reference, ParallelState.single(), distributed=False)
+    reference.aux_loss_backward_scale = 1.0 / state.dp_size
+    pairs = list(zip(layer.named_parameters(), reference.parameters(), strict=True))
+    columns = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world_size)]
+
+    def shard_of(param: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's flat shard of `param`, the same elements of the reference's `full`)."""
+        flat, start = local_shard(param)
+        return flat, param_info(param).local_shard(full).reshape(-1)[start : start + flat.numel()]
+
+    for step in range(2):
+        tokens, weights = global_batch(step, world_size)
+        fsdp.zero_grad()
+        reference_ddp.zero_grad()
+        out = chunk(tokens[:, columns[rank]])
+        (out * weights[:, columns[rank]]).sum().backward()
+        fsdp.finish_grad_sync()
+        for r in range(world_size):
+            reference_out, _ = reference(tokens[:, columns[r]])
+            ((reference_out * weights[:, columns[r]]).sum() / state.dp_size).backward()
+            if r == rank:
+                close(out, reference_out.detach(), f"step {step} output")
+        reference_ddp.finish_grad_sync()
+        for (name, param), full in pairs:
+            _, expected = shard_of(param, full.main_grad)  # type: ignore[attr-defined]
+            got = fsdp.owned_main_grad(param)
+            close(got, expected, f"step {step} gradient of {name}")
+        stats, reference_stats = optimizer.step(), reference_optimizer.step()
+        assert math.isclose(stats.grad_norm, reference_stats.grad_norm, rel_tol=TOLERANCE), (stats, reference_stats)
+        for (name, param), full in pairs:
+            close(*shard_of(param, full.detach()), f"step {step} {name} after the step", STEP_TOLERANCE)
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["fsdp-ep2", "fsdp-ep2-expert-dp2"])
+def test_fsdp_shards_experts_over_expert_dp(world_size):
+    run_ranks(world_size, _fsdp_ranks, 2)
