@@ -223,8 +223,9 @@ def build(layer: MoELayer, state: ParallelState, distributed: bool, overlap: boo
     return ddp, optimizer
 
 
-def _layer_ranks(rank, world_size, ep_size, distributed, capacity, overlap=False):
-    state = ParallelState.create(tp_size=1, pp_size=1, ep_size=ep_size)
+def _layer_ranks(rank, world_size, ep_size, distributed, capacity, overlap=False, tp_size=1):
+    # tp > 1: the tp ranks of one dp rank hold the same tokens and replicas of the experts (no tp inside them)
+    state = ParallelState.create(tp_size=tp_size, pp_size=1, ep_size=ep_size)
     cfg = moe_config(capacity)
     reference = MoELayer(cfg, use_grouped_mm=False)
     initialize_parameters(reference, cfg, SEED)
@@ -242,24 +243,25 @@ def _layer_ranks(rank, world_size, ep_size, distributed, capacity, overlap=False
     reference_ddp, reference_optimizer = build(reference, ParallelState.single(), distributed=False)
     # the reference runs the dp ranks' micro-batches one after the other, each loss a 1/dp share as dp's average
     reference.aux_loss_backward_scale = 1.0 / state.dp_size
-    columns = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world_size)]
+    columns = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(state.dp_size)]
+    mine = columns[state.dp_rank]
     for step in range(2):
-        tokens, weights = global_batch(step, world_size)
+        tokens, weights = global_batch(step, state.dp_size)
         ddp.zero_grad()
         reference_ddp.zero_grad()
-        out, _ = layer(tokens[:, columns[rank]])
+        out, _ = layer(tokens[:, mine])
         ddp.enable_grad_sync()  # one micro-batch: buckets are reduced as backward completes them
-        (out * weights[:, columns[rank]]).sum().backward()
+        (out * weights[:, mine]).sum().backward()
         ddp.finish_grad_sync()
-        for r in range(world_size):
+        for r in range(state.dp_size):
             reference_out, _ = reference(tokens[:, columns[r]])
             ((reference_out * weights[:, columns[r]]).sum() / state.dp_size).backward()
-            if r == rank:
+            if r == state.dp_rank:
                 close(out, reference_out.detach(), f"step {step} output")
         reference_ddp.finish_grad_sync()
         if capacity is None and step == 0:  # dropless: one forward over every rank's tokens gives the same
             with torch.no_grad():
-                close(out, reference(tokens)[0][:, columns[rank]], "output against the whole batch")
+                close(out, reference(tokens)[0][:, mine], "output against the whole batch")
         for (name, param), full in pairs:
             lo, hi = ddp.owned_param_slice(param)
             full_grad = full.main_grad  # type: ignore[attr-defined]
@@ -284,6 +286,10 @@ def test_moe_layer_with_ep_equals_one_process(world_size, ep_size, distributed, 
 
 def test_overlapped_param_gather_of_expert_buckets():
     run_ranks(4, _layer_ranks, 2, True, None, True)
+
+
+def test_tp2_ranks_hold_expert_replicas():  # tp 2 x dp 2, ep 2: each tp rank's ep group exchanges its copy
+    run_ranks(4, _layer_ranks, 2, False, 1.0, False, 2)
 
 
 class _Chunk(torch.nn.Module):
