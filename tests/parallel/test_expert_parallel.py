@@ -20,7 +20,7 @@ from config.schema import OptimConfig, TrainConfig, load_config
 from model.config import ModelConfig
 from model.init import initialize_parameters
 from model.moe.layer import MoELayer
-from model.param_info import param_info
+from model.param_info import param_info, set_param_info
 from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import EPExchange
@@ -143,6 +143,25 @@ def test_expert_params_lie_at_their_first_expert():
     pieces = pieces_of(bias.detach().reshape(-1), 0, tuple(bias.shape), tp_blocks(bias))
     assert [(offsets, tuple(view.shape)) for offsets, view in pieces] == [((4, 0), (2, FFN))]
     assert all(param_info(p).experts is None for p in layer.router.parameters())
+
+
+def test_each_ep_rank_writes_its_experts_once():
+    """checkpoint/state.param_records: an expert weight is replicated over expert-dp only, so one rank of each
+    expert-dp group writes it (each ep rank its own experts), while a dense weight has one writer in dp x cp."""
+    from checkpoint.state import param_records
+
+    def writers(rank: int) -> list[bool]:  # 4 ranks: dp 4, ep 2 x expert-dp 2 (ranks 0, 2 and 1, 3 replicas)
+        state = ParallelState(world_size=4, rank=rank, tp_size=1, pp_size=1, dp_size=4, ep_size=2)
+        module = torch.nn.Module()
+        module.dense = torch.nn.Parameter(torch.zeros(3, 2))
+        module.experts = torch.nn.Parameter(torch.zeros(2, 3))  # 2 of 4 experts, [E_local, f]
+        start = 2 * state.ep_rank
+        set_param_info(module.experts, experts=(start, start + 2), full_shape=(4, 3))
+        return [record.writes for record in param_records([module], state)]
+
+    written = [writers(rank) for rank in range(4)]
+    assert [w[0] for w in written] == [True, False, False, False]  # dense: record 0 -> dp x cp rank 0
+    assert [w[1] for w in written] == [False, False, True, True]  # experts: record 1 -> expert-dp rank 1 of each
 
 
 # ---- the all-to-all --------------------------------------------------------------------------------
