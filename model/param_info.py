@@ -160,11 +160,13 @@ class ParamInfo:
 
     def spans(self, local_len: int) -> list[Span]:
         """Where this rank's shard lies in the stored global tensor (see Sharding.spans); an expert-parallel
-        weight's rows (dim 0, not split over tp) lie at its first expert."""
+        weight's rows (not split over tp) lie at its first expert's. `local_len` counts rows along dim 0, or
+        of a matrix view [E_local x r, c] of a 3-D weight: each expert's rows are consecutive either way."""
         if self.experts is not None:
             if self.tensor_parallel:
                 raise ValueError("expert-parallel weights split over tp are not supported")
-            return [Span(0, local_len, self.experts[0])]
+            rows_per_expert = local_len // (self.experts[1] - self.experts[0])
+            return [Span(0, local_len, self.experts[0] * rows_per_expert)]
         return self.sharding.spans(local_len, self.tp_rank, self.tp_size)
 
 

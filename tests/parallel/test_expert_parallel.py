@@ -20,7 +20,7 @@ from config.schema import OptimConfig, TrainConfig, load_config
 from model.config import ModelConfig
 from model.init import initialize_parameters
 from model.moe.layer import MoELayer
-from model.param_info import param_info, set_param_info
+from model.param_info import Span, param_info, set_param_info
 from optim.optimizer import build_optimizer
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import EPExchange
@@ -142,6 +142,8 @@ def test_expert_params_lie_at_their_first_expert():
     assert torch.equal(param_info(bias).local_shard(full), full[4:6])
     pieces = pieces_of(bias.detach().reshape(-1), 0, tuple(bias.shape), tp_blocks(bias))
     assert [(offsets, tuple(view.shape)) for offsets, view in pieces] == [((4, 0), (2, FFN))]
+    weight = layer.experts.fc2_weight  # [E / ep, h, f]: as a matrix [E / ep x h, f], expert 4's rows from 4 x h
+    assert param_info(weight).spans(2 * HIDDEN) == [Span(0, 2 * HIDDEN, 4 * HIDDEN)]
     assert all(param_info(p).experts is None for p in layer.router.parameters())
 
 
