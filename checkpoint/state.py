@@ -59,8 +59,14 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
             copy = info.embedding_copy
             replicated = not info.tensor_parallel or state.tp_size == 1
             replica_writer = not copy and (not replicated or state.tp_rank == 0)
-            # replicas dealt round-robin: the dp x cp ranks, or for an FSDP shard HSDP's replicas of it
-            replicas, replica_rank = shard_replicas(param) or (state.dp_cp_size, state.dp_cp_rank)
+            # replicas dealt round-robin: the dp x cp ranks (an ep rank's experts: its expert-dp group, the
+            # other ep ranks write other experts), or for an FSDP shard HSDP's replicas of it
+            dp_replicas = (
+                (state.expert_dp_size, state.expert_dp_rank)
+                if info.experts is not None
+                else (state.dp_cp_size, state.dp_cp_rank)
+            )
+            replicas, replica_rank = shard_replicas(param) or dp_replicas
             writes = replica_writer and len(records) % replicas == replica_rank
             records.append(
                 ParamRecord(

@@ -36,6 +36,7 @@ MEGATRON_FLAGS: dict[str, tuple[str, str]] = {
         "parallel.vp_size={}",
         "give vp = num_layers / (pp * this) instead",
     ),
+    "--expert-model-parallel-size": ("parallel.ep_size={}", "divides dp x cp; experts are not split over tp"),
     "--sequence-parallel": ("parallel.sequence_parallel=true", ""),
     "--use-distributed-optimizer": ("parallel.distributed_optimizer=true", ""),
     "--use-torch-fsdp2": ("parallel.fsdp=true", "ZeRO-3 over dp x cp, with pp = 1"),

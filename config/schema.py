@@ -49,7 +49,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    """How the ranks split the work: tp, cp, pp, vp, dp (the rest of the world), schedules, FSDP, timeouts."""
+    """How the ranks split the work: tp, cp, pp, vp, dp (the rest of the world), ep, schedules, FSDP, timeouts."""
 
     # The sizes and the schedule are checked against the model and the world size, all in one place:
     # parallel/layout.py (build_layout), called by every entry point.
@@ -72,6 +72,15 @@ class ParallelConfig:
         metadata=key_spec(
             "Context-parallel size: each sequence cut into 2 x cp chunks over cp ranks, attention as a ring "
             "(model.seq_length must divide by 2 x cp)."
+        ),
+    )
+    ep_size: int = field(
+        default=1,
+        metadata=key_spec(
+            "Expert-parallel size: each MoE layer's experts divided over ep ranks, tokens sent to their experts by "
+            "all-to-all. ep re-divides the dp x cp ranks (must divide dp x cp and model.num_experts); expert weights "
+            "are replicated over the dp x cp / ep expert-data-parallel ranks.",
+            ge=1,
         ),
     )
     cp_attention_backend: str = field(

@@ -25,6 +25,10 @@ ParamInfo fields:
                        embedding group (both the first stage's table and the last stage's copy)
     embedding_copy     the last stage's copy of the tied embedding: counted in neither the gradient norm
                        nor the parameter count (the first stage counts it)
+    experts            expert parallelism: the global experts [start, stop) this rank holds of a weight
+                       stacked over experts along dim 0 (full_shape[0] = all experts); init and checkpoints
+                       place the local rows there, its gradient is reduced over the expert-dp group and the
+                       gradient norm sums it over the ep group (None: not split over experts)
 """
 
 from __future__ import annotations
@@ -141,6 +145,7 @@ class ParamInfo:
     sequence_parallel: bool = False
     shared_embedding: bool = False
     embedding_copy: bool = False
+    experts: tuple[int, int] | None = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -148,11 +153,20 @@ class ParamInfo:
         return self.sharding.dim is not None and self.tp_size > 1
 
     def local_shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the full tensor."""
+        """This rank's shard of the full tensor: its experts' rows (expert parallelism), then its tp shard."""
+        if self.experts is not None:
+            full = full.narrow(0, self.experts[0], self.experts[1] - self.experts[0])
         return self.sharding.shard(full, self.tp_rank, self.tp_size)
 
     def spans(self, local_len: int) -> list[Span]:
-        """Where this rank's shard lies in the stored global tensor (see Sharding.spans)."""
+        """Where this rank's shard lies in the stored global tensor (see Sharding.spans); an expert-parallel
+        weight's rows (not split over tp) lie at its first expert's. `local_len` counts rows along dim 0, or
+        of a matrix view [E_local x r, c] of a 3-D weight: each expert's rows are consecutive either way."""
+        if self.experts is not None:
+            if self.tensor_parallel:
+                raise ValueError("expert-parallel weights split over tp are not supported")
+            rows_per_expert = local_len // (self.experts[1] - self.experts[0])
+            return [Span(0, local_len, self.experts[0] * rows_per_expert)]
         return self.sharding.spans(local_len, self.tp_rank, self.tp_size)
 
 
@@ -170,6 +184,7 @@ class ParamInfoFields(TypedDict, total=False):
     sequence_parallel: bool
     shared_embedding: bool
     embedding_copy: bool
+    experts: tuple[int, int] | None
 
 
 def param_info(param: torch.Tensor) -> ParamInfo:
@@ -182,6 +197,11 @@ def set_param_info(param: torch.Tensor, **fields: Unpack[ParamInfoFields]) -> Pa
     info = dataclasses.replace(param_info(param), **fields)
     setattr(param, ATTRIBUTE, info)
     return info
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether `param` holds some of the experts of an expert-parallel layer (ParamInfo.experts set)."""
+    return param_info(param).experts is not None
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -152,11 +152,34 @@ class Optimizer(ABC):
     def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group] if self.state.is_distributed else []
 
+    def _expert_norm_groups(self) -> list[ProcessGroup | None]:
+        """Where the experts' squares are summed before `_norm_groups`: over ep, whose ranks hold different
+        experts (the distributed optimizer's dp x cp group already spans ep x expert-dp)."""
+        return [self.state.ep_group]
+
     def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) main grads, each element counted once over tp, pp and dp."""
-        views = [seg.grad[lo:hi] for seg in self.segments for lo, hi in seg.norm_runs]
+        """Global L2 norm of the (unscaled) main grads, each element counted once over tp, pp and dp (and
+        each expert once over ep)."""
         device = self.segments[0].grad.device if self.segments else "cpu"
-        return reduce_norm(sum_of_squares(views, device), self.state.comm, self._norm_groups())
+
+        def squares(expert: bool) -> torch.Tensor:
+            return sum_of_squares(
+                [
+                    seg.grad[lo:hi]
+                    for seg in self.segments
+                    if (seg.bucket is not None and seg.bucket.expert) == expert
+                    for lo, hi in seg.norm_runs
+                ],
+                device,
+            )
+
+        total = squares(expert=False)
+        if self.state.ep_size > 1:  # every rank of the ep group takes part, experts here or not
+            expert_squares = squares(expert=True)
+            for group in self._expert_norm_groups():
+                self.state.comm.all_reduce(expert_squares, group)
+            total = total + expert_squares
+        return reduce_norm(total, self.state.comm, self._norm_groups())
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepStats:
@@ -347,26 +370,29 @@ class DistributedOptimizer(BufferOptimizer):
     ):
         super().__init__(ddp, state, optim, train)
         overlap = overlap_param_gather and state.dp_cp_size > 1  # the shards span dp x cp
-        self.param_gather = ParamGather(ddp, state.dp_cp_group) if overlap else None
+        self.param_gather = ParamGather(ddp) if overlap else None
 
     def _owned(self, bucket: Bucket) -> tuple[int, int]:
-        return bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
+        return self.ddp.owned_range(bucket)
 
     def _norm_groups(self) -> list[ProcessGroup | None]:
         return [self.state.model_parallel_group, self.state.dp_cp_group] if self.state.is_distributed else []
+
+    def _expert_norm_groups(self) -> list[ProcessGroup | None]:
+        return []
 
     def finish_param_gather(self) -> None:
         if self.param_gather is not None:
             self.param_gather.finish()
 
     def copy_to_params(self) -> None:
-        dp_rank, dp_size = self.state.dp_cp_rank, self.state.dp_cp_size  # shards over dp x cp
         # overlapped: launch in forward order (the last bucket holds the first layers), so the first forward
         # waits only for the first gather
         segments = self.segments[::-1] if self.param_gather is not None else self.segments
         for seg in segments:
             bucket = seg.bucket
             assert bucket is not None  # the distributed optimizer's segments are bucket shards
+            group, dp_rank, dp_size = self.ddp.replica_group(bucket)  # dp x cp, or expert-dp for experts
             dtypes = {p.dtype for p in bucket.params}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
             full = torch.empty(bucket.numel, dtype=dtype, device=seg.master.device)  # [bucket] in param dtype
@@ -378,7 +404,7 @@ class DistributedOptimizer(BufferOptimizer):
                 self.param_gather.launch(bucket, full, local)
                 continue
             if dp_size > 1:
-                self.state.comm.all_gather_into(full, local, self.state.dp_cp_group)
+                self.state.comm.all_gather_into(full, local, group)
             copy_bucket_to_params(self.ddp, bucket, full)
 
 

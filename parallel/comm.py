@@ -3,8 +3,9 @@ with an optional per-rank `CommRecorder` (parallel/comm_recorder.py) that sees e
 
 `ParallelState` holds one `Collectives` (`state.comm`) and names every process group it creates there by the
 dimensions it spans: "tp", "cp", "dp", "dp_cp" (the gradient replicas with context parallelism), "pp",
-"embedding" (the ranks holding tied-embedding copies), "tp_pp" (the model-parallel group of the grad norm);
-the default group is "world". Every collective of parallel/ and training/'s step goes through its methods
+"embedding" (the ranks holding tied-embedding copies), "tp_pp" (the model-parallel group of the grad norm),
+"ep" and "expert_dp" (expert parallelism: the MoE token all-to-all, the expert gradients' reduction); the
+default group is "world". Every collective of parallel/ and training/'s step goes through its methods
 (tp regions, ring attention, pipeline batches and their scatter/gather, gradient buckets, the tied embedding,
 sequence-parallel grads, the grad norm, the inf check, the distributed optimizer's gathers, the loss), and so
 does every other collective of the code base (the run lock, checkpoint verification and saves, start-up
@@ -259,6 +260,31 @@ class Collectives:
             "reduce_scatter", _nbytes(input_), group, lambda: _scatter_into(output, input_, group, async_op), async_op
         )
 
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: ProcessGroup | None = None,
+    ) -> None:
+        """Send rows input_[sum(input_splits[:j]) : ...] to group rank j and receive output_splits[i] rows from
+        group rank i into `output`, in group rank order (splits may be uneven; recorded bytes: what is sent)."""
+        self._call(
+            "all_to_all",
+            _nbytes(input_),
+            group,
+            lambda: dist.all_to_all_single(output, input_, output_splits, input_splits, group=group),
+        )
+
+    def all_to_all(
+        self, input_: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup | None
+    ) -> torch.Tensor:
+        """`all_to_all_single` into a new tensor, differentiable: its backward is the reverse all-to-all of the
+        gradient (the splits swapped), through this door too. input_ [sum(input_splits), ...] ->
+        [sum(output_splits), ...]."""
+        return _AllToAll.apply(input_, output_splits, input_splits, group, self)
+
     def all_gather(self, outputs: list[torch.Tensor], input_: torch.Tensor, group: ProcessGroup | None = None) -> None:
         """Every rank's `input_` into the list `outputs` (one tensor per rank)."""
         nbytes = sum(_nbytes(t) for t in outputs)
@@ -302,3 +328,33 @@ class Collectives:
         if len(works) == len(ops):  # one work per operation (gloo)
             return [RecordedWork(w, [e], self, op.group) for w, e, op in zip(works, entries, ops)]
         return [RecordedWork(w, entries, self, ops[0].group) for w in works]  # coalesced (NCCL): one for all
+
+
+class _AllToAll(torch.autograd.Function):
+    """`Collectives.all_to_all` as an autograd function: each row goes to one rank and its gradient comes back
+    from there, so backward is the all-to-all with input and output splits swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        input_: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: ProcessGroup | None,
+        comm: Collectives,
+    ) -> torch.Tensor:
+        ctx.exchange = (output_splits, input_splits, group, comm)  # type: ignore[attr-defined]
+        input_ = input_.contiguous()
+        output = input_.new_empty((sum(output_splits), *input_.shape[1:]))
+        comm.all_to_all_single(output, input_, output_splits, input_splits, group)
+        return output
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        output_splits, input_splits, group, comm = ctx.exchange  # type: ignore[attr-defined]
+        grad = grad.contiguous()
+        grad_input = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        comm.all_to_all_single(grad_input, grad, input_splits, output_splits, group)
+        return grad_input, None, None, None, None

@@ -39,7 +39,7 @@ class CommRecord:
     seq: int  # collectives: n-th on `group` (same on every member); send/recv: n-th to / from `peer` on `group`
     group: str  # "tp", "cp", "dp", "dp_cp", "pp", "embedding", "tp_pp", "world", HSDP's "dp_shard", "dp_replicate", or a name given to `register`
     group_size: int
-    kind: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier, all_gather_object, broadcast_object_list
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier, all_gather_object, broadcast_object_list
     nbytes: int  # the full buffer (see the module docstring)
     iteration: int  # the iteration the loop was in (-1 before training)
     region: str  # what the loop was doing: startup, boundary, train, eval, checkpoint, report

@@ -15,6 +15,12 @@ Plain: async all_reduce of each bucket pre-divided by dp. Distributed optimizer 
 padded to a multiple of dp and split into dp equal shards; dp rank d owns shard d of every bucket and gets
 it by an async reduce_scatter. The tied embedding (`shared_embedding=True`) always has a bucket of its own
 so the first and last pipeline stages shard it identically (see parallel/grad_utils.finalize_model_grads).
+
+Expert parallelism: the weights of an ep rank's experts (ParamInfo.experts set) are replicated over the
+expert-dp group only (dp x cp / ep ranks), so they sit in buckets of their own, reduced (and, with the
+distributed optimizer, sharded) over `state.expert_dp_group`. Their division is by dp as for every other
+bucket (megatron-core's expert gradient scaling factor is 1 / dp x cp too): each rank's loss is its own dp
+share, and the all-to-all's backward already brought every ep rank's contribution to the expert's owner.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from model.param_info import param_info
+from model.param_info import is_expert_param, param_info
 from parallel.comm import RecordedWork
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ class Bucket:
     pending: set[int] = field(default_factory=set)  # ids of params whose hook has not fired since sync on
     work: RecordedWork | None = None
     launched: bool = False
+    expert: bool = False  # holds expert-parallel weights: reduced and sharded over the expert-dp group
 
     @property
     def numel(self) -> int:
@@ -147,18 +155,37 @@ class DataParallel:
             self._build_chunk(chunk_index, chunk)
 
     # ---- construction -----------------------------------------------------------------------
+    def _plan_chunk(self, ordered: list[nn.Parameter]) -> list[tuple[int, int, list[int], bool]]:
+        """`plan_buckets` over each run of consecutive expert or non-expert params of `ordered`, laid out one
+        after another: (start, end, param indices, expert) per bucket, in launch order. Without expert
+        parallelism that is plan_buckets over all of them."""
+        runs: list[list[int]] = []
+        for index, param in enumerate(ordered):
+            if runs and is_expert_param(param) == is_expert_param(ordered[runs[-1][0]]):
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        layout, offset = [], 0
+        for run in runs:
+            expert = is_expert_param(ordered[run[0]])
+            replicas = self.state.expert_dp_size if expert else self.state.dp_cp_size
+            pad_to = replicas if self.distributed_optimizer else 1
+            sizes = [(ordered[i].numel(), param_info(ordered[i]).shared_embedding) for i in run]
+            for start, end, indices in plan_buckets(sizes, self.bucket_numel, pad_to):
+                layout.append((offset + start, offset + end, [run[i] for i in indices], expert))
+            offset = layout[-1][1]
+        return layout
+
     def _build_chunk(self, chunk_index: int, chunk: nn.Module) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad]  # parameters() skips tied duplicates
         ordered = list(reversed(params))  # roughly the order backward produces gradients
-        pad_to = self.state.dp_cp_size if self.distributed_optimizer else 1
-        sizes = [(p.numel(), param_info(p).shared_embedding) for p in ordered]
-        layout = plan_buckets(sizes, self.bucket_numel, pad_to)
+        layout = self._plan_chunk(ordered)
         device = params[0].device if params else torch.device("cpu")
         buffer = torch.zeros(layout[-1][1] if layout else 0, dtype=self.grad_dtype, device=device)
         buckets = []
-        for index, (start, end, indices) in enumerate(layout):
+        for index, (start, end, indices, expert) in enumerate(layout):
             group = [ordered[i] for i in indices]
-            bucket = Bucket(chunk_index, index, start, end, group)
+            bucket = Bucket(chunk_index, index, start, end, group, expert=expert)
             position = start
             for param in group:
                 self.param_ranges[param] = ParamRange(chunk_index, position, position + param.numel(), bucket)
@@ -240,12 +267,31 @@ class DataParallel:
         flat = self.buffers[bucket.chunk_index][bucket.start : bucket.end]
         if self.state.dp_size > 1:
             flat.div_(self.state.dp_size)  # average: sum of grads / dp (gloo has no AVG op)
+        group, rank, size = self.replica_group(bucket)
+        if size == 1:  # experts with ep = dp x cp: no other rank holds them
+            return
         if self.distributed_optimizer:
-            start, end = bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
+            start, end = bucket.shard_range(rank, size)
             shard = self.buffers[bucket.chunk_index][start:end]
-            bucket.work = self.state.comm.reduce_scatter_into(shard, flat, self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.reduce_scatter_into(shard, flat, group, async_op=True)
         else:
-            bucket.work = self.state.comm.all_reduce(flat, self.state.dp_cp_group, async_op=True)
+            bucket.work = self.state.comm.all_reduce(flat, group, async_op=True)
+
+    def replica_group(self, bucket: Bucket) -> tuple[ProcessGroup | None, int, int]:
+        """(group, this rank's index in it, its size) of the ranks holding replicas of `bucket`'s params: the
+        expert-dp group for an expert bucket, dp x cp for every other one (the distributed optimizer shards
+        the bucket over it)."""
+        if bucket.expert:
+            return self.state.expert_dp_group, self.state.expert_dp_rank, self.state.expert_dp_size
+        return self.state.dp_cp_group, self.state.dp_cp_rank, self.state.dp_cp_size
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Buffer range [start, end) of `bucket` this rank holds reduced: the whole bucket, or with the
+        distributed optimizer its shard over the bucket's replica group."""
+        if not self.distributed_optimizer:
+            return bucket.start, bucket.end
+        _, rank, size = self.replica_group(bucket)
+        return bucket.shard_range(rank, size)
 
     # ---- layout queries ---------------------------------------------------------------------
     def _all_buckets(self):
@@ -256,8 +302,7 @@ class DataParallel:
         where = self.param_ranges[param]
         if not self.distributed_optimizer:
             return 0, param.numel()
-        shard = where.bucket.shard_range(self.state.dp_cp_rank, self.state.dp_cp_size)
-        return owned_slice(shard, where.start, where.end)
+        return owned_slice(self.owned_range(where.bucket), where.start, where.end)
 
     def owned_main_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The flat part of `param.main_grad` that holds reduced gradients after finish_grad_sync: all of

@@ -20,6 +20,12 @@ reduced in fp32 (`reduce_dtype`), summed and divided by dp (not dp x cp: cp rank
 as DataParallel). FSDP's all-gathers and reduce-scatters go through `state.comm` (custom collectives: the
 recorder sees them like every other collective), HSDP's all-reduce is noted there after FSDP issues it.
 
+Expert parallelism (plain FSDP only): a module whose own parameters are an ep rank's experts (ParamInfo.experts:
+model/moe/experts.GroupedExperts) is a unit of its own, sharded over the expert-dp group (its replicas, dp x cp
+/ ep ranks) instead of dp x cp, inside its layer's unit, as torchtitan shards MoE experts over its
+dp_shard_mod_ep mesh. Its gradients are divided by dp as every other one; the grad norm's sum over dp x cp
+(= ep x expert-dp) counts each expert element once.
+
 The interface is DataParallel's (`zero_grad`, `enable_grad_sync`, `finish_grad_sync`, `owned_main_grad`,
 `grad_buffer_bytes`), so the step and the loop do not know which flavour they hold; the optimizer
 (optim/sharded_optimizer.py) steps each rank's fp32 shards with the same AdamW arithmetic, and checkpoints
@@ -39,7 +45,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from model.param_info import ParamInfo, param_info, set_param_info
+from model.param_info import ParamInfo, is_expert_param, param_info, set_param_info
 from model.shape import fsdp_shard_rows
 from parallel.comm import Collectives, RecordedWork
 from parallel.lazy_torch import dtensor, fsdp
@@ -117,6 +123,18 @@ def fsdp_mesh(state: ParallelState, device_type: str) -> DeviceMesh:
     )
 
 
+def expert_fsdp_mesh(state: ParallelState, device_type: str) -> DeviceMesh:
+    """The mesh an ep rank's experts are sharded over: its expert-dp group (dp x cp / ep ranks, maybe one)."""
+    assert state.ep_dp_group is not None, "expert parallelism: the state has its expert-dp group"
+    return DeviceMesh.from_group(state.ep_dp_group, device_type, mesh_dim_names=("expert_dp_shard",))
+
+
+def holds_experts(module: nn.Module) -> bool:
+    """Whether `module`'s own parameters are all expert-parallel weights (and it has some)."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and all(is_expert_param(p) for p in own)
+
+
 class RecordedAllGather:
     """FSDP's parameter all-gather (the `set_custom_all_gather` interface: allocate, then call) issued through
     the project's Collectives, so the rank's recorder sees it."""
@@ -190,6 +208,8 @@ class ShardedDataParallel:
         )
         device = next(p for chunk in chunks for p in chunk.parameters()).device
         self.mesh = fsdp_mesh(state, device.type)
+        self.expert_mesh = expert_fsdp_mesh(state, device.type) if state.ep_size > 1 else None
+        self.undivided: list[nn.Parameter] = []  # experts on a one-rank mesh: finish_grad_sync divides by dp
         policy = fsdp().MixedPrecisionPolicy(
             param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
         )
@@ -207,19 +227,24 @@ class ShardedDataParallel:
         fully_shard = fsdp().fully_shard
         before = {name: param_info(p) for name, p in chunk.named_parameters(remove_duplicate=False)}
         layers = [layer for _, layer in chunk.transformer_layers()]  # type: ignore[operator]
+        experts = [module for module in chunk.modules() if holds_experts(module)] if self.expert_mesh else []
+        for module in experts:  # before their layers: a unit inside a unit shards its own parameters
+            fully_shard(module, mesh=self.expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         # the chunk's own parameters (embedding, final norm, head) are needed again first thing in backward:
         # kept gathered from forward to backward (FSDP's own choice for a root unit when left unset)
         fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False, mp_policy=policy)
         _carry_param_info(chunk, before)
-        units: list[FSDPModule] = [*layers, chunk]  # type: ignore[list-item]
+        if self.state.expert_dp_size == 1:
+            self.undivided += [param for module in experts for param in module.parameters()]
+        units: list[FSDPModule] = [*experts, *layers, chunk]  # type: ignore[list-item]
         for current, following in zip(layers, layers[1:]):  # layer i gathers layer i+1 while it computes
             current.set_modules_to_forward_prefetch([following])
         for current, previous in zip(layers[1:], layers):  # and, in backward, layer i - 1
             current.set_modules_to_backward_prefetch([previous])
         for unit in units:
-            self._configure(unit)
+            self._configure(unit, one_rank=unit in experts and self.state.expert_dp_size == 1)
         # A forward under no_grad (evaluation) has no backward, and FSDP reshards a unit that keeps its
         # gathered parameters after forward (this chunk always; every layer without reshard_after_forward)
         # only in backward: the gathered parameters would stay registered in the modules in place of the
@@ -235,7 +260,9 @@ class ShardedDataParallel:
         for unit in units:
             unit.reshard()
 
-    def _configure(self, unit: FSDPModule) -> None:
+    def _configure(self, unit: FSDPModule, one_rank: bool = False) -> None:
+        """Collectives through the door, sums divided by dp once; `one_rank`: an experts' unit whose mesh is
+        this rank alone (ep = dp x cp), whose gradients `finish_grad_sync` divides."""
         comm = self.state.comm
         dp_size = float(self.state.dp_size)  # dp, not dp x cp (see the module docstring)
         unit.set_custom_all_gather(RecordedAllGather(comm))  # type: ignore[arg-type]
@@ -245,7 +272,9 @@ class ShardedDataParallel:
         # and divides its copy of the gradient by the factor, then divides again after the replicas' all-reduce
         # (dp^2 in all). There the trainer divides instead, once, after the all-reduce sums the replicas.
         one_rank_shards = self.state.fsdp_replicate == self.state.dp_cp_size
-        unit.set_gradient_divide_factor(1.0 if one_rank_shards else dp_size)
+        # The same double division hits an experts' unit on a one-rank mesh (measured: dp^2): the trainer
+        # divides its gradients once in finish_grad_sync.
+        unit.set_gradient_divide_factor(1.0 if one_rank_shards or one_rank else dp_size)
         if self.state.fsdp_replicate > 1:
             group = self.state.hsdp_replicate_group
 
@@ -268,10 +297,14 @@ class ShardedDataParallel:
 
     def finish_grad_sync(self) -> None:
         """FSDP waited for its reduce-scatters at the end of backward; a parameter that got no gradient gets a
-        zero shard, so every rank steps the same elements."""
+        zero shard, so every rank steps the same elements; experts on a one-rank mesh are divided by dp here."""
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+        if self.state.dp_size > 1:
+            for param in self.undivided:
+                assert param.grad is not None
+                local_tensor(param.grad).div_(self.state.dp_size)
 
     def owned_main_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The flat fp32 gradient of this rank's shard of `param` (after finish_grad_sync)."""

@@ -48,6 +48,12 @@ class Layout:
     cp_size: int = 1  # context parallelism: each micro-batch's sequence split over cp ranks
     fsdp: bool = False  # parameters, gradients and optimizer state sharded over dp x cp (parallel/fsdp.py)
     fsdp_replicate: int = 1  # HSDP: the dp x cp ranks are fsdp_replicate replicas of a sharded model
+    ep_size: int = 1  # expert parallelism: the dp x cp ranks re-divided as ep x expert-dp for the experts
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Replicas of each expert weight: dp x cp / ep (Megatron-core's expert data parallelism)."""
+        return self.dp_size * self.cp_size // self.ep_size
 
     @property
     def fsdp_shard_size(self) -> int:
@@ -71,10 +77,11 @@ class Layout:
         """One line for the start-up log."""
         sp = ", sequence parallel" if self.sequence_parallel else ""
         cp = f" x cp {self.cp_size}" if self.cp_size > 1 else ""
+        ep = f", experts over ep {self.ep_size} x expert-dp {self.expert_dp_size}" if self.ep_size > 1 else ""
         return (
             f"world {self.world_size} = tp {self.tp_size}{cp} x dp {self.dp_size} x pp {self.pp_size} "
             f"(vp {self.vp_size}), {self.num_microbatches} micro-batches per dp rank, schedule "
-            f"{self.schedule}{sp}{self._describe_fsdp()}"
+            f"{self.schedule}{sp}{self._describe_fsdp()}{ep}"
         )
 
     def _describe_fsdp(self) -> str:
@@ -226,6 +233,23 @@ def check_context_parallel(
         )
 
 
+def check_expert_parallel(model: ModelConfig, ep_size: int, dp_size: int, cp_size: int, hsdp_replicas: int) -> None:
+    """Expert parallelism re-divides the dp x cp ranks (Megatron-core: for the experts the world is tp x ep x
+    expert-dp x pp with expert-dp = dp x cp / ep), and each ep rank holds num_experts / ep whole experts."""
+    check_positive(ep_size=ep_size)
+    if ep_size == 1:
+        return
+    if not model.num_experts:
+        raise LayoutError(f"parallel.ep_size={ep_size} needs an MoE model: model.num_experts={model.num_experts}")
+    require_divisible("dp x cp (world / (tp * pp))", dp_size * cp_size, "parallel.ep_size", ep_size)
+    require_divisible("model.num_experts", model.num_experts, "parallel.ep_size", ep_size)
+    if hsdp_replicas > 1:
+        raise LayoutError(
+            f"parallel.ep_size={ep_size} with parallel.fsdp_replicate={hsdp_replicas} (HSDP) is not supported: "
+            f"use plain FSDP (fsdp_replicate=1) or the distributed optimizer with expert parallelism"
+        )
+
+
 def check_pipeline_split(num_layers: int, pp_size: int, vp_size: int) -> None:
     """Each of the pp * vp virtual stages holds the same number of layers."""
     check_positive(pp_size=pp_size, vp_size=vp_size)
@@ -240,13 +264,14 @@ def build_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     """Validate every layout rule for these config sections (config.schema's model, parallel and train) and
     world size. No process group is needed.
     """
-    tp, pp, vp, cp = parallel.tp_size, parallel.pp_size, parallel.vp_size, parallel.cp_size
-    check_positive(tp_size=tp, pp_size=pp, vp_size=vp, cp_size=cp)
+    tp, pp, vp, cp, ep = parallel.tp_size, parallel.pp_size, parallel.vp_size, parallel.cp_size, parallel.ep_size
+    check_positive(tp_size=tp, pp_size=pp, vp_size=vp, cp_size=cp, ep_size=ep)
     effective_schedule(parallel.schedule, pp, vp)
     dp = derive_dp_size(world_size, tp, pp, cp)
     check_tensor_parallel(model, tp, parallel.sequence_parallel and cp == 1)
     check_context_parallel(model, cp, tp, parallel.sequence_parallel, parallel.cp_attention_backend)
     check_pipeline_split(model.num_layers, pp, vp)
+    check_expert_parallel(model, ep, dp, cp, parallel.fsdp_replicate if parallel.fsdp else 1)
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
         raise LayoutError(
@@ -259,7 +284,7 @@ def build_layout(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
     if fsdp:
         check_fsdp(pp, dp, replicate)
         fsdp = dp * cp > 1  # one data-parallel rank: nothing to shard (the trainer says so, runs it plain)
-    return Layout(tp, pp, vp, dp, num_microbatches, schedule, parallel.sequence_parallel, cp, fsdp, replicate)
+    return Layout(tp, pp, vp, dp, num_microbatches, schedule, parallel.sequence_parallel, cp, fsdp, replicate, ep)
 
 
 def check_fsdp(pp_size: int, dp_size: int, replicate: int) -> None:

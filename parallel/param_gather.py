@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from parallel.comm import RecordedWork
@@ -30,7 +29,7 @@ class PendingGather:
 
     bucket: Bucket
     full: torch.Tensor
-    work: RecordedWork | None  # None: the gather was left out (Collectives.before_issue)
+    work: RecordedWork | None  # None: nothing to gather (one replica) or left out (Collectives.before_issue)
 
 
 def copy_bucket_to_params(ddp: DataParallel, bucket: Bucket, full: torch.Tensor) -> None:
@@ -43,8 +42,8 @@ def copy_bucket_to_params(ddp: DataParallel, bucket: Bucket, full: torch.Tensor)
 class ParamGather:
     """The gathers in flight and the forward pre-hooks that finish them (see the module docstring)."""
 
-    def __init__(self, ddp: DataParallel, group: ProcessGroup | None):
-        self.ddp, self.group = ddp, group
+    def __init__(self, ddp: DataParallel):
+        self.ddp = ddp
         self.pending: dict[int, PendingGather] = {}  # id(bucket) -> gather in flight
         self.handles = [handle for chunk in ddp.chunks for handle in self._hook_modules(chunk)]
 
@@ -71,8 +70,10 @@ class ParamGather:
         return torch.compiler.disable(hook)
 
     def launch(self, bucket: Bucket, full: torch.Tensor, local: torch.Tensor) -> None:
-        """Start gathering `bucket` (its shard `local` already written into `full`)."""
-        work = self.ddp.state.comm.all_gather_into(full, local, self.group, async_op=True)
+        """Start gathering `bucket` over the ranks it is sharded over (dp x cp, or the expert-dp group for an
+        expert bucket; its shard `local` already written into `full`)."""
+        group, _, size = self.ddp.replica_group(bucket)
+        work = self.ddp.state.comm.all_gather_into(full, local, group, async_op=True) if size > 1 else None
         self.pending[id(bucket)] = PendingGather(bucket, full, work)
 
     def wait(self, bucket: Bucket) -> None:

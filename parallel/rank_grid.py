@@ -8,6 +8,14 @@ so a tp group is consecutive ranks (one node's NVLink domain on a GPU cluster), 
 a dp group by tp_size * cp_size and a pp group by tp_size * cp_size * dp_size (with cp = 1 this is Megatron's
 tp, dp, pp order). parallel/state.py builds its process groups from this grid and planner/costs.py reads from
 it how many members of a group share a node. A new dimension is one more name in MEGATRON_ORDER.
+
+The experts of an MoE layer see the same ranks as another grid (megatron-core's expert rank generator):
+tp fastest, then ep, then expert_dp, then pp, with ep x expert_dp = cp x dp, so
+
+    rank = tp_rank + tp_size * (ep_rank + ep_size * (expert_dp_rank + expert_dp_size * pp_rank))
+
+an ep group is ep consecutive members of one dp x cp group (stride tp), an expert-dp group strides by
+tp_size * ep_size, and the tp and pp groups are those of the dense grid (`RankGrid.experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import itertools
 from dataclasses import dataclass
 
 MEGATRON_ORDER = ("tp", "cp", "dp", "pp")  # fastest-varying first
+EXPERT_ORDER = ("tp", "ep", "expert_dp", "pp")  # the experts' view of the same ranks (module docstring)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,15 @@ class RankGrid:
         """The grid of anything with a `<dim>_size` attribute for every dimension of MEGATRON_ORDER
         (parallel.layout.Layout, ParallelState)."""
         return cls(tuple((name, int(getattr(layout, f"{name}_size"))) for name in MEGATRON_ORDER))
+
+    def experts(self, ep_size: int) -> RankGrid:
+        """The experts' grid of this (MEGATRON_ORDER) grid with `ep_size` expert-parallel ranks: EXPERT_ORDER
+        with expert_dp = cp x dp / ep (ValueError unless ep divides cp x dp)."""
+        dp_cp = self.size("cp") * self.size("dp")
+        if ep_size < 1 or dp_cp % ep_size:
+            raise ValueError(f"parallel.ep_size={ep_size} does not divide dp x cp = {dp_cp}")
+        sizes = {"tp": self.size("tp"), "ep": ep_size, "expert_dp": dp_cp // ep_size, "pp": self.size("pp")}
+        return RankGrid(tuple((name, sizes[name]) for name in EXPERT_ORDER))
 
     @property
     def world_size(self) -> int:

@@ -32,6 +32,12 @@ class ParallelState:
     while the data (which samples a rank reads) follows the dp rank alone. With cp = 1, dp_cp_group is
     dp_group itself (and no group is created for it).
 
+    Expert parallelism (ep) re-divides each dp x cp group for the experts of MoE layers, as megatron-core does
+    (parallel/rank_grid.py, `RankGrid.experts`): `ep_group` is ep consecutive members of it (they hold
+    different experts and exchange tokens by all-to-all), `expert_dp_group` the dp x cp / ep ranks that hold
+    the same experts (expert gradients are reduced over it instead of dp x cp). With ep = 1 no group is
+    created: ep_group is None and expert_dp_group is dp_cp_group.
+
     `comm` is the one door for every collective and p2p on these groups (parallel/comm.py), which knows each
     group by the dimensions it spans and reports every call to its recorder, if any.
 
@@ -54,6 +60,11 @@ class ParallelState:
     dp_group: ProcessGroup | None = None
     model_parallel_group: ProcessGroup | None = None  # tp x pp ranks sharing one dp_rank
     embedding_group: ProcessGroup | None = None  # None unless this rank holds one of the tied copies on two ranks
+    ep_size: int = 1  # expert-parallel size (a re-division of dp x cp, see the class docstring)
+    ep_group: ProcessGroup | None = None  # this rank's ep group when ep > 1
+    ep_dp_group: ProcessGroup | None = None  # the expert-dp group when ep > 1 (read it as `expert_dp_group`)
+    ep_ranks: list[int] = field(default_factory=list)
+    expert_dp_ranks: list[int] = field(default_factory=list)
     fsdp_replicate: int = 1  # HSDP: the dp x cp ranks as this many replicas of an FSDP-sharded model
     hsdp_shard_group: ProcessGroup | None = None  # HSDP only: this rank's replica (dp x cp / fsdp_replicate ranks)
     hsdp_replicate_group: ProcessGroup | None = (
@@ -101,6 +112,7 @@ class ParallelState:
             recorder,
             timeout_s,
             layout.fsdp_replicate if layout.fsdp else 1,
+            layout.ep_size,
         )
 
     @classmethod
@@ -114,11 +126,13 @@ class ParallelState:
         recorder: CommRecorder | None = None,
         timeout_s: float | None = None,
         fsdp_replicate: int = 1,
+        ep_size: int = 1,
     ) -> ParallelState:
         """Build every group; all ranks must call this in the same order (new_group is collective).
         `timeout_s`: the timeout of the new groups' creation and collectives (None: torch's default, not the
         world's); a creation that times out raises GroupCreationTimeout (parallel/group_setup.py).
-        `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`)."""
+        `fsdp_replicate` > 1 adds HSDP's two groups (`_create_hsdp_groups`), `ep_size` > 1 the ep and
+        expert-dp groups (`_create_expert_groups`)."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
 
@@ -137,6 +151,7 @@ class ParallelState:
             cp_size=cp_size,
             v_shape=v_shape,
             fsdp_replicate=fsdp_replicate,
+            ep_size=ep_size,
             comm=Collectives(recorder),
         )
         grid = state.grid
@@ -164,7 +179,22 @@ class ParallelState:
             state._create_cp_groups(new_group)
         if fsdp_replicate > 1:
             state._create_hsdp_groups(new_group)
+        if ep_size > 1:  # as with cp: an ep = 1 run creates exactly the groups it did before
+            state._create_expert_groups(new_group)
         return state
+
+    def _create_expert_groups(self, new_group: Callable[[list[int]], ProcessGroup]) -> None:
+        """The ep groups, then the expert-dp groups, each from the experts' grid (megatron-core's order of
+        creation: its expert model parallel groups come before its expert data parallel groups)."""
+        experts = self.expert_grid
+        for ranks in experts.groups("ep"):
+            group = new_group(ranks)
+            if self.rank in ranks:
+                self.ep_group, self.ep_ranks = self._named(group, "ep", ranks), ranks
+        for ranks in experts.groups("expert_dp"):
+            group = new_group(ranks)
+            if self.rank in ranks:
+                self.ep_dp_group, self.expert_dp_ranks = self._named(group, "expert_dp", ranks), ranks
 
     def _create_hsdp_groups(self, new_group: Callable[[list[int]], ProcessGroup]) -> None:
         """HSDP cuts each dp x cp group (in dp_cp_rank order) into `fsdp_replicate` replicas of consecutive
@@ -205,6 +235,11 @@ class ParallelState:
         return RankGrid.of(self)
 
     @property
+    def expert_grid(self) -> RankGrid:
+        """The experts' view of the ranks: tp, ep, expert_dp, pp (parallel/rank_grid.py)."""
+        return self.grid.experts(self.ep_size)
+
+    @property
     def stages(self) -> StageMap:
         """Where the virtual stages sit (parallel/pipeline/stages.py)."""
         return StageMap(self.pp_size, self.vp_size, self.v_shape)
@@ -237,6 +272,26 @@ class ParallelState:
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's index in its ep group: which block of num_experts / ep experts it holds."""
+        return self.expert_grid.coord(self.rank, "ep")
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Replicas of each expert weight: dp x cp / ep."""
+        return self.dp_cp_size // self.ep_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's index in its expert-dp group (the distributed optimizer's shard of expert buckets)."""
+        return self.expert_grid.coord(self.rank, "expert_dp")
+
+    @property
+    def expert_dp_group(self) -> ProcessGroup | None:
+        """Group of the replicas of every expert weight (dp x cp / ep): expert gradient reduction and shards."""
+        return self.dp_cp_group if self.ep_size == 1 else self.ep_dp_group
+
+    @property
     def pp_rank(self) -> int:
         return self.grid.coord(self.rank, "pp")
 
@@ -260,4 +315,5 @@ class ParallelState:
     def describe(self) -> str:
         """This rank's coordinates, for the start-up log (the layout itself: `Layout.describe`)."""
         cp = f", cp_rank {self.cp_rank}" if self.cp_size > 1 else ""
-        return f"rank {self.rank} is tp_rank {self.tp_rank}{cp}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}"
+        ep = f", ep_rank {self.ep_rank}, expert_dp_rank {self.expert_dp_rank}" if self.ep_size > 1 else ""
+        return f"rank {self.rank} is tp_rank {self.tp_rank}{cp}, dp_rank {self.dp_rank}, pp_rank {self.pp_rank}{ep}"

@@ -17,7 +17,9 @@ from torch import nn
 from model.config import ModelConfig
 from model.gpt import scaled_init_std
 from model.moe import routing
+from model.moe.dispatch import AllToAllDispatcher, ExpertExchange
 from model.moe.experts import GroupedExperts, SharedExperts, permute, unpermute
+from model.param_info import set_param_info
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -145,16 +147,26 @@ class MoELayer(nn.Module):
 
     `use_grouped_mm` False computes the experts one torch.mm each (the reference of the grouped multiply).
     `aux_loss_backward_scale` is the factor of the auxiliary losses' gradients (see the module docstring).
+    `expert_exchange` (expert parallelism, given by parallel/expert_parallel.py): the layer holds only its ep
+    rank's E / ep experts, marked with their global range in ParamInfo.experts, and `dispatcher` sends tokens
+    to their experts' ranks (model/moe/dispatch.py); None: every expert here, computed locally.
     """
 
-    def __init__(self, cfg: ModelConfig, use_grouped_mm: bool = True):
+    def __init__(self, cfg: ModelConfig, use_grouped_mm: bool = True, expert_exchange: ExpertExchange | None = None):
         super().__init__()
         if not cfg.num_experts:
             raise ValueError(f"model.num_experts={cfg.num_experts}: an MoE layer needs experts")
         self.router = TopKRouter(cfg)
+        self.dispatcher = None if expert_exchange is None else AllToAllDispatcher(expert_exchange, cfg.num_experts)
+        local_experts = cfg.num_experts if self.dispatcher is None else self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_size, cfg.activation, cfg.add_bias_linear, use_grouped_mm
+            local_experts, cfg.hidden_size, cfg.moe_ffn_size, cfg.activation, cfg.add_bias_linear, use_grouped_mm
         )
+        if self.dispatcher is not None:
+            for param in self.experts.parameters():
+                set_param_info(
+                    param, full_shape=(cfg.num_experts, *param.shape[1:]), experts=self.dispatcher.expert_range
+                )
         self.shared_experts = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             self.shared_experts = SharedExperts(
@@ -179,9 +191,12 @@ class MoELayer(nn.Module):
         seq_length, batch_size, hidden = x.shape
         tokens = x.reshape(-1, hidden)  # [T, h], token t = position t // b of sequence t % b
         probs, routing_map = self.router(tokens, seq_length, batch_size, self.aux_loss_backward_scale)
-        permuted, permuted_probs, sorted_indices, tokens_per_expert = permute(tokens, routing_map, probs)
-        expert_out = self.experts(permuted, permuted_probs, tokens_per_expert)  # [P, h]
-        out = unpermute(expert_out, sorted_indices, tokens.shape[0])
+        if self.dispatcher is not None:
+            out = self.dispatcher(tokens, probs, routing_map, self.experts)
+        else:
+            permuted, permuted_probs, sorted_indices, tokens_per_expert = permute(tokens, routing_map, probs)
+            expert_out = self.experts(permuted, permuted_probs, tokens_per_expert)  # [P, h]
+            out = unpermute(expert_out, sorted_indices, tokens.shape[0])
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.view(seq_length, batch_size, hidden), None
