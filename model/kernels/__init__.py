@@ -13,6 +13,8 @@ model's original code, so the default configuration computes exactly what it com
     rotary                rotate-half rope on q and k                     rotary_kernel
     linear_cross_entropy  output layer + (vocab-parallel) cross entropy   ce_chunk_stats, ce_chunk_grad
                           chunked over tokens (torch chunks without Triton)
+    grouped_mm            the MoE experts' per-group matrix multiplies    grouped_mm (forward, dX, dW)
+                          (torch's grouped_mm or a per-expert loop)
 
 Selection: `model.fused_kernels=true` turns every kernel on; `model.fused_kernel_names=[norm, rotary]` then
 keeps only those. `ModelConfig.kernel_selection()` reads those keys (`KernelSelection.of`); once per model build
@@ -36,7 +38,7 @@ from model.kernels.backend import backend_name, triton_installed, triton_runs
 from model.kernels.cross_entropy import CrossEntropyReductions, chunked_linear_cross_entropy
 from model.kernels.registry import KernelOps, register_kernel_ops
 
-KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy")
+KERNEL_NAMES = ("norm", "bias_gelu", "swiglu", "bias_dropout_add", "rotary", "linear_cross_entropy", "grouped_mm")
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,24 @@ def rotary_qk(
     return kernels.fused_ops().rotary_qk(q, k, cos, sin)
 
 
+def fuses_grouped_mm(kernels: KernelSelection, device: torch.device) -> bool:
+    """Whether the experts' grouped matrix multiply runs as the Triton kernel on `device` (else the experts
+    choose between torch's grouped_mm and the per-expert loop: model/moe/experts.py)."""
+    return kernels.uses("grouped_mm") and triton_runs(device)
+
+
+def fused_grouped_mm(
+    x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor, kernels: KernelSelection
+) -> torch.Tensor:
+    """x [P, K] in E consecutive groups of tokens_per_expert [E] rows, weights [E, N, K] -> [P, N], group e
+    times weights[e].T, by the Triton kernel (reference: `reference.grouped_mm`). The counts stay on the device:
+    the kernel finds each program's group from their cumulative sum, so no host sync."""
+    if x.dtype != weights.dtype:
+        raise ValueError(f"grouped_mm: x is {x.dtype} but the weights are {weights.dtype}")
+    group_ends = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    return kernels.fused_ops().grouped_mm(x, weights, group_ends)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -183,8 +203,10 @@ __all__ = [
     "KernelOps",
     "KernelSelection",
     "bias_dropout_add",
+    "fused_grouped_mm",
     "fused_linear_cross_entropy",
     "fuses_bias_dropout_add",
+    "fuses_grouped_mm",
     "linear_activation",
     "linear_skip_bias",
     "norm",

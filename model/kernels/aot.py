@@ -31,7 +31,13 @@ from triton.runtime.jit import JITFunction
 from model.kernels import triton_kernels as tk
 from model.kernels.backend import interpreter_on
 from model.kernels.cross_entropy import ce_blocks
-from model.kernels.ops import ELEMENTWISE_BLOCK, rows_per_block, warps_for
+from model.kernels.ops import (
+    ELEMENTWISE_BLOCK,
+    grouped_mm_blocks,
+    grouped_mm_row_trips,
+    rows_per_block,
+    warps_for,
+)
 
 # sm -> the largest dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes
 MAX_SHARED_BYTES = {80: 166912, 90: 232448, 100: 232448}
@@ -43,6 +49,11 @@ HIDDEN_SIZES = tuple(1 << p for p in range(6, 16))  # 64 .. 32768 (the paper's 1
 HEADS_PER_RANK = tuple(1 << p for p in range(0, 8))  # 1 .. 128
 HEAD_DIMS = (16, 32, 64, 128, 256)
 VOCAB_SHARDS = (256, 50304)  # below and above the 1024-column block of the cross-entropy kernels
+# (experts, hidden, expert FFN width x 2 for SwiGLU's [gate; up]) of the grouped experts' multiplies
+MIXTRAL_8X7B_EXPERTS = (8, 4096, 2 * 14336)
+DEEPSEEK_V3_EXPERTS = (256, 7168, 2 * 2048)
+GROUPED_MM_PRODUCTS = ("forward", "input_grad", "weight_grad")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,37 @@ def cross_entropy_configs(vocab_local: int) -> list[KernelConfig]:
     return [_config(k, "fp32", types, **shape) for k in ("ce_chunk_stats", "ce_chunk_grad")]
 
 
+def grouped_mm_configs(dtype: str, experts: tuple[int, int, int]) -> list[KernelConfig]:
+    """grouped_mm for fc1 (hidden -> ffn) and fc2 (ffn -> hidden) of `experts` = (E, hidden, fc1 width), each
+    as its forward, input gradient and weight gradient, at the blocks ops.grouped_mm_blocks picks (compiled:
+    UPCAST off)."""
+    num_experts, hidden, fc1_width = experts
+    blocks = grouped_mm_blocks(_BYTES[dtype], _CUDA)
+    tiles = {"BLOCK_M": blocks.block_m, "BLOCK_N": blocks.block_n, "BLOCK_K": blocks.block_k}
+    common = {"E": num_experts, "BLOCK_E": triton.next_power_of_2(num_experts), **tiles, "UPCAST": False}
+    configs = []
+    for n_out, k_in in ((fc1_width, hidden), (hidden, fc1_width // 2)):  # (N, K) of the weights [E, N, K]
+        for product in GROUPED_MM_PRODUCTS:
+            if product == "weight_grad":
+                trips = grouped_mm_row_trips(_MANY_ROWS, blocks.block_k)
+                shape = {"M": n_out, "N": k_in, "K": 0, "GROUPED_K": True, "B_NK": False, "K_TRIPS": trips}
+            else:
+                forward = product == "forward"
+                n, k = (n_out, k_in) if forward else (k_in, n_out)
+                shape = {
+                    "M": 0,
+                    "N": n,
+                    "K": k,
+                    "GROUPED_K": False,
+                    "B_NK": forward,
+                    "K_TRIPS": -(-k // tiles["BLOCK_K"]),
+                }
+            values = common | shape
+            ordered = {p.name: values[p.name] for p in jit_function("grouped_mm").params if p.is_constexpr}
+            configs.append(_config("grouped_mm", dtype, {"ends_ptr": "*i32"}, blocks.num_warps, **ordered))
+    return configs
+
+
 def kernel_configs() -> list[KernelConfig]:
     """Every configuration to compile, without duplicates (see the module docstring)."""
     configs: list[KernelConfig] = []
@@ -171,6 +213,10 @@ def kernel_configs() -> list[KernelConfig]:
     configs += rotary_configs("bf16", 16, 128, (True,))  # the backward rotation
     for vocab_local in VOCAB_SHARDS:
         configs += cross_entropy_configs(vocab_local)
+    # every dtype at Mixtral's sizes; bf16 (the dtype MoE models train in) also at DeepSeek-V3's 256 experts
+    for dtype in DTYPES:
+        configs += grouped_mm_configs(dtype, MIXTRAL_8X7B_EXPERTS)
+    configs += grouped_mm_configs("bf16", DEEPSEEK_V3_EXPERTS)
     return list(dict.fromkeys(configs))
 
 
@@ -248,6 +294,13 @@ ACCEPTED_SPILLS = (
         16,
         "16-bit q/k with head_dim >= 128: ptxas keeps 64 registers for occupancy and stores one 8-byte value "
         "to the stack (measured 8 B); not worth fewer threads",
+    ),
+    AcceptedSpill(
+        "grouped_mm",
+        (("B_NK", 1),),
+        8,
+        "the fp32 forward on sm_90 (IEEE fp32 dot, weights read [N, K]-major): ptxas stores one 8-byte value to "
+        "the stack (measured 8 B; 16-bit operands, how MoE models train, do not spill)",
     ),
 )
 

@@ -1,5 +1,5 @@
-"""The Triton launches behind the fused ops: bias+GeLU, bias+SwiGLU, bias+dropout+add, LayerNorm, RMSNorm and
-rotary embedding, forwards and backwards, as plain functions. model/kernels/registry.py registers each one as
+"""The Triton launches behind the fused ops: bias+GeLU, bias+SwiGLU, bias+dropout+add, LayerNorm, RMSNorm,
+rotary embedding and the experts' grouped matrix multiply, forwards and backwards, as plain functions. model/kernels/registry.py registers each one as
 a torch custom operator (with its fake implementation and autograd formula); the model calls the registered
 ops, never these functions directly. Each computes in fp32 inside the kernel and returns the input's dtype, as
 the references in model/kernels/reference.py do. They run only where `triton_runs(tensor)` says Triton can.
@@ -15,6 +15,7 @@ Either way eager calls run the same launches, so the numbers do not depend on th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -243,5 +244,101 @@ def rotate(x: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, backward: 
         BLOCK_HALF=block_half,
         BACKWARD=backward,
         num_warps=warps_for(block_t * block_heads * block_half),
+    )
+    return out
+
+
+# ---- grouped matrix multiply over the experts' token groups ----------------------------------------------
+@dataclass(frozen=True)
+class GroupedMMBlocks:
+    """The tile of one grouped_mm program: rows x columns of the output, BLOCK_K of the reduction per trip."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def grouped_mm_blocks(element_size: int, device: torch.device) -> GroupedMMBlocks:
+    """Compiled: 64 x 64 output tiles, 32 fp32 or 64 16-bit numbers of the reduction per trip (the tiles of
+    Triton's matmul tutorial on 4 warps; untimed: no GPU has run them). Interpreter: fewer, larger programs
+    (its cost is per program and per trip), tiles still smaller than a test's groups so tiling is exercised."""
+    if device.type == "cuda":
+        return GroupedMMBlocks(64, 64, 32 if element_size == 4 else 64, 4)
+    return GroupedMMBlocks(32, 64, 64, 4)
+
+
+def grouped_mm_row_trips(n_rows: int, block_k: int) -> int:
+    """Trips over one group's rows in the weight gradient: enough for a group of all n_rows rows, n_rows rounded
+    up to a power of two so that a varying row count (capacity dropping) compiles a few kernels, not one per
+    count (the loop bound is a constexpr: see model/kernels/triton_kernels.py)."""
+    return -(-triton_kernels().next_power_of_2(max(n_rows, 1)) // block_k)
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """x [P, K] in E consecutive row groups (group_ends [E] int32: each group's end row, the last = P; empty
+    groups allowed), weights [E, N, K] -> [P, N], group e times weights[e]^T. The weights may also be the
+    transposed view of [E, K, N] storage (the input gradient passes the forward's weights.transpose(-2, -1)):
+    read where they lie, not copied."""
+    tk = triton_kernels()
+    x = x.contiguous()
+    num_experts, n_out, k_in = weights.shape
+    b_nk = weights.is_contiguous()
+    if not (b_nk or weights.transpose(-2, -1).is_contiguous()):
+        weights, b_nk = weights.contiguous(), True
+    blocks = grouped_mm_blocks(x.element_size(), x.device)
+    out = x.new_empty(x.shape[0], n_out)
+    grid = (-(-x.shape[0] // blocks.block_m) + num_experts, -(-n_out // blocks.block_n))
+    _launcher(tk.grouped_mm)[grid](
+        x,
+        weights,
+        out,
+        group_ends,
+        x.shape[0],
+        E=num_experts,
+        M=0,  # not used: the groups' rows are the M dimension
+        N=n_out,
+        K=k_in,
+        GROUPED_K=False,
+        B_NK=b_nk,
+        BLOCK_E=tk.next_power_of_2(num_experts),
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k,
+        K_TRIPS=-(-k_in // blocks.block_k),
+        UPCAST=interpreter_on(),
+        num_warps=blocks.num_warps,
+    )
+    return out
+
+
+def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of grouped_mm: [E, N, K], expert e's = grad[rows of e]^T [N, n_e] @ x[rows of e]
+    [n_e, K] (zeros for an empty group), from grad [P, N] and x [P, K], in grad's dtype."""
+    tk = triton_kernels()
+    grad, x = grad.contiguous(), x.contiguous()
+    (n_rows, n_out), k_in, num_experts = grad.shape, x.shape[1], group_ends.shape[0]
+    blocks = grouped_mm_blocks(x.element_size(), x.device)
+    out = grad.new_empty(num_experts, n_out, k_in)
+    grid = (num_experts * -(-n_out // blocks.block_m), -(-k_in // blocks.block_n))
+    _launcher(tk.grouped_mm)[grid](
+        grad,
+        x,
+        out,
+        group_ends,
+        n_rows,
+        E=num_experts,
+        M=n_out,
+        N=k_in,
+        K=0,  # not used: each group's rows are its reduction
+        GROUPED_K=True,
+        B_NK=False,
+        BLOCK_E=tk.next_power_of_2(num_experts),
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k,
+        K_TRIPS=grouped_mm_row_trips(n_rows, blocks.block_k),
+        UPCAST=interpreter_on(),
+        num_warps=blocks.num_warps,
     )
     return out

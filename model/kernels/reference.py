@@ -67,3 +67,11 @@ def linear_cross_entropy(
     return cross_entropy_per_token(
         mask_vocab_padding(logits, weight.shape[0] if num_valid is None else num_valid), labels
     )
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The experts' grouped matrix multiply as a per-expert loop: x [P, K] in E consecutive groups of
+    tokens_per_expert [E] rows, weights [E, N, K] (nn.Linear's layout per expert) -> [P, N], group e
+    multiplied by weights[e].T with one torch.mm each (reads the counts on the host: a sync on a GPU)."""
+    groups = torch.split(x, tokens_per_expert.tolist())
+    return torch.cat([group @ weight.T for group, weight in zip(groups, weights)])

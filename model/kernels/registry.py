@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # OpOverload is generic in the type stubs; its aliases are fo
     NormFwdOp = OpOverload[[Tensor, Tensor, Tensor | None, float, bool], tuple[Tensor, Tensor, Tensor]]
     NormBwdOp = OpOverload[[Tensor, Tensor, Tensor, Tensor, Tensor, bool, bool], tuple[Tensor, Tensor, Tensor]]
     RotateOp = OpOverload[[Tensor, Tensor, Tensor, bool], Tensor]  # (x, cos2d, sin2d, backward)
+    GroupedMMOp = OpOverload[[Tensor, Tensor, Tensor], Tensor]  # (x, weights, group_ends) -> [P, N]
+    GroupedMMWeightGradOp = OpOverload[[Tensor, Tensor, Tensor], Tensor]  # (grad, x, group_ends) -> [E, N, K]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class KernelOps:
     norm_fwd: NormFwdOp
     norm_bwd: NormBwdOp
     rotate: RotateOp
+    grouped_mm: GroupedMMOp
+    grouped_mm_weight_grad: GroupedMMWeightGradOp
 
     def custom_ops(self) -> tuple[OpOverload, ...]:
         """Every op, for opcheck and the graph-break test."""
@@ -118,6 +122,14 @@ def _norm_bwd_fake(
     programs, _ = ops.backward_programs(n_rows, block_rows, x2d.device)
     dw_part = x2d.new_empty(programs, hidden, dtype=torch.float32)
     return torch.empty_like(x2d), dw_part, dw_part.new_empty(programs if has_bias else 0, hidden)
+
+
+def _grouped_mm_fake(x: torch.Tensor, weights: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weights.shape[1])
+
+
+def _grouped_mm_weight_grad_fake(grad: torch.Tensor, x: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(group_ends.shape[0], grad.shape[1], x.shape[1])
 
 
 # ---- autograd formulas (the backward calls the registered backward ops) ----------------------------------
@@ -207,6 +219,21 @@ def _rotate_backward(ctx: _RotateContext, grad: Tensor) -> tuple[Tensor, None, N
     return _registered("rotate")(grad, cos2d, sin2d, not ctx.backward), None, None, None
 
 
+def _grouped_mm_setup(ctx: _OpContext, inputs: tuple[Tensor, Tensor, Tensor], output: object) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx: _OpContext, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    """dX = the same grouped multiply of the output gradient by the weights read transposed (in place);
+    dW per expert = its rows' output gradient^T @ its rows' input."""
+    x, weights, group_ends = ctx.saved_tensors
+    assert x is not None and weights is not None and group_ends is not None  # all three are saved tensors
+    grad = grad.contiguous()
+    grad_x = _registered("grouped_mm")(grad, weights.transpose(-2, -1), group_ends) if ctx.needs_input_grad[0] else None
+    grad_w = _registered("grouped_mm_weight_grad")(grad, x, group_ends) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
 # name -> (launch, fake, (backward, setup_context) or None); backward ops first, each forward op's formula
 # calls them
 Launch = Callable[..., Tensor | tuple[Tensor, ...]]  # a launch of ops.py, or its fake
@@ -216,11 +243,13 @@ OP_TABLE: dict[str, tuple[Launch, Launch, Formula | None]] = {
     "bias_swiglu_bwd": (ops.bias_swiglu_bwd, _like_y, None),
     "mul": (ops.mul, _like_first, None),
     "norm_bwd": (ops.norm_bwd, _norm_bwd_fake, None),
+    "grouped_mm_weight_grad": (ops.grouped_mm_weight_grad, _grouped_mm_weight_grad_fake, None),
     "bias_gelu": (ops.bias_gelu, _like_first, (_gelu_backward, _save_y_bias)),
     "bias_swiglu": (ops.bias_swiglu, _swiglu_fake, (_swiglu_backward, _save_y_bias)),
     "bias_dropout_add": (ops.bias_dropout_add, _bias_dropout_add_fake, (_bda_backward, _bda_setup)),
     "norm_fwd": (ops.norm_fwd, _norm_fwd_fake, (_norm_backward, _norm_setup)),
     "rotate": (ops.rotate, _like_first, (_rotate_backward, _rotate_setup)),
+    "grouped_mm": (ops.grouped_mm, _grouped_mm_fake, (_grouped_mm_backward, _grouped_mm_setup)),
 }
 
 

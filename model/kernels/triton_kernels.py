@@ -3,9 +3,14 @@ the interpreter, TRITON_INTERPRET=1, which must be set before this module is imp
 
 Rules these kernels keep so that they run on Triton 3.6 (the GPU machine) and in the interpreter:
 - every loop bound is a `tl.constexpr` (Triton 3.6 with numpy 2.4 breaks loops over runtime bounds in the
-  interpreter), so a kernel is specialised per hidden / vocabulary size, which is fixed in a run;
+  interpreter), so a kernel is specialised per hidden / vocabulary size, which is fixed in a run; the one
+  loop over a runtime length, the grouped multiply's weight gradient over a group's rows, is bounded by the
+  total row count rounded up to a power of two (ops.grouped_mm_row_trips) and skips the trips past the group;
 - arithmetic in fp32 after each load (the interpreter's bf16 arithmetic is wrong), stored in the output dtype;
-- tensors are contiguous and row-major; the wrappers in model/kernels/ops.py make them so.
+  the grouped multiply's compiled tl.dot takes 16-bit operands as they are (tensor cores: exact products,
+  fp32 accumulation) and upcasts only under the interpreter;
+- tensors are contiguous and row-major; the wrappers in model/kernels/ops.py make them so (the grouped
+  multiply also reads its weights transposed in place, a layout it is told as a constexpr).
 """
 
 from __future__ import annotations
@@ -315,6 +320,120 @@ def ce_chunk_grad(
         p = tl.where(cols < num_valid, tl.exp(x - lse), 0.0)
         p = p - tl.where(cols == target, 1.0, 0.0)
         tl.store(logits_ptr + rows[:, None] * V + cols, p * g, mask=in_row)
+
+
+# ---- grouped matrix multiply over the experts' token groups (MoE experts) ----------------------------------
+# Groups are consecutive rows given by their cumulative ends (int32 [E], the last = n_rows; empty groups
+# allowed). One kernel does the three products of a grouped linear layer:
+# - GROUPED_K False, the forward and the input gradient: C [n_rows, N] = A [n_rows, K] @ B_e for each group e
+#   of rows; B is [E, N, K] (B_NK: nn.Linear's layout, the forward) or [E, K, N] (the input gradient reads the
+#   forward's weights as they lie). Axis 0 walks the groups' row tiles: at most cdiv(n_rows, BLOCK_M) + E
+#   tiles, found from the group ends on the device (no host sync); programs past the last tile return.
+# - GROUPED_K True, the weight gradient: C [E, M, N], C_e = A_e^T @ B_e, the reduction over group e's rows;
+#   A is [n_rows, M] (the output gradient), B [n_rows, N] (the input). Axis 0 = expert x row tile of C_e;
+#   K_TRIPS bounds the trips over a group's rows (a constexpr from n_rows: see the module docstring), the
+#   trips past the group's end do nothing, and an empty group writes zeros.
+# M is used only when GROUPED_K and K only when not (the grouped dimension is the runtime one).
+# UPCAST (the interpreter, whose 16-bit tl.dot is wrong) multiplies in fp32; compiled, 16-bit operands go to
+# the tensor cores as they are (exact products, fp32 accumulation), fp32 operands multiply in IEEE fp32.
+@triton.jit
+def _dot_trip(
+    acc,
+    a_ptr,
+    b_ptr,
+    rows,
+    m_lo,
+    m_hi,
+    cols,
+    k0,
+    k_hi,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc + A[rows, k0:k0+BLOCK_K] @ B[k0:k0+BLOCK_K, cols], rows masked to [m_lo, m_hi), k to < k_hi."""
+    ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    k_mask = ks < k_hi
+    a_mask = ((rows >= m_lo) & (rows < m_hi))[:, None] & k_mask[None, :]
+    a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
+    b_mask = k_mask[:, None] & (cols < N)[None, :]
+    b = tl.load(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=b_mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # torch's fp32 matmul: no tf32 rounding
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def grouped_mm(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    ends_ptr,
+    n_rows,
+    E: tl.constexpr,
+    M: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    GROUPED_K: tl.constexpr,
+    B_NK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_TRIPS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    experts = tl.arange(0, BLOCK_E)
+    in_range = experts < E
+    ends = tl.load(ends_ptr + experts, mask=in_range, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + experts - 1, mask=in_range & (experts > 0), other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GROUPED_K:
+        M_TILES: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+        expert = pid_m // M_TILES
+        rows = (pid_m % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        k_lo = tl.sum(tl.where(experts == expert, starts, 0), axis=0)
+        k_hi = tl.sum(tl.where(experts == expert, ends, 0), axis=0)
+        for trip in range(K_TRIPS):
+            k0 = k_lo + trip * BLOCK_K
+            if k0 < k_hi:
+                # A_e^T [M, rows of e]: element (m, k) is the output gradient's [k, m]
+                acc = _dot_trip(acc, a_ptr, b_ptr, rows, 0, M, cols, k0, k_hi, 1, M, N, 1, N, BLOCK_K, UPCAST)
+        out_offs = expert.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(c_ptr + out_offs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    else:
+        tiles = tl.where(in_range, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_ends = tl.cumsum(tiles, axis=0)
+        expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)  # the group whose tiles hold pid_m
+        if expert >= E:
+            return  # past the last group's last tile
+        this = experts == expert
+        m_lo = tl.sum(tl.where(this, starts, 0), axis=0)
+        m_hi = tl.sum(tl.where(this, ends, 0), axis=0)
+        first_tile = tl.sum(tl.where(this, tile_ends - tiles, 0), axis=0)
+        rows = m_lo + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        b_expert = b_ptr + expert.to(tl.int64) * N * K
+        # B_e [K, N] read from [N, K] storage (B_NK) or from [K, N] storage
+        stride_bk: tl.constexpr = 1 if B_NK else N
+        stride_bn: tl.constexpr = K if B_NK else 1
+        for trip in range(K_TRIPS):
+            k0 = trip * BLOCK_K
+            acc = _dot_trip(
+                acc, a_ptr, b_expert, rows, m_lo, m_hi, cols, k0, K, K, 1, stride_bk, stride_bn, N, BLOCK_K, UPCAST
+            )
+        out_mask = ((rows >= m_lo) & (rows < m_hi))[:, None] & (cols < N)[None, :]
+        tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
 def elementwise_grid(n_elements: int, block: int) -> tuple[int]:

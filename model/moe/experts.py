@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from compat import torch_private
-from model.kernels import reference
+from model import kernels
+from model.kernels import KernelSelection, reference
+
+# The per-expert loop, one torch.mm per group: the reference of both grouped multiplies (torch's, the kernel's)
+loop_mm = reference.grouped_mm
 
 # torch._grouped_mm's CUTLASS kernels need 16-byte aligned row strides (compat/torch_private.GROUPED_MM).
 _GROUPED_MM_ALIGNMENT_BYTES = 16
@@ -36,13 +40,6 @@ def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: 
     """Sum each token's rows back into token order: permuted [P, h] -> [T, h] (tokens no expert took: zeros)."""
     output = torch.zeros(num_tokens, permuted.shape[-1], dtype=permuted.dtype, device=permuted.device)
     return output.index_add_(0, sorted_indices, permuted)
-
-
-def loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """The reference of `grouped_mm`: x [P, K] in E consecutive groups, weights [E, N, K] -> [P, N], group e
-    multiplied by weights[e].T with one torch.mm each."""
-    groups = torch.split(x, tokens_per_expert.tolist())
-    return torch.cat([group @ weight.T for group, weight in zip(groups, weights)])
 
 
 def grouped_mm_applies(x: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -90,15 +87,27 @@ class GroupedExperts(nn.Module):
 
     As megatron-core's experts do, the routing weight multiplies the activation (before fc2) and fc2's bias,
     so the unpermuted sum is the weighted sum of the experts' outputs.
+
+    The grouped multiplies run as the Triton kernel when `kernels` selects grouped_mm (model.fused_kernels /
+    model.fused_kernel_names) and Triton runs, else as torch's grouped_mm (`use_grouped_mm`, where it applies)
+    or the per-expert loop.
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, ffn_size: int, activation: str, bias: bool, use_grouped_mm: bool
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        activation: str,
+        bias: bool,
+        use_grouped_mm: bool,
+        kernels: KernelSelection | None = None,
     ):
         super().__init__()
         self.swiglu = activation == "swiglu"
         self.gelu_approximate = "tanh" if activation == "gelu_tanh" else "none"
         self.use_grouped_mm = use_grouped_mm
+        self.kernels = kernels if kernels is not None else KernelSelection()  # None: no fused kernel
         stacked = 2 if self.swiglu else 1  # [gate; up]
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, ffn_size * stacked, hidden_size))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
@@ -113,10 +122,15 @@ class GroupedExperts(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
+    def matmul(self, x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [P, K] grouped by expert times each group's weights [E, N, K] (transposed) -> [P, N]."""
+        if kernels.fuses_grouped_mm(self.kernels, x.device):
+            return kernels.fused_grouped_mm(x, weights, tokens_per_expert, self.kernels)
+        return (grouped_mm if self.use_grouped_mm else loop_mm)(x, weights, tokens_per_expert)
+
     def forward(self, permuted: torch.Tensor, probs: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """permuted [P, h] grouped by expert, probs [P], tokens_per_expert [E] -> weighted outputs [P, h]."""
-        matmul = grouped_mm if self.use_grouped_mm else loop_mm
-        fc1_out = matmul(permuted, self.fc1_weight, tokens_per_expert)  # [P, f(x2)]
+        fc1_out = self.matmul(permuted, self.fc1_weight, tokens_per_expert)  # [P, f(x2)]
         rows_expert = None
         if self.fc1_bias is not None:
             rows_expert = torch.repeat_interleave(
@@ -128,7 +142,7 @@ class GroupedExperts(nn.Module):
         else:
             activated = reference.bias_gelu(fc1_out, None, self.gelu_approximate)
         weighted = (activated * probs.unsqueeze(-1)).to(permuted.dtype)  # [P, f]
-        out = matmul(weighted, self.fc2_weight, tokens_per_expert)  # [P, h]
+        out = self.matmul(weighted, self.fc2_weight, tokens_per_expert)  # [P, h]
         if self.fc2_bias is not None and rows_expert is not None:
             out = out + (self.fc2_bias[rows_expert] * probs.unsqueeze(-1)).to(out.dtype)
         return out

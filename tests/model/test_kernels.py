@@ -166,6 +166,84 @@ def test_chunked_linear_cross_entropy(device, dtype, use_triton, s, b, h, vocab,
     )
 
 
+# bf16 runs on CPU too: the kernel multiplies in fp32 in the interpreter, and torch's CPU bf16 matmul accumulates
+# in fp32, so both round each output once to bf16 (assert_close's bf16 bound: 2^-7 of the reference's max-abs)
+GROUPED_MM_CASES = [(device, dtype) for device in DEVICES for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("device,dtype", GROUPED_MM_CASES)
+@pytest.mark.parametrize(
+    "tokens_per_expert,k,n",
+    [
+        ((5, 0, 40, 1, 0, 17), 24, 70),  # uneven, empty groups inside; a group and N over one tile (32 x 64)
+        ((0, 9, 0), 37, 16),  # empty first and last groups, K not a multiple of anything
+    ],
+)
+def test_grouped_mm(device, dtype, tokens_per_expert, k, n):
+    """The experts' grouped multiply against the per-expert loop: output, and the gradients of the tokens (the
+    same kernel on the transposed weights) and of each expert's weights (zero for an expert without tokens)."""
+    from model import kernels
+
+    selection = kernels.KernelSelection(frozenset({"grouped_mm"})).registered()
+    counts = torch.tensor(tokens_per_expert, device=device)
+    x = _leaf(int(counts.sum()), k, device=device, dtype=dtype)
+    weights = _leaf(len(tokens_per_expert), n, k, device=device, dtype=dtype)
+    check_fn(
+        lambda x, w: kernels.fused_grouped_mm(x, w, counts, selection),
+        lambda x, w: reference.grouped_mm(x, w, counts),
+        (x, weights),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_mm_without_tokens(device):
+    """No token for any expert (an expert-parallel rank can receive none): an empty output, zero gradients."""
+    from model import kernels
+
+    selection = kernels.KernelSelection(frozenset({"grouped_mm"})).registered()
+    x = _leaf(0, 8, device=device, dtype=torch.float32)
+    weights = _leaf(3, 16, 8, device=device, dtype=torch.float32)
+    out = kernels.fused_grouped_mm(x, weights, torch.zeros(3, dtype=torch.int64, device=device), selection)
+    assert out.shape == (0, 16)
+    grad_x, grad_w = torch.autograd.grad(out.sum(), (x, weights))
+    assert grad_x.shape == (0, 8) and torch.equal(grad_w, torch.zeros_like(weights))
+    with pytest.raises(ValueError, match=r"grouped_mm: x is torch.float32 but the weights are torch.bfloat16"):
+        kernels.fused_grouped_mm(x, weights.bfloat16(), torch.zeros(3, dtype=torch.int64), selection)
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="CPU experts test needs the interpreter")
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
+def test_experts_take_the_kernel_when_selected(activation, bias, monkeypatch):
+    """GroupedExperts with grouped_mm selected (model.fused_kernels) runs the kernel for fc1 and fc2, and equals
+    the experts computed with the per-expert loop: output and every parameter's gradient."""
+    from model import kernels
+    from model.moe.experts import GroupedExperts
+
+    selection = kernels.KernelSelection.of(True, ["grouped_mm"]).registered()
+    torch.manual_seed(0)
+    fused = GroupedExperts(4, 16, 12, activation, bias, use_grouped_mm=False, kernels=selection)
+    fused.reset_parameters(0.3, 0.2)
+    plain = GroupedExperts(4, 16, 12, activation, bias, use_grouped_mm=False)
+    plain.load_state_dict(fused.state_dict())
+    counts = torch.tensor([3, 0, 6, 2])
+    permuted, probs = torch.randn(11, 16), torch.rand(11)
+    launched = []
+    kernel = kernels.fused_grouped_mm
+
+    def counted(x, weights, tokens_per_expert, selection):
+        launched.append(weights.shape)
+        return kernel(x, weights, tokens_per_expert, selection)
+
+    monkeypatch.setattr(kernels, "fused_grouped_mm", counted)
+    outputs = [module(permuted, probs, counts) for module in (fused, plain)]
+    assert launched == [fused.fc1_weight.shape, fused.fc2_weight.shape]
+    assert_close(outputs[0], outputs[1], torch.float32)
+    grads = [torch.autograd.grad(out.square().sum(), list(m.parameters())) for out, m in zip(outputs, (fused, plain))]
+    for actual, expected in zip(*grads):
+        assert_close(actual, expected, torch.float32)
+
+
 @pytest.mark.skipif(not interpreter_on(), reason="CPU model test needs the interpreter")
 def test_model_with_every_kernel_matches_reference():
     """A whole Llama-style and GPT-style model: fused kernels on (interpreter) vs off, loss and gradients."""

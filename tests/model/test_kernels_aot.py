@@ -69,7 +69,8 @@ def test_shared_memory_within_the_target_limit(compiled, arch):
 def test_configs_cover_every_kernel_and_dtype():
     configs = aot.kernel_configs()
     kernels = {config.kernel for config in configs}
-    jitted = {name for name in dir(aot.tk) if hasattr(getattr(aot.tk, name), "arg_names")}
+    # helpers (a leading underscore) are launched only inside the kernels that call them, compiled with them
+    jitted = {name for name in dir(aot.tk) if hasattr(getattr(aot.tk, name), "arg_names") and name[0] != "_"}
     assert kernels == jitted
     for dtype in aot.DTYPES:
         covered = {c.kernel for c in configs if any(t == f"*{dtype}" for _, t in c.types)}

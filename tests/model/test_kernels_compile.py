@@ -32,6 +32,7 @@ def _op_samples():
     _, mean, rstd = ops.norm_fwd(x2d.detach(), w.detach(), b.detach(), 1e-5, False)
     mask = (torch.rand(3, 2, 45, device=DEVICE) > 0.3).float() / 0.7
     cos, sin = torch.randn(6, 10, device=DEVICE), torch.randn(6, 10, device=DEVICE)
+    group_ends = torch.tensor([4, 4, 9], dtype=torch.int32, device=DEVICE)  # 4, 0 and 5 rows
     return [
         (ops.bias_gelu, (_t(3, 2, 37), _t(37))),
         (ops.bias_gelu, (_t(1, 2, 50), None)),
@@ -46,6 +47,9 @@ def _op_samples():
         (ops.norm_bwd, (_t(6, 40, grad=False), x2d.detach(), w.detach(), mean, rstd, True, False)),
         (ops.norm_bwd, (_t(6, 40, grad=False), x2d.detach(), w.detach(), mean, rstd, False, True)),
         (ops.rotate, (_t(3, 2, 4, 10), cos, sin, False)),
+        (ops.grouped_mm, (_t(9, 8), _t(3, 12, 8), group_ends)),
+        (ops.grouped_mm, (_t(9, 12, grad=False), _t(3, 12, 8, grad=False).transpose(-2, -1), group_ends)),  # dX
+        (ops.grouped_mm_weight_grad, (_t(9, 12, grad=False), _t(9, 8, grad=False), group_ends)),
     ]
 
 
@@ -128,3 +132,19 @@ def test_compiled_model_matches_eager(style):
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for actual, expected in zip(grads_c, grads_e):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_experts_with_the_grouped_mm_kernel_have_no_graph_break():
+    """The kernel finds each program's group on the device, so a compiled MoE experts block holds no graph
+    break (the per-expert loop reads the counts on the host: one break per multiply)."""
+    from model import kernels
+    from model.moe.experts import GroupedExperts
+
+    selection = kernels.KernelSelection.of(True, ["grouped_mm"]).registered()
+    experts = GroupedExperts(4, 16, 12, "swiglu", False, use_grouped_mm=False, kernels=selection).to(DEVICE)
+    experts.reset_parameters(0.3, 0.2)
+    inputs = (_t(11, 16), torch.rand(11, device=DEVICE), torch.tensor([3, 0, 6, 2], device=DEVICE))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(experts)(*inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
