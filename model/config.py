@@ -245,7 +245,7 @@ class ModelConfig:
     fused_kernel_names: list[str] | None = field(
         default=None,
         metadata=key_spec(
-            "With fused_kernels: only these (norm, bias_gelu, swiglu, bias_dropout_add, rotary, "
+            "With fused_kernels: only these (norm, bias_gelu, swiglu, bias_dropout_add, rotary, grouped_mm, "
             "linear_cross_entropy). null: all."
         ),
     )

@@ -4,7 +4,7 @@ configurations the launch code picks, Triton or its ptxas; commit the table with
 
     python scripts/write_aot_results.py [--workers N] [--out PATH]
 
-~125 CPU s with an empty Triton cache (471 compilations), seconds with a warm one. Exit status 1 when a
+~313 CPU s with an empty Triton cache (543 compilations), seconds with a warm one. Exit status 1 when a
 configuration does not compile (the table records the error and the test fails on it), else 0.
 """
 

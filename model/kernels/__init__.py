@@ -211,5 +211,4 @@ __all__ = [
     "linear_skip_bias",
     "norm",
     "rotary_qk",
-    "select_kernels",
 ]
