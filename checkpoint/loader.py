@@ -133,9 +133,11 @@ def load_optimizer_state(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
-    and loss-scaler state; then the masters are written into the params (collective over dp)."""
+    and loss-scaler state, and the persistent buffers (the MoE expert biases); then the masters are written
+    into the params (collective over dp)."""
     records = param_records(chunks, state)
     wanted = optimizer_pieces(records, optimizer, for_save=False, master_key=_weight_key(metadata))
+    wanted |= buffer_pieces(chunks, state, for_save=False)
     with torch.no_grad():
         load_pieces(iter_dir, wanted, metadata, group)
     optimizer.step_count = scalars.step

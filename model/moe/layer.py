@@ -53,7 +53,9 @@ class _AttachLoss(torch.autograd.Function):
 @dataclass
 class RouterStats:
     """What a router saw since its last `TopKRouter.take_step_stats`, this rank's part of each micro-batch:
-    training forwards only (with gradients on).
+    training forwards only (with gradients on). Full recomputation runs a layer's forward twice and so counts
+    everything twice, micro-batches included: the ratios the logs show (mean losses, loads over the mean,
+    the dropped fraction) and the expert bias step (a sign) come out the same.
 
     microbatches   forwards counted
     losses         "load_balancing_loss" (Switch or sequence-level), "z_loss" -> sum over those forwards of
