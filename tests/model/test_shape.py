@@ -70,7 +70,7 @@ def test_logged_flops_equal_torchs_count_of_the_matmuls(name, overrides, recompu
     m = config.model
     flops = iteration_flops(m, m.padded_vocab_size(1), config.train.global_batch_size, recompute_of(config.train))
     stats = IntervalStats(flops, 2 * 64, world_size=1, device_type="cpu", peak_tflops=1.0)
-    stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0), lr=0.1, seconds=1.0)
+    stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0, moe={}), lr=0.1, seconds=1.0)
     record = stats.flush(SimpleNamespace(iteration=1, consumed_samples=2, skipped_iters=0))
     counted = counted_flops(config)
     assert record["tflops_per_device"] * 1e12 == pytest.approx(counted, rel=0.01)  # the paper's figure
