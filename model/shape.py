@@ -264,17 +264,53 @@ def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[Pa
 
 
 def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> list[ParamShape]:
-    """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, fc1, fc2."""
+    """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, then fc1 and
+    fc2, or an MoE layer's (`_moe_parameters`)."""
     qkv, proj, fc1, fc2 = layer_gemms(cfg)
     prefix = f"layers.{layer}"
-    return (
+    attention = (
         _norm_parameters(cfg, f"{prefix}.input_norm", sp)
         + _gemm_parameters(qkv, f"{prefix}.attention.qkv", tp_size, sp)
         + _gemm_parameters(proj, f"{prefix}.attention.proj", tp_size, sp)
         + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
+    )
+    if cfg.is_moe_layer(layer):
+        return attention + _moe_parameters(cfg, f"{prefix}.mlp", sp)
+    return (
+        attention
         + _gemm_parameters(fc1, f"{prefix}.mlp.fc1", tp_size, sp)
         + _gemm_parameters(fc2, f"{prefix}.mlp.fc2", tp_size, sp)
     )
+
+
+def _moe_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
+    """An MoE layer's parameters in registration order (model/moe/layer.py), whole on every tp rank (partial
+    gradients under sequence parallelism): router weight [E, h] (and bias), the stacked experts' fc1 [E, f(x2),
+    h], fc2 [E, h, f] (and biases [E, f(x2)], [E, h]), the shared expert's gate, fc1 and fc2."""
+    h, f, experts = cfg.hidden_size, cfg.moe_ffn_size, cast(int, cfg.num_experts)
+    fc1_rows = f * (2 if cfg.activation == "swiglu" else 1)
+    found = [ParamShape(f"{prefix}.router.weight", experts * h, sequence_parallel=sp, rows=experts)]
+    if cfg.add_bias_linear:
+        found.append(ParamShape(f"{prefix}.router.bias", experts, sequence_parallel=sp))
+    found += [
+        ParamShape(f"{prefix}.experts.fc1_weight", experts * fc1_rows * h, sequence_parallel=sp, rows=experts),
+        ParamShape(f"{prefix}.experts.fc2_weight", experts * h * f, sequence_parallel=sp, rows=experts),
+    ]
+    if cfg.add_bias_linear:
+        found += [
+            ParamShape(f"{prefix}.experts.fc1_bias", experts * fc1_rows, sequence_parallel=sp, rows=experts),
+            ParamShape(f"{prefix}.experts.fc2_bias", experts * h, sequence_parallel=sp, rows=experts),
+        ]
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        if cfg.moe_shared_expert_gate:  # the module's own parameter: before its submodules' (named_parameters)
+            found.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, sequence_parallel=sp, rows=1))
+        for gemm in moe_gemms(cfg, experts)[3:5]:  # the shared expert's fc1, fc2 as nn.Linear
+            found += [
+                ParamShape(f"{prefix}.{gemm.name}.weight", gemm.weights, sequence_parallel=sp, rows=gemm.out_features)
+            ]
+            if gemm.bias:
+                found.append(ParamShape(f"{prefix}.{gemm.name}.bias", gemm.out_features, sequence_parallel=sp))
+    return found
 
 
 def chunk_parameters(
