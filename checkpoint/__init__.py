@@ -69,7 +69,7 @@ from checkpoint.parts import CheckpointParts
 from checkpoint.resume import ResumePlan, load_into_run, plan_resume
 from checkpoint.safe_reader import load_weights_file, read_metadata_file
 from checkpoint.saver import Checkpointer, SaveJob, write_checkpoint
-from checkpoint.state import optimizer_pieces, param_records, weight_pieces
+from checkpoint.state import buffer_pieces, optimizer_pieces, param_records, weight_pieces
 from checkpoint.train_state import (
     OptimizerScalars,
     TrainingProgress,
@@ -180,7 +180,8 @@ def save_model_weights(
         config=config_dict,
         layout=CheckpointLayout.of(state, sequence_parallel, distributed_optimizer=False, schedule=None),
     )
-    job = SaveJob(root, iteration, weight_pieces(records, for_save=True), train_state, keep_last=0)
+    tensors = weight_pieces(records, for_save=True) | buffer_pieces(chunks, state, for_save=True)
+    job = SaveJob(root, iteration, tensors, train_state, keep_last=0)
     return write_checkpoint(job, comm=state.comm).path
 
 
@@ -198,6 +199,7 @@ def build_save_job(
     parts.optimizer.finish_param_gather()  # overlap_param_gather: the params are whole before they are read
     records = param_records(parts.chunks, parts.state)
     tensors = weight_pieces(records, for_save=True)
+    tensors.update(buffer_pieces(parts.chunks, parts.state, for_save=True))
     tensors.update(optimizer_pieces(records, parts.optimizer, for_save=True))
     optimizer = parts.optimizer
     train_state = TrainState(

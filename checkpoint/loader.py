@@ -19,6 +19,7 @@ from checkpoint.files import CheckpointError
 from checkpoint.legacy import load_legacy_weights
 from checkpoint.safe_reader import load_weights_file
 from checkpoint.state import (
+    buffer_pieces,
     check_against_metadata,
     optimizer_pieces,
     param_records,
@@ -108,7 +109,8 @@ def load_model_weights(
     metadata = dcp_modules.reader().read_dcp_metadata(iter_dir)
     records = param_records(chunks, state)
     with torch.no_grad():
-        load_pieces(iter_dir, weight_pieces(records, for_save=False, key_of=_weight_key(metadata)), metadata, group)
+        wanted = weight_pieces(records, for_save=False, key_of=_weight_key(metadata))
+        load_pieces(iter_dir, wanted | buffer_pieces(chunks, state, for_save=False), metadata, group)
 
 
 def check_model_entries(iter_dir: str, metadata: Metadata, cfg: ModelConfig) -> None:
@@ -117,9 +119,8 @@ def check_model_entries(iter_dir: str, metadata: Metadata, cfg: ModelConfig) -> 
     is missing, bytes or of another shape (tools/checkpoint_info.py --verify refuses what the loaders refuse)."""
     state = ParallelState.single()
     chunks = build_chunk_modules(cfg, state, rank_spec(cfg, state))  # meta device: shapes, no memory
-    check_against_metadata(
-        weight_pieces(param_records(chunks, state), for_save=False, key_of=_weight_key(metadata)), metadata, iter_dir
-    )
+    wanted = weight_pieces(param_records(chunks, state), for_save=False, key_of=_weight_key(metadata))
+    check_against_metadata(wanted | buffer_pieces(chunks, state, for_save=False), metadata, iter_dir)
 
 
 def load_optimizer_state(
@@ -132,9 +133,11 @@ def load_optimizer_state(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
-    and loss-scaler state; then the masters are written into the params (collective over dp)."""
+    and loss-scaler state, and the persistent buffers (the MoE expert biases); then the masters are written
+    into the params (collective over dp)."""
     records = param_records(chunks, state)
     wanted = optimizer_pieces(records, optimizer, for_save=False, master_key=_weight_key(metadata))
+    wanted |= buffer_pieces(chunks, state, for_save=False)
     with torch.no_grad():
         load_pieces(iter_dir, wanted, metadata, group)
     optimizer.step_count = scalars.step

@@ -8,11 +8,14 @@ and with the distributed optimizer a flat range of it. `GlobalPieces` lists such
 local view) pairs (`pieces_of`), which checkpoint/dcp_planners.py hands to torch.distributed.checkpoint
 to write and reshard like DTensor shards.
 
-Tensors are 1-D or 2-D here; a 1-D tensor of n elements is handled as an [n, 1] matrix internally.
+Tensors are 1-D, 2-D or 3-D here; a 1-D tensor of n elements is handled as an [n, 1] matrix internally, a
+3-D one (the MoE experts' stacked weights [E, r, c]) as an [E x r, c] matrix whose pieces are cut at each
+expert's boundary and stored at their 3-D offsets, so the checkpoint holds the true [E, r, c] tensor.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +42,19 @@ class Block:
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """[n] -> [n, 1]; [r, c] unchanged (a view either way)."""
+    """[n] -> [n, 1]; [r, c] unchanged; [E, r, c] -> [E x r, c] (a view each time)."""
     if tensor.ndim == 1:
         return tensor.view(-1, 1)
-    if tensor.ndim != 2:
-        raise ValueError(f"checkpoint pieces support 1-D and 2-D tensors, got shape {tuple(tensor.shape)}")
-    return tensor
+    if tensor.ndim not in (2, 3):
+        raise ValueError(f"checkpoint pieces support 1-D, 2-D and 3-D tensors, got shape {tuple(tensor.shape)}")
+    return tensor.view(-1, tensor.shape[-1])
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of a tensor of `shape` seen as `as_matrix` sees it."""
+    if len(shape) not in (1, 2, 3):
+        raise ValueError(f"checkpoint pieces support 1-D, 2-D and 3-D tensors, got shape {shape}")
+    return (shape[0], 1) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
 
 
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -55,9 +65,7 @@ def global_shape(param: torch.Tensor) -> tuple[int, ...]:
 def tp_blocks(param: torch.Tensor) -> list[Block]:
     """Where this rank's tp shard of `param` lies in the global tensor, as local-to-global blocks: one per
     stacked part (SwiGLU's fc1 [gate; up]), padding rows left out (read off the parameter's Sharding)."""
-    if param.ndim not in (1, 2):
-        raise ValueError(f"checkpoint pieces support 1-D and 2-D tensors, got shape {tuple(param.shape)}")
-    rows, cols = param.shape[0], (param.shape[1] if param.ndim == 2 else 1)  # shapes only: FSDP's are DTensors
+    rows, cols = matrix_shape(tuple(param.shape))  # shapes only: FSDP's are DTensors
     info = param_info(param)
     if info.sharding.axis(info.tp_size) == 1:  # a row-parallel weight: columns split
         return [Block(0, rows, s.start, s.stop, 0, s.offset) for s in info.spans(cols)]
@@ -92,8 +100,7 @@ def pieces_of(
 ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """Pieces of a param-shaped tensor of which `flat` holds the flat elements [flat_start, flat_start +
     flat.numel()) (the whole tensor, or a distributed-optimizer shard), as (global offsets, view of flat)."""
-    rows = shape[0]
-    cols = shape[1] if len(shape) == 2 else 1
+    rows, cols = matrix_shape(shape)
     out: list[tuple[tuple[int, ...], torch.Tensor]] = []
     for rect in flat_range_rects(rows, cols, flat_start, flat_start + flat.numel()):
         for block in blocks:
@@ -107,5 +114,24 @@ def pieces_of(
             offsets: tuple[int, ...] = (part.r0 + part.row_off, part.c0 + part.col_off)
             if len(shape) == 1:
                 view, offsets = view.reshape(-1), offsets[:1]
-            out.append((offsets, view))
+            if len(shape) == 3:
+                out.extend(_per_expert(offsets, view, shape[1]))
+            else:
+                out.append((offsets, view))
+    return out
+
+
+def _per_expert(
+    offsets: tuple[int, ...], view: torch.Tensor, rows_per_expert: int
+) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """A piece of an [E x r, c] matrix at global (row, col) as pieces of the [E, r, c] tensor: cut where one
+    expert's rows end (a distributed-optimizer range may span several), each at (expert, row, col)."""
+    row, col = offsets
+    out: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    start = row
+    while start < row + view.shape[0]:
+        stop = min(row + view.shape[0], (start // rows_per_expert + 1) * rows_per_expert)
+        piece = view[start - row : stop - row].unsqueeze(0)  # [1, rows, cols]
+        out.append(((start // rows_per_expert, start % rows_per_expert, col), piece))
+        start = stop
     return out

@@ -82,6 +82,30 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
     return records
 
 
+def persistent_buffers(chunk: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of the buffers `chunk`'s state_dict holds: the MoE routers' expert biases (the
+    selection counts beside them are not persistent)."""
+    found = []
+    for module_name, module in chunk.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                found.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return found
+
+
+def buffer_pieces(chunks: Sequence[nn.Module], state: ParallelState, for_save: bool) -> dict[str, GlobalPieces]:
+    """The persistent buffers as whole tensors under their global names: every rank holds the same value (they
+    are replicated over tp, dp and cp, and each pipeline stage holds its own layers'), so tp rank 0 of dp x cp
+    rank 0 writes them and every rank loads them."""
+    out: dict[str, GlobalPieces] = {}
+    if for_save and (state.tp_rank != 0 or state.dp_cp_rank != 0):
+        return out
+    for chunk in chunks:
+        for name, buffer in persistent_buffers(chunk):
+            _add(out, name, tuple(buffer.shape), [((0,) * buffer.ndim, buffer)])
+    return out
+
+
 def _add(out: dict[str, GlobalPieces], key: str, shape: tuple[int, ...], pieces: list) -> None:
     if pieces:  # a save or a load: DCP is needed now
         out.setdefault(key, dcp_modules.planners().GlobalPieces(shape, [])).pieces.extend(pieces)

@@ -5,17 +5,17 @@ The model knows nothing of parallelism: everything a rank builds or runs differe
 in at construction (`RankSpec`, model/rank_spec.py): the factories of its split layers and the tp hooks (the
 sequence-parallel split after the embedding, the vocab-parallel loss, the fused loss's input handling and
 reductions), the context-parallel attention, the random stream of each dropout, activation recomputation and
-the fused kernels. The modules are built from it once; nothing replaces or wraps them afterwards. Norms, MLP
+the fused kernels, the ranks sharing a micro-batch's tokens for the MoE router. The modules are built from it once; nothing replaces or wraps them afterwards. Norms, MLP
 activation, rotary, bias-dropout-add and the loss go through model/kernels' dispatch functions (fused kernels
 when selected). A GPTModel can hold any contiguous block of layers with or without the embedding
 (`pre_process`) and the head (`post_process`), which is how pipeline stages and virtual chunks are cut. Layer
 modules are keyed by their global index, so parameter names (`layers.5.mlp.fc1.weight`) are the same in every
-layout.
+layout. The layers model.moe_layer_freq selects hold a Mixture-of-Experts layer (model/moe/) as their `mlp`
+(`layers.4.mlp.router.weight`, `layers.4.mlp.experts.fc1_weight` [E, f, h], ...).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
@@ -28,6 +28,7 @@ from model import kernels
 from model.config import ModelConfig
 from model.kernels.reference import mask_vocab_padding
 from model.kv_cache import KVCache, LayerKVCache
+from model.moe.layer import MoELayer
 from model.param_info import param_info, set_param_info
 from model.rank_spec import CheckpointFn, RankSpec, RNGFork
 from model.tp_hooks import AttentionFn, TensorParallelHooks, plain_embedding
@@ -186,15 +187,29 @@ class MLP(nn.Module):
         return self.fc2(y), None
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
+def build_moe_layer(cfg: ModelConfig, spec: RankSpec) -> MoELayer:
+    """The MoE layer in place of the MLP. Its router and experts are replicated over tp (megatron-core's
+    expert_tensor_parallel_size=1): without sequence parallelism every tp rank routes the same tokens and
+    computes the same output and gradients; with it each tp rank routes its own s/tp tokens, so the
+    parameters' gradients are partial (ParamInfo.sequence_parallel: summed over tp after backward, counted
+    once in the gradient norm) and the load-balancing losses count over the token group (`spec.moe_tokens`)."""
+    moe = MoELayer(cfg, token_group=spec.moe_tokens)
+    if spec.tp.sequence_parallel:
+        for param in moe.parameters():
+            set_param_info(param, sequence_parallel=True)
+    return moe
 
-    def __init__(self, cfg: ModelConfig, spec: RankSpec):
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))); the mlp is an MoE layer on the
+    layers model.moe_layer_freq selects (`layer_id`: the global index)."""
+
+    def __init__(self, cfg: ModelConfig, spec: RankSpec, layer_id: int):
         super().__init__()
         self.input_norm = build_norm(cfg, spec.tp)
         self.attention = SelfAttention(cfg, spec)
         self.post_attention_norm = build_norm(cfg, spec.tp)
-        self.mlp = MLP(cfg, spec)
+        self.mlp: MLP | MoELayer = build_moe_layer(cfg, spec) if cfg.is_moe_layer(layer_id) else MLP(cfg, spec)
         self.hidden_dropout = build_dropout(cfg.hidden_dropout, spec.dropout.hidden)
         self.hidden_dropout_p = cfg.hidden_dropout
         self.kernels = spec.kernels
@@ -269,18 +284,13 @@ class GPTModel(nn.Module):
         spec: RankSpec | None = None,
     ):
         super().__init__()
-        if cfg.num_experts:  # the MoE layer (model/moe/) is built and tested alone; no layer holds it yet
-            raise ValueError(
-                f"model.num_experts={cfg.num_experts}: GPTModel has no MoE layers yet (model/moe/ holds the layer "
-                "alone); leave model.num_experts out or set it to 0"
-            )
         self.cfg = cfg
         spec = spec or RankSpec.one_process(cfg)
         self.tp_hooks = spec.tp
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         self.embedding = Embedding(cfg, padded_vocab_size, spec) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, spec) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, spec, i) for i in layer_ids})
         self.final_norm = build_norm(cfg, spec.tp) if post_process else None
         # nn.Linear, or under tensor parallelism a ColumnParallelLinear split by vocabulary (same weight attribute)
         self.output_layer = spec.tp.layers.output_layer(cfg.hidden_size, padded_vocab_size) if post_process else None
@@ -296,6 +306,12 @@ class GPTModel(nn.Module):
     def transformer_layers(self) -> list[tuple[int, TransformerLayer]]:
         """(global layer index, layer) of the layers this chunk holds, in order."""
         return [(int(layer_id), cast(TransformerLayer, layer)) for layer_id, layer in self.layers.items()]
+
+    def moe_layers(self) -> list[tuple[int, MoELayer]]:
+        """(global layer index, MoE layer) of the layers of this chunk that hold one, in order."""
+        return [
+            (layer_id, layer.mlp) for layer_id, layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)
+        ]
 
     def word_embedding_weight(self) -> nn.Parameter:
         """The word embedding table [V(/tp), h] (the first chunk only)."""
@@ -392,12 +408,3 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1)
         return hooks.loss_fn(logits, labels.t()).t()  # [b, s]
-
-
-def output_projection_names() -> tuple[str, ...]:
-    """Suffixes of the weights Megatron initialises with std / sqrt(2 * num_layers)."""
-    return ("attention.proj.weight", "mlp.fc2.weight")
-
-
-def scaled_init_std(cfg: ModelConfig) -> float:
-    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)

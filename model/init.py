@@ -12,14 +12,28 @@ parallel/'s layers), which cuts the shard.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.gpt import output_projection_names, scaled_init_std
 from model.param_info import full_shape, param_info
+
+# Megatron draws these at init_std / sqrt(2 x layers): the projections whose output is added to the residual
+# stream (attention, the dense MLP, the routed experts' stacked [E, h, f] fc2 and the shared expert's fc2).
+OUTPUT_PROJECTION_SUFFIXES = (
+    "attention.proj.weight",
+    "mlp.fc2.weight",
+    "mlp.experts.fc2_weight",
+    "mlp.shared_experts.fc2.weight",
+)
+
+
+def scaled_init_std(cfg: ModelConfig) -> float:
+    """Megatron's std of the output projections: init_std / sqrt(2 x num_layers)."""
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -32,9 +46,9 @@ def draw_full_parameter(name: str, shape: tuple[int, ...], cfg: ModelConfig, see
     full = torch.empty(shape, dtype=torch.float32)
     if "norm." in name:
         return full.fill_(1.0 if name.endswith("weight") else 0.0)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):  # "_bias": the routed experts' stacked fc1_bias [E, f], fc2_bias [E, h]
         return full.zero_()
-    std = scaled_init_std(cfg) if name.endswith(output_projection_names()) else cfg.init_std
+    std = scaled_init_std(cfg) if name.endswith(OUTPUT_PROJECTION_SUFFIXES) else cfg.init_std
     generator = torch.Generator().manual_seed(name_seed(seed, name))
     return full.normal_(0.0, std, generator=generator)
 
@@ -49,7 +63,8 @@ def materialize_parameters(
     """Replace every parameter (meta or not) of `model` by this rank's shard of `full_value(name, full shape)`
     (name: its ParamInfo.init_name, else its global name) on `device` in `dtype`, keeping its ParamInfo.
 
-    Shared parameters (a tied output layer) are replaced once and stay shared.
+    Shared parameters (a tied output layer) are replaced once and stay shared; buffers follow to `device`
+    (`materialize_buffers`).
     """
     names = {id(param): name for name, param in model.named_parameters()}
     replaced: dict[int, nn.Parameter] = {}
@@ -63,6 +78,20 @@ def materialize_parameters(
                 new.__dict__.update(param.__dict__)  # keep the ParamInfo (and anything else set on it)
                 replaced[id(param)] = new
             setattr(module, local_name, replaced[id(param)])
+    materialize_buffers(model, device)
+
+
+@torch.no_grad()
+def materialize_buffers(model: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Move every buffer to `device`, keeping its dtype; one still on the meta device becomes zeros. The
+    model's only buffers are the MoE router's (model/moe/layer.py: the expert bias and its selection counts,
+    both zero at the start and fp32 whatever the model's dtype)."""
+    for module in model.modules():
+        for buffer_name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, buffer_name, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device))
+            else:
+                setattr(module, buffer_name, buffer.to(device))
 
 
 def initialize_parameters(

@@ -19,7 +19,7 @@ import torch
 
 from model.config import ModelConfig
 from model.kernels import KernelSelection
-from model.tp_hooks import ContextParallelHooks, TensorParallelHooks
+from model.tp_hooks import ContextParallelHooks, TensorFn, TensorParallelHooks, identity
 
 # opens a random stream for the block it guards (parallel/random.RNGTracker.fork)
 RNGFork = Callable[[], AbstractContextManager[None]]
@@ -63,6 +63,21 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class TokenGroup:
+    """The ranks whose tokens together make one micro-batch, as the MoE router's load-balancing losses must
+    see them (megatron-core's tp x cp group): the tp group under sequence parallelism (each rank holds s/tp
+    positions) times the cp group (each rank its chunks of the sequence); one process, or tp without sequence
+    parallelism (every tp rank holds all the tokens): this rank alone.
+
+    size        ranks in the group; each holds an equal share of the micro-batch's tokens
+    sum_counts  a count tensor (no gradient) summed over the group, in place; identity for one rank
+    """
+
+    size: int = 1
+    sum_counts: TensorFn = identity
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """Everything that makes this rank's GPTModel differ from one process's (see the module docstring)."""
 
@@ -71,6 +86,7 @@ class RankSpec:
     cp: ContextParallelHooks = field(default_factory=ContextParallelHooks)
     dropout: DropoutStreams = field(default_factory=DropoutStreams)
     recompute: Recompute = field(default_factory=Recompute)
+    moe_tokens: TokenGroup = field(default_factory=TokenGroup)
 
     @classmethod
     def one_process(cls, cfg: ModelConfig, recompute: Recompute | None = None) -> RankSpec:

@@ -10,12 +10,18 @@ counted over the full s x s as the paper does, although causal attention needs h
 twice the forward. For the paper's GPT-3 style (GeLU, 4h MLP, one kv head per query head) this gives its
 72 B s l h^2 (1 + s/6h + V/12lh), and with full recomputation of the layers its equation (3),
 96 B s l h^2 (1 + s/6h + V/16lh).
+
+A Mixture-of-Experts layer (model.num_experts, on the layers model.moe_layer_freq selects) counts what a token
+computes (`moe_gemms`): the router [h -> E], its top_k routed experts' fc1 and fc2, the shared expert and its
+gate; its parameters count all E experts (`moe_gemms(cfg, cfg.num_experts)`), `active_params` only top_k.
+Permute / unpermute and the routing's softmax are not matrix multiplies and are not counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from model.config import ModelConfig
 from model.rank_spec import Recompute
@@ -26,7 +32,8 @@ class Gemm:
     """One weight GEMM: [tokens, in_features] x [in_features, out_features] (+ bias [out_features]).
 
     `split` says how tensor parallelism cuts it: "column" splits the output (and the bias), "row" the input
-    (its bias stays whole on every rank), "vocab" the vocabulary rows of the output layer.
+    (its bias stays whole on every rank), "vocab" the vocabulary rows of the output layer, "none" nothing
+    (the MoE layer's GEMMs: replicated over tp).
     """
 
     name: str
@@ -42,6 +49,8 @@ class Gemm:
 
     def params(self, tp_size: int = 1) -> int:
         """Weight and bias elements on one tp rank."""
+        if self.split == "none":
+            return self.weights + (self.out_features if self.bias else 0)
         bias = 0
         if self.bias:
             bias = self.out_features // tp_size if self.split == "column" else self.out_features
@@ -64,6 +73,38 @@ def layer_gemms(cfg: ModelConfig) -> tuple[Gemm, ...]:
     )
 
 
+def moe_gemms(cfg: ModelConfig, experts: int) -> tuple[Gemm, ...]:
+    """The GEMMs of an MoE layer in place of fc1 and fc2, `experts` routed experts side by side (top_k: what one
+    token computes; num_experts: every weight): the router [h -> E], the routed experts' fc1 [h -> experts x f
+    (x2 SwiGLU)] and fc2 [f -> experts x h] (per expert, biases [f(x2)] and [h]), the shared expert's fc1 and
+    fc2 and its gate [h -> 1]. Replicated over tp (model/gpt.build_moe_layer)."""
+    h, f, bias = cfg.hidden_size, cfg.moe_ffn_size, cfg.add_bias_linear
+    stacked = 2 if cfg.activation == "swiglu" else 1
+    gemms = [
+        Gemm("router", h, cfg.num_experts or 0, bias, "none"),
+        Gemm("experts.fc1", h, experts * f * stacked, bias, "none"),
+        Gemm("experts.fc2", f, experts * h, bias, "none"),
+    ]
+    shared = cfg.moe_shared_expert_ffn_hidden_size
+    if shared:
+        gemms += [
+            Gemm("shared_experts.fc1", h, shared * stacked, bias, "none"),
+            Gemm("shared_experts.fc2", shared, h, bias, "none"),
+        ]
+        if cfg.moe_shared_expert_gate:
+            gemms.append(Gemm("shared_experts.gate", h, 1, False, "none"))
+    return tuple(gemms)
+
+
+def layer_compute_gemms(cfg: ModelConfig, layer_id: int | None = None) -> tuple[Gemm, ...]:
+    """What one token goes through in layer `layer_id`: `layer_gemms`, with an MoE layer's active GEMMs
+    (`moe_gemms(cfg, top_k)`) in place of fc1 and fc2 where model.moe_layer_freq puts one (None: dense)."""
+    gemms = layer_gemms(cfg)
+    if layer_id is None or not cfg.is_moe_layer(layer_id):
+        return gemms
+    return gemms[:2] + moe_gemms(cfg, cfg.moe_router_topk)
+
+
 def output_gemm(cfg: ModelConfig, padded_vocab: int) -> Gemm:
     """The logits GEMM [tokens, h] x [h, V] over the padded vocabulary (every padded column is computed)."""
     return Gemm("output_layer", cfg.hidden_size, padded_vocab, False, "vocab")
@@ -75,9 +116,10 @@ def norm_params(cfg: ModelConfig) -> int:
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------
-def layer_gemm_flops(cfg: ModelConfig, tokens: float, tp_size: int = 1) -> list[float]:
-    """Forward FLOPs of each weight GEMM of one layer over `tokens` tokens, on one tp rank."""
-    return [2.0 * tokens * gemm.weights / tp_size for gemm in layer_gemms(cfg)]
+def layer_gemm_flops(cfg: ModelConfig, tokens: float, tp_size: int = 1, layer_id: int | None = None) -> list[float]:
+    """Forward FLOPs of each weight GEMM of layer `layer_id` (None: a dense layer) over `tokens` tokens, on one
+    tp rank (the MoE GEMMs, replicated, are divided too: each tp rank's share of the model's FLOPs)."""
+    return [2.0 * tokens * gemm.weights / tp_size for gemm in layer_compute_gemms(cfg, layer_id)]
 
 
 def attention_matmul_flops(cfg: ModelConfig, tokens: float, seq_length: int, tp_size: int = 1) -> float:
@@ -86,9 +128,11 @@ def attention_matmul_flops(cfg: ModelConfig, tokens: float, seq_length: int, tp_
     return 2.0 * tokens * seq_length * cfg.num_attention_heads * cfg.head_dim / tp_size
 
 
-def layer_forward_flops(cfg: ModelConfig, tokens: float, seq_length: int) -> float:
-    """Forward FLOPs of one whole layer: its four GEMMs and attention's two batched matmuls."""
-    return sum(layer_gemm_flops(cfg, tokens)) + 2 * attention_matmul_flops(cfg, tokens, seq_length)
+def layer_forward_flops(cfg: ModelConfig, tokens: float, seq_length: int, layer_id: int | None = None) -> float:
+    """Forward FLOPs of one whole layer (`layer_id`; None: dense): its GEMMs and attention's two batched
+    matmuls."""
+    gemms = sum(layer_gemm_flops(cfg, tokens, layer_id=layer_id))
+    return gemms + 2 * attention_matmul_flops(cfg, tokens, seq_length)
 
 
 @dataclass(frozen=True)
@@ -117,20 +161,31 @@ def iteration_flops(
     batched matmuls in every layer)."""
     s = cfg.seq_length
     tokens = float(global_batch_size * s)
-    layer = layer_forward_flops(cfg, tokens, s)
-    forward = cfg.num_layers * layer + 2.0 * tokens * output_gemm(cfg, padded_vocab).weights
+    layers = [layer_forward_flops(cfg, tokens, s, layer_id) for layer_id in range(cfg.num_layers)]
+    forward = sum(layers) + 2.0 * tokens * output_gemm(cfg, padded_vocab).weights
     if recompute.mode == "selective":
         recomputed = cfg.num_layers * 2 * attention_matmul_flops(cfg, tokens, s)
     else:
-        recomputed = recomputed_layers(cfg, recompute, num_chunks) * layer
+        # the chunks are the num_chunks contiguous blocks of layers (in whatever order stages hold them)
+        per_chunk = cfg.num_layers // num_chunks
+        recomputed = sum(
+            layers[layer_id]
+            for first in range(0, per_chunk * num_chunks, per_chunk)
+            for layer_id in recompute.layer_ids(range(first, first + per_chunk))
+        )
     return IterationFlops(model=3.0 * forward, with_recompute=3.0 * forward + recomputed)
 
 
 # ---- parameters ----------------------------------------------------------------------------------
-def layer_params(cfg: ModelConfig, tp_size: int = 1) -> int:
-    """Parameters of one transformer layer on one tp rank: column weights and biases and row weights split,
-    row biases and the two norms replicated."""
-    return sum(gemm.params(tp_size) for gemm in layer_gemms(cfg)) + 2 * norm_params(cfg)
+def layer_params(cfg: ModelConfig, tp_size: int = 1, layer_id: int | None = None, active: bool = False) -> int:
+    """Parameters of transformer layer `layer_id` (None: a dense layer) on one tp rank: column weights and
+    biases and row weights split, row biases, the two norms and an MoE layer's weights replicated (`active`:
+    only top_k of its routed experts)."""
+    gemms = layer_gemms(cfg)
+    if layer_id is not None and cfg.is_moe_layer(layer_id):
+        experts = cfg.moe_router_topk if active else cast(int, cfg.num_experts)
+        gemms = gemms[:2] + moe_gemms(cfg, experts)
+    return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg)
 
 
 def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> int:
@@ -153,8 +208,9 @@ def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[
     """Parameters held by one (tp rank, pp rank): its num_layers / pp layers, plus the embedding and the head
     of the chunks that hold them: `chunk_roles` is (pre_process, post_process) per model chunk of the rank
     (parallel/pipeline/stages.chunk_roles). A head in another chunk than the embedding keeps its own copy of a
-    tied table."""
-    total = cfg.num_layers // pp_size * layer_params(cfg, tp_size)
+    tied table. MoE layers: each rank is given the average layer of the model (exact for pp = 1 and for
+    models whose layers are all alike)."""
+    total = sum(layer_params(cfg, tp_size, layer_id) for layer_id in range(cfg.num_layers)) // pp_size
     for pre, post in chunk_roles:
         total += (embedding_params(cfg, tp_size) if pre else 0) + (head_params(cfg, tp_size, pre) if post else 0)
     return total
@@ -208,17 +264,53 @@ def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[Pa
 
 
 def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> list[ParamShape]:
-    """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, fc1, fc2."""
+    """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, then fc1 and
+    fc2, or an MoE layer's (`_moe_parameters`)."""
     qkv, proj, fc1, fc2 = layer_gemms(cfg)
     prefix = f"layers.{layer}"
-    return (
+    attention = (
         _norm_parameters(cfg, f"{prefix}.input_norm", sp)
         + _gemm_parameters(qkv, f"{prefix}.attention.qkv", tp_size, sp)
         + _gemm_parameters(proj, f"{prefix}.attention.proj", tp_size, sp)
         + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
+    )
+    if cfg.is_moe_layer(layer):
+        return attention + _moe_parameters(cfg, f"{prefix}.mlp", sp)
+    return (
+        attention
         + _gemm_parameters(fc1, f"{prefix}.mlp.fc1", tp_size, sp)
         + _gemm_parameters(fc2, f"{prefix}.mlp.fc2", tp_size, sp)
     )
+
+
+def _moe_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
+    """An MoE layer's parameters in registration order (model/moe/layer.py), whole on every tp rank (partial
+    gradients under sequence parallelism): router weight [E, h] (and bias), the stacked experts' fc1 [E, f(x2),
+    h], fc2 [E, h, f] (and biases [E, f(x2)], [E, h]), the shared expert's gate, fc1 and fc2."""
+    h, f, experts = cfg.hidden_size, cfg.moe_ffn_size, cast(int, cfg.num_experts)
+    fc1_rows = f * (2 if cfg.activation == "swiglu" else 1)
+    found = [ParamShape(f"{prefix}.router.weight", experts * h, sequence_parallel=sp, rows=experts)]
+    if cfg.add_bias_linear:
+        found.append(ParamShape(f"{prefix}.router.bias", experts, sequence_parallel=sp))
+    found += [
+        ParamShape(f"{prefix}.experts.fc1_weight", experts * fc1_rows * h, sequence_parallel=sp, rows=experts),
+        ParamShape(f"{prefix}.experts.fc2_weight", experts * h * f, sequence_parallel=sp, rows=experts),
+    ]
+    if cfg.add_bias_linear:
+        found += [
+            ParamShape(f"{prefix}.experts.fc1_bias", experts * fc1_rows, sequence_parallel=sp, rows=experts),
+            ParamShape(f"{prefix}.experts.fc2_bias", experts * h, sequence_parallel=sp, rows=experts),
+        ]
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        if cfg.moe_shared_expert_gate:  # the module's own parameter: before its submodules' (named_parameters)
+            found.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, sequence_parallel=sp, rows=1))
+        for gemm in moe_gemms(cfg, experts)[3:5]:  # the shared expert's fc1, fc2 as nn.Linear
+            found += [
+                ParamShape(f"{prefix}.{gemm.name}.weight", gemm.weights, sequence_parallel=sp, rows=gemm.out_features)
+            ]
+            if gemm.bias:
+                found.append(ParamShape(f"{prefix}.{gemm.name}.bias", gemm.out_features, sequence_parallel=sp))
+    return found
 
 
 def chunk_parameters(
@@ -257,3 +349,13 @@ def chunk_parameters(
 def total_params(cfg: ModelConfig) -> int:
     """The whole model counted once (tied embedding once), as on one process."""
     return rank_params(cfg, 1, 1, [(True, True)])
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """The parameters one token goes through: `total_params` with top_k of each MoE layer's routed experts
+    (the router and the shared expert whole); the total for a dense model."""
+    moe_layers = [layer_id for layer_id in range(cfg.num_layers) if cfg.is_moe_layer(layer_id)]
+    unused = sum(
+        layer_params(cfg, 1, layer_id) - layer_params(cfg, 1, layer_id, active=True) for layer_id in moe_layers
+    )
+    return total_params(cfg) - unused

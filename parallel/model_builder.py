@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.gpt import GPTModel
 from model.init import initialize_parameters
 from model.param_info import param_info
-from model.rank_spec import RankSpec, Recompute
+from model.rank_spec import RankSpec, Recompute, TokenGroup
 from parallel.context_parallel import context_parallel_hooks
 from parallel.layout import check_tensor_parallel
 from parallel.random import RNGTracker, dropout_streams
@@ -41,7 +41,28 @@ def rank_spec(
         cp=context_parallel_hooks(state),
         dropout=dropout_streams(rng_tracker, sequence_parallel and state.tp_size > 1),
         recompute=recompute or Recompute(),
+        moe_tokens=moe_token_group(state, sequence_parallel),
     )
+
+
+def moe_token_group(state: ParallelState, sequence_parallel: bool) -> TokenGroup:
+    """The ranks holding parts of this rank's micro-batches (model/rank_spec.TokenGroup): its tp group under
+    sequence parallelism (each tp rank s/tp positions; without it every tp rank holds them all), times its cp
+    group. Counts are summed over each in turn (megatron-core sums over one tp x cp group: the same sum)."""
+    groups = [state.cp_group] if state.cp_size > 1 else []
+    if sequence_parallel and state.tp_size > 1:
+        groups.append(state.tp_group)
+    if not groups:
+        return TokenGroup()
+    comm = state.comm
+
+    def sum_counts(counts: torch.Tensor) -> torch.Tensor:
+        for group in groups:
+            comm.all_reduce(counts, group)
+        return counts
+
+    size = (state.cp_size if state.cp_size > 1 else 1) * (state.tp_size if sequence_parallel else 1)
+    return TokenGroup(size=size, sum_counts=sum_counts)
 
 
 def build_chunk_modules(cfg: ModelConfig, state: ParallelState, spec: RankSpec) -> list[GPTModel]:

@@ -65,6 +65,16 @@ def model_config_of(config: dict) -> ModelConfig:
     return config_from_dict(config).model
 
 
+def refuse_experts(cfg: ModelConfig, command: str) -> None:
+    """Refuse a Mixture-of-Experts model where `command` writes a format its mapping holds no experts for (it
+    would drop every MoE layer's weights and write a model that is not this one)."""
+    if cfg.num_experts:
+        raise UnsupportedModelError(
+            f"model.num_experts={cfg.num_experts}: {command} maps dense models only (no MoE layers yet); "
+            "`consolidate` writes this checkpoint as one file"
+        )
+
+
 # ---- to-hf -----------------------------------------------------------------------------------------
 def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> list[str]:
     """Export a checkpoint of any layout to a transformers folder; returns the files written."""
@@ -74,6 +84,7 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     config, tensors = global_state(source)
     print(f"loaded {source.describe()}")
     cfg = model_config_of(config)
+    refuse_experts(cfg, "to-hf")
     warn_about_normalization(config["data"])
     torch_dtype = precision_dtype(dtype)
     hf_tensors = {k: v.to(torch_dtype) for k, v in to_hf_state_dict(cfg, tensors).items()}
@@ -208,7 +219,9 @@ def to_megatron(checkpoint: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1
     iteration = source.iteration
     assert iteration is not None  # a checkpoint's source has one
     print(f"loaded {source.describe()}")
-    files = megatron_files(tensors, model_config_of(config), (tp, pp, vp), iteration, config["data"])
+    cfg = model_config_of(config)
+    refuse_experts(cfg, "to-megatron")
+    files = megatron_files(tensors, cfg, (tp, pp, vp), iteration, config["data"])
     with staged_folder(out) as tmp:
         for relative, payload in files.items():
             os.makedirs(os.path.dirname(os.path.join(tmp, relative)), exist_ok=True)

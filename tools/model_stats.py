@@ -15,6 +15,7 @@ from config.schema import Config, ConfigError, load_config
 from model.gpt import GPTModel
 from model.kernels import KernelSelection
 from model.rank_spec import RankSpec
+from model.shape import active_params
 from parallel.layout import Layout, layout_from_config
 from parallel.model_builder import build_chunk_modules
 from parallel.rank_grid import RankGrid
@@ -70,6 +71,14 @@ def report(config: Config, dp_size: int, layout: Layout | None = None) -> list[s
         f"layout: tp {par.tp_size} x cp {par.cp_size} x pp {par.pp_size} x dp {dp_size} (vp {par.vp_size}), "
         f"padded vocabulary {shape.padded_vocab}",
     ]
+    model = config.model
+    if model.num_experts:  # what one token goes through: top_k of each MoE layer's routed experts
+        active = active_params(model)
+        lines.insert(
+            1,
+            f"active parameters per token: {active:,} ({active / 1e9:.1f} B; top-{model.moe_router_topk} of "
+            f"{model.num_experts} experts)",
+        )
     for pp_rank in range(par.pp_size):
         chunks = meta_chunks(config, 0, pp_rank, dp_size)
         layers = sum(len(chunk.layers) for chunk in chunks)

@@ -181,6 +181,11 @@ def format_train_line(record: Mapping[str, float | None], train_iters: int) -> s
         parts.append(f"loss scale {record['loss_scale']:.0f}")
     if record.get("skipped_iters"):
         parts.append(f"skipped {record['skipped_iters']} (total {record.get('skipped_total', '?')})")
+    if "moe_max_load" in record:
+        parts.append(
+            f"moe aux {record['moe_load_balancing_loss']:.4g} z {record['moe_z_loss']:.4g} "
+            f"max load {record['moe_max_load']:.2f}x dropped {100 * (record['moe_dropped_fraction'] or 0.0):.1f}%"
+        )
     return " | ".join(parts)
 
 
@@ -232,6 +237,7 @@ class IntervalStats:
         self.iters = self.counted = self.skipped = 0
         self.loss_sum = self.all_loss_sum = self.seconds = 0.0
         self.last: dict[str, float] = {}
+        self.moe_sums: dict[str, float] = {}  # the MoE routing metrics summed over the interval's iterations
 
     def add(self, result: StepResult, lr: float, seconds: float) -> None:
         """One finished iteration (a training.train_step.StepResult); skipped steps do not count in the loss."""
@@ -244,6 +250,8 @@ class IntervalStats:
             self.counted += 1
             self.loss_sum += result.loss
         self.last = {"lr": lr, "grad_norm": result.grad_norm, "loss_scale": result.loss_scale}
+        for name, value in result.moe.items():
+            self.moe_sums[name] = self.moe_sums.get(name, 0.0) + value
 
     def flush(self, progress: TrainingProgress) -> dict[str, float | None]:
         seconds_per_iter = self.seconds / max(self.iters, 1)
@@ -263,6 +271,8 @@ class IntervalStats:
             "world_size": self.world_size,  # what the TFLOP/s divide by (planner/calibrate.py reads it)
             "skipped_iters": self.skipped,
             "skipped_total": progress.skipped_iters,
+            # MoE models: the routing metrics (training/moe_step.step_metrics), averaged over the interval
+            **{name: total / max(self.iters, 1) for name, total in self.moe_sums.items()},
         }
         self._reset()
         return record

@@ -30,6 +30,7 @@ from data.tokenizers import build_tokenizer
 from model.gpt import GPTModel
 from model.precision import precision_dtype
 from model.rank_spec import Recompute
+from model.shape import active_params
 from operations.faults import COLLECTIVE_KINDS, FaultInjector, FaultSpec
 from operations.log import get_logger
 from operations.preemption import PreemptionHandler
@@ -328,8 +329,12 @@ def log_model_summary(
     """The start-up line on the model (its parameters summed over the model-parallel ranks) and this rank's
     optimizer state."""
     params = _all_reduce_int(count_parameters(chunks, state), state.model_parallel_group, state)
+    cfg = chunks[0].cfg
+    active = ""
+    if cfg.num_experts:  # what a token goes through: top_k of each MoE layer's experts (model/shape.py)
+        active = f" ({active_params(cfg) / 1e6:.2f} M active: top-{cfg.moe_router_topk} of {cfg.num_experts} experts)"
     logger.info(
-        f"model: {params / 1e6:.2f} M parameters, padded vocabulary {shape.padded_vocab}"
+        f"model: {params / 1e6:.2f} M parameters{active}, padded vocabulary {shape.padded_vocab}"
         f", {layout.num_microbatches} micro-batches of {micro_batch_size} per dp rank, {dtype}; "
         f"optimizer state {optimizer.state_bytes() / 2**20:.1f} MiB on rank {state.rank}"
     )

@@ -4,7 +4,8 @@ parallel/pipeline/forward.py).
 The same path serves every layout: the pipeline executor walks this rank's schedule (with pp = 1 that is just
 forward/backward per micro-batch), data parallelism reduces gradients while the last backward runs (under a
 zero-bubble schedule: the last weight-gradient action, which is when the weights' gradients are complete), then
-the tied-embedding and sequence-parallel gradients are reduced and the optimizer steps.
+the tied-embedding and sequence-parallel gradients are reduced and the optimizer steps (then the MoE routers'
+expert biases, training/moe_step.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from parallel.pipeline.executor import execute_schedule
 from parallel.pipeline.forward import global_mean_loss, make_forward_fn, to_device
 from parallel.pipeline.plan import PipelinePlan, build_plan
 from parallel.state import ParallelState
+from training.moe_step import set_aux_loss_scale, step_metrics, update_expert_biases
 
 
 @dataclass
@@ -66,6 +68,7 @@ class StepResult:
     skipped: bool
     loss_scale: float
     max_in_flight: int
+    moe: dict[str, float] = field(default_factory=dict)  # routing metrics (training/moe_step.step_metrics)
 
 
 def train_step(
@@ -78,6 +81,7 @@ def train_step(
         chunk.train()
     microbatches = [to_device(mb, ctx.device, ctx.state) for mb in microbatches]
     ctx.ddp.zero_grad()
+    set_aux_loss_scale(ctx.chunks, ctx.optimizer.loss_scale / ctx.num_microbatches)
     result = execute_schedule(
         ctx.train_plan,
         ctx.chunks,
@@ -96,10 +100,13 @@ def train_step(
     if before_update is not None:
         before_update()
     stats = ctx.optimizer.step(lr)
+    update_expert_biases(ctx.chunks, ctx.state)  # every step, skipped or not, as megatron-core's
+    cfg = ctx.chunks[0].cfg
     return StepResult(
         loss=global_mean_loss(result.losses, ctx.state),
         grad_norm=stats.grad_norm,
         skipped=stats.skipped,
         loss_scale=stats.loss_scale,
         max_in_flight=result.max_in_flight,
+        moe=step_metrics(ctx.chunks, ctx.state, cfg.num_layers, cfg.num_experts or 0),
     )

@@ -6,20 +6,30 @@ The auxiliary losses (the Switch or the sequence-level load-balancing loss, the 
 to the model's loss: as megatron-core's MoEAuxLossAutoScaler does, each is attached to an activation of the
 router so that backward adds its gradient (times `aux_loss_backward_scale`, which the trainer sets to what it
 scales the main loss by: 1 / micro-batches, x the loss scale) while the logged loss stays the language-model
-loss. Their values are kept in `TopKRouter.last_losses` for the logs.
+loss. Their values are kept in `TopKRouter.last_losses` and summed, with the experts' loads and the dropped
+tokens, in `TopKRouter.step_stats` for the logs.
+
+When a micro-batch's tokens are spread over several ranks (`TokenGroup`, model/rank_spec.py: tp under
+sequence parallelism, cp), each rank's losses are its part of the micro-batch's: the load-balancing losses
+count the selections over the whole group (as megatron-core reduces them over its tp x cp group) and the
+z-loss, a mean over tokens, is divided by the group's size, so that the parts' gradients, summed over tp and
+cp as every replicated parameter's are, equal one process's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.gpt import scaled_init_std
+from model.init import scaled_init_std
 from model.moe import routing
 from model.moe.dispatch import AllToAllDispatcher, ExpertExchange
 from model.moe.experts import GroupedExperts, SharedExperts, permute, unpermute
 from model.param_info import set_param_info
+from model.rank_spec import TokenGroup
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -42,6 +52,28 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None  # type: ignore[attr-defined]
 
 
+@dataclass
+class RouterStats:
+    """What a router saw since its last `TopKRouter.take_step_stats`, this rank's part of each micro-batch:
+    training forwards only (with gradients on). Full recomputation runs a layer's forward twice and so counts
+    everything twice, micro-batches included: the ratios the logs show (mean losses, loads over the mean,
+    the dropped fraction) and the expert bias step (a sign) come out the same.
+
+    microbatches   forwards counted
+    losses         "load_balancing_loss" (Switch or sequence-level), "z_loss" -> sum over those forwards of
+                   this rank's part of the loss (coefficient applied)
+    expert_load    [E] token assignments each expert computed (after dropping), summed
+    assigned       token assignments the router made (T x k per forward), summed
+    dropped        of those, assignments capacity dropped, summed
+    """
+
+    microbatches: int = 0
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    expert_load: torch.Tensor | None = None
+    assigned: int = 0
+    dropped: torch.Tensor | None = None
+
+
 class TopKRouter(nn.Module):
     """The gate: logits = x W^T (+ b) in fp32 whatever the model's dtype, the top-k selection, capacity, the
     auxiliary losses and the expert bias (megatron-core's TopKRouter with moe_router_dtype=fp32).
@@ -54,9 +86,10 @@ class TopKRouter(nn.Module):
     expert_bias: torch.Tensor | None
     tokens_per_expert: torch.Tensor | None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, token_group: TokenGroup | None = None):
         super().__init__()
         self.cfg = cfg
+        self.token_group = token_group or TokenGroup()
         num_experts = cfg.num_experts or 0
         self.weight = nn.Parameter(torch.empty(num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if cfg.add_bias_linear else None
@@ -64,6 +97,7 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts) if enabled else None)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts) if enabled else None, persistent=False)
         self.last_losses: dict[str, torch.Tensor] = {}  # name -> value (coefficient applied) of the last forward
+        self.step_stats = RouterStats()
 
     def reset_parameters(self) -> None:
         """normal(0, init_std) weight, zero bias and expert bias."""
@@ -87,12 +121,12 @@ class TopKRouter(nn.Module):
         expert bias."""
         cfg = self.cfg
         topk = cfg.moe_router_topk
-        num_experts = cfg.num_experts or 0
         logits = self.logits(tokens)
         self.last_losses = {}
         adds_losses = self.training and torch.is_grad_enabled()
         if adds_losses and cfg.moe_z_loss_coeff is not None:
-            z_loss = routing.z_loss(logits, cfg.moe_z_loss_coeff)
+            # a mean over this rank's tokens: its part of the micro-batch's mean is 1 / group size of it
+            z_loss = routing.z_loss(logits, cfg.moe_z_loss_coeff / self.token_group.size)
             self.last_losses["z_loss"] = z_loss.detach()
             logits = _AttachLoss.apply(logits, z_loss, loss_scale)
         probs, routing_map = routing.topk_routing(
@@ -103,6 +137,7 @@ class TopKRouter(nn.Module):
             cfg.moe_router_topk_scaling_factor,
             self.expert_bias,
         )
+        selected = routing_map
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = routing.drop_tokens(
                 probs,
@@ -114,21 +149,55 @@ class TopKRouter(nn.Module):
             )
         balancing = cfg.moe_router_load_balancing_type
         if adds_losses and cfg.moe_aux_loss_coeff > 0 and balancing != "none":
-            map_for_loss, scores = routing.scores_for_aux_loss(logits, topk, cfg.moe_router_score_function)
-            if balancing == "seq_aux_loss":
-                aux_loss = routing.sequence_load_balancing_loss(
-                    scores, map_for_loss, seq_length, batch_size, topk, num_experts, cfg.moe_aux_loss_coeff
-                )
-            else:
-                aux_loss = routing.switch_load_balancing_loss(
-                    scores, map_for_loss.sum(dim=0), tokens.shape[0], topk, num_experts, cfg.moe_aux_loss_coeff
-                )
+            aux_loss = self._load_balancing_loss(logits, seq_length, batch_size)
             self.last_losses[balancing] = aux_loss.detach()
             probs = _AttachLoss.apply(probs, aux_loss, loss_scale)
-        if self.tokens_per_expert is not None and torch.is_grad_enabled():  # not in evaluation or recompute
+        if torch.is_grad_enabled():  # training forwards, not evaluation
             with torch.no_grad():
-                self.tokens_per_expert += routing_map.sum(dim=0)
+                if self.tokens_per_expert is not None:
+                    self.tokens_per_expert += routing_map.sum(dim=0)
+                if self.training:
+                    self._count(selected, routing_map)
         return probs, routing_map
+
+    def _load_balancing_loss(self, logits: torch.Tensor, seq_length: int, batch_size: int) -> torch.Tensor:
+        """This rank's part of the Switch or sequence-level loss: its tokens' scores against the selections
+        counted over the token group (routing.switch_load_balancing_loss, routing.sequence_load_balancing_loss,
+        which these equal on one rank)."""
+        cfg, group = self.cfg, self.token_group
+        topk, num_experts, coeff = cfg.moe_router_topk, cfg.num_experts or 0, cfg.moe_aux_loss_coeff
+        map_for_loss, scores = routing.scores_for_aux_loss(logits, topk, cfg.moe_router_score_function)
+        if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+            # [s, b x E]: each sequence's experts are columns of their own; the group holds parts of the same
+            # b sequences, so the columns' counts add up over it
+            counts = group.sum_counts(map_for_loss.reshape(seq_length, -1).sum(dim=0))
+            loss = routing.switch_load_balancing_loss(
+                scores.reshape(seq_length, -1), counts, seq_length * group.size, topk, num_experts, coeff
+            )
+            return loss / batch_size
+        counts = group.sum_counts(map_for_loss.sum(dim=0))
+        return routing.switch_load_balancing_loss(
+            scores, counts, logits.shape[0] * group.size, topk, num_experts, coeff
+        )
+
+    def _count(self, selected: torch.Tensor, kept: torch.Tensor) -> None:
+        """Add one forward to `step_stats`: selected [T, E] the top-k choices, kept [T, E] what the experts
+        compute after capacity (with padding it also holds rows of tokens not routed there)."""
+        stats = self.step_stats
+        load = torch.logical_and(selected, kept).sum(dim=0)
+        dropped = selected.sum() - load.sum()
+        stats.microbatches += 1
+        stats.assigned += selected.shape[0] * self.cfg.moe_router_topk
+        stats.expert_load = load if stats.expert_load is None else stats.expert_load + load
+        stats.dropped = dropped if stats.dropped is None else stats.dropped + dropped
+        for name, value in self.last_losses.items():
+            key = name if name == "z_loss" else "load_balancing_loss"  # Switch or sequence-level, as configured
+            stats.losses[key] = stats.losses[key] + value if key in stats.losses else value
+
+    def take_step_stats(self) -> RouterStats:
+        """The statistics since the last call (see RouterStats); counting restarts."""
+        stats, self.step_stats = self.step_stats, RouterStats()
+        return stats
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
@@ -150,13 +219,20 @@ class MoELayer(nn.Module):
     `expert_exchange` (expert parallelism, given by parallel/expert_parallel.py): the layer holds only its ep
     rank's E / ep experts, marked with their global range in ParamInfo.experts, and `dispatcher` sends tokens
     to their experts' ranks (model/moe/dispatch.py); None: every expert here, computed locally.
+    `token_group`: the ranks holding the other parts of each micro-batch (default: this rank alone).
     """
 
-    def __init__(self, cfg: ModelConfig, use_grouped_mm: bool = True, expert_exchange: ExpertExchange | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        use_grouped_mm: bool = True,
+        expert_exchange: ExpertExchange | None = None,
+        token_group: TokenGroup | None = None,
+    ):
         super().__init__()
         if not cfg.num_experts:
             raise ValueError(f"model.num_experts={cfg.num_experts}: an MoE layer needs experts")
-        self.router = TopKRouter(cfg)
+        self.router = TopKRouter(cfg, token_group)
         self.dispatcher = None if expert_exchange is None else AllToAllDispatcher(expert_exchange, cfg.num_experts)
         local_experts = cfg.num_experts if self.dispatcher is None else self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
@@ -177,7 +253,8 @@ class MoELayer(nn.Module):
                 cfg.moe_shared_expert_gate,
             )
         self.aux_loss_backward_scale = 1.0
-        self.reset_parameters(cfg)
+        if not self.router.weight.is_meta:  # on the meta device (the trainer's build) model/init.py draws them
+            self.reset_parameters(cfg)
 
     def reset_parameters(self, cfg: ModelConfig) -> None:
         """Megatron's init: normal(0, init_std), the output projections (fc2) at init_std / sqrt(2 x layers)."""

@@ -302,8 +302,45 @@ def test_bad_moe_settings_are_refused_with_one_line(overrides, message):
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
 
 
-def test_gpt_model_refuses_experts_until_a_layer_holds_them():
-    from model.gpt import GPTModel
+def test_gpt_model_holds_moe_layers_where_moe_layer_freq_says():
+    from model.gpt import MLP, GPTModel
 
-    with pytest.raises(ValueError, match=r"^model.num_experts=4: GPTModel has no MoE layers yet"):
-        GPTModel(moe_config(), padded_vocab_size=128)
+    model = GPTModel(moe_config(num_layers=4, moe_layer_freq=[0, 1, 1, 0]), padded_vocab_size=128)
+    assert [layer_id for layer_id, _ in model.moe_layers()] == [1, 2]
+    assert isinstance(model.layers["0"].mlp, MLP) and isinstance(model.layers["3"].mlp, MLP)
+    assert "layers.1.mlp.experts.fc1_weight" in dict(model.named_parameters())
+
+
+def test_layout_free_init_gives_the_moe_weights_megatrons_rules():
+    """model/init.py draws every MoE parameter by its global name: fc1 and the router at init_std, the routed
+    experts' stacked fc2 [E, h, f] and the shared expert's fc2 at init_std / sqrt(2 x layers), biases (the
+    stacked ones too) zero, the expert bias buffer zero; the same draw whatever module builds it."""
+    from model.gpt import GPTModel
+    from model.init import draw_full_parameter, initialize_parameters, scaled_init_std
+
+    cfg = moe_config(
+        num_layers=2,
+        num_experts=8,
+        moe_ffn_hidden_size=256,
+        add_bias_linear=True,
+        moe_shared_expert_ffn_hidden_size=256,
+        moe_shared_expert_gate=True,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    )
+    with torch.device("meta"):
+        model = GPTModel(cfg, padded_vocab_size=128)
+    initialize_parameters(model, cfg, seed=7)
+    params = dict(model.named_parameters())
+    layer = "layers.1.mlp."
+    for name in ("router.weight", "experts.fc1_weight", "shared_experts.fc1.weight", "shared_experts.gate_weight"):
+        assert params[layer + name].std().item() == pytest.approx(cfg.init_std, rel=0.1), name
+    for name in ("experts.fc2_weight", "shared_experts.fc2.weight"):
+        assert params[layer + name].std().item() == pytest.approx(scaled_init_std(cfg), rel=0.1), name
+    for name in ("router.bias", "experts.fc1_bias", "experts.fc2_bias", "shared_experts.fc2.bias"):
+        assert not params[layer + name].any(), name
+    bias = dict(model.named_buffers())[layer + "router.expert_bias"]
+    assert not bias.is_meta and not bias.any() and bias.dtype == torch.float32
+    # layout-free: the stacked experts are one draw from (seed, global name)
+    full = draw_full_parameter(layer + "experts.fc1_weight", (8, 256 * 2, HIDDEN), cfg, seed=7)
+    torch.testing.assert_close(params[layer + "experts.fc1_weight"], full, rtol=0, atol=0)

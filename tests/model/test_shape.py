@@ -5,6 +5,7 @@ import functools
 import glob
 import os
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -41,15 +42,18 @@ def recompute_of(train, checkpoint_fn=None) -> Recompute:
     return Recompute(train.recompute, train.recompute_method, train.recompute_num_layers, checkpoint_fn)
 
 
-def counted_flops(config) -> float:
+def counted_flops(config, experts_loop: bool = False) -> float:
     """torch's count of every matmul of one forward + backward of the global batch (one process).
 
     The math attention path runs attention as matmuls torch counts (the fused CPU kernel is not counted), and
     recomputation re-runs the whole checkpointed forward as the paper counts it (torch's early stop would skip
-    the last GEMM of each recomputed region, whose output backward does not need)."""
+    the last GEMM of each recomputed region, whose output backward does not need). `experts_loop`: the MoE
+    experts run their reference, one torch.mm per expert (torch counts no FLOPs for torch._grouped_mm)."""
     m, train = config.model, config.train
     fn = functools.partial(checkpoint, use_reentrant=False)
     model = GPTModel(m, m.padded_vocab_size(1), spec=RankSpec.one_process(m, recompute_of(train, fn)))
+    for _, moe in model.moe_layers():
+        moe.experts.use_grouped_mm = not experts_loop
     b, s = train.global_batch_size, m.seq_length
     tokens = torch.randint(0, m.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)
@@ -66,7 +70,7 @@ def test_logged_flops_equal_torchs_count_of_the_matmuls(name, overrides, recompu
     m = config.model
     flops = iteration_flops(m, m.padded_vocab_size(1), config.train.global_batch_size, recompute_of(config.train))
     stats = IntervalStats(flops, 2 * 64, world_size=1, device_type="cpu", peak_tflops=1.0)
-    stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0), lr=0.1, seconds=1.0)
+    stats.add(SimpleNamespace(loss=1.0, skipped=False, grad_norm=1.0, loss_scale=1.0, moe={}), lr=0.1, seconds=1.0)
     record = stats.flush(SimpleNamespace(iteration=1, consumed_samples=2, skipped_iters=0))
     counted = counted_flops(config)
     assert record["tflops_per_device"] * 1e12 == pytest.approx(counted, rel=0.01)  # the paper's figure
@@ -145,3 +149,40 @@ def test_fsdp_shard_rows_are_torch_chunks_split():
                 assert list(range(first, end)) == held, (rows, shards, index)
             per_shard = max((len(c) for c in chunks), default=0)
             assert rows == 0 or ParamShape("w", rows * 3, rows=rows).padded_numel(shards) == per_shard * shards * 3
+
+
+MOE_VARIANTS = [
+    ("moe_tiny.yaml", []),  # every layer MoE: 8 experts, top-2, a shared expert
+    # every other layer, SwiGLU experts, a gated shared expert: the dense and the MoE layers' counts together
+    ("moe_tiny.yaml", ["model.moe_layer_freq=2", "model.activation=swiglu", "model.moe_shared_expert_gate=true"]),
+]
+
+
+@pytest.mark.parametrize("recompute", [RECOMPUTE[0], RECOMPUTE[2]], ids=("none", "full-block"))
+@pytest.mark.parametrize("name, overrides", MOE_VARIANTS, ids=lambda v: str(v))
+def test_logged_moe_flops_count_the_active_experts(name, overrides, recompute):
+    """An MoE iteration's logged FLOPs are torch's count of the matmuls it ran: attention, the router, top_k
+    routed experts per token (dropless: exactly T x k expert rows) and the shared expert, the output layer."""
+    batch = ["train.global_batch_size=2", "train.micro_batch_size=2", "model.seq_length=64", "model.vocab_size=1000"]
+    config = load_config(os.path.join(REPO_ROOT, "configs", name), overrides + batch + recompute)
+    m = config.model
+    flops = iteration_flops(m, m.padded_vocab_size(1), config.train.global_batch_size, recompute_of(config.train))
+    assert flops.with_recompute == pytest.approx(counted_flops(config, experts_loop=True), rel=0.01)
+
+
+def test_moe_parameter_counts_follow_the_built_model():
+    """total_params is the built MoE model's parameter count; active_params leaves out all but top_k of each
+    MoE layer's routed experts."""
+    from model.shape import active_params, total_params
+
+    config = load_config(os.path.join(REPO_ROOT, "configs", "moe_tiny.yaml"), ["model.vocab_size=1000"])
+    m = config.model
+    with torch.device("meta"):
+        model = GPTModel(m, m.padded_vocab_size(1))
+    assert total_params(m) == sum(p.numel() for p in model.parameters())
+    expert_params = sum(
+        p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name
+    )  # all E experts of every layer
+    num_experts = cast(int, m.num_experts)
+    unused = expert_params * (num_experts - m.moe_router_topk) // num_experts
+    assert active_params(m) == total_params(m) - unused

@@ -30,6 +30,7 @@ MIB = 2.0**20
         # zb-v: rank 0 holds both the embedding and the head (stages in a V)
         ("gpt_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
         ("llama_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
+        ("moe_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2"]),  # every layer MoE, replicated over tp
     ],
 )
 def test_rank_params_equal_the_meta_model(config_name, overrides):
@@ -50,6 +51,11 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
         ("llama_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.vp_size=2"]),
         ("gpt_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
         ("gpt_tiny.yaml", ["model.position_embedding_type=rope", "model.normalization=rmsnorm"]),
+        ("moe_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2", "parallel.sequence_parallel=true"]),
+        (
+            "moe_tiny.yaml",
+            ["model.moe_layer_freq=2", "model.activation=swiglu", "model.moe_shared_expert_gate=true"],
+        ),
     ],
 )
 def test_chunk_parameters_list_the_built_chunks_in_order(config_name, overrides):

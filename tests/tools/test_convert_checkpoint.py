@@ -296,3 +296,18 @@ def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path):
     ours = SentencePieceTokenizer(prefix + ".model")
     assert hf_tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
     assert hf_tokenizer.eos_token_id == ours.eod == 2
+
+
+def test_moe_checkpoints_are_refused_by_the_dense_exports_and_consolidate_whole(tokenizer_files, tmp_path):
+    """to-hf and to-megatron map no experts: an MoE checkpoint is refused with one line naming the key and
+    nothing is written (they would drop every MoE layer); consolidate keeps the stacked experts [E, f, h]."""
+    from convert.hf_mapping import UnsupportedModelError
+
+    config = run_config(dict(GPT, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64), tokenizer_files)
+    save_model_weights(str(tmp_path / "ckpt"), 3, [reference_model(config)], ParallelState.single(), config)
+    for export, out in ((to_hf, tmp_path / "hf"), (to_megatron, tmp_path / "megatron")):
+        with pytest.raises(UnsupportedModelError, match=r"^model.num_experts=4: to-(hf|megatron) maps dense") as error:
+            export(str(tmp_path / "ckpt"), str(out))
+        assert "\n" not in str(error.value) and not out.exists()
+    whole = torch.load(consolidate(str(tmp_path / "ckpt"), str(tmp_path / "model.pt")), weights_only=False)
+    assert whole["model"]["layers.0.mlp.experts.fc1_weight"].shape == (4, 64, 64)

@@ -105,3 +105,31 @@ def test_tensor_parallel_generation_and_the_cli(tokenizer_files, tmp_path):  # n
         [sys.executable, "tools/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--top-p", "0"], cwd=REPO_ROOT
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --top-p=0.0 must be in (0, 1]"]
+
+
+# A Mixture-of-Experts model (model/moe/): 4 experts, top-2, a shared expert.
+MOE = dict(GPT, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_shared_expert_ffn_hidden_size=64)
+
+
+def test_moe_generation_with_the_kv_cache_equals_recomputing_the_sequence(tokenizer_files, tmp_path):  # noqa: F811
+    """A saved MoE model generates through tools/generate.py (router in eval mode: no auxiliary losses): with
+    the KV cache each new token is routed alone, and the tokens equal greedy decoding that re-runs the whole
+    sequence every step; under tp2 the same tokens come out."""
+    make_checkpoint(MOE, tokenizer_files, str(tmp_path / "ckpt"))
+    env = DistEnv(1, 0, 0, 1, torch.device("cpu"))
+    cached = greedy_tokens(str(tmp_path / "ckpt"), env, 20)
+    config = run_config({**MOE, "max_position_embeddings": 128}, tokenizer_files)
+    model = reference_model(config)
+    from data.tokenizers import GPT2BPETokenizer
+
+    tokens = GPT2BPETokenizer(tokenizer_files["vocab_file"], tokenizer_files["merge_file"]).encode(PROMPT)
+    recomputed = []
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.tensor([tokens + recomputed])
+            logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])
+            recomputed.append(int(logits[0, -1, :300].argmax()))
+    assert cached == recomputed
+    assert all(moe.router.last_losses == {} for _, moe in model.moe_layers())
+    run_ranks(2, _tp_greedy, str(tmp_path / "ckpt"), str(tmp_path / "tokens.pt"))
+    assert torch.load(tmp_path / "tokens.pt") == cached

@@ -149,7 +149,7 @@ def test_last_label_and_negative_ids_are_checked():
 
 # ---- non-finite values -----------------------------------------------------------------------------
 def step(loss=1.0, grad_norm=1.0, skipped=False, loss_scale=1.0):
-    return SimpleNamespace(loss=loss, grad_norm=grad_norm, skipped=skipped, loss_scale=loss_scale)
+    return SimpleNamespace(loss=loss, grad_norm=grad_norm, skipped=skipped, loss_scale=loss_scale, moe={})
 
 
 def test_nonfinite_guard_counts_consecutive_iterations():

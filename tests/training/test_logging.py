@@ -24,7 +24,7 @@ def test_peak_comes_from_the_config_or_the_device_name():
 def interval(peak):
     stats = IntervalStats(IterationFlops(model=3e12, with_recompute=4e12), 1024, 2, "cpu", peak)
     for _ in range(2):
-        stats.add(SimpleNamespace(loss=2.0, skipped=False, grad_norm=1.0, loss_scale=1.0), lr=0.1, seconds=0.5)
+        stats.add(SimpleNamespace(loss=2.0, skipped=False, grad_norm=1.0, loss_scale=1.0, moe={}), lr=0.1, seconds=0.5)
     return stats.flush(SimpleNamespace(iteration=2, consumed_samples=8, skipped_iters=0))
 
 
