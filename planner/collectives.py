@@ -184,6 +184,19 @@ class LayoutCollectives:
         moe = layer is not None and self.config.model.is_moe_layer(layer)
         return found if moe or self.config.model.hidden_dropout > 0 else found[:-1]
 
+    def _routing_counts(self, layer: int) -> list[Collective]:
+        """The load-balancing loss's expert counts of MoE layer `layer` in forward, summed over the ranks holding
+        other parts of the micro-batch: cp, then tp under sequence parallelism (int64 [E], or [b x E] per
+        sequence for seq_aux_loss); none without the loss or without such ranks."""
+        model, lay = self.config.model, self.layout
+        balancing = model.moe_router_load_balancing_type
+        if not model.is_moe_layer(layer) or model.moe_aux_loss_coeff <= 0 or balancing == "none":
+            return []
+        columns = (model.num_experts or 0) * (self.config.train.micro_batch_size if balancing == "seq_aux_loss" else 1)
+        groups = [("cp", lay.cp_size)] if lay.cp_size > 1 else []
+        groups += [self.tp] if self.sp else []
+        return [Collective("all_reduce", name, size, 8 * columns) for name, size in groups]
+
     def _exchanges(self, chunk: ChunkPlacement, forward: bool) -> tuple[Collective, ...]:
         """Expert parallelism's all-to-alls of the chunk's MoE layers for one micro-batch: forward, or backward
         with the forward ones again for the layers full recomputation repeats."""
@@ -204,12 +217,12 @@ class LayoutCollectives:
 
     def _forward_tp(self, chunk: ChunkPlacement) -> tuple[Collective, ...]:
         if self.layout.tp_size == 1:
-            return ()
+            return tuple(c for layer in chunk.layer_ids for c in self._routing_counts(layer))  # cp's, if any
         found = []
         if chunk.pre_process:  # the vocab-parallel embedding's all-reduce
             found.append(Collective("all_reduce", *self.tp, self.sbh))
         for layer in chunk.layer_ids:
-            found += self._tp_layer(layer)
+            found += self._tp_layer(layer) + self._routing_counts(layer)
         if chunk.post_process:  # the output layer's input (gathered under SP), the loss's max, target, sum
             if self.sp:
                 found.append(Collective("all_gather", *self.tp, self.sbh))
@@ -228,6 +241,7 @@ class LayoutCollectives:
                 tp += self._recomputed_tp_layer(layer)
             if chunk.pre_process and self.sp:  # the sequence-parallel split after the embedding
                 tp.append(Collective("all_gather", *self.tp, self.sbh))
+        tp += [c for layer in recomputed for c in self._routing_counts(layer)]  # the recomputed router's
         again = len(recomputed) if recomputed else (len(chunk.layer_ids) if self._recomputes_core else 0)
         return ActionCollectives(
             tuple(tp),
