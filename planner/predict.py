@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from model.shape import IterationFlops, rank_params
-from parallel.layout import Layout, build_layout
+from parallel.layout import Layout, LayoutError, build_layout
 from parallel.pipeline.p2p import Step, produced_message
 from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.simulator import CommPlan, Event, Timeline, simulate
@@ -297,6 +297,11 @@ def predict(
     config's parallel.ep_size, planner/experts.ep_size_of)."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
+    if layout.fsdp and model.num_experts:  # planner/sharded.py lists the dense MLP's parameters
+        raise LayoutError(
+            f"parallel.fsdp=true with model.num_experts={model.num_experts}: the planner does not model FSDP of an "
+            "MoE model; use the distributed optimizer"
+        )
     ep = ep_size_of(config) if ep_size is None else ep_size
     comms = LayoutCollectives(config, layout, software, ep)
     experts = expert_grid(layout, ep) if comms.experts is not None else None

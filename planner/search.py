@@ -130,14 +130,16 @@ def candidate_configs(
                         continue
                     if fsdp and not layout.fsdp:  # one data-parallel rank: the same run as without FSDP
                         continue
+                    if fsdp and config.model.num_experts:  # not modelled for MoE (planner.predict refuses it)
+                        continue
                     yield candidate
 
 
 def candidate_eps(config: Config, layout: Layout) -> list[int]:
     """The expert-parallel sizes to try with `layout`: every ep dividing dp x cp and model.num_experts (ep 1 only
-    for a dense model, and under FSDP, whose sharded model the planner does not split by experts)."""
+    for a dense model)."""
     experts = config.model.num_experts
-    if not experts or layout.fsdp:
+    if not experts:
         return [1]
     return [ep for ep in _divisors(layout.dp_size * layout.cp_size) if experts % ep == 0]
 

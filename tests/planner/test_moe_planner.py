@@ -200,9 +200,13 @@ def test_search_tries_only_the_eps_that_divide_dp_cp_and_the_experts():
     for p in result.ranked:
         dp_cp = p.layout.dp_size * p.layout.cp_size
         assert dp_cp % p.ep_size == 0 and 6 % p.ep_size == 0
-    # ep is searched, not only kept: dp 4 tries ep 2, dp 2 tries ep 2, dp 1 and FSDP only ep 1
+    # ep is searched, not only kept: dp 4 tries ep 2, dp 2 tries ep 2, dp 1 only ep 1 (and no FSDP layout)
     assert {p.ep_size for p in result.ranked} == {1, 2}
     assert {p.layout.dp_size for p in result.ranked if p.ep_size == 2} == {2, 4}
+    assert not any(p.layout.fsdp for p in result.ranked)
+    sharded = tiny_moe("parallel.fsdp=true", "parallel.distributed_optimizer=false")
+    with pytest.raises(LayoutError, match=r"parallel.fsdp=true with model.num_experts=8: the planner does not model"):
+        predict(sharded, cluster, 2)
 
 
 def test_olmoe_config_counts_its_published_sizes():
