@@ -47,6 +47,7 @@ from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import ChunkPlacement
 from parallel.run_shape import TIED_GROUP, RunShape
 from planner.collective import Collective
+from planner.experts import ExpertLayout, dispatch_exchanges, with_moe_parameters
 from planner.sharded import ShardedCollectives
 from planner.software import TRAINER, Software
 
@@ -62,10 +63,11 @@ class ActionCollectives:
     tp: tuple[Collective, ...] = ()
     ring_forward: tuple[Collective, ...] = ()
     ring_backward: tuple[Collective, ...] = ()
+    ep: tuple[Collective, ...] = ()  # expert parallelism's all-to-alls, charged in full (planner/experts.py)
 
     @property
     def all(self) -> tuple[Collective, ...]:
-        return self.tp + self.ring_forward + self.ring_backward
+        return self.tp + self.ring_forward + self.ring_backward + self.ep
 
 
 @dataclass
@@ -75,16 +77,19 @@ class _Bucket:
     start: int
     end: int
     params: list[tuple[ParamShape, int, int]] = field(default_factory=list)  # (param, buffer start, end)
+    expert: bool = False  # expert weights: reduced and sharded over the expert-dp group
 
 
 class LayoutCollectives:
     """The collectives of one layout (module docstring); every method is pure arithmetic."""
 
-    def __init__(self, config: Config, layout: Layout, software: Software = TRAINER):
+    def __init__(self, config: Config, layout: Layout, software: Software = TRAINER, ep_size: int = 1):
         self.config, self.layout, self.software = config, layout, software
         self.run = RunShape.of(config, layout)
         model, par, train = config.model, config.parallel, config.train
         lay = layout
+        # an MoE model's experts over ep_size ranks (planner/experts.py); None for a dense model
+        self.experts = ExpertLayout.of(model, layout, ep_size) if model.num_experts else None
         self.value_bytes = 4 if train.precision == "fp32" else 2  # activations and params
         seq, b = self.run.local_seq_length, train.micro_batch_size
         self.sbh = seq * b * model.hidden_size * self.value_bytes  # one [s, b, h] activation (full s/cp)
@@ -138,7 +143,9 @@ class LayoutCollectives:
 
     def _action(self, stage: int, op: Op) -> ActionCollectives:
         chunk = next(c for c in self.run.chunks(self.run.stages.stage_rank(stage)) if c.virtual_stage == stage)
-        forward = ActionCollectives(self._forward_tp(chunk), self.ring(len(chunk.layer_ids), forward=True))
+        forward = ActionCollectives(
+            self._forward_tp(chunk), self.ring(len(chunk.layer_ids), forward=True), ep=self._exchanges(chunk, True)
+        )
         match op:
             case Op.FORWARD:
                 return forward
@@ -156,30 +163,66 @@ class LayoutCollectives:
         ring_forward, ring_backward = (self.ring(1, True), ()) if forward else ((), self.ring(1, False))
         return ActionCollectives(tuple(self._tp_layer()), ring_forward, ring_backward)
 
-    def _tp_layer(self) -> list[Collective]:
+    def _tp_layer(self, layer: int | None = None) -> list[Collective]:
         """One layer's tp collectives one way: 2 all-reduces, or (sequence parallel) an all-gather before each
-        column-parallel GEMM and a reduce-scatter after each row-parallel one (backward: the same, swapped)."""
+        column-parallel GEMM and a reduce-scatter after each row-parallel one (backward: the same, swapped).
+        An MoE layer (global index `layer`) has attention's only: its MLP part is replicated over tp."""
         if self.layout.tp_size == 1:
             return []
+        halves = 1 if layer is not None and self.config.model.is_moe_layer(layer) else 2
         if not self.sp:
-            return [Collective("all_reduce", *self.tp, self.sbh)] * 2
+            return [Collective("all_reduce", *self.tp, self.sbh)] * halves
         pair = [Collective("all_gather", *self.tp, self.sbh), Collective("reduce_scatter", *self.tp, self.sbh)]
-        return pair * 2
+        return pair * halves
 
-    def _recomputed_tp_layer(self) -> list[Collective]:
+    def _recomputed_tp_layer(self, layer: int | None = None) -> list[Collective]:
         """A layer's forward collectives as full recomputation repeats them: torch's checkpoint stops once the
         last tensor backward needs is recomputed (early stop), so the reduction after fc2 is skipped unless a
-        hidden dropout after it keeps a mask to recompute."""
-        layer = self._tp_layer()
-        return layer if self.config.model.hidden_dropout > 0 else layer[:-1]
+        hidden dropout after it keeps a mask to recompute. An MoE layer's last tp collective is attention's,
+        whose output the MoE part needs: all of them are repeated."""
+        found = self._tp_layer(layer)
+        moe = layer is not None and self.config.model.is_moe_layer(layer)
+        return found if moe or self.config.model.hidden_dropout > 0 else found[:-1]
+
+    def _routing_counts(self, layer: int) -> list[Collective]:
+        """The load-balancing loss's expert counts of MoE layer `layer` in forward, summed over the ranks holding
+        other parts of the micro-batch: cp, then tp under sequence parallelism (int64 [E], or [b x E] per
+        sequence for seq_aux_loss); none without the loss or without such ranks."""
+        model, lay = self.config.model, self.layout
+        balancing = model.moe_router_load_balancing_type
+        if not model.is_moe_layer(layer) or model.moe_aux_loss_coeff <= 0 or balancing == "none":
+            return []
+        columns = (model.num_experts or 0) * (self.config.train.micro_batch_size if balancing == "seq_aux_loss" else 1)
+        groups = [("cp", lay.cp_size)] if lay.cp_size > 1 else []
+        groups += [self.tp] if self.sp else []
+        return [Collective("all_reduce", name, size, 8 * columns) for name, size in groups]
+
+    def _exchanges(self, chunk: ChunkPlacement, forward: bool) -> tuple[Collective, ...]:
+        """Expert parallelism's all-to-alls of the chunk's MoE layers for one micro-batch: forward, or backward
+        with the forward ones again for the layers full recomputation repeats."""
+        experts = self.experts
+        if experts is None or experts.ep_size == 1:
+            return ()
+        model, tokens = self.config.model, self.run.local_seq_length * self.config.train.micro_batch_size
+
+        def one(way: bool) -> list[Collective]:
+            exchanges = dispatch_exchanges(model, experts, tokens, self.value_bytes, way)
+            return [Collective("all_to_all", "ep", experts.ep_size, int(e.nbytes)) for e in exchanges]
+
+        moe = [layer for layer in chunk.layer_ids if model.is_moe_layer(layer)]
+        if forward:
+            return tuple(one(True) * len(moe))
+        again = [layer for layer in self.run.recomputed_layers(chunk) if model.is_moe_layer(layer)]
+        return tuple(one(False) * len(moe) + one(True) * len(again))
 
     def _forward_tp(self, chunk: ChunkPlacement) -> tuple[Collective, ...]:
         if self.layout.tp_size == 1:
-            return ()
+            return tuple(c for layer in chunk.layer_ids for c in self._routing_counts(layer))  # cp's, if any
         found = []
         if chunk.pre_process:  # the vocab-parallel embedding's all-reduce
             found.append(Collective("all_reduce", *self.tp, self.sbh))
-        found += self._tp_layer() * len(chunk.layer_ids)
+        for layer in chunk.layer_ids:
+            found += self._tp_layer(layer) + self._routing_counts(layer)
         if chunk.post_process:  # the output layer's input (gathered under SP), the loss's max, target, sum
             if self.sp:
                 found.append(Collective("all_gather", *self.tp, self.sbh))
@@ -192,13 +235,19 @@ class LayoutCollectives:
         if self.layout.tp_size > 1:
             if chunk.post_process:  # the output layer's input gradient
                 tp.append(Collective("reduce_scatter" if self.sp else "all_reduce", *self.tp, self.sbh))
-            tp += self._tp_layer() * len(chunk.layer_ids)
-            tp += self._recomputed_tp_layer() * len(recomputed)
+            for layer in chunk.layer_ids:
+                tp += self._tp_layer(layer)
+            for layer in recomputed:
+                tp += self._recomputed_tp_layer(layer)
             if chunk.pre_process and self.sp:  # the sequence-parallel split after the embedding
                 tp.append(Collective("all_gather", *self.tp, self.sbh))
+        tp += [c for layer in recomputed for c in self._routing_counts(layer)]  # the recomputed router's
         again = len(recomputed) if recomputed else (len(chunk.layer_ids) if self._recomputes_core else 0)
         return ActionCollectives(
-            tuple(tp), self.ring(again, forward=True), self.ring(len(chunk.layer_ids), forward=False)
+            tuple(tp),
+            self.ring(again, forward=True),
+            self.ring(len(chunk.layer_ids), forward=False),
+            self._exchanges(chunk, forward=False),
         )
 
     @property
@@ -218,38 +267,75 @@ class LayoutCollectives:
     # ---- after the pipeline ----------------------------------------------------------------------------
     def _buckets(self, pp_rank: int) -> list[_Bucket]:
         """The rank's gradient buckets, chunk by chunk, as parallel/data_parallel.py lays them out."""
-        software, par, lay = self.software, self.config.parallel, self.layout
-        pad_to = lay.dp_size * lay.cp_size if par.distributed_optimizer else 1
+        software, par = self.software, self.config.parallel
         chunks = [self._params(chunk) for chunk in self.run.chunks(pp_rank)]
         bucket_numel = max(1, int(par.grad_bucket_size_mb * 2**20) // int(software.grad_reduce_bytes))
         if not software.bucketed_grads:  # one flattened buffer of everything, one bucket
-            chunks = [[ParamShape(p.name, p.numel) for params in chunks for p in params]]
-            bucket_numel = max(1, sum(p.numel for p in chunks[0]))
+            chunks = [[(ParamShape(p.name, p.numel), expert) for params in chunks for p, expert in params]]
+            bucket_numel = max(1, sum(p.numel for p, _ in chunks[0]))
         buckets = []
         for params in chunks:
             ordered = params[::-1]  # launch order: roughly the order backward produces gradients
-            layout = plan_buckets([(p.numel, p.shared_embedding) for p in ordered], bucket_numel, pad_to)
-            for start, end, indices in layout:
-                bucket, position = _Bucket(start, end), start
-                for index in indices:
-                    bucket.params.append((ordered[index], position, position + ordered[index].numel))
-                    position += ordered[index].numel
-                buckets.append(bucket)
+            # each run of consecutive expert or other params is cut on its own, one after another (the trainer's
+            # DataParallel._plan_chunk): expert buckets are reduced over another group
+            runs: list[list[tuple[ParamShape, bool]]] = []
+            for item in ordered:
+                if runs and runs[-1][0][1] == item[1]:
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
+            offset = 0
+            for run in runs:
+                expert = run[0][1]
+                pad_to = self._replicas(expert)[1] if par.distributed_optimizer else 1
+                for start, end, indices in plan_buckets(
+                    [(p.numel, p.shared_embedding) for p, _ in run], bucket_numel, pad_to
+                ):
+                    bucket = _Bucket(offset + start, offset + end, expert=expert)
+                    position = bucket.start
+                    for index in indices:
+                        param = run[index][0]
+                        bucket.params.append((param, position, position + param.numel))
+                        position += param.numel
+                    buckets.append(bucket)
+                offset = buckets[-1].end
         return buckets
 
-    def _params(self, chunk: ChunkPlacement) -> list[ParamShape]:
+    def _replicas(self, expert: bool) -> tuple[str, int]:
+        """The group holding replicas of a bucket's params: expert-dp for expert weights, dp x cp otherwise."""
+        if expert and self.experts is not None:
+            return ("expert_dp", self.experts.expert_dp_size)
+        return self.dp_cp
+
+    def _replica_rank(self, expert: bool, dp_cp_rank: int) -> int:
+        """This rank's index in a bucket's replica group: in the experts' grid the dp x cp index is
+        ep_rank + ep x expert_dp_rank."""
+        if expert and self.experts is not None:
+            return dp_cp_rank // self.experts.ep_size
+        return dp_cp_rank
+
+    def _params(self, chunk: ChunkPlacement) -> list[tuple[ParamShape, bool]]:
+        """The chunk's parameters on one rank and whether each is an expert weight."""
         model, lay = self.config.model, self.layout
-        return chunk_parameters(
+        params = chunk_parameters(
             model, lay.tp_size, chunk.layer_ids, chunk.pre_process, chunk.post_process, lay.sequence_parallel
         )
+        if self.experts is None:
+            return [(param, False) for param in params]
+        return with_moe_parameters(model, self.experts, params)
 
     def grad_reduction(self, pp_rank: int) -> list[Collective]:
         """The dp (x cp) reduction of the rank's gradients, one collective per bucket in launch order."""
-        if self.dp_cp[1] == 1 or self.sharded is not None:  # FSDP reduces per unit and micro-batch: `sharded`
+        if self.sharded is not None:  # FSDP reduces per unit and micro-batch: `sharded`
             return []
         kind = "reduce_scatter" if self.config.parallel.distributed_optimizer else "all_reduce"
         element = int(self.software.grad_reduce_bytes)
-        return [Collective(kind, *self.dp_cp, (b.end - b.start) * element) for b in self._buckets(pp_rank)]
+        found = []
+        for bucket in self._buckets(pp_rank):
+            group = self._replicas(bucket.expert)
+            if group[1] > 1:  # experts with ep = dp x cp, or one dp x cp rank: no other rank holds them
+                found.append(Collective(kind, *group, (bucket.end - bucket.start) * element))
+        return found
 
     def finalize(self, pp_rank: int, dp_cp_rank: int = 0) -> list[Collective]:
         """The tied embedding over the embedding group and the sequence-parallel grads over tp, on the part of
@@ -262,7 +348,8 @@ class LayoutCollectives:
         for bucket in self._buckets(pp_rank):
             shard = (bucket.start, bucket.end)
             if self.config.parallel.distributed_optimizer:
-                shard = shard_range(bucket.start, bucket.end, dp_cp_rank, self.dp_cp[1])
+                replicas = self._replicas(bucket.expert)[1]
+                shard = shard_range(bucket.start, bucket.end, self._replica_rank(bucket.expert, dp_cp_rank), replicas)
             for param, start, end in bucket.params:
                 lo, hi = owned_slice(shard, start, end)
                 owned_shared += (hi - lo) if param.shared_embedding else 0
@@ -286,17 +373,18 @@ class LayoutCollectives:
         found = []
         if self.config.train.precision == "fp16":
             found.append(Collective("all_reduce", "world", lay.world_size, 4))
+        if self.experts is not None and self.experts.ep_size > 1 and not par.distributed_optimizer:
+            # the experts' squares summed over ep first (the distributed optimizer's dp x cp spans ep already)
+            found.append(Collective("all_reduce", "ep", self.experts.ep_size, 4))
         found.append(Collective("all_reduce", "tp_pp", lay.tp_size * lay.pp_size, 4))
         if self.sharded is not None:  # the norm over the shards: summed over the shard group, not the replicas
             return found + [Collective("all_reduce", *self.sharded.shard_group, 4)]
         if par.distributed_optimizer:
             found.append(Collective("all_reduce", *self.dp_cp, 4))
-            if self.dp_cp[1] > 1:
-                found += [
-                    Collective("all_gather", *self.dp_cp, (b.end - b.start) * self.value_bytes)
-                    for b in self._buckets(pp_rank)
-                    if b.end > b.start
-                ]
+            for bucket in self._buckets(pp_rank):
+                group = self._replicas(bucket.expert)
+                if group[1] > 1 and bucket.end > bucket.start:
+                    found.append(Collective("all_gather", *group, (bucket.end - bucket.start) * self.value_bytes))
         return found
 
     def loss(self) -> list[Collective]:

@@ -21,6 +21,7 @@ from parallel.rank_grid import MEGATRON_ORDER, RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
 from planner.collectives import ActionCollectives, Collective
+from planner.experts import ExpertLayout, all_to_all_seconds
 from planner.fusion import BIAS_ACTIVATION, BIAS_DROPOUT_ADD, FP32_BYTES, SCALE_MASK_SOFTMAX
 
 # the dimensions each named group spans (parallel/state.py names them; "embedding" joins two pipeline ends)
@@ -33,7 +34,10 @@ GROUP_DIMS = {
     "tp_pp": ("tp", "pp"),
     "world": MEGATRON_ORDER,
     "embedding": ("pp",),
+    "ep": ("ep",),  # expert parallelism's groups live in the experts' grid (planner/experts.expert_grid)
+    "expert_dp": ("expert_dp",),
 }
+EXPERT_GROUPS = ("ep", "expert_dp")
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,15 @@ class Hardware:
     cluster: ClusterSpec
     fp32: bool
     grid: RankGrid
+    experts: RankGrid | None = None  # the experts' view of the same ranks (tp, ep, expert_dp, pp), MoE only
     _per_node: dict[tuple[str, ...], int] = field(default_factory=dict, compare=False, repr=False)
     _crosses: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def per_node(self, *dims: str) -> int:
         """Members of a group along `dims` ("tp"; "dp", "cp" for the gradient reduction) that share a node."""
         if dims not in self._per_node:  # walks every group of the grid: once per run
-            self._per_node[dims] = self.grid.per_node(self.cluster.gpus_per_node, *dims)
+            grid = self.experts if self.experts is not None and dims[0] in EXPERT_GROUPS else self.grid
+            self._per_node[dims] = grid.per_node(self.cluster.gpus_per_node, *dims)
         return self._per_node[dims]
 
     def crosses_nodes(self, dim: str) -> bool:
@@ -173,12 +179,64 @@ def layer_times(shape: ActivationShape, model: ModelConfig, hw: Hardware, recomp
     return LayerTimes(forward, backward + recomputed, recomputed, weight_grad=gemm, core=core)
 
 
+def moe_layer_times(
+    shape: ActivationShape, model: ModelConfig, hw: Hardware, recompute: str, experts: ExpertLayout
+) -> LayerTimes:
+    """An MoE layer: `layer_times` of the dense layer with its MLP (fc1, fc2 and their activation) replaced by
+    the router, the rank's routed experts as one grouped GEMM per projection, the shared expert, the activation
+    and the permute / unpermute copies. The rank routes its tokens (1/tp with sequence parallelism, all of them
+    otherwise: replicated work); balanced routing brings it as many expert rows as it sends (P = tokens x top_k),
+    spread over its E / ep experts, which sets the grouped GEMMs' rows per expert."""
+    dense = layer_times(shape, model, hw, recompute)
+    rows = shape.local_seq * shape.micro_batch
+    vb, gated = shape.value_bytes, model.activation == "swiglu"
+    dense_fc1, dense_fc2 = layer_gemm_flops(model, rows, shape.tp_size)[2:]
+    dense_mlp = hw.gemm_seconds(dense_fc1, rows) + hw.gemm_seconds(dense_fc2, rows)
+    dense_mlp += hw.memory_seconds((3 if gated else 2) * vb * rows * shape.ffn / shape.tp_size)
+    routed = experts.routed_tokens(rows)
+    expert_rows = routed * model.moe_router_topk
+    per_expert = expert_rows / experts.local_experts
+    h, f, stacked = model.hidden_size, model.moe_ffn_size, 2 if gated else 1
+    moe = hw.gemm_seconds(2.0 * routed * h * experts.num_experts, routed)  # the router's logits
+    moe += hw.gemm_seconds(2.0 * expert_rows * h * f * stacked, per_expert)
+    moe += hw.gemm_seconds(2.0 * expert_rows * f * h, per_expert)
+    shared = model.moe_shared_expert_ffn_hidden_size or 0
+    if shared:
+        moe += hw.gemm_seconds(2.0 * routed * h * shared * stacked, routed)
+        moe += hw.gemm_seconds(2.0 * routed * shared * h, routed)
+    # activation over [P, f] (gated: read 2f, write f), permute (read [T, h], write [P, h]) and the weighted
+    # unpermute (read [P, h], write [T, h]), the shared expert's activation
+    moe += hw.memory_seconds((3 if gated else 2) * vb * (expert_rows * f + routed * shared))
+    moe += hw.memory_seconds(2 * vb * h * (routed + expert_rows))
+    delta = moe - dense_mlp  # the weight gradients' share changes by as much as the forward's
+    again = delta if recompute == "full" else 0.0
+    return LayerTimes(
+        dense.forward + delta,
+        dense.backward + 2 * delta + again,
+        dense.recompute + again,
+        weight_grad=dense.weight_grad + delta,
+        core=dense.core,
+    )
+
+
 def collective_seconds_of(hw: Hardware, collective: Collective) -> float:
     """One listed collective: a send or a receive as one link transfer (across nodes when its group spans
     two), every other kind as NCCL's ring over its group."""
     dims = GROUP_DIMS[collective.group]
     if collective.kind in ("send", "recv"):
         return hw.link_seconds(collective.nbytes, hw.crosses_nodes(dims[0]))
+    if collective.kind == "all_to_all":
+        spec, eff = hw.cluster, hw.cluster.efficiency
+        return all_to_all_seconds(
+            collective.nbytes,
+            collective.group_size,
+            hw.per_node(*dims),
+            spec.nvlink_one_way_gbs * eff.nvlink,
+            spec.network_gbs_per_gpu * eff.network,
+            eff.collective_base_us,
+            eff.nvlink_latency_us,
+            eff.latency_us,
+        )
     per_node = 1 if collective.group == "embedding" else hw.per_node(*dims)  # the two ends of a pipeline
     return hw.collective_seconds(collective.kind, collective.nbytes, collective.group_size, per_node)
 

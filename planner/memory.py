@@ -24,6 +24,7 @@ from planner.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
+from planner.experts import ExpertLayout, expert_state_bytes, moe_activation_delta, rank_expert_params
 from planner.sharded import ShardedCollectives, sharded_state_bytes
 from planner.software import TRAINER, Software
 
@@ -103,10 +104,13 @@ def rank_memory(
     allowance_bytes: float,
     activation_overhead: float = 0.0,
     model_state: tuple[float, float, float] | None = None,
+    ep_size: int = 1,
 ) -> MemoryEstimate:
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
     is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead);
-    `model_state`, when given, is the (weights, grads, optimizer) bytes (FSDP's: planner/sharded.py)."""
+    `model_state`, when given, is the (weights, grads, optimizer) bytes (FSDP's: planner/sharded.py); an MoE
+    model's experts sit over `ep_size` ranks (planner/experts.py: their state and activations replace the
+    dense MLP's)."""
     run = RunShape(model, layout, train)
     roles = run.chunk_roles(pp_rank)
     params = rank_params(model, layout.tp_size, layout.pp_size, roles)
@@ -114,7 +118,14 @@ def rank_memory(
     state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size * layout.cp_size)
     recompute = train.recompute
     per_layer = layer_activation_bytes(shape, recompute)
-    chunk_bytes = [len(chunk.layer_ids) * per_layer for chunk in run.chunks(pp_rank)]
+    experts = ExpertLayout.of(model, layout, ep_size) if model.num_experts else None
+    moe_delta = 0.0  # what an MoE layer keeps beyond the dense layer's count
+    if experts is not None and recompute != "full":
+        moe_delta = moe_activation_delta(model, experts, shape.local_seq * shape.micro_batch, shape.value_bytes)
+    chunk_bytes = [
+        sum(per_layer + (moe_delta if model.is_moe_layer(layer) else 0.0) for layer in chunk.layer_ids)
+        for chunk in run.chunks(pp_rank)
+    ]
     head = head_activation_bytes(shape, run.padded_vocab)
     holds_head = run.roles(pp_rank).holds_head
     for chunk, (pre, post) in enumerate(roles):
@@ -123,6 +134,9 @@ def rank_memory(
     activations = peak_in_flight_bytes(actions, chunk_bytes)
     if recompute == "full":
         working = layer_activation_bytes(shape, "none")
+        if experts is not None:  # the recomputed layer is an MoE one
+            tokens = shape.local_seq * shape.micro_batch
+            working += max(0.0, moe_activation_delta(model, experts, tokens, shape.value_bytes))
     elif recompute == "selective":
         working = attention_score_bytes(shape)
     else:
@@ -134,6 +148,13 @@ def rank_memory(
         params * state["grads"],
         params * state["optimizer"],
     )
+    if experts is not None and model_state is None:
+        layers = [layer for chunk in run.chunks(pp_rank) for layer in chunk.layer_ids]
+        moe_params = rank_expert_params(model, experts, layout.tp_size, layers)
+        dp_cp = layout.dp_size * layout.cp_size
+        added = expert_state_bytes(moe_params, train.precision, distributed_optimizer, dp_cp, experts.expert_dp_size)
+        weights, grads, optimizer = weights + added[0], grads + added[1], optimizer + added[2]
+        params += moe_params.experts + moe_params.replicated - moe_params.dense_mlp_removed
     return MemoryEstimate(
         pp_rank,
         params,
@@ -156,6 +177,7 @@ def layout_memory(
     allowance_bytes: float,
     activation_overhead: float = 0.0,
     model_state: tuple[float, float, float] | None = None,
+    ep_size: int = 1,
 ) -> MemoryEstimate:
     """The busiest rank: pipeline rank 0 holds the most micro-batches in flight and the embedding, the head's
     rank the output layer and the logits, the last rank (zb-v: the turn of the V) as many micro-batches as
@@ -163,7 +185,16 @@ def layout_memory(
     ranks = {0, layout.stages.head_pp_rank, layout.pp_size - 1}
     estimates = [
         rank_memory(
-            model, layout, train, distributed_optimizer, shape, r, allowance_bytes, activation_overhead, model_state
+            model,
+            layout,
+            train,
+            distributed_optimizer,
+            shape,
+            r,
+            allowance_bytes,
+            activation_overhead,
+            model_state,
+            ep_size,
         )
         for r in sorted(ranks)
     ]
@@ -177,8 +208,10 @@ def config_memory(
     allowance_bytes: float,
     activation_overhead: float = 0.0,
     software: Software = TRAINER,
+    ep_size: int = 1,
 ) -> MemoryEstimate:
-    """layout_memory of a config (model, parallel and train sections), FSDP's sharded model state included."""
+    """layout_memory of a config (model, parallel and train sections), FSDP's sharded model state included, an
+    MoE model's experts over `ep_size` ranks."""
     model_state = None
     if layout.fsdp:
         sharded = ShardedCollectives(config, layout, RunShape(config.model, layout, config.train), software)
@@ -192,4 +225,5 @@ def config_memory(
         allowance_bytes,
         activation_overhead,
         model_state,
+        ep_size,
     )

@@ -17,12 +17,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import rank_params
-from parallel.layout import Layout, build_layout
+from model.shape import IterationFlops, rank_params
+from parallel.layout import Layout, LayoutError, build_layout
 from parallel.pipeline.p2p import Step, produced_message
 from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.simulator import CommPlan, Event, Timeline, simulate
 from parallel.rank_grid import RankGrid
+from parallel.run_shape import RunShape
 from planner.activations import ActivationShape, shape_from_config
 from planner.cluster import ClusterSpec
 from planner.collectives import Collective, LayoutCollectives
@@ -32,9 +33,12 @@ from planner.costs import (
     collective_seconds_of,
     head_times,
     layer_times,
+    moe_layer_times,
     optimizer_seconds,
     step_seconds,
 )
+from planner.experts import ep_size_of, expert_grid, rank_expert_params
+from planner.experts import iteration_flops as experts_iteration_flops
 from planner.memory import GIB, MemoryEstimate, config_memory
 from planner.sharded import sharded_times
 from planner.software import TRAINER, Software
@@ -43,7 +47,7 @@ from planner.traffic import Traffic, checkpoint_bytes, layout_traffic
 if TYPE_CHECKING:
     from config.schema import Config
 
-BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,11 @@ class ActionCost:
     tp_comm: float
     pp_comm: float = 0.0
     dp_comm: float = 0.0  # ZeRO-3 / FSDP: the gathers and reductions around it not hidden by compute
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (nothing overlaps them)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.dp_comm
+        return self.compute + self.tp_comm + self.pp_comm + self.dp_comm + self.ep_comm
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Prediction:
     checkpoint_bytes: float  # the checkpoint's size (§5.10)
     checkpoint_save_seconds: float | None  # at the cluster's storage bandwidth (None: the cluster gives none)
     checkpoint_load_seconds: float | None
+    ep_size: int = 1  # expert parallelism (planner/experts.py): what the planner's layout adds to Layout
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -96,8 +102,9 @@ class Prediction:
         lay = self.layout
         sp = " sp" if lay.sequence_parallel else ""
         fsdp = (" fsdp" + (f" x{lay.fsdp_replicate}" if lay.fsdp_replicate > 1 else "")) if lay.fsdp else ""
+        ep = f" ep {self.ep_size}" if self.ep_size > 1 else ""
         return (
-            f"tp {lay.tp_size} pp {lay.pp_size} vp {lay.vp_size} dp {lay.dp_size} mb {self.micro_batch_size} "
+            f"tp {lay.tp_size} pp {lay.pp_size} vp {lay.vp_size} dp {lay.dp_size}{ep} mb {self.micro_batch_size} "
             f"recompute {self.recompute}{sp}{fsdp}"
         )
 
@@ -117,6 +124,7 @@ class Prediction:
                 "world_size": lay.world_size,
                 "fsdp": lay.fsdp,
                 "fsdp_replicate": lay.fsdp_replicate,
+                "ep": self.ep_size,
             },
             "tflops_per_gpu": self.tflops_per_gpu,
             "iteration_seconds": self.iteration_seconds,
@@ -151,6 +159,9 @@ class _Costs:
         self.layout, self.hw, self.comms, self.run = layout, hw, comms, comms.run
         per_chunk = self.run.stages.layers_per_chunk(model.num_layers)
         layer = self.layer = layer_times(shape, model, hw, train.recompute)
+        # an MoE layer's times (planner/experts.py), per stage as many as the stage holds
+        moe = layer if comms.experts is None else moe_layer_times(shape, model, hw, train.recompute, comms.experts)
+        stage_layers = {c.virtual_stage: c.layer_ids for r in range(layout.pp_size) for c in self.run.chunks(r)}
         self.sharded = sharded_times(comms.sharded, self._sharded_seconds) if comms.sharded is not None else None
         self.recompute_per_chunk = per_chunk * layer.recompute
         self.block_seconds = layer.core / layout.cp_size  # one ring step's block attention
@@ -159,14 +170,18 @@ class _Costs:
         last = self.run.stages.last_stage
         self.forward, self.backward, self.weight = {}, {}, {}
         for stage in range(self.run.stages.num_stages):
-            compute_f, compute_b = per_chunk * layer.forward, per_chunk * layer.backward
+            moe_layers = sum(1 for i in stage_layers[stage] if model.is_moe_layer(i))
+            dense_layers = per_chunk - moe_layers
+            compute_f = dense_layers * layer.forward + moe_layers * moe.forward
+            compute_b = dense_layers * layer.backward + moe_layers * moe.backward
             if stage == 0:
                 compute_f, compute_b = compute_f + embed, compute_b + embed
             if stage == last:
                 compute_f, compute_b = compute_f + head_f, compute_b + head_b
             self.forward[stage], self.backward[stage] = compute_f, compute_b
             # zero bubble's WEIGHT: the weight GEMMs; the first stage has no input gradient, so all of it
-            self.weight[stage] = compute_b if stage == 0 else per_chunk * layer.weight_grad
+            weight = dense_layers * layer.weight_grad + moe_layers * moe.weight_grad
+            self.weight[stage] = compute_b if stage == 0 else weight
         self._cache: dict[tuple[int, Op, int], ActionCost] = {}
         self._steps: dict[tuple[str, ...], float] = {}
 
@@ -187,8 +202,11 @@ class _Costs:
                     compute = self.weight[stage]
                 case _:
                     unhandled_op(action.op)
-            comm = action_comm_seconds(self.hw, self.comms.action(stage, action.op), self.block_seconds)
-            cost = self._cache[key] = ActionCost(compute, comm, self._send(pp_rank, action), self._sharded(action))
+            collectives = self.comms.action(stage, action.op)
+            comm = action_comm_seconds(self.hw, collectives, self.block_seconds)
+            ep_comm = self.seconds(list(collectives.ep))
+            sent, sharded = self._send(pp_rank, action), self._sharded(action)
+            cost = self._cache[key] = ActionCost(compute, comm, sent, sharded, ep_comm)
         return cost
 
     def _sharded_seconds(self, collective: Collective) -> float:
@@ -259,21 +277,36 @@ def _dp_exposed(events: list[Event], dp_seconds: float, bucket_seconds: float) -
 
 
 def memory_of(
-    config: Config, layout: Layout, cluster: ClusterSpec, shape: ActivationShape, software: Software = TRAINER
+    config: Config,
+    layout: Layout,
+    cluster: ClusterSpec,
+    shape: ActivationShape,
+    software: Software = TRAINER,
+    ep_size: int = 1,
 ) -> MemoryEstimate:
-    """The busiest rank's memory with the cluster's allowance and allocator overhead."""
+    """The busiest rank's memory with the cluster's allowance and allocator overhead (experts over `ep_size`)."""
     allowance = cluster.memory_allowance_gib * GIB
-    return config_memory(config, layout, shape, allowance, cluster.activation_overhead, software)
+    return config_memory(config, layout, shape, allowance, cluster.activation_overhead, software, ep_size)
 
 
-def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> Prediction:
+def predict(
+    config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER, ep_size: int | None = None
+) -> Prediction:
     """Predict the layout `config` describes on `world_size` GPUs of `cluster` (LayoutError if invalid), as
-    `software` runs it (default: this trainer)."""
+    `software` runs it (default: this trainer), an MoE model's experts over `ep_size` ranks (None: the
+    config's parallel.ep_size, planner/experts.ep_size_of)."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
-    hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout))
+    if layout.fsdp and model.num_experts:  # planner/sharded.py lists the dense MLP's parameters
+        raise LayoutError(
+            f"parallel.fsdp=true with model.num_experts={model.num_experts}: the planner does not model FSDP of an "
+            "MoE model; use the distributed optimizer"
+        )
+    ep = ep_size_of(config) if ep_size is None else ep_size
+    comms = LayoutCollectives(config, layout, software, ep)
+    experts = expert_grid(layout, ep) if comms.experts is not None else None
+    hw = Hardware(cluster, fp32=train.precision == "fp32", grid=RankGrid.of(layout), experts=experts)
     shape = shape_from_config(config, layout, attention=cluster.efficiency.attention)
-    comms = LayoutCollectives(config, layout, software)
     costs = _Costs(config, layout, hw, shape, comms)
     plan = CommPlan(costs.step, par.overlap_p2p_comm, comms.plans) if software.planned_p2p else None
     timeline = simulate(
@@ -293,8 +326,8 @@ def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Sof
         rank_total = sum(rank_parts.values())
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
-    memory = memory_of(config, layout, cluster, shape, software)
-    flops = comms.run.flops.with_recompute  # the paper's achieved FLOPs
+    memory = memory_of(config, layout, cluster, shape, software, ep)
+    flops = iteration_flops_of(comms.run).with_recompute  # the paper's achieved FLOPs
     backwards = (a for a in comms.lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     recompute = sum(costs.recompute_per_chunk for _ in backwards)
     size = checkpoint_bytes(config, comms)
@@ -314,7 +347,17 @@ def predict(config: Config, cluster: ClusterSpec, world_size: int, software: Sof
         size,
         size / (write * 1e9) if write else None,
         size / (read * 1e9) if read else None,
+        ep,
     )
+
+
+def iteration_flops_of(run: RunShape) -> IterationFlops:
+    """The run's FLOPs per iteration: RunShape.flops for a dense model, counted from active parameters
+    (planner/experts.iteration_flops: router, top_k experts, shared expert) for an MoE one."""
+    if not run.model.num_experts:
+        return run.flops
+    recompute, chunks = run.recompute, run.stages.num_stages
+    return experts_iteration_flops(run.model, run.padded_vocab, run.train.global_batch_size, recompute, chunks)
 
 
 def fusion_speedup(
@@ -335,10 +378,11 @@ def _rank_parts(
     spent = [costs.of(pp_rank, e.action) for e in events]
     compute = sum(c.compute for c in spent)
     tp_comm = sum(c.tp_comm for c in spent)
+    ep_comm = sum(c.ep_comm for c in spent)
     sharded_comm = sum(c.dp_comm for c in spent)
     # the plan's batch transfers the rank waited for, or its synchronous sends
     pp_comm = timeline.exposed_comm[pp_rank] + sum(c.pp_comm for c in spent)
-    busy = compute + tp_comm + pp_comm + sharded_comm
+    busy = compute + tp_comm + pp_comm + sharded_comm + ep_comm
     bubble = max(0.0, timeline.finish[pp_rank] - busy)  # rounding: -1e-16 on a stage
     buckets = [collective_seconds_of(costs.hw, c) for c in comms.grad_reduction(pp_rank)]
     dp_seconds = sum(buckets)
@@ -348,21 +392,25 @@ def _rank_parts(
     tp_comm += costs.seconds([c for c in after if c.group == "tp"])  # sequence-parallel grads
     dp_comm += costs.seconds([c for c in after if c.group != "tp"])
     params = rank_params(config.model, layout.tp_size, layout.pp_size, comms.run.chunk_roles(pp_rank))
+    expert_params, expert_dp = 0, 1
+    if comms.experts is not None:  # the MoE layers' weights in place of the dense MLPs (planner/experts.py)
+        layers = [layer for chunk in comms.run.chunks(pp_rank) for layer in chunk.layer_ids]
+        moe = rank_expert_params(config.model, comms.experts, layout.tp_size, layers)
+        params += moe.replicated - moe.dense_mlp_removed
+        expert_params, expert_dp = moe.experts, comms.experts.expert_dp_size
     if comms.sharded is not None:  # the step on the rank's shards (the masters are the shards: no copy-back)
         optimizer = costs.hw.memory_seconds(software.step_bytes * comms.sharded.params_per_shard)
     else:
-        optimizer = optimizer_seconds(
-            params,
-            layout.dp_size * layout.cp_size,  # the optimizer shards over dp x cp
-            config.parallel.distributed_optimizer,
-            costs.hw,
-            software.step_bytes,
-            software.copy_bytes,
-        )
+        distributed = config.parallel.distributed_optimizer
+        step, copy = software.step_bytes, software.copy_bytes
+        # the optimizer shards over dp x cp, the experts' state over expert-dp
+        optimizer = optimizer_seconds(params, layout.dp_size * layout.cp_size, distributed, costs.hw, step, copy)
+        optimizer += optimizer_seconds(expert_params, expert_dp, distributed, costs.hw, step, copy)
     return {
         "compute": compute,
         "bubble": bubble,
         "tp_comm": tp_comm,
+        "ep_comm": ep_comm,
         "pp_comm": pp_comm,
         "dp_comm": dp_comm,
         "optimizer": optimizer,

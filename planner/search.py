@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parallel.layout import LayoutError, build_layout
+from parallel.layout import Layout, LayoutError, build_layout
 from parallel.pipeline.schedules import Op
 from parallel.rank_grid import RankGrid
 from planner.activations import shape_from_config
 from planner.cluster import ClusterSpec
 from planner.collectives import LayoutCollectives
-from planner.costs import Hardware, action_comm_seconds, layer_times
+from planner.costs import Hardware, action_comm_seconds, collective_seconds_of, layer_times, moe_layer_times
+from planner.experts import expert_grid
 from planner.memory import GIB
 from planner.predict import Prediction, memory_of, predict
 from planner.software import TRAINER, Software
@@ -57,6 +58,8 @@ def outside_domain(p: Prediction) -> list[str]:
         reasons.append("sequence parallel")
     if lay.fsdp:
         reasons.append("FSDP (ZeRO-3)")
+    if p.ep_size > 1:
+        reasons.append(f"ep {p.ep_size} (all-to-all never calibrated)")
     return reasons
 
 
@@ -127,27 +130,42 @@ def candidate_configs(
                         continue
                     if fsdp and not layout.fsdp:  # one data-parallel rank: the same run as without FSDP
                         continue
+                    if fsdp and config.model.num_experts:  # not modelled for MoE (planner.predict refuses it)
+                        continue
                     yield candidate
 
 
-def first_estimate(config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER) -> float:
+def candidate_eps(config: Config, layout: Layout) -> list[int]:
+    """The expert-parallel sizes to try with `layout`: every ep dividing dp x cp and model.num_experts (ep 1 only
+    for a dense model)."""
+    experts = config.model.num_experts
+    if not experts:
+        return [1]
+    return [ep for ep in _divisors(layout.dp_size * layout.cp_size) if experts % ep == 0]
+
+
+def first_estimate(
+    config: Config, cluster: ClusterSpec, world_size: int, software: Software = TRAINER, ep_size: int = 1
+) -> float:
     """Seconds per iteration from per-layer costs and the bubble formula (only to order the candidates); a
     sharded layout (pp = 1: no pipeline to simulate) is predicted in full."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
     if layout.fsdp:
-        return predict(config, cluster, world_size, software).iteration_seconds
+        return predict(config, cluster, world_size, software, ep_size).iteration_seconds
     shape = shape_from_config(config, layout, attention=cluster.efficiency.attention)
-    hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout))
+    comms = LayoutCollectives(config, layout, ep_size=ep_size)
+    experts = expert_grid(layout, ep_size) if comms.experts is not None else None
+    hw = Hardware(cluster, train.precision == "fp32", RankGrid.of(layout), experts)
     layer = layer_times(shape, model, hw, train.recompute)
-    comms = LayoutCollectives(config, layout)
+    if comms.experts is not None:  # every layer priced as an MoE one: only to order the candidates
+        layer = moe_layer_times(shape, model, hw, train.recompute, comms.experts)
     stages = comms.run.stages
     block = layer.core / layout.cp_size
-    collectives = sum(  # what every virtual stage's forward and backward issue, spread over the pipeline
-        action_comm_seconds(hw, comms.action(stage, op), block)
-        for stage in range(stages.num_stages)
-        for op in (Op.FORWARD, Op.BACKWARD)
-    )
+    actions = [comms.action(stage, op) for stage in range(stages.num_stages) for op in (Op.FORWARD, Op.BACKWARD)]
+    # what every virtual stage's forward and backward issue, spread over the pipeline
+    collectives = sum(action_comm_seconds(hw, action, block) for action in actions)
+    collectives += sum(collective_seconds_of(hw, c) for action in actions for c in action.ep)
     layers_per_rank = sum(len(chunk.layer_ids) for chunk in comms.run.chunks(0))
     per_microbatch = layers_per_rank * (layer.forward + layer.backward)
     per_microbatch += collectives / layout.pp_size
@@ -161,22 +179,27 @@ def search(
     world_size: int,
     simulate_top: int = 30,
     software_of: Callable[[Config], Software] = lambda config: TRAINER,
+    ep_size: int | None = None,
 ) -> SearchResult:
     """Rank the layouts of `config`'s model, batch and precision on `world_size` GPUs of `cluster`, each run by
-    `software_of(candidate)` (this trainer by default)."""
-    fitting, considered = [], 0
+    `software_of(candidate)` (this trainer by default); an MoE model's at every ep `candidate_eps` allows, its
+    own at `ep_size` (None: the config's, planner/experts.ep_size_of)."""
+    fitting: list[tuple[float, Config, int]] = []
+    considered = 0
     for candidate in candidate_configs(config, world_size):
-        considered += 1
         model, par, train = candidate.model, candidate.parallel, candidate.train
         layout = build_layout(model, par, train, world_size)
         shape = shape_from_config(candidate, layout, attention=cluster.efficiency.attention)
-        memory = memory_of(candidate, layout, cluster, shape, software_of(candidate))
-        if memory.total / GIB <= cluster.memory_gib:
-            fitting.append((first_estimate(candidate, cluster, world_size, software_of(candidate)), candidate))
+        for ep in candidate_eps(candidate, layout):
+            considered += 1
+            memory = memory_of(candidate, layout, cluster, shape, software_of(candidate), ep)
+            if memory.total / GIB <= cluster.memory_gib:
+                estimate = first_estimate(candidate, cluster, world_size, software_of(candidate), ep)
+                fitting.append((estimate, candidate, ep))
     fitting.sort(key=lambda item: item[0])
-    ranked = [predict(c, cluster, world_size, software_of(c)) for _, c in fitting[:simulate_top]]
+    ranked = [predict(c, cluster, world_size, software_of(c), ep) for _, c, ep in fitting[:simulate_top]]
     try:
-        reference = predict(config, cluster, world_size, software_of(config))
+        reference = predict(config, cluster, world_size, software_of(config), ep_size)
     except LayoutError:
         reference = None
     if reference is not None and not any(_same_layout(reference, p) for p in ranked):

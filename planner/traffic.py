@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from model.shape import rank_params, total_params
 from planner.costs import GROUP_DIMS, Hardware, collective_seconds_of
+from planner.experts import moe_layer_ids, rank_expert_params
 
 if TYPE_CHECKING:
     from config.schema import Config
@@ -109,10 +110,16 @@ def checkpoint_bytes_per_param(precision: str) -> float:
 
 
 def checkpoint_bytes(config: Config, comms: LayoutCollectives) -> float:
-    """The checkpoint's size: every (tp, pp) rank's parameters (FSDP: the model once) at the bytes above."""
+    """The checkpoint's size: every (tp, pp) rank's parameters (FSDP: the model once) at the bytes above, an
+    MoE model's routed experts once each."""
     lay, model = comms.layout, config.model
     per_param = checkpoint_bytes_per_param(config.train.precision)
     if comms.sharded is not None:
         return per_param * total_params(model)
     params = sum(rank_params(model, lay.tp_size, lay.pp_size, comms.run.chunk_roles(r)) for r in range(lay.pp_size))
-    return per_param * lay.tp_size * params
+    experts = 0
+    if comms.experts is not None:  # MoE layers in place of dense MLPs; the experts held once, not per tp rank
+        moe = rank_expert_params(model, comms.experts, lay.tp_size, moe_layer_ids(model))
+        params += moe.replicated - moe.dense_mlp_removed
+        experts = moe.experts * comms.experts.ep_size
+    return per_param * (lay.tp_size * params + experts)

@@ -67,7 +67,15 @@ def test_cli_json_has_the_promised_keys():
     result = json.loads(out.stdout)
     for key in ("tflops_per_gpu", "iteration_seconds", "memory_gib_per_gpu", "breakdown_seconds"):
         assert key in result
-    assert set(result["breakdown_seconds"]) == {"compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer"}
+    assert set(result["breakdown_seconds"]) == {
+        "compute",
+        "bubble",
+        "tp_comm",
+        "ep_comm",
+        "pp_comm",
+        "dp_comm",
+        "optimizer",
+    }
     assert result["layout"]["dp"] == 32 and result["layout"]["num_microbatches"] == 16
 
 
