@@ -202,6 +202,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         if not descriptor_matches(after, nbytes):  # not the layout it looked like: the record read whole after all
             consumed = data_start + nbytes + len(after)
             record = head[:data_start] + bytes(raw) + after + reader.read(info.length - consumed)
+            reader.settle()  # `raw` may be the destination, which torch.load's result is copied into next
             return self._deserialise(record, reads, reader.path, index.fqn)
         if target is not whole:
             for read in reads:

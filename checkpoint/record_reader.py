@@ -51,14 +51,19 @@ STORAGE_DTYPES = {
 
 class ChecksummedFile:
     """A file read strictly front to back, each byte once. With `checksum`, `crc()` is the CRC-32 of every byte
-    read: each block is summed in a second thread while the next is read (one block in flight at a time, so a
-    buffer handed to `read_into` may be reused once the call returns). Without, skipped bytes are seeked past."""
+    read, summed in a second thread while the next bytes are read. The bytes read are summed in batches of at
+    least BLOCK (a record's small reads, thousands of them, would otherwise each wait for that thread to wake),
+    one batch in flight at a time; every buffer in a batch stays untouched until it is summed (`advance_to`'s
+    two reused buffers take whole blocks, each of which sends its batch at once). Without `checksum`, skipped
+    bytes are seeked past."""
 
     def __init__(self, path: str, checksum: bool) -> None:
         self.path = path
         self.checksum = checksum
         self.position = 0
         self._crc = 0
+        self._batch: list[memoryview] = []  # read, not yet handed to the CRC thread, in file order
+        self._batched = 0  # bytes in _batch
         self._pending: Future[None] | None = None
         self._summer = ThreadPoolExecutor(1, "checkpoint-crc") if checksum else None
         self.handle = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close(), the file outlives a block)
@@ -66,18 +71,30 @@ class ChecksummedFile:
         if hasattr(os, "posix_fadvise"):  # Linux: a larger read-ahead (macOS has no posix_fadvise)
             os.posix_fadvise(self.handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-    def _add(self, view: memoryview) -> None:
-        self._crc = zlib.crc32(view, self._crc)
+    def _add(self, views: list[memoryview]) -> None:
+        for view in views:
+            self._crc = zlib.crc32(view, self._crc)
+
+    def _send(self) -> None:
+        """Hand the batch to the CRC thread, once the batch before it is summed (the CRC is a chain)."""
+        if self._summer is None or not self._batch:
+            return
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = self._summer.submit(self._add, self._batch)
+        self._batch, self._batched = [], 0
 
     def _sum(self, view: memoryview) -> None:
         if self._summer is None:
             return
-        if self._pending is not None:
-            self._pending.result()  # the CRC is a chain: block k after block k-1
-        self._pending = self._summer.submit(self._add, view)
+        self._batch.append(view)
+        self._batched += len(view)
+        if self._batched >= BLOCK:
+            self._send()
 
     def read_into(self, view: memoryview) -> None:
-        """Fill `view` with the next len(view) bytes of the file; CheckpointError naming it if it ends first."""
+        """Fill `view` with the next len(view) bytes of the file; CheckpointError naming it if it ends first.
+        With `checksum`, `view` must stay untouched until the next `crc()` (the CRC thread may still read it)."""
         for start in range(0, len(view), BLOCK):
             block = view[start : start + BLOCK]
             filled = 0
@@ -109,18 +126,25 @@ class ChecksummedFile:
             self.handle.seek(offset)
             self.position = offset
             return
-        scratch = [bytearray(min(BLOCK, offset - self.position)) for _ in range(2)]
+        scratch = [bytearray(BLOCK), bytearray(BLOCK)] if offset - self.position >= BLOCK else []
         current = 0
-        while self.position < offset:
-            self.read_into(memoryview(scratch[current])[: offset - self.position])
-            current ^= 1  # the other buffer: this one's CRC may still be running
+        while offset - self.position >= BLOCK:  # a whole block sends its batch at once; the next send waits for it
+            self.read_into(memoryview(scratch[current]))
+            current ^= 1  # so a buffer is refilled only after its batch is summed
+        if self.position < offset:
+            self.read(offset - self.position)  # a buffer of its own, summed with the next batch
 
-    def crc(self) -> int:
-        """CRC-32 of every byte read so far (reads the rest of the file first, so: of the whole file)."""
-        self.advance_to(max(self.size, self.position))
+    def settle(self) -> None:
+        """Wait until every byte read so far is summed (then the buffers read into may change)."""
+        self._send()
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+
+    def crc(self) -> int:
+        """CRC-32 of the whole file (the rest of it read first)."""
+        self.advance_to(max(self.size, self.position))
+        self.settle()
         return self._crc
 
     def close(self) -> None:
