@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import pretrain_gpt
 from checkpoint import dcp_reader, files
 from checkpoint.dcp_planners import GlobalPieces, PiecesLoadPlanner
 from checkpoint.loader import load_pieces, read_global_tensors, verify_share
@@ -22,7 +23,7 @@ from checkpoint.record_reader import locate_tensor_data
 from checkpoint.safe_reader import read_metadata_file
 from checkpoint.saver import SaveJob, write_checkpoint
 from parallel.comm import Collectives
-from tests.conftest import run_ranks
+from tests.conftest import run_ranks, tiny_train_args
 from tests.payloads import CreatesFile, assert_payload_is_live
 
 pytestmark = pytest.mark.tier("fast")
@@ -282,3 +283,34 @@ def test_a_damaged_file_fails_the_load_on_every_rank(tmp_path):
     messages = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
     damaged = os.path.join(root, "iter_0000001", "__1_0.distcp")
     assert messages == {f"checkpoint file {damaged} fails its checksum (corrupted on disk)"}
+
+
+def _folder_contents(root: str) -> dict[str, bytes]:
+    contents = {}
+    for base, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(base, name), "rb") as handle:
+                contents[os.path.relpath(os.path.join(base, name), root)] = handle.read()
+    return contents
+
+
+def test_the_trainer_refuses_a_corrupted_data_file_and_writes_nothing(tiny_corpus, tmp_path, capsys):
+    """The data files are verified only as the resume loads them, after the model is built: the run still exits
+    2 with the one line naming the file, and its folder (config.yaml, metrics, TensorBoard, checkpoints) is
+    byte for byte as it was."""
+    run_dir = str(tmp_path / "run")
+
+    def main(*extra: str) -> int:
+        argv = tiny_train_args(tiny_corpus, run_dir, "train.eval_iters=0", "logging.tensorboard=true", *extra)
+        return pretrain_gpt.main(["--config", pretrain_gpt.DEFAULT_CONFIG, *argv])
+
+    assert main("train.train_iters=2") == 0
+    data = os.path.join(run_dir, "checkpoints", "iter_0000002", "__0_0.distcp")
+    _flip(data, os.path.getsize(data) // 2)
+    before = _folder_contents(run_dir)
+    capsys.readouterr()
+    assert main("train.train_iters=4", "checkpoint.load=true") == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: checkpoint file {data} fails its checksum (corrupted on disk)"
+    ]
+    assert _folder_contents(run_dir) == before
