@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-DATA_SUFFIX = ".distcp"
+from checkpoint.files import DATA_SUFFIX
 
 
 class _ChecksummingStream(io.RawIOBase):

@@ -118,7 +118,7 @@ def exact_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(as_bytes, dtype=view.dtype).view(view.shape)
 
 
-def _narrow(view: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+def narrow_view(view: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
     """The sub-view [offsets, offsets + lengths) of `view` (no copy)."""
     for dim, (start, length) in enumerate(zip(offsets, lengths)):
         view = view.narrow(dim, start, length)
@@ -159,7 +159,7 @@ class PiecesLoadPlanner(LoadPlanner):
         """The part of the destination piece this read fills: DCP copies the stored data into it."""
         index = read_item.dest_index
         view = self.pieces[index.fqn].piece_at(index.fqn, index.offset, index.index)
-        return _narrow(view, read_item.dest_offsets, read_item.lengths)
+        return narrow_view(view, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Nothing left to do: `tensor` is the view resolve_tensor returned, already filled in place."""

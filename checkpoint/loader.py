@@ -1,6 +1,8 @@
-"""Reading a checkpoint at any layout: verify this rank's share of the files, check keys and global shapes,
-then let torch.distributed.checkpoint read (and reshard) every piece straight into the model and optimizer.
-DCP's `.metadata` is read only through checkpoint/safe_reader.py (a pickle: nothing in it may run).
+"""Reading a checkpoint at any layout: verify this rank's share of the small files and every file's size,
+check keys and global shapes, then let torch.distributed.checkpoint read (and reshard) every piece straight into
+the model and optimizer, each data file read once and verified against checksums.json from the same bytes
+(checkpoint/dcp_reader.py). DCP's `.metadata` is read only through checkpoint/safe_reader.py (a pickle: nothing
+in it may run).
 """
 
 from __future__ import annotations
@@ -44,14 +46,18 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def verify_share(iter_dir: str, comm: Collectives, group: dist.ProcessGroup | None = None) -> None:
+def verify_share(
+    iter_dir: str, comm: Collectives, group: dist.ProcessGroup | None = None, data_crc: bool = True
+) -> None:
     """Every file's size and CRC-32, the files dealt over the ranks; CheckpointError on every rank, naming
-    the first bad file, if any rank found one (the verdicts gathered through `comm`, the caller's door)."""
+    the first bad file, if any rank found one (the verdicts gathered through `comm`, the caller's door).
+    data_crc=False: the data files' sizes only, for a caller that loads next (`load_pieces` with checksums
+    takes their CRC-32 from the bytes it reads)."""
     names = sorted(files.read_checksums(iter_dir))
     rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
     error = None
     try:
-        files.verify_files(iter_dir, names[rank::world])
+        files.verify_files(iter_dir, names[rank::world], data_crc=data_crc)
     except CheckpointError as err:
         error = str(err)
     if world > 1:
@@ -63,9 +69,16 @@ def verify_share(iter_dir: str, comm: Collectives, group: dist.ProcessGroup | No
 
 
 def load_pieces(
-    iter_dir: str, wanted: dict[str, GlobalPieces], metadata: Metadata, group: dist.ProcessGroup | None = None
+    iter_dir: str,
+    wanted: dict[str, GlobalPieces],
+    metadata: Metadata,
+    group: dist.ProcessGroup | None = None,
+    checksums: dict[str, dict] | None = None,
 ) -> None:
-    """Read every piece of `wanted` from the checkpoint (collective when distributed)."""
+    """Read every piece of `wanted` from the checkpoint (collective when distributed). With `checksums`
+    (checksums.json's), every data file is verified from the bytes the load reads, each by one rank, and a bad
+    one fails the load on every rank (CheckpointError naming it) before this returns; the pieces may then hold
+    part of what was read, and the caller must not use them."""
     check_against_metadata(wanted, metadata, iter_dir)
     files.check_storage_extents(iter_dir, metadata)  # else an extent past the file is DCP's "[Errno 22]"
     try:
@@ -73,17 +86,34 @@ def load_pieces(
             warnings.simplefilter("ignore", UserWarning)
             dcp().load(
                 wanted,
-                storage_reader=dcp_modules.reader().SafeFileSystemReader(iter_dir, metadata),
+                storage_reader=dcp_modules.reader().SafeFileSystemReader(iter_dir, metadata, checksums),
                 planner=dcp_modules.planners().PiecesLoadPlanner(),
                 process_group=group,
                 no_dist=not _distributed(),
             )
     except BaseException as err:  # CheckpointException is a BaseException
         reraise_interrupt(err)  # also one DCP wrapped: a second Ctrl-C exits 130
+        ours = reported_error(err)
+        if ours is not None:
+            raise CheckpointError(str(ours)) from None
         lines = [line for line in str(err).splitlines() if line.strip()]
         raise CheckpointError(
             f"checkpoint {iter_dir} cannot be read: {lines[-1] if lines else type(err).__name__}"
         ) from None
+
+
+def reported_error(err: BaseException) -> CheckpointError | None:
+    """The CheckpointError a rank's reader raised inside DCP's CheckpointException (which gathers every rank's
+    failure): a checksum verdict first, else the lowest rank's; None when no reader raised one."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    found = [
+        failure[0]
+        for _, failure in sorted(failures.items())
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], CheckpointError)
+    ]
+    return next((error for error in found if isinstance(error, files.ChecksumError)), found[0] if found else None)
 
 
 def _weight_key(metadata: Metadata) -> Callable[[str], str]:
@@ -100,17 +130,20 @@ def load_model_weights(
     verify: bool = True,
 ) -> None:
     """Load only the model weights of the checkpoint in iter_dir into this rank's chunks, at any layout
-    (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit."""
+    (collective when distributed). CheckpointError (one line) for a bad file or a model that does not fit.
+    The data files are verified as they are read; verify=False: the caller has verified the other files and
+    every size (`verify_share(..., data_crc=False)`, as plan_resume does)."""
     if files.is_legacy(iter_dir):
         load_legacy_weights(iter_dir, chunks, state)
         return
     if verify:
-        verify_share(iter_dir, state.comm, group)
+        verify_share(iter_dir, state.comm, group, data_crc=False)
     metadata = dcp_modules.reader().read_dcp_metadata(iter_dir)
     records = param_records(chunks, state)
+    wanted = weight_pieces(records, for_save=False, key_of=_weight_key(metadata))
+    wanted |= buffer_pieces(chunks, state, for_save=False)
     with torch.no_grad():
-        wanted = weight_pieces(records, for_save=False, key_of=_weight_key(metadata))
-        load_pieces(iter_dir, wanted | buffer_pieces(chunks, state, for_save=False), metadata, group)
+        load_pieces(iter_dir, wanted, metadata, group, files.read_checksums(iter_dir))
 
 
 def check_model_entries(iter_dir: str, metadata: Metadata, cfg: ModelConfig) -> None:
@@ -134,12 +167,13 @@ def load_optimizer_state(
 ) -> None:
     """Masters and Adam moments of this rank's share (any layout, plain or distributed optimizer), the step
     and loss-scaler state, and the persistent buffers (the MoE expert biases); then the masters are written
-    into the params (collective over dp)."""
+    into the params (collective over dp). The data files are verified as they are read (the other files and
+    every size: `verify_share(..., data_crc=False)` first)."""
     records = param_records(chunks, state)
     wanted = optimizer_pieces(records, optimizer, for_save=False, master_key=_weight_key(metadata))
     wanted |= buffer_pieces(chunks, state, for_save=False)
     with torch.no_grad():
-        load_pieces(iter_dir, wanted, metadata, group)
+        load_pieces(iter_dir, wanted, metadata, group, files.read_checksums(iter_dir))
     optimizer.step_count = scalars.step
     optimizer.scaler.load_state_dict(scalars.loss_scaler)
     optimizer.copy_to_params()
@@ -176,5 +210,7 @@ def read_global_tensors(iter_dir: str, keys: list[str] | None = None) -> dict[st
             dcp().load(wanted, storage_reader=storage_reader, planner=planners.PiecesLoadPlanner(), no_dist=True)
         except BaseException as err:
             reraise_interrupt(err)
-            raise CheckpointError(f"checkpoint {iter_dir} cannot be read: {type(err).__name__}") from None
+            ours = reported_error(err)
+            reason = str(ours) if ours is not None else f"checkpoint {iter_dir} cannot be read: {type(err).__name__}"
+            raise CheckpointError(reason) from None
     return out

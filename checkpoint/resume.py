@@ -96,8 +96,9 @@ def plan_resume(
     config: Config, run_root: str, log: Callable[[str], None], is_rank0: bool, comm: Collectives
 ) -> ResumePlan | None:
     """Resolve checkpoint.load, check the checkpoint against this run's config (model.vocab_size already
-    known) and verify its files. Raises CheckpointError before anything of the run is written; None = start
-    fresh. Collective when distributed (the verification, through `comm`)."""
+    known) and verify its files: every size, and the CRC-32 of all but the data files, whose CRC-32
+    `load_into_run` takes from the bytes it loads (each read once). Raises CheckpointError before anything of
+    the run is written; None = start fresh. Collective when distributed (the verification, through `comm`)."""
     if is_rank0:
         files.remove_stale_tmp(run_root, log)
     source = _source(config, run_root)
@@ -131,7 +132,7 @@ def plan_resume(
         )
     _check_config(plan, config, log)
     if not legacy:
-        verify_share(iter_dir, comm)  # every byte, the files dealt over the ranks (collective)
+        verify_share(iter_dir, comm, data_crc=False)  # the files dealt over the ranks (collective)
     from_root = os.path.abspath(os.path.dirname(iter_dir)) == os.path.abspath(run_root)
     start = 0 if plan.reset_progress else saved.iteration
     _refuse_overwrite(config, run_root, from_root and not plan.reset_progress, start)
@@ -188,11 +189,13 @@ def derived_seed(seed: int, iteration: int) -> int:
 def load_into_run(
     plan: ResumePlan, config: Config, parts: CheckpointParts, log: Callable[[str], None]
 ) -> TrainingProgress:
-    """Load the planned checkpoint into the built run; returns the counters to continue from. Collective."""
+    """Load the planned checkpoint into the built run; returns the counters to continue from. Collective.
+    The data files are verified as they are read: a bad one raises CheckpointError (naming it) with the model
+    and optimizer partly filled, so a caller that catches it must not train on them (the trainer exits 2)."""
     if plan.legacy:
         return _load_legacy(plan, config, parts, log)
     state, chunks, optimizer = parts.state, parts.chunks, parts.optimizer
-    saved = plan.train_state  # the files were verified by plan_resume
+    saved = plan.train_state  # plan_resume verified every size and the files other than the data files
     if plan.weights_only:
         load_model_weights(plan.iter_dir, chunks, state, verify=False)
         optimizer.reset_from_params()

@@ -16,6 +16,7 @@ refusals named in one line.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -166,20 +167,30 @@ REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 def load_weights_file(path: str) -> Any:
     """torch.load(path, weights_only=True): tensors, numbers, strings and plain containers, nothing that runs.
     CheckpointError (one line naming the file, and the refused global if that is why) otherwise."""
+    return _load_weights_only(path, path)
+
+
+def load_weights_bytes(data: bytes, source: str) -> Any:
+    """torch.load of one torch.save record held in memory (a record of a DCP data file), weights_only=True as
+    `load_weights_file`; errors name `source` (the file and the record)."""
+    return _load_weights_only(io.BytesIO(data), source)
+
+
+def _load_weights_only(file: str | IO[bytes], source: str) -> Any:
     try:
         with warnings.catch_warnings():  # torch warns about a pickle protocol before refusing: one line is ours
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling and zip errors have many types; name the file either way
         text = str(err)
         refused = REFUSED_GLOBAL.search(text)
         if refused:
             raise CheckpointError(
-                f"{path} pickles {refused.group(1)}, which is not on the allow-list (tensors, numbers, strings "
+                f"{source} pickles {refused.group(1)}, which is not on the allow-list (tensors, numbers, strings "
                 "and plain containers: torch.load weights_only=True)"
             ) from None
         if text.startswith("Weights only load failed"):  # never pass on torch's advice to load it unsafely
             reason = "it holds objects other than tensors, numbers, strings and plain containers"
         else:
             reason = (text.strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"{path} cannot be read: {reason}") from None
+        raise CheckpointError(f"{source} cannot be read: {reason}") from None

@@ -80,6 +80,14 @@ PICKLED_LAYOUT = PrivateName(
     "a pickled tensor layout (torch.strided) is rebuilt by name through it: DCP metadata holds layouts",
     _DCP_PUBLIC,
 )
+PICKLED_TENSOR = PrivateName(
+    "torch._utils",
+    "_rebuild_tensor_v2",
+    "the function the pickle of a torch.save record of one tensor names: the checkpoint load recognises such a "
+    "record by that name (never looking it up or calling it) and reads the tensor's bytes straight into their "
+    "destination (checkpoint/record_reader.py)",
+    "torch.load(weights_only=True) of the whole record, as DCP's reader does: one more copy of every tensor",
+)
 SET_PG_TIMEOUT = PrivateName(
     "torch.distributed.distributed_c10d",
     "_set_pg_timeout",
@@ -115,6 +123,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     TENSOR_BASE,
     *DCP_METADATA_NAMES,
     PICKLED_LAYOUT,
+    PICKLED_TENSOR,
     SET_PG_TIMEOUT,
     LOADER_SHUTDOWN,
     GROUPED_MM,

@@ -1,8 +1,10 @@
-"""Building a run: everything the training loop touches, made once from the config (`build_run`), and the
-checkpoint it starts from (`resume_if_asked`).
+"""Building a run: everything the training loop touches, made once from the config, with the checkpoint it
+starts from loaded into it (`build_run`; `resume_if_asked` then continues the run's records from there).
 
 Order matters for a clean failure: the tokenizer, the checkpoint to resume and the datasets are checked before
-anything is written, so a start with bad input leaves no run folder behind (see `prepare_data`).
+anything is written (see `prepare_data`), and the checkpoint's data files, verified as they are loaded, are
+loaded before the run writes its config and opens its metrics: a start with bad input leaves no run folder
+behind, and a refused resume leaves the run's folder as it was.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from training.wandb_logging import open_wandb
 
 @dataclass
 class LoopState:
-    """What the training loop changes as it runs: its counters (set from the checkpoint by `resume_if_asked`)
+    """What the training loop changes as it runs: its counters (set from the checkpoint by `build_run`)
     and the iteration of the checkpoint this run last wrote or loaded."""
 
     progress: TrainingProgress = field(default_factory=TrainingProgress)
@@ -120,21 +122,28 @@ class Run:
 
     def checkpoint_parts(self) -> CheckpointParts:
         """What this run's checkpoints are written from and loaded into."""
-        ctx, layout = self.ctx, self.layout
-        recorded = CheckpointLayout.of(
-            self.state, layout.sequence_parallel, self.config.parallel.distributed_optimizer, layout.schedule
-        )
-        return CheckpointParts(self.state, ctx.chunks, ctx.optimizer, self.lr_schedule, self.rng_tracker, recorded)
+        return checkpoint_parts(self.config, self.layout, self.ctx, self.lr_schedule, self.rng_tracker)
+
+
+def checkpoint_parts(
+    config: Config, layout: Layout, ctx: StepContext, lr_schedule: LRSchedule, rng_tracker: RNGTracker
+) -> CheckpointParts:
+    """What a run's checkpoints are written from and loaded into (`Run.checkpoint_parts`; `build_run` loads
+    into them before the Run exists)."""
+    recorded = CheckpointLayout.of(
+        ctx.state, layout.sequence_parallel, config.parallel.distributed_optimizer, layout.schedule
+    )
+    return CheckpointParts(ctx.state, ctx.chunks, ctx.optimizer, lr_schedule, rng_tracker, recorded)
 
 
 def prepare_data(
     config: Config, env: DistEnv, logger: logging.Logger, comm: Collectives | None = None
 ) -> tuple[Config, int, DatasetSplits, ResumePlan | None]:
     """Tokenizer (its vocabulary size resolves an unset model.vocab_size), the checkpoint to start from (checked
-    against the resolved config and verified before anything is written) and datasets; then the resolved config
-    is saved. Its collectives go through `comm` (None: the world's door, `env.comm`). Returns the resolved config
-    (a new value: the vocabulary size is not written into `config`), the end-of-document id, the datasets and the
-    resume plan."""
+    against the resolved config and verified, all but its data files, before anything is written) and datasets.
+    Nothing is written (`save_resolved_config` follows once the checkpoint is loaded). Its collectives go through
+    `comm` (None: the world's door, `env.comm`). Returns the resolved config (a new value: the vocabulary size is
+    not written into `config`), the end-of-document id, the datasets and the resume plan."""
     comm = comm if comm is not None else env.comm
     resolve_sample_data(config, env, logger, comm)
     data = config.data
@@ -150,13 +159,19 @@ def prepare_data(
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
     resume_plan = plan_resume(config, os.path.join(config.run.dir, "checkpoints"), logger.info, env.rank == 0, comm)
     datasets = build_datasets(config, env, config.train.global_batch_size, comm)
-    if env.rank == 0:  # written once the inputs have proved readable: a failed start leaves no run folder
-        os.makedirs(config.run.dir, exist_ok=True)
-        resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
-        with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
-            handle.write(resolved)
-        logger.info("resolved config:\n" + resolved.rstrip())
     return config, tokenizer.eod, datasets, resume_plan
+
+
+def save_resolved_config(config: Config, env: DistEnv, logger: logging.Logger) -> None:
+    """run.dir/config.yaml (rank 0), written once the inputs have proved readable (the checkpoint loaded): a
+    failed start leaves no run folder, a refused resume the previous run's config."""
+    if env.rank != 0:
+        return
+    os.makedirs(config.run.dir, exist_ok=True)
+    resolved = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    with open(os.path.join(config.run.dir, "config.yaml"), "w", encoding="utf-8") as handle:
+        handle.write(resolved)
+    logger.info("resolved config:\n" + resolved.rstrip())
 
 
 def build_optimizer_and_schedule(
@@ -249,9 +264,10 @@ def build_run(
     fault: FaultSpec | None = None,
     preemption: PreemptionHandler | None = None,
 ) -> Run:
-    """Parallel state, data, model chunks, optimizer, schedule, and the checkpoint to resume from if asked
-    (loaded by `resume_if_asked`). `guard` (timeouts and watchdog) starts as soon as the state exists; `fault`
-    is PTDP_INJECT_FAULT's; `preemption` turns stop signals into a save. `config` is not changed: the run holds
+    """Parallel state, data, model chunks, optimizer, schedule, and the checkpoint to resume from if asked,
+    loaded into them before the run writes anything (its config, its metrics): the load verifies the data files
+    as it reads them. `guard` (timeouts and watchdog) starts as soon as the state exists; `fault` is
+    PTDP_INJECT_FAULT's; `preemption` turns stop signals into a save. `config` is not changed: the run holds
     the resolved one (`prepare_data`)."""
     logger = get_logger(env.rank)
     state = build_state(config, env, layout, guard, fault, logger)
@@ -281,6 +297,11 @@ def build_run(
         overlap_p2p_comm=par.overlap_p2p_comm,
     )
     log_model_summary(logger, chunks, state, shape, layout, train_cfg.micro_batch_size, dtype, optimizer)
+    progress = TrainingProgress()
+    if resume_plan is not None:  # a damaged data file raises here, with nothing of the run written
+        parts = checkpoint_parts(config, layout, ctx, lr_schedule, rng_tracker)
+        progress = load_into_run(resume_plan, config, parts, logger.info)
+    save_resolved_config(config, env, logger)
     return Run(
         config=config,
         env=env,
@@ -312,7 +333,7 @@ def build_run(
             ),
             fault=fault,
         ),
-        loop=LoopState(),
+        loop=LoopState(progress),
     )
 
 
@@ -349,14 +370,14 @@ def _all_reduce_int(value: int, group: dist.ProcessGroup | None, state: Parallel
 
 
 def resume_if_asked(run: Run) -> None:
-    """Load the checkpoint planned at start-up (checkpoint.load: true, a checkpoints folder or one
-    iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false), at any layout."""
+    """Continue the run's records from the checkpoint `build_run` loaded (checkpoint.load: true, a checkpoints
+    folder or one iter_XXXXXXX; weights only with checkpoint.finetune / checkpoint.load_optimizer=false, at any
+    layout): metrics.jsonl cut back to its iteration; without one, a previous metrics.jsonl set aside."""
     if run.resume_plan is None:  # iteration 0: an old metrics.jsonl here belongs to an earlier attempt
         moved = run.metrics.set_aside()
         if moved:
             run.logger.info(f"starting at iteration 0: the previous {run.metrics.path} was moved to {moved}")
         return
-    run.loop.progress = load_into_run(run.resume_plan, run.config, run.checkpoint_parts(), run.logger.info)
     run.loop.last_saved = run.progress.iteration
     run.metrics.truncate_after(run.progress.iteration)
     run.logger.info(

@@ -7,8 +7,9 @@ weights, fp32 master weights and Adam moments) and its optimizer the way the tra
 takes one training step on a short random sequence so that the moments exist, then times:
   disk         one file of the trainer checkpoint's size: 16 MiB buffered writes + fsync; read back 16 MiB at
                a time after dropping it from the page cache (posix_fadvise DONTNEED)
-  trainer      checkpoint.Checkpointer (as the loop saves) and the resume path (plan_resume's verification of
-               every file's CRC-32, then load_into_run's read of weights and optimizer state)
+  trainer      checkpoint.Checkpointer (as the loop saves) and the resume path (plan_resume's checks: sizes, the
+               small files' CRC-32; then load_into_run's one pass over the data files: weights and optimizer
+               state read, and each file's CRC-32 taken, from the same bytes)
   trainer async  the time save() blocks the loop, the copy aside, and the background write until wait()
   dcp          dcp.save / dcp.load of a plain {key: tensor} dict of the same tensors (FileSystemWriter defaults)
   torch.save   torch.save of that dict into one file + fsync; torch.load of it
@@ -247,7 +248,7 @@ def print_table(disk: dict, trainer: dict, asynchronous: dict, direct: dict, pla
             asynchronous["copy"] + asynchronous["write"],
             write_rate,
         ),
-        ("trainer load (verify CRC-32 + read)", trainer["bytes"], trainer["load"], read_rate),
+        ("trainer load (one pass: read + CRC-32)", trainer["bytes"], trainer["load"], read_rate),
         ("dcp.save (plain dict)", direct["bytes"], direct["save"], write_rate),
         ("dcp.load (plain dict)", direct["bytes"], direct["load"], read_rate),
         ("torch.save (one file + fsync)", plain["bytes"], plain["save"], write_rate),
