@@ -85,12 +85,10 @@ def param_records(chunks: Sequence[nn.Module], state: ParallelState) -> list[Par
 def persistent_buffers(chunk: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(global name, tensor) of the buffers `chunk`'s state_dict holds: the MoE routers' expert biases (the
     selection counts beside them are not persistent)."""
-    found = []
-    for module_name, module in chunk.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                found.append((f"{module_name}.{name}" if module_name else name, buffer))
-    return found
+    # the state_dict is what holds exactly the persistent buffers (beside the parameters), through public API
+    params = {name for name, _ in chunk.named_parameters(remove_duplicate=False)}
+    state = chunk.state_dict(keep_vars=True)
+    return [(name, value) for name, value in state.items() if name not in params and isinstance(value, torch.Tensor)]
 
 
 def buffer_pieces(chunks: Sequence[nn.Module], state: ParallelState, for_save: bool) -> dict[str, GlobalPieces]:
