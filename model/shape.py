@@ -14,7 +14,10 @@ twice the forward. For the paper's GPT-3 style (GeLU, 4h MLP, one kv head per qu
 A Mixture-of-Experts layer (model.num_experts, on the layers model.moe_layer_freq selects) counts what a token
 computes (`moe_gemms`): the router [h -> E], its top_k routed experts' fc1 and fc2, the shared expert and its
 gate; its parameters count all E experts (`moe_gemms(cfg, cfg.num_experts)`), `active_params` only top_k.
-Permute / unpermute and the routing's softmax are not matrix multiplies and are not counted.
+Permute / unpermute and the routing's softmax are not matrix multiplies and are not counted. Under expert
+parallelism (`ep_size`) each ep rank holds E / ep whole routed experts (not split by tp), replicated over its tp
+ranks and its expert-dp group; the router and the shared expert stay whole on every rank. The counts that take
+`ep_size` say so (`layer_params`, `rank_params`, `routed_expert_params`, `chunk_parameters`: ParamShape.expert).
 """
 
 from __future__ import annotations
@@ -177,15 +180,34 @@ def iteration_flops(
 
 
 # ---- parameters ----------------------------------------------------------------------------------
-def layer_params(cfg: ModelConfig, tp_size: int = 1, layer_id: int | None = None, active: bool = False) -> int:
-    """Parameters of transformer layer `layer_id` (None: a dense layer) on one tp rank: column weights and
-    biases and row weights split, row biases, the two norms and an MoE layer's weights replicated (`active`:
-    only top_k of its routed experts)."""
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """The global layers that hold an MoE layer in place of the dense MLP (model.moe_layer_freq); none for a
+    dense model."""
+    return [layer_id for layer_id in range(cfg.num_layers) if cfg.is_moe_layer(layer_id)]
+
+
+def layer_params(
+    cfg: ModelConfig, tp_size: int = 1, layer_id: int | None = None, active: bool = False, ep_size: int = 1
+) -> int:
+    """Parameters of transformer layer `layer_id` (None: a dense layer) on one (tp, ep) rank: column weights
+    and biases and row weights split, row biases, the two norms and an MoE layer's weights replicated over tp,
+    of its routed experts the E / ep of the ep rank (`active`: only top_k, what one token goes through)."""
     gemms = layer_gemms(cfg)
     if layer_id is not None and cfg.is_moe_layer(layer_id):
-        experts = cfg.moe_router_topk if active else cast(int, cfg.num_experts)
+        experts = cfg.moe_router_topk if active else cast(int, cfg.num_experts) // ep_size
         gemms = gemms[:2] + moe_gemms(cfg, experts)
     return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg)
+
+
+def routed_expert_params(cfg: ModelConfig, layer_ids: Sequence[int], ep_size: int = 1) -> int:
+    """Parameters of the routed experts that one ep rank holds in layers `layer_ids`: E / ep experts' fc1 and
+    fc2 (and biases) of each MoE layer among them, whole on every tp rank. What expert parallelism places
+    and the expert-dp group reduces; the rest of a rank's parameters are replicated over dp x cp."""
+    if not cfg.num_experts:
+        return 0
+    local = moe_gemms(cfg, cfg.num_experts // ep_size)
+    per_layer = sum(gemm.params() for gemm in local if gemm.name.startswith("experts."))
+    return per_layer * sum(1 for layer_id in layer_ids if cfg.is_moe_layer(layer_id))
 
 
 def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> int:
@@ -204,13 +226,24 @@ def head_params(cfg: ModelConfig, tp_size: int, holds_embedding: bool) -> int:
     return norm_params(cfg) + output
 
 
-def rank_params(cfg: ModelConfig, tp_size: int, pp_size: int, chunk_roles: list[tuple[bool, bool]]) -> int:
-    """Parameters held by one (tp rank, pp rank): its num_layers / pp layers, plus the embedding and the head
-    of the chunks that hold them: `chunk_roles` is (pre_process, post_process) per model chunk of the rank
+def rank_params(
+    cfg: ModelConfig,
+    tp_size: int,
+    pp_size: int,
+    chunk_roles: list[tuple[bool, bool]],
+    ep_size: int = 1,
+    layer_ids: Sequence[int] | None = None,
+) -> int:
+    """Parameters held by one (tp rank, ep rank, pp rank): its layers, plus the embedding and the head of the
+    chunks that hold them: `chunk_roles` is (pre_process, post_process) per model chunk of the rank
     (parallel/pipeline/stages.chunk_roles). A head in another chunk than the embedding keeps its own copy of a
-    tied table. MoE layers: each rank is given the average layer of the model (exact for pp = 1 and for
-    models whose layers are all alike)."""
-    total = sum(layer_params(cfg, tp_size, layer_id) for layer_id in range(cfg.num_layers)) // pp_size
+    tied table. `layer_ids`: the rank's global layers; None gives it num_layers / pp of the model's average
+    layer (exact for pp = 1 and for models whose layers are all alike). MoE layers hold E / ep routed experts."""
+    if layer_ids is None:
+        every = sum(layer_params(cfg, tp_size, layer_id, ep_size=ep_size) for layer_id in range(cfg.num_layers))
+        total = every // pp_size
+    else:
+        total = sum(layer_params(cfg, tp_size, layer_id, ep_size=ep_size) for layer_id in layer_ids)
     for pre, post in chunk_roles:
         total += (embedding_params(cfg, tp_size) if pre else 0) + (head_params(cfg, tp_size, pre) if post else 0)
     return total
@@ -234,6 +267,7 @@ class ParamShape:
     shared_embedding: bool = False  # a tied-embedding copy on a chunk without the other end
     sequence_parallel: bool = False  # replicated over tp, gradient partial under sequence parallelism
     rows: int = 0  # dim 0 on one tp rank (what FSDP shards and pads); 0: a 1-D parameter, numel rows
+    expert: bool = False  # the routed experts' weights stacked over the E / ep experts of one ep rank
 
     @property
     def dim0(self) -> int:
@@ -263,7 +297,7 @@ def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[Pa
     return found
 
 
-def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> list[ParamShape]:
+def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool, ep_size: int) -> list[ParamShape]:
     """One layer's parameters in registration order: input norm, qkv, proj, post-attention norm, then fc1 and
     fc2, or an MoE layer's (`_moe_parameters`)."""
     qkv, proj, fc1, fc2 = layer_gemms(cfg)
@@ -275,7 +309,7 @@ def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> l
         + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
     )
     if cfg.is_moe_layer(layer):
-        return attention + _moe_parameters(cfg, f"{prefix}.mlp", sp)
+        return attention + _moe_parameters(cfg, f"{prefix}.mlp", sp, ep_size)
     return (
         attention
         + _gemm_parameters(fc1, f"{prefix}.mlp.fc1", tp_size, sp)
@@ -283,24 +317,22 @@ def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> l
     )
 
 
-def _moe_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape]:
+def _moe_parameters(cfg: ModelConfig, prefix: str, sp: bool, ep_size: int) -> list[ParamShape]:
     """An MoE layer's parameters in registration order (model/moe/layer.py), whole on every tp rank (partial
-    gradients under sequence parallelism): router weight [E, h] (and bias), the stacked experts' fc1 [E, f(x2),
-    h], fc2 [E, h, f] (and biases [E, f(x2)], [E, h]), the shared expert's gate, fc1 and fc2."""
+    gradients under sequence parallelism): router weight [E, h] (and bias), the stacked experts' fc1 [E/ep,
+    f(x2), h], fc2 [E/ep, h, f] (and biases [E/ep, f(x2)], [E/ep, h]), the shared expert's gate, fc1 and fc2."""
     h, f, experts = cfg.hidden_size, cfg.moe_ffn_size, cast(int, cfg.num_experts)
+    local = experts // ep_size
     fc1_rows = f * (2 if cfg.activation == "swiglu" else 1)
     found = [ParamShape(f"{prefix}.router.weight", experts * h, sequence_parallel=sp, rows=experts)]
     if cfg.add_bias_linear:
         found.append(ParamShape(f"{prefix}.router.bias", experts, sequence_parallel=sp))
-    found += [
-        ParamShape(f"{prefix}.experts.fc1_weight", experts * fc1_rows * h, sequence_parallel=sp, rows=experts),
-        ParamShape(f"{prefix}.experts.fc2_weight", experts * h * f, sequence_parallel=sp, rows=experts),
-    ]
-    if cfg.add_bias_linear:
-        found += [
-            ParamShape(f"{prefix}.experts.fc1_bias", experts * fc1_rows, sequence_parallel=sp, rows=experts),
-            ParamShape(f"{prefix}.experts.fc2_bias", experts * h, sequence_parallel=sp, rows=experts),
-        ]
+    stacked = [("fc1_weight", fc1_rows * h), ("fc2_weight", h * f)]
+    stacked += [("fc1_bias", fc1_rows), ("fc2_bias", h)] if cfg.add_bias_linear else []
+    for name, per_expert in stacked:
+        found.append(
+            ParamShape(f"{prefix}.experts.{name}", local * per_expert, sequence_parallel=sp, rows=local, expert=True)
+        )
     if cfg.moe_shared_expert_ffn_hidden_size:
         if cfg.moe_shared_expert_gate:  # the module's own parameter: before its submodules' (named_parameters)
             found.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, sequence_parallel=sp, rows=1))
@@ -320,10 +352,12 @@ def chunk_parameters(
     pre_process: bool,
     post_process: bool,
     sequence_parallel: bool = False,
+    ep_size: int = 1,
 ) -> list[ParamShape]:
-    """The parameters of one model chunk on one tp rank, in `chunk.parameters()` order (a tied output layer
-    on the embedding's chunk is the embedding: listed once). What the gradient buckets of
-    parallel/data_parallel.py are cut from; tests/model/test_shape.py checks it against built chunks."""
+    """The parameters of one model chunk on one (tp, ep) rank, in `chunk.parameters()` order (a tied output
+    layer on the embedding's chunk is the embedding: listed once; an MoE layer's stacked experts the E / ep of
+    the ep rank). What the gradient buckets of parallel/data_parallel.py are cut from; tests/model/test_shape.py
+    checks it against built chunks."""
     sp = sequence_parallel and tp_size > 1
     vocab_local = cfg.padded_vocab_size(tp_size) // tp_size
     tied_copy = cfg.tie_embeddings and pre_process != post_process
@@ -338,7 +372,7 @@ def chunk_parameters(
                 ParamShape("embedding.position_embeddings.weight", positions * cfg.hidden_size, rows=positions)
             )
     for layer in layer_ids:
-        found += _layer_parameters(cfg, layer, tp_size, sp)
+        found += _layer_parameters(cfg, layer, tp_size, sp, ep_size)
     if post_process:
         found += _norm_parameters(cfg, "final_norm", sp)
         if not (cfg.tie_embeddings and pre_process):
@@ -354,8 +388,7 @@ def total_params(cfg: ModelConfig) -> int:
 def active_params(cfg: ModelConfig) -> int:
     """The parameters one token goes through: `total_params` with top_k of each MoE layer's routed experts
     (the router and the shared expert whole); the total for a dense model."""
-    moe_layers = [layer_id for layer_id in range(cfg.num_layers) if cfg.is_moe_layer(layer_id)]
     unused = sum(
-        layer_params(cfg, 1, layer_id) - layer_params(cfg, 1, layer_id, active=True) for layer_id in moe_layers
+        layer_params(cfg, 1, layer_id) - layer_params(cfg, 1, layer_id, active=True) for layer_id in moe_layer_ids(cfg)
     )
     return total_params(cfg) - unused

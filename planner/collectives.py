@@ -47,7 +47,7 @@ from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.pipeline.stages import ChunkPlacement
 from parallel.run_shape import TIED_GROUP, RunShape
 from planner.collective import Collective
-from planner.experts import ExpertLayout, dispatch_exchanges, with_moe_parameters
+from planner.experts import ExpertLayout, dispatch_exchanges
 from planner.sharded import ShardedCollectives
 from planner.software import TRAINER, Software
 
@@ -315,14 +315,13 @@ class LayoutCollectives:
         return dp_cp_rank
 
     def _params(self, chunk: ChunkPlacement) -> list[tuple[ParamShape, bool]]:
-        """The chunk's parameters on one rank and whether each is an expert weight."""
-        model, lay = self.config.model, self.layout
+        """The chunk's parameters on one (tp, ep) rank and whether each is reduced over expert-dp."""
+        model, lay, experts = self.config.model, self.layout, self.experts
+        ep = 1 if experts is None else experts.ep_size
         params = chunk_parameters(
-            model, lay.tp_size, chunk.layer_ids, chunk.pre_process, chunk.post_process, lay.sequence_parallel
+            model, lay.tp_size, chunk.layer_ids, chunk.pre_process, chunk.post_process, lay.sequence_parallel, ep
         )
-        if self.experts is None:
-            return [(param, False) for param in params]
-        return with_moe_parameters(model, self.experts, params)
+        return [(param, experts is not None and experts.reduced_apart(param)) for param in params]
 
     def grad_reduction(self, pp_rank: int) -> list[Collective]:
         """The dp (x cp) reduction of the rank's gradients, one collective per bucket in launch order."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.config import ModelConfig
-from model.shape import attention_matmul_flops, layer_gemm_flops, output_gemm
+from model.shape import attention_matmul_flops, layer_gemm_flops, moe_gemms, output_gemm
 from parallel.rank_grid import MEGATRON_ORDER, RankGrid
 from planner.activations import ActivationShape
 from planner.cluster import ClusterSpec
@@ -196,14 +196,16 @@ def moe_layer_times(
     routed = experts.routed_tokens(rows)
     expert_rows = routed * model.moe_router_topk
     per_expert = expert_rows / experts.local_experts
-    h, f, stacked = model.hidden_size, model.moe_ffn_size, 2 if gated else 1
-    moe = hw.gemm_seconds(2.0 * routed * h * experts.num_experts, routed)  # the router's logits
-    moe += hw.gemm_seconds(2.0 * expert_rows * h * f * stacked, per_expert)
-    moe += hw.gemm_seconds(2.0 * expert_rows * f * h, per_expert)
+    h, f = model.hidden_size, model.moe_ffn_size
+    moe = 0.0
+    # model/shape.moe_gemms with one routed expert: each grouped GEMM runs the rank's P rows through its E / ep
+    # experts of that shape; the router and the shared expert (and its gate) see every routed token
+    for gemm in moe_gemms(model, 1):
+        if gemm.name.startswith("experts."):
+            moe += hw.gemm_seconds(2.0 * expert_rows * gemm.weights, per_expert)
+        else:
+            moe += hw.gemm_seconds(2.0 * routed * gemm.weights, routed)
     shared = model.moe_shared_expert_ffn_hidden_size or 0
-    if shared:
-        moe += hw.gemm_seconds(2.0 * routed * h * shared * stacked, routed)
-        moe += hw.gemm_seconds(2.0 * routed * shared * h, routed)
     # activation over [P, f] (gated: read 2f, write f), permute (read [T, h], write [P, h]) and the weighted
     # unpermute (read [P, h], write [T, h]), the shared expert's activation
     moe += hw.memory_seconds((3 if gated else 2) * vb * (expert_rows * f + routed * shared))

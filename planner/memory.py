@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import rank_params
+from model.shape import rank_params, routed_expert_params
 from parallel.layout import Layout
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.run_shape import RunShape
@@ -24,7 +24,7 @@ from planner.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
-from planner.experts import ExpertLayout, expert_state_bytes, moe_activation_delta, rank_expert_params
+from planner.experts import ExpertLayout, moe_activation_delta
 from planner.sharded import ShardedCollectives, sharded_state_bytes
 from planner.software import TRAINER, Software
 
@@ -43,6 +43,28 @@ def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp_size: 
     else:
         optimizer = 8.0 if precision == "fp32" else 12.0
     return {"weights": weights, "grads": 4.0, "optimizer": optimizer}
+
+
+def model_state_bytes(
+    params: int,
+    expert_params: int,
+    precision: str,
+    distributed_optimizer: bool,
+    dp_cp_size: int,
+    expert_dp_size: int,
+) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of a rank's `params`, of which `expert_params` are routed experts:
+    the distributed optimizer shards the experts' state over their expert-dp group and the rest over dp x cp
+    (ep = 1: the same group)."""
+    state = state_bytes_per_param(precision, distributed_optimizer, dp_cp_size)
+    expert_optimizer = state_bytes_per_param(precision, distributed_optimizer, expert_dp_size)["optimizer"]
+    optimizer = (params - expert_params) * state["optimizer"] + expert_params * expert_optimizer
+    return params * state["weights"], params * state["grads"], optimizer
+
+
+def rank_layer_ids(run: RunShape, pp_rank: int) -> list[int]:
+    """The global layers pipeline rank `pp_rank` holds, over all its chunks."""
+    return [layer for chunk in run.chunks(pp_rank) for layer in chunk.layer_ids]
 
 
 def peak_in_flight_bytes(actions: list[Action], chunk_bytes: list[float]) -> float:
@@ -109,13 +131,12 @@ def rank_memory(
     """Memory of pipeline rank `pp_rank` under `layout` (a parallel.layout.Layout); `activation_overhead`
     is the allocator's extra as a fraction of the kept activations (ClusterSpec.activation_overhead);
     `model_state`, when given, is the (weights, grads, optimizer) bytes (FSDP's: planner/sharded.py); an MoE
-    model's experts sit over `ep_size` ranks (planner/experts.py: their state and activations replace the
-    dense MLP's)."""
+    model's experts sit over `ep_size` ranks (model/shape.py counts the rank's E / ep of them,
+    planner/experts.py what an MoE layer keeps for backward)."""
     run = RunShape(model, layout, train)
     roles = run.chunk_roles(pp_rank)
-    params = rank_params(model, layout.tp_size, layout.pp_size, roles)
-    # the distributed optimizer shards over dp x cp (context-parallel ranks hold replicas too)
-    state = state_bytes_per_param(train.precision, distributed_optimizer, layout.dp_size * layout.cp_size)
+    layers = rank_layer_ids(run, pp_rank)
+    params = rank_params(model, layout.tp_size, layout.pp_size, roles, ep_size, layers)
     recompute = train.recompute
     per_layer = layer_activation_bytes(shape, recompute)
     experts = ExpertLayout.of(model, layout, ep_size) if model.num_experts else None
@@ -143,18 +164,14 @@ def rank_memory(
         working = 0.0
     if holds_head:  # the logits' gradient (fp32) exists while the head runs backward
         working = max(working, 4.0 * shape.local_seq * shape.micro_batch * run.vocab_local)
-    weights, grads, optimizer = model_state or (
-        params * state["weights"],
-        params * state["grads"],
-        params * state["optimizer"],
+    # the distributed optimizer shards over dp x cp (context-parallel ranks hold replicas too), the experts'
+    # state over expert-dp = dp x cp / ep
+    dp_cp = layout.dp_size * layout.cp_size
+    expert_dp = dp_cp if experts is None else experts.expert_dp_size
+    expert_params = routed_expert_params(model, layers, ep_size)
+    weights, grads, optimizer = model_state or model_state_bytes(
+        params, expert_params, train.precision, distributed_optimizer, dp_cp, expert_dp
     )
-    if experts is not None and model_state is None:
-        layers = [layer for chunk in run.chunks(pp_rank) for layer in chunk.layer_ids]
-        moe_params = rank_expert_params(model, experts, layout.tp_size, layers)
-        dp_cp = layout.dp_size * layout.cp_size
-        added = expert_state_bytes(moe_params, train.precision, distributed_optimizer, dp_cp, experts.expert_dp_size)
-        weights, grads, optimizer = weights + added[0], grads + added[1], optimizer + added[2]
-        params += moe_params.experts + moe_params.replicated - moe_params.dense_mlp_removed
     return MemoryEstimate(
         pp_rank,
         params,

@@ -17,13 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import IterationFlops, rank_params
+from model.shape import rank_params, routed_expert_params
 from parallel.layout import Layout, LayoutError, build_layout
 from parallel.pipeline.p2p import Step, produced_message
 from parallel.pipeline.schedules import Action, Op, unhandled_op
 from parallel.pipeline.simulator import CommPlan, Event, Timeline, simulate
 from parallel.rank_grid import RankGrid
-from parallel.run_shape import RunShape
 from planner.activations import ActivationShape, shape_from_config
 from planner.cluster import ClusterSpec
 from planner.collectives import Collective, LayoutCollectives
@@ -37,9 +36,8 @@ from planner.costs import (
     optimizer_seconds,
     step_seconds,
 )
-from planner.experts import ep_size_of, expert_grid, rank_expert_params
-from planner.experts import iteration_flops as experts_iteration_flops
-from planner.memory import GIB, MemoryEstimate, config_memory
+from planner.experts import ep_size_of, expert_grid
+from planner.memory import GIB, MemoryEstimate, config_memory, rank_layer_ids
 from planner.sharded import sharded_times
 from planner.software import TRAINER, Software
 from planner.traffic import Traffic, checkpoint_bytes, layout_traffic
@@ -297,7 +295,7 @@ def predict(
     config's parallel.ep_size, planner/experts.ep_size_of)."""
     model, par, train = config.model, config.parallel, config.train
     layout = build_layout(model, par, train, world_size)
-    if layout.fsdp and model.num_experts:  # planner/sharded.py lists the dense MLP's parameters
+    if layout.fsdp and model.num_experts:  # planner/sharded.py times its gathers against dense layers, knows no ep
         raise LayoutError(
             f"parallel.fsdp=true with model.num_experts={model.num_experts}: the planner does not model FSDP of an "
             "MoE model; use the distributed optimizer"
@@ -327,7 +325,7 @@ def predict(
         if rank_total > total:
             critical, total, parts = r, rank_total, rank_parts
     memory = memory_of(config, layout, cluster, shape, software, ep)
-    flops = iteration_flops_of(comms.run).with_recompute  # the paper's achieved FLOPs
+    flops = comms.run.flops.with_recompute  # the paper's achieved FLOPs (an MoE model's: its active GEMMs)
     backwards = (a for a in comms.lists[critical] if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT))
     recompute = sum(costs.recompute_per_chunk for _ in backwards)
     size = checkpoint_bytes(config, comms)
@@ -349,15 +347,6 @@ def predict(
         size / (read * 1e9) if read else None,
         ep,
     )
-
-
-def iteration_flops_of(run: RunShape) -> IterationFlops:
-    """The run's FLOPs per iteration: RunShape.flops for a dense model, counted from active parameters
-    (planner/experts.iteration_flops: router, top_k experts, shared expert) for an MoE one."""
-    if not run.model.num_experts:
-        return run.flops
-    recompute, chunks = run.recompute, run.stages.num_stages
-    return experts_iteration_flops(run.model, run.padded_vocab, run.train.global_batch_size, recompute, chunks)
 
 
 def fusion_speedup(
@@ -391,20 +380,20 @@ def _rank_parts(
     after = comms.finalize(pp_rank) + comms.optimizer(pp_rank) + comms.loss()
     tp_comm += costs.seconds([c for c in after if c.group == "tp"])  # sequence-parallel grads
     dp_comm += costs.seconds([c for c in after if c.group != "tp"])
-    params = rank_params(config.model, layout.tp_size, layout.pp_size, comms.run.chunk_roles(pp_rank))
-    expert_params, expert_dp = 0, 1
-    if comms.experts is not None:  # the MoE layers' weights in place of the dense MLPs (planner/experts.py)
-        layers = [layer for chunk in comms.run.chunks(pp_rank) for layer in chunk.layer_ids]
-        moe = rank_expert_params(config.model, comms.experts, layout.tp_size, layers)
-        params += moe.replicated - moe.dense_mlp_removed
-        expert_params, expert_dp = moe.experts, comms.experts.expert_dp_size
+    ep = 1 if comms.experts is None else comms.experts.ep_size
+    layers = rank_layer_ids(comms.run, pp_rank)
+    roles = comms.run.chunk_roles(pp_rank)
+    params = rank_params(config.model, layout.tp_size, layout.pp_size, roles, ep, layers)
+    expert_params = routed_expert_params(config.model, layers, ep)  # the rank's E / ep routed experts
+    dp_cp = layout.dp_size * layout.cp_size
+    expert_dp = dp_cp if comms.experts is None else comms.experts.expert_dp_size
     if comms.sharded is not None:  # the step on the rank's shards (the masters are the shards: no copy-back)
         optimizer = costs.hw.memory_seconds(software.step_bytes * comms.sharded.params_per_shard)
     else:
         distributed = config.parallel.distributed_optimizer
         step, copy = software.step_bytes, software.copy_bytes
         # the optimizer shards over dp x cp, the experts' state over expert-dp
-        optimizer = optimizer_seconds(params, layout.dp_size * layout.cp_size, distributed, costs.hw, step, copy)
+        optimizer = optimizer_seconds(params - expert_params, dp_cp, distributed, costs.hw, step, copy)
         optimizer += optimizer_seconds(expert_params, expert_dp, distributed, costs.hw, step, copy)
     return {
         "compute": compute,

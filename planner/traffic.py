@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import rank_params, total_params
+from model.shape import rank_params, routed_expert_params, total_params
 from planner.costs import GROUP_DIMS, Hardware, collective_seconds_of
-from planner.experts import moe_layer_ids, rank_expert_params
+from planner.memory import rank_layer_ids
 
 if TYPE_CHECKING:
     from config.schema import Config
@@ -116,10 +116,10 @@ def checkpoint_bytes(config: Config, comms: LayoutCollectives) -> float:
     per_param = checkpoint_bytes_per_param(config.train.precision)
     if comms.sharded is not None:
         return per_param * total_params(model)
-    params = sum(rank_params(model, lay.tp_size, lay.pp_size, comms.run.chunk_roles(r)) for r in range(lay.pp_size))
-    experts = 0
-    if comms.experts is not None:  # MoE layers in place of dense MLPs; the experts held once, not per tp rank
-        moe = rank_expert_params(model, comms.experts, lay.tp_size, moe_layer_ids(model))
-        params += moe.replicated - moe.dense_mlp_removed
-        experts = moe.experts * comms.experts.ep_size
-    return per_param * (lay.tp_size * params + experts)
+    params = experts = 0
+    for r in range(lay.pp_size):  # every routed expert of the rank's layers (ep = 1: all E)
+        layers = rank_layer_ids(comms.run, r)
+        params += rank_params(model, lay.tp_size, lay.pp_size, comms.run.chunk_roles(r), layer_ids=layers)
+        experts += routed_expert_params(model, layers)
+    # what every tp rank saves of its own, and the routed experts (whole on every tp rank) once
+    return per_param * (lay.tp_size * (params - experts) + experts)

@@ -186,3 +186,32 @@ def test_moe_parameter_counts_follow_the_built_model():
     num_experts = cast(int, m.num_experts)
     unused = expert_params * (num_experts - m.moe_router_topk) // num_experts
     assert active_params(m) == total_params(m) - unused
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_moe_counts_of_an_ep_rank_hold_its_e_over_ep_experts_whole(ep):
+    """Under expert parallelism a (tp, ep) rank holds E / ep of each MoE layer's routed experts, whole on every
+    tp rank, and everything else as without ep: routed_expert_params, rank_params and chunk_parameters (its
+    `expert` tensors are the built model's stacked experts cut to E / ep rows) agree; with the MoE layers all on
+    the first of two pipeline ranks, the rank's own layer_ids give each rank its own count."""
+    from model.shape import chunk_parameters, rank_params, routed_expert_params
+
+    overrides = ["model.vocab_size=1000", "model.moe_layer_freq=[1,1,0,0]"]
+    m = load_config(os.path.join(REPO_ROOT, "configs", "moe_tiny.yaml"), overrides).model
+    with torch.device("meta"):
+        model = GPTModel(m, m.padded_vocab_size(1))
+    built = {name: p.shape for name, p in model.named_parameters() if ".mlp.experts." in name}
+    every_expert = sum(shape.numel() for shape in built.values())
+    assert every_expert > 0 and routed_expert_params(m, range(m.num_layers), ep) == every_expert // ep
+    for tp in (1, 2):
+        listed = chunk_parameters(m, tp, range(m.num_layers), True, True, ep_size=ep)
+        experts = {p.name: (p.rows, p.numel) for p in listed if p.expert}
+        assert experts == {name: (shape[0] // ep, shape.numel() // ep) for name, shape in built.items()}
+        held = sum(p.numel for p in listed)
+        assert held == rank_params(m, tp, 1, [(True, True)], ep_size=ep)
+        assert held == rank_params(m, tp, 1, [(True, True)]) - every_expert + every_expert // ep
+    for layers, roles in (([0, 1], (True, False)), ([2, 3], (False, True))):
+        listed = chunk_parameters(m, 1, layers, *roles, ep_size=ep)
+        assert rank_params(m, 1, 2, [roles], ep, layers) == sum(p.numel for p in listed)
+        assert routed_expert_params(m, layers, ep) == sum(p.numel for p in listed if p.expert)
+    assert routed_expert_params(m, [2, 3], ep) == 0

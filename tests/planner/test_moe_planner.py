@@ -1,5 +1,5 @@
-"""The planner for Mixture-of-Experts models (planner/experts.py): FLOPs from active parameters against a count
-written out here, expert state per rank against ep, the all-to-all's bytes and where they travel, the expert-dp
+"""The planner for Mixture-of-Experts models (planner/experts.py on model/shape.py's count): FLOPs from active
+parameters against a count written out here, expert state per rank against ep, the all-to-all's bytes and where they travel, the expert-dp
 gradient reduction, the search's ep rules, and tools/plan.py on configs/moe/mixtral_8x7b.yaml.
 
 parallel.ep_size is declared by the expert-parallel branch; until config/schema.py has it these tests give ep to
@@ -15,11 +15,12 @@ import pytest
 
 from config.schema import ParallelConfig, load_config
 from model.rank_spec import Recompute
+from model.shape import active_params, iteration_flops, layer_forward_flops, moe_layer_ids
 from parallel.layout import LayoutError, build_layout
 from planner.cluster import load_cluster
 from planner.collectives import LayoutCollectives
 from planner.costs import Hardware, collective_seconds_of
-from planner.experts import ExpertLayout, expert_grid, iteration_flops, layer_forward_flops, moe_layer_ids
+from planner.experts import ExpertLayout, expert_grid
 from planner.predict import predict
 from planner.search import candidate_eps, search
 from tests.conftest import REPO_ROOT
@@ -57,15 +58,16 @@ def test_mixtral_layer_flops_equal_a_count_by_hand():
     active_mlp = h * 8 + 2 * (h * 2 * f + f * h)  # the router; top-2 experts of fc1 [h, 2f] and fc2 [f, h]
     by_hand = 2 * tokens * (attention_gemms + active_mlp) + 2 * (2 * tokens * s * h)  # q k^T and scores v
     assert moe_layer_ids(model) == list(range(32))
-    assert layer_forward_flops(model, 0, tokens) == pytest.approx(by_hand, rel=1e-12)
+    assert layer_forward_flops(model, tokens, s, 0) == pytest.approx(by_hand, rel=1e-12)
     # the iteration: 3 x forward of 32 layers and the output layer, per sequence of 4096 tokens, global batch 256
     flops = iteration_flops(model, 32000, 256, Recompute("none"), 32)
-    forward = 256 * (32 * layer_forward_flops(model, 0, 4096) + 2 * 4096 * h * 32000)
+    forward = 256 * (32 * layer_forward_flops(model, 4096, s, 0) + 2 * 4096 * h * 32000)
     assert flops.model == pytest.approx(3 * forward, rel=1e-12)
     assert flops.with_recompute == flops.model
     # active parameters per token: Mixtral's published 12.9B
     active = 32 * (attention_gemms + active_mlp + 2 * h) + 2 * 32000 * h + h
     assert active == pytest.approx(12.9e9, rel=0.01)
+    assert active_params(model) == active
 
 
 def test_a_dense_model_counts_no_experts_and_shared_experts_count_once():
@@ -75,7 +77,9 @@ def test_a_dense_model_counts_no_experts_and_shared_experts_count_once():
     h, f, shared = 128, 96, 64
     qkv_proj = h * (h + 2 * 64) + h * h  # 8 heads of 16, 4 query groups: k and v of 64 each
     mlp = h * 8 + 2 * (h * 2 * f + f * h) + (h * 2 * shared + shared * h)
-    assert layer_forward_flops(moe, 1, 10.0) == pytest.approx(2 * 10 * (qkv_proj + mlp) + 2 * 2 * 10 * 128 * h)
+    assert layer_forward_flops(moe, 10.0, moe.seq_length, 1) == pytest.approx(
+        2 * 10 * (qkv_proj + mlp) + 2 * 2 * 10 * 128 * h
+    )
 
 
 def test_expert_memory_per_rank_shrinks_with_ep_and_the_distributed_optimizer_keeps_its_total():
@@ -216,7 +220,10 @@ def test_olmoe_config_counts_its_published_sizes():
     per_layer_active = attention + h * 64 + 8 * 3 * h * f + 2 * h
     active = 16 * per_layer_active + 2 * 50304 * h + h
     assert active == pytest.approx(1.3e9, rel=0.03)  # OLMoE-1B-7B: 1.3B active (q/k norm left out)
-    assert layer_forward_flops(model, 0, 1.0) == pytest.approx(2 * (attention + h * 64 + 8 * 3 * h * f) + 4 * 4096 * h)
+    assert active_params(model) == active
+    assert layer_forward_flops(model, 1.0, model.seq_length, 0) == pytest.approx(
+        2 * (attention + h * 64 + 8 * 3 * h * f) + 4 * 4096 * h
+    )
 
 
 def plan(*args: str) -> subprocess.CompletedProcess:
