@@ -1,9 +1,6 @@
 """The planner for Mixture-of-Experts models (planner/experts.py on model/shape.py's count): FLOPs from active
 parameters against a count written out here, expert state per rank against ep, the all-to-all's bytes and where they travel, the expert-dp
 gradient reduction, the search's ep rules, and tools/plan.py on configs/moe/mixtral_8x7b.yaml.
-
-parallel.ep_size is declared by the expert-parallel branch; until config/schema.py has it these tests give ep to
-the planner's functions directly, and the one that passes `parallel.ep_size=8` to tools/plan.py skips saying so.
 """
 
 import dataclasses
@@ -13,7 +10,7 @@ import sys
 
 import pytest
 
-from config.schema import ParallelConfig, load_config
+from config.schema import load_config
 from model.rank_spec import Recompute
 from model.shape import active_params, iteration_flops, layer_forward_flops, moe_layer_ids
 from parallel.layout import LayoutError, build_layout
@@ -30,7 +27,6 @@ pytestmark = pytest.mark.tier("fast")
 MIXTRAL = os.path.join(REPO_ROOT, "configs", "moe", "mixtral_8x7b.yaml")
 OLMOE = os.path.join(REPO_ROOT, "configs", "moe", "olmoe_1b_7b.yaml")
 H100 = os.path.join(REPO_ROOT, "configs", "clusters", "dgx_h100.yaml")
-HAS_EP_KEY = any(f.name == "ep_size" for f in dataclasses.fields(ParallelConfig))
 
 
 def tiny_moe(*overrides: str):
@@ -239,7 +235,6 @@ def test_plan_py_prints_a_prediction_for_mixtral():
     assert "ep_comm" in out.stdout
 
 
-@pytest.mark.skipif(not HAS_EP_KEY, reason="parallel.ep_size is not a key of config/schema.py yet (moe-ep branch)")
 def test_plan_py_takes_ep_from_the_config():
     out = plan("--config", MIXTRAL, "--gpus", "64", "parallel.ep_size=8")
     assert out.returncode == 0, out.stderr
