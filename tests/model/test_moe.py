@@ -367,8 +367,8 @@ def test_model_build_hands_the_kernels_and_the_ep_exchange_to_the_moe_layers():
     for _, moe in model.moe_layers():
         assert moe.experts.kernels.uses("grouped_mm") and not moe.experts.kernels.uses("norm")
         assert moe.experts.fc1_weight.shape[0] == 2
-        assert param_info(moe.experts.fc1_weight).experts == (2, 4)
-        assert param_info(moe.experts.fc1_weight).full_shape[0] == 4
+        info = param_info(moe.experts.fc1_weight)
+        assert info.experts == (2, 4) and info.full_shape == (4, *moe.experts.fc1_weight.shape[1:])
     with torch.device("meta"):
         plain = GPTModel(moe_config(), padded_vocab_size=128)
     assert not any(moe.experts.kernels.uses("grouped_mm") for _, moe in plain.moe_layers())
