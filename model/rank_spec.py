@@ -4,9 +4,9 @@ GPTModel and its submodules build the right modules from it and nothing changes 
 layers and the tp hooks (`TensorParallelHooks`), the context-parallel attention (`ContextParallelHooks`), the
 random stream each dropout draws from (`DropoutStreams`), activation recomputation (`Recompute`), the fused
 kernels (`KernelSelection`, chosen and registered once), the ranks sharing a micro-batch's tokens for the MoE
-router (`TokenGroup`) and, under expert parallelism, the ep group's token exchange (`ExpertExchange`). `RankSpec.one_process(cfg)` is the default; the
-trainer's comes from parallel/model_builder.rank_spec (model/ imports no torch.distributed: everything here is
-a plain value or callable).
+router (`TokenGroup`) and, under expert parallelism, the ep group's token exchange (`ExpertExchange`).
+`RankSpec.one_process(cfg)` is the default; the trainer's comes from parallel/model_builder.rank_spec (model/
+imports no torch.distributed: everything here is a plain value or callable).
 """
 
 from __future__ import annotations
