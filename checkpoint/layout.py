@@ -33,8 +33,10 @@ class CheckpointLayout:
     except that each rank's dropout RNG streams continue only at the same sizes (`same_sizes`).
 
     meta.json's "layout" holds the recorded fields (`to_dict` / `from_dict`, the keys of format 2): a field an
-    older writer did not record is None and stays out of the file; `cp` is there only when > 1 (written before
-    context parallelism: 1). A format-1 checkpoint records tp, pp and vp only, or nothing at all.
+    older writer did not record is None and stays out of the file; `cp` and `ep` are there only when > 1 (written
+    before context or expert parallelism: 1). A format-1 checkpoint records tp, pp and vp only, or nothing at all.
+    `ep` (experts over ep ranks) is informational only: expert weights are stored whole and the RNG streams do
+    not depend on it.
     """
 
     tp: int | None = None
@@ -46,6 +48,7 @@ class CheckpointLayout:
     schedule: str | None = None  # the schedule that ran (parallel/layout.effective_schedule)
     sequence_parallel: bool | None = None
     distributed_optimizer: bool | None = None
+    ep: int = 1
 
     @classmethod
     def of(
@@ -63,13 +66,15 @@ class CheckpointLayout:
             schedule=schedule,
             sequence_parallel=bool(sequence_parallel),
             distributed_optimizer=bool(distributed_optimizer),
+            ep=state.ep_size,
         )
 
     def to_dict(self) -> LayoutJson:
-        """meta.json's "layout": the recorded fields (cp only when > 1, as since format 2)."""
+        """meta.json's "layout": the recorded fields (cp and ep only when > 1, as since format 2)."""
         recorded = dataclasses.asdict(self)
-        if self.cp == 1:
-            del recorded["cp"]
+        for size in ("cp", "ep"):
+            if recorded[size] == 1:
+                del recorded[size]
         return {key: value for key, value in recorded.items() if value is not None}
 
     @classmethod
@@ -88,6 +93,7 @@ class CheckpointLayout:
             schedule=_recorded(saved, "schedule", str),
             sequence_parallel=_recorded(saved, "sequence_parallel", bool),
             distributed_optimizer=_recorded(saved, "distributed_optimizer", bool),
+            ep=_recorded(saved, "ep", int) or 1,
         )
 
     @property
@@ -106,6 +112,7 @@ class CheckpointLayout:
             return "an unknown layout"
         sizes = " x ".join(f"{name} {'?' if size is None else size}" for name, size in zip(SIZE_NAMES, self.sizes))
         extras = [f"world {self.world_size}"] if self.world_size is not None else []
+        extras += [f"experts over ep {self.ep}"] if self.ep > 1 else []
         extras += [f"schedule {self.schedule}"] if self.schedule is not None else []
         extras += [
             name.replace("_", " ") for name in ("sequence_parallel", "distributed_optimizer") if getattr(self, name)

@@ -192,8 +192,10 @@ def build_moe_layer(cfg: ModelConfig, spec: RankSpec) -> MoELayer:
     expert_tensor_parallel_size=1): without sequence parallelism every tp rank routes the same tokens and
     computes the same output and gradients; with it each tp rank routes its own s/tp tokens, so the
     parameters' gradients are partial (ParamInfo.sequence_parallel: summed over tp after backward, counted
-    once in the gradient norm) and the load-balancing losses count over the token group (`spec.moe_tokens`)."""
-    moe = MoELayer(cfg, token_group=spec.moe_tokens)
+    once in the gradient norm) and the load-balancing losses count over the token group (`spec.moe_tokens`).
+    Under expert parallelism (`spec.expert_exchange`) the layer holds its ep rank's experts only; its experts
+    run the grouped_mm kernel when the spec's kernels select it."""
+    moe = MoELayer(cfg, expert_exchange=spec.expert_exchange, token_group=spec.moe_tokens, kernels=spec.kernels)
     if spec.tp.sequence_parallel:
         for param in moe.parameters():
             set_param_info(param, sequence_parallel=True)

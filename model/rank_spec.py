@@ -2,10 +2,11 @@
 
 GPTModel and its submodules build the right modules from it and nothing changes them afterwards: the split
 layers and the tp hooks (`TensorParallelHooks`), the context-parallel attention (`ContextParallelHooks`), the
-random stream each dropout draws from (`DropoutStreams`), activation recomputation (`Recompute`) and the fused
-kernels (`KernelSelection`, chosen and registered once). `RankSpec.one_process(cfg)` is the default; the
-trainer's comes from parallel/model_builder.rank_spec (model/ imports no torch.distributed: everything here is
-a plain value or callable).
+random stream each dropout draws from (`DropoutStreams`), activation recomputation (`Recompute`), the fused
+kernels (`KernelSelection`, chosen and registered once), the ranks sharing a micro-batch's tokens for the MoE
+router (`TokenGroup`) and, under expert parallelism, the ep group's token exchange (`ExpertExchange`).
+`RankSpec.one_process(cfg)` is the default; the trainer's comes from parallel/model_builder.rank_spec (model/
+imports no torch.distributed: everything here is a plain value or callable).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from model.config import ModelConfig
 from model.kernels import KernelSelection
+from model.moe.dispatch import ExpertExchange
 from model.tp_hooks import ContextParallelHooks, TensorFn, TensorParallelHooks, identity
 
 # opens a random stream for the block it guards (parallel/random.RNGTracker.fork)
@@ -87,6 +89,9 @@ class RankSpec:
     dropout: DropoutStreams = field(default_factory=DropoutStreams)
     recompute: Recompute = field(default_factory=Recompute)
     moe_tokens: TokenGroup = field(default_factory=TokenGroup)
+    # expert parallelism (parallel/expert_parallel.EPExchange): each MoE layer holds its ep rank's experts and
+    # exchanges tokens over the ep group; None: every expert on this rank
+    expert_exchange: ExpertExchange | None = None
 
     @classmethod
     def one_process(cls, cfg: ModelConfig, recompute: Recompute | None = None) -> RankSpec:

@@ -16,6 +16,7 @@ from model.init import initialize_parameters
 from model.param_info import param_info
 from model.rank_spec import RankSpec, Recompute, TokenGroup
 from parallel.context_parallel import context_parallel_hooks
+from parallel.expert_parallel import EPExchange
 from parallel.layout import check_tensor_parallel
 from parallel.random import RNGTracker, dropout_streams
 from parallel.state import ParallelState
@@ -42,6 +43,7 @@ def rank_spec(
         dropout=dropout_streams(rng_tracker, sequence_parallel and state.tp_size > 1),
         recompute=recompute or Recompute(),
         moe_tokens=moe_token_group(state, sequence_parallel),
+        expert_exchange=EPExchange.of(state) if state.ep_size > 1 else None,
     )
 
 

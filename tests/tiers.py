@@ -47,6 +47,7 @@ FAST_PARITY = {
     "FSDP": "tests/e2e/test_fsdp.py::test_fsdp_matches_single_process[fsdp-dp4]",
     "HSDP": "tests/e2e/test_fsdp.py::test_fsdp_matches_single_process[hsdp-2x2]",
     "8-rank PTD-P": "tests/e2e/test_layouts.py::test_layout_matches_single_process[tp2-pp2-dp2-zb-h1-sp-distopt]",
+    "MoE expert parallelism": "tests/e2e/test_moe_layouts.py::test_moe_layout_matches_single_process[ep2]",
 }
 
 

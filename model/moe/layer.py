@@ -25,6 +25,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.init import scaled_init_std
+from model.kernels import KernelSelection
 from model.moe import routing
 from model.moe.dispatch import AllToAllDispatcher, ExpertExchange
 from model.moe.experts import GroupedExperts, SharedExperts, permute, unpermute
@@ -220,6 +221,8 @@ class MoELayer(nn.Module):
     rank's E / ep experts, marked with their global range in ParamInfo.experts, and `dispatcher` sends tokens
     to their experts' ranks (model/moe/dispatch.py); None: every expert here, computed locally.
     `token_group`: the ranks holding the other parts of each micro-batch (default: this rank alone).
+    `kernels`: the fused kernels (model/kernels); grouped_mm among them runs the experts' multiplies as the
+    Triton kernel (None: no fused kernel).
     """
 
     def __init__(
@@ -228,6 +231,7 @@ class MoELayer(nn.Module):
         use_grouped_mm: bool = True,
         expert_exchange: ExpertExchange | None = None,
         token_group: TokenGroup | None = None,
+        kernels: KernelSelection | None = None,
     ):
         super().__init__()
         if not cfg.num_experts:
@@ -236,7 +240,13 @@ class MoELayer(nn.Module):
         self.dispatcher = None if expert_exchange is None else AllToAllDispatcher(expert_exchange, cfg.num_experts)
         local_experts = cfg.num_experts if self.dispatcher is None else self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
-            local_experts, cfg.hidden_size, cfg.moe_ffn_size, cfg.activation, cfg.add_bias_linear, use_grouped_mm
+            local_experts,
+            cfg.hidden_size,
+            cfg.moe_ffn_size,
+            cfg.activation,
+            cfg.add_bias_linear,
+            use_grouped_mm,
+            kernels,
         )
         if self.dispatcher is not None:
             for param in self.experts.parameters():

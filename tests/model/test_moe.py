@@ -344,3 +344,31 @@ def test_layout_free_init_gives_the_moe_weights_megatrons_rules():
     # layout-free: the stacked experts are one draw from (seed, global name)
     full = draw_full_parameter(layer + "experts.fc1_weight", (8, 256 * 2, HIDDEN), cfg, seed=7)
     torch.testing.assert_close(params[layer + "experts.fc1_weight"], full, rtol=0, atol=0)
+
+
+def test_model_build_hands_the_kernels_and_the_ep_exchange_to_the_moe_layers():
+    """The RankSpec reaches every MoE layer: model.fused_kernel_names=[grouped_mm] selects the grouped_mm
+    kernel in the experts (model/kernels.fuses_grouped_mm decides per device), and an ep exchange of 2 ranks
+    leaves rank 1 holding experts [2, 4) of 4, their global range in ParamInfo.experts."""
+    from model.gpt import GPTModel
+    from model.param_info import param_info
+    from model.rank_spec import RankSpec
+
+    class TwoRanks:  # the dispatcher's view of an ep group; the build itself sends nothing
+        ep_size, ep_rank = 2, 1
+
+        def all_to_all(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+            raise AssertionError("building a model exchanges no tokens")
+
+    cfg = moe_config(fused_kernels=True, fused_kernel_names=["grouped_mm"])
+    spec = replace(RankSpec.one_process(cfg), expert_exchange=TwoRanks())
+    with torch.device("meta"):
+        model = GPTModel(cfg, padded_vocab_size=128, spec=spec)
+    for _, moe in model.moe_layers():
+        assert moe.experts.kernels.uses("grouped_mm") and not moe.experts.kernels.uses("norm")
+        assert moe.experts.fc1_weight.shape[0] == 2
+        info = param_info(moe.experts.fc1_weight)
+        assert info.experts == (2, 4) and info.full_shape == (4, *moe.experts.fc1_weight.shape[1:])
+    with torch.device("meta"):
+        plain = GPTModel(moe_config(), padded_vocab_size=128)
+    assert not any(moe.experts.kernels.uses("grouped_mm") for _, moe in plain.moe_layers())

@@ -29,8 +29,8 @@ FORMAT2 = {  # tests/fixtures/checkpoint_format2: no cp (written before context 
 
 @pytest.mark.parametrize(
     "saved",
-    [FORMAT2, {**FORMAT2, "cp": 2, "schedule": "interleaved"}, {"tp": 2, "pp": 2, "vp": 1}, {}],
-    ids=["format2", "cp-and-schedule", "format1", "nothing"],
+    [FORMAT2, {**FORMAT2, "cp": 2, "schedule": "interleaved"}, {**FORMAT2, "ep": 2}, {"tp": 2, "pp": 2, "vp": 1}, {}],
+    ids=["format2", "cp-and-schedule", "ep", "format1", "nothing"],
 )
 def test_recorded_layouts_round_trip(saved: dict) -> None:
     assert CheckpointLayout.from_dict(saved).to_dict() == saved
@@ -43,6 +43,9 @@ def test_describe() -> None:
     cp = CheckpointLayout.from_dict({**FORMAT2, "cp": 2, "schedule": "interleaved", "sequence_parallel": True})
     assert cp.describe() == (
         "tp 2 x cp 2 x pp 1 x vp 1 x dp 2 (world 4, schedule interleaved, sequence parallel, distributed optimizer)"
+    )
+    assert CheckpointLayout.from_dict({**FORMAT2, "ep": 2}).describe() == (
+        "tp 2 x cp 1 x pp 1 x vp 1 x dp 2 (world 4, experts over ep 2, distributed optimizer)"
     )
     assert CheckpointLayout.from_dict({"tp": 2, "pp": 2, "vp": 1}).describe() == "tp 2 x cp 1 x pp 2 x vp 1 x dp ?"
     assert CheckpointLayout.from_dict({}).describe() == "an unknown layout"
@@ -74,6 +77,7 @@ def test_a_run_records_its_sizes_and_schedule() -> None:
         ({"dp": True}, "layout dp=True is not a whole number >= 1"),
         ({"tp": 1, "sequence_parallel": 1}, "layout sequence_parallel=1 is not a bool"),
         ({"tp": 1, "schedule": 3}, "layout schedule=3 is not a str"),
+        ({"tp": 1, "ep": 0}, "layout ep=0 is not a whole number >= 1"),
     ],
 )
 def test_bad_values_are_refused(saved: dict, message: str) -> None:
