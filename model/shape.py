@@ -199,6 +199,25 @@ def layer_params(
     return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg)
 
 
+def count_moe_layers(cfg: ModelConfig, layer_ids: Sequence[int]) -> int:
+    """How many of `layer_ids` hold an MoE layer (none without experts, without looking at each: the size check
+    counts models of millions of layers)."""
+    if not cfg.num_experts:
+        return 0
+    return sum(1 for layer_id in layer_ids if cfg.is_moe_layer(layer_id))
+
+
+def layers_params(cfg: ModelConfig, layer_ids: Sequence[int], tp_size: int = 1, ep_size: int = 1) -> int:
+    """Parameters of the transformer layers `layer_ids` on one (tp, ep) rank: each kind of layer (dense, MoE)
+    counted once and multiplied, so that the count costs no more for a million layers than for one."""
+    moe = count_moe_layers(cfg, layer_ids)
+    total = (len(layer_ids) - moe) * layer_params(cfg, tp_size, ep_size=ep_size)
+    if moe:
+        first_moe = next(layer_id for layer_id in layer_ids if cfg.is_moe_layer(layer_id))
+        total += moe * layer_params(cfg, tp_size, first_moe, ep_size=ep_size)
+    return total
+
+
 def routed_expert_params(cfg: ModelConfig, layer_ids: Sequence[int], ep_size: int = 1) -> int:
     """Parameters of the routed experts that one ep rank holds in layers `layer_ids`: E / ep experts' fc1 and
     fc2 (and biases) of each MoE layer among them, whole on every tp rank. What expert parallelism places
@@ -207,7 +226,7 @@ def routed_expert_params(cfg: ModelConfig, layer_ids: Sequence[int], ep_size: in
         return 0
     local = moe_gemms(cfg, cfg.num_experts // ep_size)
     per_layer = sum(gemm.params() for gemm in local if gemm.name.startswith("experts."))
-    return per_layer * sum(1 for layer_id in layer_ids if cfg.is_moe_layer(layer_id))
+    return per_layer * count_moe_layers(cfg, layer_ids)
 
 
 def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> int:
@@ -240,10 +259,9 @@ def rank_params(
     tied table. `layer_ids`: the rank's global layers; None gives it num_layers / pp of the model's average
     layer (exact for pp = 1 and for models whose layers are all alike). MoE layers hold E / ep routed experts."""
     if layer_ids is None:
-        every = sum(layer_params(cfg, tp_size, layer_id, ep_size=ep_size) for layer_id in range(cfg.num_layers))
-        total = every // pp_size
+        total = layers_params(cfg, range(cfg.num_layers), tp_size, ep_size) // pp_size
     else:
-        total = sum(layer_params(cfg, tp_size, layer_id, ep_size=ep_size) for layer_id in layer_ids)
+        total = layers_params(cfg, layer_ids, tp_size, ep_size)
     for pre, post in chunk_roles:
         total += (embedding_params(cfg, tp_size) if pre else 0) + (head_params(cfg, tp_size, pre) if post else 0)
     return total

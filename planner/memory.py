@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from model.shape import rank_params, routed_expert_params
+from model.shape import count_moe_layers, rank_params, routed_expert_params
 from parallel.layout import Layout
 from parallel.pipeline.schedules import Action, Op, build_schedule, unhandled_op
 from parallel.run_shape import RunShape
@@ -144,7 +144,7 @@ def rank_memory(
     if experts is not None and recompute != "full":
         moe_delta = moe_activation_delta(model, experts, shape.local_seq * shape.micro_batch, shape.value_bytes)
     chunk_bytes = [
-        sum(per_layer + (moe_delta if model.is_moe_layer(layer) else 0.0) for layer in chunk.layer_ids)
+        per_layer * len(chunk.layer_ids) + moe_delta * count_moe_layers(model, chunk.layer_ids)
         for chunk in run.chunks(pp_rank)
     ]
     head = head_activation_bytes(shape, run.padded_vocab)
