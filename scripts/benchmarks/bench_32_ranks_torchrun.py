@@ -39,6 +39,7 @@ MODEL = (
     "logging.log_interval=1",
     "logging.tensorboard=false",
     "data.num_workers=0",
+    "optim.lr_warmup_iters=2",
 )
 LAYOUT = (
     "parallel.tp_size=2",
@@ -81,6 +82,7 @@ def main() -> int:
     print(f"one process: {one:.1f} s; torchrun, 32 ranks (tp2 x pp4 x vp2 x dp4): {many:.1f} s ({env_note})")
     compare = [sys.executable, os.path.join(REPO_ROOT, "tools", "compare_runs.py")]
     compare += [os.path.join(args.dir, "one_process"), os.path.join(args.dir, "torchrun_32"), "--strict-iters", "-1"]
+    compare += ["--key", "lm_loss", "--key", "grad_norm"]
     return subprocess.run(compare).returncode
 
 
