@@ -47,6 +47,11 @@ def hf_architecture(cfg: ModelConfig) -> str:
     'mixtral' or 'qwen2_moe' (Llama's attention and norms; convert/hf_moe.moe_family); else refuse."""
     if cfg.num_experts:
         return moe_family(cfg)
+    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+        raise UnsupportedModelError(
+            "model.add_qkv_bias=true with model.add_bias_linear=false: GPT-2 and Llama have no biases on q, k, v "
+            "alone (Llama's attention_bias covers o_proj too)"
+        )
     style = (cfg.position_embedding_type, cfg.normalization, cfg.activation)
     if style in (("learned", "layernorm", "gelu"), ("learned", "layernorm", "gelu_tanh")):
         if cfg.query_groups != cfg.num_attention_heads:
@@ -358,6 +363,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
 
     ours: Tensors = {}
     bias_kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)  # Qwen2-MoE: q, k, v biases alone
     for i in range(cfg.num_layers):
         moe_layer = cfg.is_moe_layer(i)
         for our, theirs in layer_names(arch, i).items():
@@ -366,13 +372,14 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
             if moe_layer and our.startswith(f"layers.{i}.mlp."):
                 continue  # the MoE layer's tensors: import_moe_layer
             ours[our] = take(theirs)
-        for kind in bias_kinds:
+        for kind in qkv_kinds:
             targets = _qkv_targets(arch, i)
             if arch == "gpt2":
                 q, k, v = take(f"{targets[0]}.{kind}").chunk(3, dim=0)
             else:
                 q, k, v = (take(f"{t}.{kind}") for t in targets)
             ours[f"layers.{i}.attention.qkv.{kind}"] = merge_qkv(q, k, v, cfg)
+        for kind in bias_kinds:
             if arch != "gpt2" and not moe_layer:
                 gate = take(f"model.layers.{i}.mlp.gate_proj.{kind}")
                 ours[f"layers.{i}.mlp.fc1.{kind}"] = torch.cat([gate, take(f"model.layers.{i}.mlp.up_proj.{kind}")])

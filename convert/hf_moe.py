@@ -94,6 +94,7 @@ def moe_family(cfg: ModelConfig) -> str:
         f"model.moe_layer_freq={cfg.moe_layer_freq}: Mixtral has an MoE layer in every layer (dense layers "
         f"{dense} need Qwen2-MoE's mlp_only_layers, which comes with a gated shared expert)",
     )
+    _refuse(cfg.add_qkv_bias, "model.add_qkv_bias=true: Mixtral has no attention biases (Qwen2-MoE has)")
     return "mixtral"
 
 
@@ -127,7 +128,7 @@ def moe_hf_config(cfg: ModelConfig, llama: dict[str, object]) -> dict[str, objec
         "norm_topk_prob": not cfg.moe_router_pre_softmax,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
-        "qkv_bias": False,
+        "qkv_bias": cfg.add_qkv_bias,
         "use_sliding_window": False,
         "sliding_window": None,
         "layer_types": ["full_attention"] * cfg.num_layers,
@@ -161,7 +162,6 @@ def moe_model_config(config: HFSettings, llama: ModelConfig) -> ModelConfig:
             moe_router_pre_softmax=False,
             **routing,  # type: ignore[arg-type]  # the values' types are the keys' own
         )
-    _refuse(config.flag("qkv_bias", True), f"{source}: qkv_bias=true (biases on q, k, v alone) is not supported")
     _refuse(
         config.flag("use_sliding_window", False),
         f"{source}: use_sliding_window=true (sliding-window attention) is not supported",
@@ -180,6 +180,7 @@ def moe_model_config(config: HFSettings, llama: ModelConfig) -> ModelConfig:
         moe_ffn_hidden_size=config.size("moe_intermediate_size"),
         moe_shared_expert_ffn_hidden_size=config.size("shared_expert_intermediate_size"),
         moe_shared_expert_gate=True,
+        add_qkv_bias=config.flag("qkv_bias", True),  # transformers' default: Qwen2's biases on q, k, v
         moe_router_pre_softmax=not config.flag("norm_topk_prob", False),
         **routing,  # type: ignore[arg-type]
     )

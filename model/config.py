@@ -216,6 +216,14 @@ class ModelConfig:
         default=True,
         metadata=key_spec("Biases in the attention and MLP linears (false: Llama style).", also=_STRUCTURAL),
     )
+    add_qkv_bias: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Biases in the q, k and v projections even with model.add_bias_linear=false (Qwen2, Qwen2-MoE; "
+            "megatron-core's add_qkv_bias).",
+            also=_STRUCTURAL,
+        ),
+    )
     hidden_dropout: float = field(
         default=0.1,
         metadata=key_spec(
@@ -443,6 +451,11 @@ class ModelConfig:
             raise ValueError("model.moe_pad_expert_input_to_capacity=true needs model.moe_expert_capacity_factor")
 
     # ---- derived sizes ----------------------------------------------------------------------
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the qkv projection has a bias (model.add_bias_linear or model.add_qkv_bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads

@@ -134,7 +134,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
         layers = spec.tp.layers
-        self.qkv = layers.column_linear(cfg.hidden_size, qkv_size, cfg.add_bias_linear, 1)
+        self.qkv = layers.column_linear(cfg.hidden_size, qkv_size, cfg.qkv_bias, 1)
         self.core = CoreAttention(cfg.attention_dropout, spec.cp.attention, spec.dropout.attention)
         self.proj = layers.row_linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.add_bias_linear)
         self.recompute_core = spec.recompute.mode == "selective"

@@ -66,7 +66,7 @@ def layer_gemms(cfg: ModelConfig) -> tuple[Gemm, ...]:
     h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.add_bias_linear
     fc1_out = cfg.ffn_size * (2 if cfg.activation == "swiglu" else 1)
     return (
-        Gemm("qkv", h, (cfg.num_attention_heads + 2 * cfg.query_groups) * d, bias, "column"),
+        Gemm("qkv", h, (cfg.num_attention_heads + 2 * cfg.query_groups) * d, cfg.qkv_bias, "column"),
         Gemm("proj", cfg.num_attention_heads * d, h, bias, "row"),
         Gemm("fc1", h, fc1_out, bias, "column"),
         Gemm("fc2", cfg.ffn_size, h, bias, "row"),

@@ -39,7 +39,7 @@ ATTENTION: dict[str, Any] = dict(
 )
 FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02),
-    # norm_topk_prob false: the top-k of the softmax as it is; layer 1 dense (mlp_only_layers)
+    # norm_topk_prob false: the top-k of the softmax as it is; layer 1 dense (mlp_only_layers); q, k, v biases
     "qwen2_moe": dict(
         intermediate_size=48,
         moe_intermediate_size=32,
@@ -48,9 +48,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         norm_topk_prob=False,
         mlp_only_layers=[1],
-        qkv_bias=False,
+        qkv_bias=True,
     ),
-    # norm_topk_prob true: renormalised, every layer sparse
+    # norm_topk_prob true: renormalised, every layer sparse, no biases
     "qwen2_moe_normalised": dict(
         intermediate_size=48,
         moe_intermediate_size=32,
@@ -154,7 +154,6 @@ def _config_json(family: str, **changes: object) -> dict:
 @pytest.mark.parametrize(
     "family, changes, message",
     [
-        ("qwen2_moe", dict(qkv_bias=True), "config.json: qkv_bias=true (biases on q, k, v alone) is not supported"),
         ("qwen2_moe", dict(use_sliding_window=True), "config.json: use_sliding_window=true"),
         ("mixtral", dict(sliding_window=16), "config.json: sliding_window=16 below max_position_embeddings=160"),
         ("mixtral", dict(router_jitter_noise=0.1), "config.json: router_jitter_noise=0.1"),
@@ -176,6 +175,8 @@ def test_to_hf_refuses_an_moe_model_no_family_computes():
         (tiny_config("gpt", **moe), "model.num_experts=4 with position_embedding_type=learned"),
         (tiny_config("llama", **moe, moe_router_pre_softmax=True), "model.moe_router_pre_softmax=true without"),
         (tiny_config("llama", **moe, moe_expert_capacity_factor=1.0), "model.moe_expert_capacity_factor=1.0"),
+        (tiny_config("llama", **moe, add_qkv_bias=True), "model.add_qkv_bias=true: Mixtral has no attention"),
+        (tiny_config("llama", add_qkv_bias=True), "model.add_qkv_bias=true with model.add_bias_linear=false: GPT-2"),
         (tiny_config("llama", **moe, moe_layer_freq=2), "model.moe_layer_freq=2: Mixtral has an MoE layer in every"),
         (
             tiny_config("llama", **moe, moe_shared_expert_ffn_hidden_size=32),
