@@ -47,6 +47,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
     'mixtral' or 'qwen2_moe' (Llama's attention and norms; convert/hf_moe.moe_family); else refuse."""
     if cfg.num_experts:
         return moe_family(cfg)
+    if cfg.qk_layernorm:
+        raise UnsupportedModelError("model.qk_layernorm=true: GPT-2 and Llama have no q/k norm (OLMoE, an MoE, has)")
     if cfg.add_qkv_bias and not cfg.add_bias_linear:
         raise UnsupportedModelError(
             "model.add_qkv_bias=true with model.add_bias_linear=false: GPT-2 and Llama have no biases on q, k, v "

@@ -1,4 +1,5 @@
-"""transformers' Mixture-of-Experts families <-> our MoE layers: MixtralForCausalLM and Qwen2MoeForCausalLM.
+"""transformers' Mixture-of-Experts families <-> our MoE layers: MixtralForCausalLM, Qwen2MoeForCausalLM and
+OlmoeForCausalLM.
 
 Their attention, norms, embeddings and dense MLPs are Llama's (convert/hf_mapping.py maps those); this module
 holds what differs, the router settings of config.json and the tensors of the MoE layers:
@@ -9,11 +10,13 @@ holds what differs, the router settings of config.json and the tensors of the Mo
               ours experts.fc2_weight [E, h, f]                     transformers experts.e.w2 [h, f] (down_proj)
     shared    ours shared_experts.fc1.weight [2f_s, h] [gate; up]   transformers shared_expert.gate_proj, up_proj
               ours shared_experts.fc2.weight, gate_weight [1, h]    shared_expert.down_proj, shared_expert_gate
+    q/k norm  ours layers.i.attention.q_norm.weight [n d], k_norm [g d]  OLMoE self_attn.q_norm, k_norm
+              (model.qk_layernorm: RMSNorm over every head of the projection at once)
     routing   Mixtral: softmax over all experts, its top-k renormalised, which equals our softmax over the
-              top-k logits (model.moe_router_pre_softmax=false); Qwen2-MoE: the top-k of the softmax,
-              renormalised (norm_topk_prob=true: pre_softmax false) or not (pre_softmax true)
+              top-k logits (model.moe_router_pre_softmax=false); Qwen2-MoE and OLMoE: the top-k of the
+              softmax, renormalised (norm_topk_prob=true: pre_softmax false) or not (pre_softmax true)
 
-The prefix is `model.layers.i.block_sparse_moe.` for Mixtral and `model.layers.i.mlp.` for Qwen2-MoE. Experts
+The prefix is `model.layers.i.block_sparse_moe.` for Mixtral, `model.layers.i.mlp.` for Qwen2-MoE and OLMoE. Experts
 are written one tensor per expert, as transformers' save_pretrained writes them and the published checkpoints
 hold them; transformers' in-memory fused spelling (a model's state_dict(): experts.gate_up_proj [E, 2f, h],
 experts.down_proj [E, h, f], Mixtral's router under mlp.gate) is read too.
@@ -32,7 +35,11 @@ from model.config import ModelConfig
 Tensors = dict[str, torch.Tensor]
 
 # model_type -> the architecture written to config.json
-MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 
 # transformers' defaults of the router settings a config.json may leave out
 _DEFAULT_AUX_LOSS_COEF = 0.001
@@ -44,7 +51,7 @@ def _refuse(condition: bool, message: str) -> None:
 
 
 def moe_family(cfg: ModelConfig) -> str:
-    """'mixtral' or 'qwen2_moe': the transformers family an MoE model of ours is written as; a setting no
+    """'mixtral', 'qwen2_moe' or 'olmoe' (model.qk_layernorm): the transformers family an MoE model of ours is written as; a setting no
     family computes is refused in one line naming the key."""
     style = (cfg.position_embedding_type, cfg.normalization, cfg.activation)
     _refuse(
@@ -71,6 +78,16 @@ def moe_family(cfg: ModelConfig) -> str:
         f"model.moe_expert_capacity_factor={cfg.moe_expert_capacity_factor}: transformers' MoE layers drop no "
         "tokens, so the exported model would compute differently",
     )
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    if cfg.qk_layernorm:
+        _refuse(
+            bool(cfg.moe_shared_expert_ffn_hidden_size),
+            f"model.moe_shared_expert_ffn_hidden_size={cfg.moe_shared_expert_ffn_hidden_size} with "
+            "model.qk_layernorm=true: OLMoE has no shared expert",
+        )
+        _refuse(bool(dense), f"model.moe_layer_freq={cfg.moe_layer_freq}: OLMoE has an MoE layer in every layer")
+        _refuse(cfg.add_qkv_bias, "model.add_qkv_bias=true: OLMoE has no attention biases")
+        return "olmoe"
     if cfg.moe_shared_expert_ffn_hidden_size:
         _refuse(
             not cfg.moe_shared_expert_gate,
@@ -85,10 +102,9 @@ def moe_family(cfg: ModelConfig) -> str:
     )
     _refuse(
         cfg.moe_router_pre_softmax,
-        "model.moe_router_pre_softmax=true without a shared expert: that is OLMoE's routing, which to-hf does not "
-        "write yet (Mixtral renormalises: false; Qwen2-MoE has a gated shared expert)",
+        "model.moe_router_pre_softmax=true without a shared expert or model.qk_layernorm: Mixtral renormalises "
+        "(false), Qwen2-MoE has a gated shared expert, OLMoE a q/k norm",
     )
-    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
     _refuse(
         bool(dense),
         f"model.moe_layer_freq={cfg.moe_layer_freq}: Mixtral has an MoE layer in every layer (dense layers "
@@ -111,6 +127,15 @@ def moe_hf_config(cfg: ModelConfig, llama: dict[str, object]) -> dict[str, objec
         router_aux_loss_coef=cfg.moe_aux_loss_coeff,
         output_router_logits=False,
     )
+    if family == "olmoe":
+        return {
+            **common,
+            "intermediate_size": cfg.moe_ffn_size,
+            "num_experts": cfg.num_experts,
+            "norm_topk_prob": not cfg.moe_router_pre_softmax,
+            "clip_qkv": None,
+            "attention_bias": False,
+        }
     if family == "mixtral":
         return {
             **common,
@@ -162,6 +187,17 @@ def moe_model_config(config: HFSettings, llama: ModelConfig) -> ModelConfig:
             moe_router_pre_softmax=False,
             **routing,  # type: ignore[arg-type]  # the values' types are the keys' own
         )
+    if family == "olmoe":
+        clip = config.get("clip_qkv")
+        _refuse(clip is not None, f"{source}: clip_qkv={clip} (clamping q, k, v) is not supported")
+        return replace(
+            llama,
+            num_experts=config.size("num_experts"),
+            moe_ffn_hidden_size=llama.ffn_size,
+            moe_router_pre_softmax=not config.flag("norm_topk_prob", False),
+            qk_layernorm=True,
+            **routing,  # type: ignore[arg-type]
+        )
     _refuse(
         config.flag("use_sliding_window", False),
         f"{source}: use_sliding_window=true (sliding-window attention) is not supported",
@@ -198,6 +234,9 @@ def export_moe_layer(family: str, cfg: ModelConfig, ours: Tensors, i: int) -> Te
     ours_prefix = f"layers.{i}.mlp."
     prefix, (gate_name, up_name, down_name) = _layer_prefix(family, i)
     hf = {prefix + "gate.weight": ours[ours_prefix + "router.weight"]}
+    if cfg.qk_layernorm:
+        for norm in ("q_norm", "k_norm"):
+            hf[f"model.layers.{i}.self_attn.{norm}.weight"] = ours[f"layers.{i}.attention.{norm}.weight"]
     fc1, fc2 = ours[ours_prefix + "experts.fc1_weight"], ours[ours_prefix + "experts.fc2_weight"]
     for expert in range(fc1.shape[0]):
         gate, up = fc1[expert].chunk(2, dim=0)  # SwiGLU [gate; up]
@@ -219,6 +258,9 @@ def import_moe_layer(family: str, cfg: ModelConfig, take: Callable[[str], torch.
     prefix, (gate_name, up_name, down_name) = _layer_prefix(family, i)
     experts = range(cfg.num_experts or 0)
     ours = {ours_prefix + "router.weight": take(prefix + "gate.weight")}
+    if cfg.qk_layernorm:
+        for norm in ("q_norm", "k_norm"):
+            ours[f"layers.{i}.attention.{norm}.weight"] = take(f"model.layers.{i}.self_attn.{norm}.weight")
     ours[ours_prefix + "experts.fc1_weight"] = torch.stack(
         [
             torch.cat([take(f"{prefix}experts.{e}.{gate_name}.weight"), take(f"{prefix}experts.{e}.{up_name}.weight")])

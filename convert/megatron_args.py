@@ -159,6 +159,9 @@ TOKENIZERS = {
 
 def model_args(cfg: ModelConfig) -> dict[str, object]:
     """The model fields of Megatron-LM's args for `cfg` (export), in MODEL_ARGS order."""
+    if cfg.qk_layernorm:
+        # megatron-core's qk_layernorm normalises each head on its own; ours spans every head (OLMoE's)
+        raise UnsupportedModelError("model.qk_layernorm=true has no Megatron-LM counterpart (its norm is per head)")
     return {name: value for rule in MODEL_ARGS for name, value in rule.write(cfg).items()}
 
 

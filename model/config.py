@@ -224,6 +224,14 @@ class ModelConfig:
             also=_STRUCTURAL,
         ),
     )
+    qk_layernorm: bool = field(
+        default=False,
+        metadata=key_spec(
+            "RMSNorm on the query and on the key projections' whole outputs (every head together, before rotary: "
+            "OLMoE's q_norm / k_norm); parallel.tp_size=1 only. Needs model.normalization=rmsnorm.",
+            also=_STRUCTURAL,
+        ),
+    )
     hidden_dropout: float = field(
         default=0.1,
         metadata=key_spec(
@@ -399,6 +407,8 @@ class ModelConfig:
                 f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "
                 f"model.seq_length={self.seq_length}"
             )
+        if self.qk_layernorm and self.normalization != "rmsnorm":
+            raise ValueError(f"model.qk_layernorm=true needs model.normalization=rmsnorm, got {self.normalization}")
         self._validate_kernels()
         self._validate_moe()
         if self.position_embedding_type == "rope" and self.head_dim % 2:

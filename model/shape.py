@@ -185,7 +185,8 @@ def layer_params(cfg: ModelConfig, tp_size: int = 1, layer_id: int | None = None
     if layer_id is not None and cfg.is_moe_layer(layer_id):
         experts = cfg.moe_router_topk if active else cast(int, cfg.num_experts)
         gemms = gemms[:2] + moe_gemms(cfg, experts)
-    return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg)
+    qk_norms = (cfg.num_attention_heads + cfg.query_groups) * cfg.head_dim if cfg.qk_layernorm else 0
+    return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg) + qk_norms
 
 
 def embedding_params(cfg: ModelConfig, tp_size: int = 1) -> int:
@@ -251,6 +252,17 @@ def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape
     return [ParamShape(f"{prefix}.{kind}", cfg.hidden_size, sequence_parallel=sp) for kind in kinds]
 
 
+def _qk_norm_parameters(cfg: ModelConfig, prefix: str) -> list[ParamShape]:
+    """model.qk_layernorm's RMSNorm weights over the whole q [n x d] and k [g x d] (tp=1 only)."""
+    if not cfg.qk_layernorm:
+        return []
+    d = cfg.head_dim
+    return [
+        ParamShape(f"{prefix}.q_norm.weight", cfg.num_attention_heads * d),
+        ParamShape(f"{prefix}.k_norm.weight", cfg.query_groups * d),
+    ]
+
+
 def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[ParamShape]:
     """Weight and bias of one GEMM on one tp rank; a row-parallel bias is replicated (partial grad under SP)."""
     # nn.Linear's weight is [out, in]: a column split cuts its rows, a row split its columns
@@ -272,6 +284,7 @@ def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool) -> l
         _norm_parameters(cfg, f"{prefix}.input_norm", sp)
         + _gemm_parameters(qkv, f"{prefix}.attention.qkv", tp_size, sp)
         + _gemm_parameters(proj, f"{prefix}.attention.proj", tp_size, sp)
+        + _qk_norm_parameters(cfg, f"{prefix}.attention")
         + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
     )
     if cfg.is_moe_layer(layer):

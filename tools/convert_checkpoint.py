@@ -10,7 +10,7 @@ examples:
   python tools/convert_checkpoint.py consolidate runs/gpt_tiny/checkpoints gpt_tiny.pt
 
 to-hf writes GPT-2 style models as GPT2LMHeadModel, Llama style ones as LlamaForCausalLM and Llama style MoE
-models as MixtralForCausalLM or Qwen2MoeForCausalLM (with a gated shared expert), with the run's
+models as MixtralForCausalLM, Qwen2MoeForCausalLM (a gated shared expert) or OlmoeForCausalLM (q/k norm), with the run's
 tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
 checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections; the tokenizer files are
 copied into OUT_CHECKPOINT/tokenizer/ and named relative to it, so the folder can be moved) for fine-tuning:

@@ -117,6 +117,7 @@ def test_structural_keys_are_marked_on_the_config():
         "tie_embeddings",
         "add_bias_linear",
         "add_qkv_bias",
+        "qk_layernorm",
         "num_experts",
         "moe_layer_freq",
         "moe_ffn_hidden_size",

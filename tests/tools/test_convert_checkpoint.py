@@ -238,7 +238,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_files, tmp_pa
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     assert_refused(
         run_tool("from-hf", str(tmp_path / "bert"), out),
-        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2, llama, mixtral, qwen2_moe, olmoe",
         out,
     )
     assert_refused(
@@ -257,7 +257,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_files, tmp_pa
     )
     assert_refused(
         run_tool("from-hf", str(tmp_path / "bert"), out, "--tp", "3"),
-        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2, llama, mixtral, qwen2_moe, olmoe",
         out,
     )
 

@@ -1,9 +1,10 @@
-"""transformers' MoE families both ways (convert/hf_moe.py): a tiny random MixtralForCausalLM and
-Qwen2MoeForCausalLM built here (no download), saved with a byte-level tokenizer.json; from-hf gives our model
+"""transformers' MoE families both ways (convert/hf_moe.py): a tiny random MixtralForCausalLM,
+Qwen2MoeForCausalLM and OlmoeForCausalLM built here (no download), saved with a byte-level tokenizer.json; from-hf gives our model
 transformers' logits (fp32, within 1e-5), to-hf gives back a folder transformers loads with the same logits,
 and tools/generate.py's greedy text from the transformers folder equals transformers' greedy generate for 100
 tokens. What the families cannot express is refused in one line naming the key."""
 
+import argparse
 import json
 import shutil
 from typing import Any
@@ -13,10 +14,12 @@ import torch
 
 from convert.hf_mapping import UnsupportedModelError, model_config_from_hf
 from convert.model_weights import build_model_from_state, load_global_state
+from model.generation import generate_tokens
 from operations.startup import DistEnv
 from tests.data.test_hf_tokenizer import make_tokenizer_json
 from tests.tools.test_generate import PROMPT, greedy_tokens
 from tools.convert_checkpoint import from_hf, model_config_of, to_hf
+from tools.generate import make_logits_fn, prepare
 
 pytestmark = pytest.mark.tier("fast")
 
@@ -60,6 +63,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         norm_topk_prob=True,
         qkv_bias=False,
     ),
+    # the top-k of the softmax, not renormalised; RMSNorm over the whole q and k projections
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+}
+CLASSES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    "qwen2_moe_normalised": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
 }
 
 
@@ -79,11 +90,8 @@ def random_moe_model(family: str):
     import transformers
 
     torch.manual_seed(0)
-    model: transformers.PreTrainedModel
-    if family == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**ATTENTION, **FAMILIES[family]))
-    else:
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**ATTENTION, **FAMILIES[family]))
+    model_class, config_class = (getattr(transformers, name) for name in CLASSES[family])
+    model = model_class(config_class(**ATTENTION, **FAMILIES[family]))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2) if param.dim() > 1 else param.uniform_(-0.5, 1.5)
@@ -110,7 +118,8 @@ def test_moe_family_converts_both_ways_with_transformers_logits(family, tokenize
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
     config, tensors = load_global_state(str(tmp_path / "ours"))
     cfg = model_config_of(config)  # what from-hf wrote into the checkpoint's config.yaml
-    assert cfg.num_experts == 4 and cfg.moe_router_topk == 2
+    assert cfg.num_experts == FAMILIES[family]["num_experts" if family != "mixtral" else "num_local_experts"]
+    assert cfg.moe_router_topk == 2 and cfg.qk_layernorm == (family == "olmoe")
     with torch.no_grad():
         theirs = hf_model(TOKENS).logits
         ours = build_model_from_state(cfg, tensors)(TOKENS, POSITIONS)[..., :VOCAB]
@@ -133,8 +142,30 @@ def test_moe_family_converts_both_ways_with_transformers_logits(family, tokenize
     assert set(exported) == set(saved) and all(torch.equal(exported[name], saved[name]) for name in saved)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def greedy_without_stop(folder: str, max_new_tokens: int) -> list[int]:
+    """tools/generate.py's greedy tokens from a transformers folder, not stopping at the end of text."""
+    args = argparse.Namespace(
+        checkpoint=folder,
+        greedy=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        dtype="fp32",
+    )
+    env = DistEnv(1, 0, 0, 1, torch.device("cpu"))
+    model, cfg, state, tokenizer, sampling = prepare(args, env)
+    logits_fn = make_logits_fn(model, cfg, state)
+    ids = tokenizer.encode(PROMPT)
+    return list(
+        generate_tokens(logits_fn, ids, max_new_tokens, sampling, None, env.device, max_length=cfg.max_positions)
+    )
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
 def test_greedy_text_from_the_transformers_folder_equals_transformers(family, tokenizer_folder, tmp_path):
+    """100 greedy tokens with the end of text an ordinary token on both sides, and the tool's stop at it."""
     import transformers
 
     save_with_tokenizer(random_moe_model(family), tmp_path / "hf", tokenizer_folder)
@@ -142,9 +173,13 @@ def test_greedy_text_from_the_transformers_folder_equals_transformers(family, to
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
+        stopping = hf_model.generate(prompt, do_sample=False, max_new_tokens=100)[0, prompt.shape[1] :].tolist()
+        hf_model.generation_config.eos_token_id = None
         theirs = hf_model.generate(prompt, do_sample=False, max_new_tokens=100)[0, prompt.shape[1] :].tolist()
-    ours = greedy_tokens(str(tmp_path / "hf"), DistEnv(1, 0, 0, 1, torch.device("cpu")), 100)
-    assert ours == theirs and (len(ours) == 100 or ours[-1] == EOS)
+    assert len(theirs) == 100 and greedy_without_stop(str(tmp_path / "hf"), 100) == theirs
+    # generate_tokens stops at the end of text without yielding it; transformers keeps it
+    expected = stopping[:-1] if stopping[-1] == EOS else stopping
+    assert greedy_tokens(str(tmp_path / "hf"), DistEnv(1, 0, 0, 1, torch.device("cpu")), 100) == expected
 
 
 def _config_json(family: str, **changes: object) -> dict:
@@ -158,6 +193,7 @@ def _config_json(family: str, **changes: object) -> dict:
         ("mixtral", dict(sliding_window=16), "config.json: sliding_window=16 below max_position_embeddings=160"),
         ("mixtral", dict(router_jitter_noise=0.1), "config.json: router_jitter_noise=0.1"),
         ("mixtral", dict(num_experts_per_tok=None), "config.json: num_experts_per_tok is None, not a whole number"),
+        ("olmoe", dict(clip_qkv=8.0), "config.json: clip_qkv=8.0 (clamping q, k, v) is not supported"),
     ],
 )
 def test_what_the_trainer_cannot_compute_is_refused_naming_the_field(family, changes, message):
@@ -174,6 +210,11 @@ def test_to_hf_refuses_an_moe_model_no_family_computes():
     cases = [
         (tiny_config("gpt", **moe), "model.num_experts=4 with position_embedding_type=learned"),
         (tiny_config("llama", **moe, moe_router_pre_softmax=True), "model.moe_router_pre_softmax=true without"),
+        (tiny_config("llama", qk_layernorm=True), "model.qk_layernorm=true: GPT-2 and Llama have no q/k norm"),
+        (
+            tiny_config("llama", **moe, qk_layernorm=True, moe_layer_freq=2),
+            "model.moe_layer_freq=2: OLMoE has an MoE layer in every layer",
+        ),
         (tiny_config("llama", **moe, moe_expert_capacity_factor=1.0), "model.moe_expert_capacity_factor=1.0"),
         (tiny_config("llama", **moe, add_qkv_bias=True), "model.add_qkv_bias=true: Mixtral has no attention"),
         (tiny_config("llama", add_qkv_bias=True), "model.add_qkv_bias=true with model.add_bias_linear=false: GPT-2"),
@@ -187,3 +228,20 @@ def test_to_hf_refuses_an_moe_model_no_family_computes():
         with pytest.raises(UnsupportedModelError) as error:
             hf_config(cfg, 0, 0)
         assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_qk_layernorm_is_refused_under_tensor_parallelism():
+    """OLMoE's q/k norm spans every head; a tp rank holds only its own, so tp > 1 is refused naming the key."""
+    from model.gpt import GPTModel
+    from model.kernels import KernelSelection
+    from model.rank_spec import RankSpec
+    from model.tp_hooks import TensorParallelHooks
+    from tests.tiny_models import tiny_config
+
+    cfg = tiny_config("llama", qk_layernorm=True)
+    with pytest.raises(ValueError, match=r"^model.qk_layernorm=true needs parallel.tp_size=1, got 2$"):
+        GPTModel(
+            cfg, cfg.padded_vocab_size(2), spec=RankSpec(kernels=KernelSelection(), tp=TensorParallelHooks(tp_size=2))
+        )
+    with pytest.raises(ValueError, match=r"^model.qk_layernorm=true needs model.normalization=rmsnorm"):
+        tiny_config("gpt", qk_layernorm=True).validate()
