@@ -180,8 +180,9 @@ def copy_tokenizer_files(data: dict, root: str) -> dict:
 
 
 def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
-    """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout. The config,
-    the weights and the tokenizer files are checked against each other before anything is written."""
+    """A transformers GPT-2, Llama, Mixtral, Qwen2-MoE or OLMoE folder -> our checkpoint (and config.yaml) at
+    the asked layout. The config, the weights and the tokenizer files are checked against each other before
+    anything is written."""
     check_output_free(out)  # before reading the weights
     cfg = hf_model_config(hf_dir)
     parallel = layout_section(cfg, tp, pp, vp)  # before reading the weights too

@@ -245,3 +245,20 @@ def test_qk_layernorm_is_refused_under_tensor_parallelism():
         )
     with pytest.raises(ValueError, match=r"^model.qk_layernorm=true needs model.normalization=rmsnorm"):
         tiny_config("gpt", qk_layernorm=True).validate()
+
+
+def test_from_hf_at_tp2_pp2_holds_the_same_experts_and_olmoe_refuses_tp2(tokenizer_folder, tmp_path):
+    """from-hf to tp2 x pp2 writes the layout-free pieces: read back at one process they equal the tp1
+    conversion's, stacked experts included; OLMoE's q/k norm cannot run at tp2, so from-hf refuses it in one line
+    and writes nothing."""
+    save_with_tokenizer(random_moe_model("qwen2_moe"), tmp_path / "hf", tokenizer_folder)
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "tp1"))
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "tp2pp2"), tp=2, pp=2)
+    (_, single), (config, split) = load_global_state(str(tmp_path / "tp1")), load_global_state(str(tmp_path / "tp2pp2"))
+    assert config["parallel"]["tp_size"] == 2 and config["parallel"]["pp_size"] == 2
+    assert "layers.0.mlp.experts.fc1_weight" in single and set(split) == set(single)
+    assert all(torch.equal(split[name], single[name]) for name in single)
+    save_with_tokenizer(random_moe_model("olmoe"), tmp_path / "olmoe", tokenizer_folder)
+    with pytest.raises(ValueError, match=r"^model.qk_layernorm=true needs parallel.tp_size=1, got 2$"):
+        from_hf(str(tmp_path / "olmoe"), str(tmp_path / "olmoe_tp2"), tp=2)
+    assert not (tmp_path / "olmoe_tp2").exists()
