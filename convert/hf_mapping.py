@@ -1,4 +1,5 @@
-"""Exact mappings between our global state dict and transformers' GPT2LMHeadModel / LlamaForCausalLM.
+"""Exact mappings between our global state dict and transformers' GPT2LMHeadModel / LlamaForCausalLM, and
+the Llama-style MoE families MixtralForCausalLM / Qwen2MoeForCausalLM (their MoE layers: convert/hf_moe.py).
 
 Our global state dict is a single-process GPTModel's (`layers.5.mlp.fc1.weight`, vocabulary rows padded to
 ModelConfig.padded_vocab_size(1)). The layouts that differ:
@@ -15,10 +16,19 @@ Pure tensors and dicts: the files (config.json, safetensors, tokenizer) are writ
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
+from convert.hf_moe import (
+    MOE_ARCHITECTURES,
+    export_moe_layer,
+    import_moe_layer,
+    moe_family,
+    moe_hf_config,
+    moe_model_config,
+    per_expert_tensors,
+)
+from convert.hf_settings import HFSettings, UnsupportedModelError
 from model.config import ModelConfig
 from parallel.tensor_parallel import param_shardings
 
@@ -31,13 +41,19 @@ GELU_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "g
 HF_GELU = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
-class UnsupportedModelError(ValueError):
-    """A model or option the mapping does not cover; the message names it."""
-
-
 # ---- architecture ----------------------------------------------------------------------------------
 def hf_architecture(cfg: ModelConfig) -> str:
-    """'gpt2' (learned positions, LayerNorm, GeLU) or 'llama' (rope, RMSNorm, SwiGLU); else refuse."""
+    """'gpt2' (learned positions, LayerNorm, GeLU) or 'llama' (rope, RMSNorm, SwiGLU), or for an MoE model
+    'mixtral' or 'qwen2_moe' (Llama's attention and norms; convert/hf_moe.moe_family); else refuse."""
+    if cfg.num_experts:
+        return moe_family(cfg)
+    if cfg.qk_layernorm:
+        raise UnsupportedModelError("model.qk_layernorm=true: GPT-2 and Llama have no q/k norm (OLMoE, an MoE, has)")
+    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+        raise UnsupportedModelError(
+            "model.add_qkv_bias=true with model.add_bias_linear=false: GPT-2 and Llama have no biases on q, k, v "
+            "alone (Llama's attention_bias covers o_proj too)"
+        )
     style = (cfg.position_embedding_type, cfg.normalization, cfg.activation)
     if style in (("learned", "layernorm", "gelu"), ("learned", "layernorm", "gelu_tanh")):
         if cfg.query_groups != cfg.num_attention_heads:
@@ -81,7 +97,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, object]:
             "layer_norm_epsilon": cfg.norm_epsilon,
             "scale_attn_weights": True,
         }
-    return {
+    llama: dict[str, object] = {
         **common,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -99,6 +115,7 @@ def hf_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, object]:
         "mlp_bias": cfg.add_bias_linear,
         "attention_dropout": cfg.attention_dropout,
     }
+    return llama if not cfg.num_experts else moe_hf_config(cfg, llama)
 
 
 def _refuse(condition: bool, option: str) -> None:
@@ -107,61 +124,27 @@ def _refuse(condition: bool, option: str) -> None:
 
 
 def model_config_from_hf(config: Mapping[str, object], source: str = "config.json") -> ModelConfig:
-    """Our model section for a transformers config.json (GPT-2 or Llama), checked as the trainer checks its
-    model section; unsupported options and malformed values refused naming `source` and the key."""
+    """Our model section for a transformers config.json (GPT-2, Llama, Mixtral or Qwen2-MoE), checked as the
+    trainer checks its model section; unsupported options and malformed values refused naming `source` and the
+    key."""
     model_type = config.get("model_type")
     if model_type == "gpt2":
         cfg = _gpt2_model_config(HFSettings(config, source))
     elif model_type == "llama":
         cfg = _llama_model_config(HFSettings(config, source))
+    elif model_type in MOE_ARCHITECTURES:
+        settings = HFSettings(config, source)
+        cfg = moe_model_config(settings, _llama_model_config(settings))
     else:
         raise UnsupportedModelError(
-            f"model_type={model_type!r} (architectures {config.get('architectures')}) is not supported: only gpt2 "
-            "and llama"
+            f"model_type={model_type!r} (architectures {config.get('architectures')}) is not supported: only gpt2, "
+            f"llama, {', '.join(MOE_ARCHITECTURES)}"
         )
     try:
         cfg.validate()
     except ValueError as err:
         raise UnsupportedModelError(f"{source} describes a model the trainer refuses: {err}") from None
     return cfg
-
-
-class HFSettings:
-    """A config.json's values read with their types checked: a missing size or one of the wrong type is one
-    line naming the file and the key, not a KeyError deep in the mapping."""
-
-    def __init__(self, config: Mapping[str, object], source: str) -> None:
-        self.config, self.source = config, source
-
-    def get(self, key: str, default: object = None) -> Any:
-        """A value that needs no check (strings, flags, nested sections: any JSON value), or the default."""
-        return self.config.get(key, default)
-
-    def size(self, key: str, default: int | None = None, optional: bool = False) -> int:
-        """A positive whole number; `optional`: absent or null gives `default`."""
-        value = self.config.get(key)
-        if value is None and (optional or default is not None):
-            return default  # type: ignore[return-value]  # None only where the caller allows it
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            shown = "missing" if key not in self.config else f"{value!r}, not a whole number >= 1"
-            raise UnsupportedModelError(
-                f"{self.source}: {key} is {shown}; a {self.config['model_type']} config needs it"
-            )
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        """true or false, or the default when absent."""
-        value = self.config.get(key, default)
-        if not isinstance(value, bool):
-            raise UnsupportedModelError(f"{self.source}: {key} is {value!r}, not true or false")
-        return value
-
-    def number(self, key: str, default: float) -> float:
-        """A real number (epsilon, dropout, init range, rope theta), or the default when absent."""
-        value = self.config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UnsupportedModelError(f"{self.source}: {key} is {value!r}, not a number")
-        return float(value)
 
 
 def _gpt2_model_config(config: HFSettings) -> ModelConfig:
@@ -326,9 +309,11 @@ def to_hf_state_dict(cfg: ModelConfig, ours: Tensors) -> Tensors:
         for kind in ("weight", "bias"):
             if f"layers.{i}.attention.qkv.{kind}" in ours:
                 _export_qkv(arch, cfg, ours[f"layers.{i}.attention.qkv.{kind}"], kind, i, hf)
-            if arch == "llama" and f"layers.{i}.mlp.fc1.{kind}" in ours:
+            if arch != "gpt2" and f"layers.{i}.mlp.fc1.{kind}" in ours:
                 gate, up = ours[f"layers.{i}.mlp.fc1.{kind}"].chunk(2, dim=0)  # SwiGLU [gate; up]
                 hf[f"model.layers.{i}.mlp.gate_proj.{kind}"], hf[f"model.layers.{i}.mlp.up_proj.{kind}"] = gate, up
+        if cfg.is_moe_layer(i):
+            hf.update(export_moe_layer(arch, cfg, ours, i))
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:
             continue
@@ -366,6 +351,8 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
     cfg.padded_vocab_size(1)). A transformers tensor with no counterpart here is refused by name."""
     arch = hf_architecture(cfg)
     hf = {name: (t.t() if _is_conv1d(arch, name) else t) for name, t in hf.items()}
+    if cfg.num_experts:
+        hf = per_expert_tensors(arch, cfg, hf)
     used: set[str] = set()
 
     def take(name: str, missing: str | None = None) -> torch.Tensor:
@@ -378,21 +365,28 @@ def from_hf_state_dict(cfg: ModelConfig, hf: Tensors) -> Tensors:
 
     ours: Tensors = {}
     bias_kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)  # Qwen2-MoE: q, k, v biases alone
     for i in range(cfg.num_layers):
+        moe_layer = cfg.is_moe_layer(i)
         for our, theirs in layer_names(arch, i).items():
             if our.endswith(".bias") and "norm" not in our and not cfg.add_bias_linear:
                 continue
+            if moe_layer and our.startswith(f"layers.{i}.mlp."):
+                continue  # the MoE layer's tensors: import_moe_layer
             ours[our] = take(theirs)
-        for kind in bias_kinds:
+        for kind in qkv_kinds:
             targets = _qkv_targets(arch, i)
             if arch == "gpt2":
                 q, k, v = take(f"{targets[0]}.{kind}").chunk(3, dim=0)
             else:
                 q, k, v = (take(f"{t}.{kind}") for t in targets)
             ours[f"layers.{i}.attention.qkv.{kind}"] = merge_qkv(q, k, v, cfg)
-            if arch == "llama":
+        for kind in bias_kinds:
+            if arch != "gpt2" and not moe_layer:
                 gate = take(f"model.layers.{i}.mlp.gate_proj.{kind}")
                 ours[f"layers.{i}.mlp.fc1.{kind}"] = torch.cat([gate, take(f"model.layers.{i}.mlp.up_proj.{kind}")])
+        if moe_layer:
+            ours.update(import_moe_layer(arch, cfg, take, i))
     padded, shardings = cfg.padded_vocab_size(1), param_shardings(cfg)
     for our, theirs in global_names(arch).items():
         if our == "output_layer.weight" and cfg.tie_embeddings:

@@ -121,8 +121,13 @@ MODEL_ARGS: tuple[ArgRule, ...] = (
     fixed("squared_relu"),
     ArgRule(
         "add_bias_linear",
-        lambda cfg: {"add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.add_bias_linear},
+        lambda cfg: {"add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.qkv_bias},
         lambda args: _arg(args, "add_bias_linear", True),
+    ),
+    ArgRule(
+        "add_qkv_bias",
+        lambda cfg: {},  # written with add_bias_linear above
+        lambda args: bool(_arg(args, "add_qkv_bias", False)) and not _arg(args, "add_bias_linear", True),
     ),
     ArgRule(
         "tie_embeddings",
@@ -154,6 +159,9 @@ TOKENIZERS = {
 
 def model_args(cfg: ModelConfig) -> dict[str, object]:
     """The model fields of Megatron-LM's args for `cfg` (export), in MODEL_ARGS order."""
+    if cfg.qk_layernorm:
+        # megatron-core's qk_layernorm normalises each head on its own; ours spans every head (OLMoE's)
+        raise UnsupportedModelError("model.qk_layernorm=true has no Megatron-LM counterpart (its norm is per head)")
     return {name: value for rule in MODEL_ARGS for name, value in rule.write(cfg).items()}
 
 
@@ -174,10 +182,10 @@ def refuse_unsupported(args: Args) -> None:
             f"(needs hidden_size / num_attention_heads = {hidden // heads})"
         )
     add_bias = _arg(args, "add_bias_linear", True)
-    if _arg(args, "add_qkv_bias", add_bias) != add_bias:
+    if add_bias and not _arg(args, "add_qkv_bias", add_bias):
         raise UnsupportedModelError(
             f"Megatron option add_qkv_bias={args.add_qkv_bias} with add_bias_linear="
-            f"{add_bias} is not supported (one bias switch for every linear layer)"
+            f"{add_bias} is not supported (biases on every linear layer but q, k, v)"
         )
 
 

@@ -108,6 +108,8 @@ def meta_state(cfg: ModelConfig) -> Tensors:
 def check_layout(cfg: ModelConfig, tp: int, pp: int, vp: int) -> ParallelConfig:
     """The parallel section of a conversion to (tp, pp, vp), checked by the trainer's own rules
     (parallel/layout.py): a layout the trainer would refuse is refused with the trainer's message."""
+    if cfg.qk_layernorm and tp > 1:  # the model build refuses it too; say so before anything is written
+        raise ValueError(f"model.qk_layernorm=true needs parallel.tp_size=1, got {tp}")
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, vp_size=vp, schedule="interleaved" if vp > 1 else "1f1b")
     build_layout(cfg, parallel, TrainConfig(micro_batch_size=1, global_batch_size=pp), world_size=tp * pp)
     return parallel

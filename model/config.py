@@ -216,6 +216,22 @@ class ModelConfig:
         default=True,
         metadata=key_spec("Biases in the attention and MLP linears (false: Llama style).", also=_STRUCTURAL),
     )
+    add_qkv_bias: bool = field(
+        default=False,
+        metadata=key_spec(
+            "Biases in the q, k and v projections even with model.add_bias_linear=false (Qwen2, Qwen2-MoE; "
+            "megatron-core's add_qkv_bias).",
+            also=_STRUCTURAL,
+        ),
+    )
+    qk_layernorm: bool = field(
+        default=False,
+        metadata=key_spec(
+            "RMSNorm on the query and on the key projections' whole outputs (every head together, before rotary: "
+            "OLMoE's q_norm / k_norm); parallel.tp_size=1 only. Needs model.normalization=rmsnorm.",
+            also=_STRUCTURAL,
+        ),
+    )
     hidden_dropout: float = field(
         default=0.1,
         metadata=key_spec(
@@ -391,6 +407,8 @@ class ModelConfig:
                 f"model.max_position_embeddings={self.max_position_embeddings} is smaller than "
                 f"model.seq_length={self.seq_length}"
             )
+        if self.qk_layernorm and self.normalization != "rmsnorm":
+            raise ValueError(f"model.qk_layernorm=true needs model.normalization=rmsnorm, got {self.normalization}")
         self._validate_kernels()
         self._validate_moe()
         if self.position_embedding_type == "rope" and self.head_dim % 2:
@@ -443,6 +461,11 @@ class ModelConfig:
             raise ValueError("model.moe_pad_expert_input_to_capacity=true needs model.moe_expert_capacity_factor")
 
     # ---- derived sizes ----------------------------------------------------------------------
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the qkv projection has a bias (model.add_bias_linear or model.add_qkv_bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads

@@ -134,9 +134,16 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_size = cfg.query_groups * (self.heads_per_group + 2) * cfg.head_dim
         layers = spec.tp.layers
-        self.qkv = layers.column_linear(cfg.hidden_size, qkv_size, cfg.add_bias_linear, 1)
+        self.qkv = layers.column_linear(cfg.hidden_size, qkv_size, cfg.qkv_bias, 1)
         self.core = CoreAttention(cfg.attention_dropout, spec.cp.attention, spec.dropout.attention)
         self.proj = layers.row_linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.add_bias_linear)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            if spec.tp.tp_size > 1:
+                # The norm's statistics span every head, and a tp rank holds only its own heads.
+                raise ValueError(f"model.qk_layernorm=true needs parallel.tp_size=1, got {spec.tp.tp_size}")
+            self.q_norm = nn.RMSNorm(cfg.num_attention_heads * cfg.head_dim, eps=cfg.norm_epsilon)
+            self.k_norm = nn.RMSNorm(cfg.query_groups * cfg.head_dim, eps=cfg.norm_epsilon)
         self.recompute_core = spec.recompute.mode == "selective"
         self.checkpoint_fn: CheckpointFn | None = spec.recompute.checkpoint_fn
         self.kernels = spec.kernels
@@ -155,6 +162,9 @@ class SelfAttention(nn.Module):
         mixed = mixed.view(s, b, -1, (hpg + 2) * d)  # [s, b, groups_local, (hpg + 2) * d]
         q, k, v = torch.split(mixed, [hpg * d, d, d], dim=-1)
         q = q.reshape(s, b, -1, d)  # [s, b, heads_local, d]
+        if self.q_norm is not None and self.k_norm is not None:  # over all heads at once: [s, b, n * d]
+            q = self.q_norm(q.reshape(s, b, -1)).view_as(q)
+            k = self.k_norm(k.reshape(s, b, -1)).view_as(k)
         if rotary is not None:
             q, k = kernels.rotary_qk(q, k, rotary[0], rotary[1], self.kernels)
         if kv_cache is not None:  # incremental decoding: attend over every cached position too

@@ -69,7 +69,7 @@ def layer_gemms(cfg: ModelConfig) -> tuple[Gemm, ...]:
     h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.add_bias_linear
     fc1_out = cfg.ffn_size * (2 if cfg.activation == "swiglu" else 1)
     return (
-        Gemm("qkv", h, (cfg.num_attention_heads + 2 * cfg.query_groups) * d, bias, "column"),
+        Gemm("qkv", h, (cfg.num_attention_heads + 2 * cfg.query_groups) * d, cfg.qkv_bias, "column"),
         Gemm("proj", cfg.num_attention_heads * d, h, bias, "row"),
         Gemm("fc1", h, fc1_out, bias, "column"),
         Gemm("fc2", cfg.ffn_size, h, bias, "row"),
@@ -196,7 +196,8 @@ def layer_params(
     if layer_id is not None and cfg.is_moe_layer(layer_id):
         experts = cfg.moe_router_topk if active else cast(int, cfg.num_experts) // ep_size
         gemms = gemms[:2] + moe_gemms(cfg, experts)
-    return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg)
+    qk_norms = (cfg.num_attention_heads + cfg.query_groups) * cfg.head_dim if cfg.qk_layernorm else 0
+    return sum(gemm.params(tp_size) for gemm in gemms) + 2 * norm_params(cfg) + qk_norms
 
 
 def count_moe_layers(cfg: ModelConfig, layer_ids: Sequence[int]) -> int:
@@ -303,6 +304,17 @@ def _norm_parameters(cfg: ModelConfig, prefix: str, sp: bool) -> list[ParamShape
     return [ParamShape(f"{prefix}.{kind}", cfg.hidden_size, sequence_parallel=sp) for kind in kinds]
 
 
+def _qk_norm_parameters(cfg: ModelConfig, prefix: str) -> list[ParamShape]:
+    """model.qk_layernorm's RMSNorm weights over the whole q [n x d] and k [g x d] (tp=1 only)."""
+    if not cfg.qk_layernorm:
+        return []
+    d = cfg.head_dim
+    return [
+        ParamShape(f"{prefix}.q_norm.weight", cfg.num_attention_heads * d),
+        ParamShape(f"{prefix}.k_norm.weight", cfg.query_groups * d),
+    ]
+
+
 def _gemm_parameters(gemm: Gemm, prefix: str, tp_size: int, sp: bool) -> list[ParamShape]:
     """Weight and bias of one GEMM on one tp rank; a row-parallel bias is replicated (partial grad under SP)."""
     # nn.Linear's weight is [out, in]: a column split cuts its rows, a row split its columns
@@ -324,6 +336,7 @@ def _layer_parameters(cfg: ModelConfig, layer: int, tp_size: int, sp: bool, ep_s
         _norm_parameters(cfg, f"{prefix}.input_norm", sp)
         + _gemm_parameters(qkv, f"{prefix}.attention.qkv", tp_size, sp)
         + _gemm_parameters(proj, f"{prefix}.attention.proj", tp_size, sp)
+        + _qk_norm_parameters(cfg, f"{prefix}.attention")
         + _norm_parameters(cfg, f"{prefix}.post_attention_norm", sp)
     )
     if cfg.is_moe_layer(layer):

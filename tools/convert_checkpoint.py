@@ -9,7 +9,8 @@ examples:
   python tools/convert_checkpoint.py to-megatron runs/gpt_tiny/checkpoints megatron/gpt_tiny --tp 2 --pp 2
   python tools/convert_checkpoint.py consolidate runs/gpt_tiny/checkpoints gpt_tiny.pt
 
-to-hf writes GPT-2 style models as GPT2LMHeadModel and Llama style ones as LlamaForCausalLM, with the run's
+to-hf writes GPT-2 style models as GPT2LMHeadModel, Llama style ones as LlamaForCausalLM and Llama style MoE
+models as MixtralForCausalLM, Qwen2MoeForCausalLM (a gated shared expert) or OlmoeForCausalLM (q/k norm), with the run's
 tokenizer (AutoTokenizer.from_pretrained(OUT_DIR) works). from-hf and from-megatron write a weights-only
 checkpoint and OUT_CHECKPOINT/config.yaml (model, tokenizer and layout sections; the tokenizer files are
 copied into OUT_CHECKPOINT/tokenizer/ and named relative to it, so the folder can be moved) for fine-tuning:
@@ -67,7 +68,7 @@ def model_config_of(config: dict) -> ModelConfig:
 
 def refuse_experts(cfg: ModelConfig, command: str) -> None:
     """Refuse a Mixture-of-Experts model where `command` writes a format its mapping holds no experts for (it
-    would drop every MoE layer's weights and write a model that is not this one)."""
+    would drop every MoE layer's weights and write a model that is not this one): Megatron-LM's, for now."""
     if cfg.num_experts:
         raise UnsupportedModelError(
             f"model.num_experts={cfg.num_experts}: {command} maps dense models only (no MoE layers yet); "
@@ -83,8 +84,7 @@ def to_hf(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: st
     source = ModelSource.checkpoint(checkpoint)
     config, tensors = global_state(source)
     print(f"loaded {source.describe()}")
-    cfg = model_config_of(config)
-    refuse_experts(cfg, "to-hf")
+    cfg = model_config_of(config)  # an MoE model the transformers families cannot express: hf_architecture refuses
     warn_about_normalization(config["data"])
     torch_dtype = precision_dtype(dtype)
     hf_tensors = {k: v.to(torch_dtype) for k, v in to_hf_state_dict(cfg, tensors).items()}
@@ -180,8 +180,9 @@ def copy_tokenizer_files(data: dict, root: str) -> dict:
 
 
 def from_hf(hf_dir: str, out: str, tp: int = 1, pp: int = 1, vp: int = 1) -> str:
-    """A transformers GPT-2 or Llama folder -> our checkpoint (and config.yaml) at the asked layout. The config,
-    the weights and the tokenizer files are checked against each other before anything is written."""
+    """A transformers GPT-2, Llama, Mixtral, Qwen2-MoE or OLMoE folder -> our checkpoint (and config.yaml) at
+    the asked layout. The config, the weights and the tokenizer files are checked against each other before
+    anything is written."""
     check_output_free(out)  # before reading the weights
     cfg = hf_model_config(hf_dir)
     parallel = layout_section(cfg, tp, pp, vp)  # before reading the weights too

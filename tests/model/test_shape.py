@@ -116,6 +116,8 @@ def test_structural_keys_are_marked_on_the_config():
         "activation",
         "tie_embeddings",
         "add_bias_linear",
+        "add_qkv_bias",
+        "qk_layernorm",
         "num_experts",
         "moe_layer_freq",
         "moe_ffn_hidden_size",
@@ -126,16 +128,19 @@ def test_structural_keys_are_marked_on_the_config():
     assert checkpoint_keys("resume_only") == ("seq_length", "rotary_base")
 
 
-def test_gemm_count_follows_the_built_model():
-    """The GEMMs of model/shape.py are the Linear layers of one built layer, in order and size."""
+@pytest.mark.parametrize("overrides", [[], ["model.add_qkv_bias=true"]], ids=("no-bias", "qkv-bias"))
+def test_gemm_count_follows_the_built_model(overrides):
+    """The GEMMs of model/shape.py are the Linear layers of one built layer, in order, size and bias (Llama
+    style: none, or on the qkv projection alone with model.add_qkv_bias)."""
     from model.shape import layer_gemms
 
-    config = load_config(os.path.join(REPO_ROOT, "configs", "llama_tiny.yaml"), ["model.vocab_size=1000"])
+    config = load_config(os.path.join(REPO_ROOT, "configs", "llama_tiny.yaml"), ["model.vocab_size=1000", *overrides])
     with torch.device("meta"):
         layer = GPTModel(config.model, config.model.padded_vocab_size(1), layer_ids=[0]).layers["0"]
     linears = [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)]
-    shapes = [(g.in_features, g.out_features) for g in layer_gemms(config.model)]
-    assert shapes == [(mod.in_features, mod.out_features) for mod in linears]
+    shapes = [(g.in_features, g.out_features, g.bias) for g in layer_gemms(config.model)]
+    assert shapes == [(mod.in_features, mod.out_features, mod.bias is not None) for mod in linears]
+    assert [g.bias for g in layer_gemms(config.model)] == [bool(overrides), False, False, False]
 
 
 def test_fsdp_shard_rows_are_torch_chunks_split():

@@ -31,6 +31,8 @@ MIB = 2.0**20
         ("gpt_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
         ("llama_tiny.yaml", ["parallel.pp_size=2", "parallel.vp_size=2", "parallel.schedule=zb-v"]),
         ("moe_tiny.yaml", ["parallel.tp_size=2", "parallel.pp_size=2"]),  # every layer MoE, replicated over tp
+        # OLMoE's q/k norm (tp=1 only) and Qwen2's q, k, v biases alone
+        ("llama_tiny.yaml", ["parallel.pp_size=2", "model.qk_layernorm=true", "model.add_qkv_bias=true"]),
     ],
 )
 def test_rank_params_equal_the_meta_model(config_name, overrides):
@@ -56,6 +58,7 @@ def test_rank_params_equal_the_meta_model(config_name, overrides):
             "moe_tiny.yaml",
             ["model.moe_layer_freq=2", "model.activation=swiglu", "model.moe_shared_expert_gate=true"],
         ),
+        ("llama_tiny.yaml", ["parallel.pp_size=2", "model.qk_layernorm=true", "model.add_qkv_bias=true"]),
     ],
 )
 def test_chunk_parameters_list_the_built_chunks_in_order(config_name, overrides):

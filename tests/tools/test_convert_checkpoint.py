@@ -238,7 +238,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_files, tmp_pa
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     assert_refused(
         run_tool("from-hf", str(tmp_path / "bert"), out),
-        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2, llama, mixtral, qwen2_moe, olmoe",
         out,
     )
     assert_refused(
@@ -257,7 +257,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tokenizer_files, tmp_pa
     )
     assert_refused(
         run_tool("from-hf", str(tmp_path / "bert"), out, "--tp", "3"),
-        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2 and llama",
+        "model_type='bert' (architectures ['BertModel']) is not supported: only gpt2, llama, mixtral, qwen2_moe, olmoe",
         out,
     )
 
@@ -298,15 +298,21 @@ def test_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path):
     assert hf_tokenizer.eos_token_id == ours.eod == 2
 
 
-def test_moe_checkpoints_are_refused_by_the_dense_exports_and_consolidate_whole(tokenizer_files, tmp_path):
-    """to-hf and to-megatron map no experts: an MoE checkpoint is refused with one line naming the key and
-    nothing is written (they would drop every MoE layer); consolidate keeps the stacked experts [E, f, h]."""
+def test_moe_checkpoints_no_export_expresses_are_refused_and_consolidate_whole(tokenizer_files, tmp_path):
+    """A GPT-style MoE checkpoint: to-hf refuses it (transformers' MoE families are Llama style;
+    tests/tools/test_convert_moe_hf.py converts those) and to-megatron maps no experts yet, each with one line
+    naming the key and nothing written (they would drop every MoE layer); consolidate keeps the stacked
+    experts [E, f, h]."""
     from convert.hf_mapping import UnsupportedModelError
 
     config = run_config(dict(GPT, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64), tokenizer_files)
     save_model_weights(str(tmp_path / "ckpt"), 3, [reference_model(config)], ParallelState.single(), config)
-    for export, out in ((to_hf, tmp_path / "hf"), (to_megatron, tmp_path / "megatron")):
-        with pytest.raises(UnsupportedModelError, match=r"^model.num_experts=4: to-(hf|megatron) maps dense") as error:
+    refusals = (
+        (to_hf, tmp_path / "hf", r"^model.num_experts=4 with position_embedding_type=learned, "),
+        (to_megatron, tmp_path / "megatron", r"^model.num_experts=4: to-megatron maps dense"),
+    )
+    for export, out, message in refusals:
+        with pytest.raises(UnsupportedModelError, match=message) as error:
             export(str(tmp_path / "ckpt"), str(out))
         assert "\n" not in str(error.value) and not out.exists()
     whole = torch.load(consolidate(str(tmp_path / "ckpt"), str(tmp_path / "model.pt")), weights_only=False)

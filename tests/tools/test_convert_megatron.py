@@ -208,3 +208,23 @@ def test_tokenizer_named_in_args(tmp_path):
     assert tokenizer_from_args(hub) == (None, None)
     missing = Namespace(tokenizer_type="GPT2BPETokenizer", **{**nothing, "vocab_file": str(tmp_path / "no.json")})
     assert tokenizer_from_args(missing) == (None, None)
+
+
+def test_qkv_bias_alone_round_trips_through_megatron_args_and_qk_layernorm_is_refused():
+    """model.add_qkv_bias (biases on q, k, v alone, Qwen2's) is Megatron's add_qkv_bias=true with
+    add_bias_linear=false, both ways; biases everywhere but q, k, v has no counterpart and is refused in one line,
+    as is model.qk_layernorm on export (OLMoE's norm spans every head; megatron-core's is per head)."""
+    import argparse
+
+    from convert.hf_mapping import UnsupportedModelError
+    from convert.megatron_args import model_args, model_config_from_args
+    from tests.tiny_models import tiny_config
+
+    args = model_args(tiny_config("llama", add_qkv_bias=True))
+    assert args["add_qkv_bias"] is True and args["add_bias_linear"] is False
+    assert model_config_from_args(argparse.Namespace(**args), 50).add_qkv_bias
+    assert not model_config_from_args(argparse.Namespace(**model_args(tiny_config("gpt"))), 50).add_qkv_bias
+    with pytest.raises(UnsupportedModelError, match=r"^Megatron option add_qkv_bias=False with add_bias_linear=True"):
+        model_config_from_args(argparse.Namespace(**{**model_args(tiny_config("gpt")), "add_qkv_bias": False}), 50)
+    with pytest.raises(UnsupportedModelError, match=r"^model.qk_layernorm=true has no Megatron-LM counterpart"):
+        model_args(tiny_config("llama", qk_layernorm=True))
