@@ -14,6 +14,7 @@ from operations.startup import init_distributed
 from parallel.comm_recorder import CommRecorder
 from parallel.layout import layout_from_config
 from planner.collectives import LayoutCollectives
+from tests import tiers
 from tests.conftest import run_ranks, tiny_train_args
 from training.loop import train
 from training.run import build_run
@@ -91,7 +92,13 @@ def _key(kind, group, group_size, nbytes):
     return kind, group, group_size, nbytes
 
 
-@pytest.mark.parametrize("name, world_size, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+# the four and FSDP's first case in the fast tier; the other combinations (3-5 CPU s each) in the full tier
+FAST_LAYOUTS = {"tp2-pp2-dp2-distopt", "interleaved-pp2-vp2", "zb-v-pp2-tied", "cp2-dp2", "fsdp-dp4-two-microbatches"}
+
+
+@pytest.mark.parametrize(
+    "name, world_size, overrides", [tiers.layout_case(layout[0], *layout, fast=FAST_LAYOUTS) for layout in LAYOUTS]
+)
 def test_the_planners_list_is_what_the_run_issued(tiny_corpus, tmp_path, name, world_size, overrides):
     extra = ["train.train_iters=2", "train.eval_iters=0", "checkpoint.save=false", *overrides]
     argv = tiny_train_args(tiny_corpus, str(tmp_path / "run"), *extra)

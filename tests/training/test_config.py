@@ -145,9 +145,14 @@ def test_layout_checks_name_both_numbers():
     "overrides, world_size",
     [
         (["parallel.pp_size=4", "parallel.vp_size=2", "parallel.schedule=gpipe"], 4),
-        (["parallel.pp_size=4", "parallel.vp_size=2", "train.global_batch_size=24", "train.micro_batch_size=4"], 4),
-        (["parallel.pp_size=1", "parallel.vp_size=2"], 1),
-        (["parallel.schedule=zigzag", "parallel.pp_size=2"], 2),
+        # the other refusals through every entry point (a python start each, ~4 CPU s): the full tier
+        pytest.param(
+            ["parallel.pp_size=4", "parallel.vp_size=2", "train.global_batch_size=24", "train.micro_batch_size=4"],
+            4,
+            marks=pytest.mark.tier("full"),
+        ),
+        pytest.param(["parallel.pp_size=1", "parallel.vp_size=2"], 1, marks=pytest.mark.tier("full")),
+        pytest.param(["parallel.schedule=zigzag", "parallel.pp_size=2"], 2, marks=pytest.mark.tier("full")),
     ],
 )
 def test_every_entry_point_gives_the_same_answer(overrides, world_size, tmp_path):
